@@ -1,0 +1,128 @@
+"""The KV cache pool interface and the per-forward view the model reads and writes through.
+
+Every pool stores each layer's keys and values as one flat tensor ``[rows, kv_heads, head_dim]``.
+A pool's only job is to map (sequence, position) to a storage row; attention then writes new K/V
+with one ``index_copy_`` and gathers a sequence's context with one index. This keeps rollback a
+matter of moving a length (``truncate_to``) and makes the two backends interchangeable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """Raised when a pool has no free slot or block for a sequence."""
+
+
+@dataclass
+class KVBatch:
+    """What one forward pass needs to know about the cache (shared by all layers)."""
+
+    k_layers: Sequence[torch.Tensor]  # per layer [rows, kv_heads, head_dim]
+    v_layers: Sequence[torch.Tensor]
+    write_index: torch.Tensor  # [n_new] storage rows of the valid new tokens, row-major over [B, T]
+    token_valid: torch.Tensor | None  # [B, T] bool, None when every row has T new tokens
+    read_index: torch.Tensor | None  # [B, L] storage rows of positions 0..L-1; None with read_start
+    read_start: int | None  # B == 1 and rows contiguous: context is rows[read_start : read_start + L]
+    context_len: int  # L
+    mask: torch.Tensor  # [B, 1, T, L] bool, True = may attend
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the whole context, ``[B, kv_heads, L, head_dim]``."""
+        k_store, v_store = self.k_layers[layer], self.v_layers[layer]
+        if self.read_start is not None:
+            keys = k_store.narrow(0, self.read_start, self.context_len).unsqueeze(0)
+            values = v_store.narrow(0, self.read_start, self.context_len).unsqueeze(0)
+        else:
+            assert self.read_index is not None
+            keys, values = k_store[self.read_index], v_store[self.read_index]
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store new ``[B, T, kv_heads, head_dim]`` keys/values at their rows (padding skipped)."""
+        if self.token_valid is not None:
+            keys, values = keys[self.token_valid], values[self.token_valid]
+        else:
+            keys, values = keys.flatten(0, 1), values.flatten(0, 1)
+        self.k_layers[layer].index_copy_(0, self.write_index, keys)
+        self.v_layers[layer].index_copy_(0, self.write_index, values)
+
+
+class CachePoolProtocol(Protocol):
+    """A pool of per-sequence KV caches. Slots are opaque ints handed out by ``allocate``."""
+
+    k_layers: list[torch.Tensor]
+    v_layers: list[torch.Tensor]
+    device: torch.device
+    max_seq_len: int
+
+    def allocate(self) -> int: ...
+    def free(self, slot: int) -> None: ...
+    def seq_len(self, slot: int) -> int: ...
+    def truncate_to(self, slot: int, new_len: int) -> None: ...
+    def free_kv_tokens(self) -> int: ...
+    def can_allocate(self, num_tokens: int) -> bool: ...
+    def storage_rows(self, slot: int, end: int) -> torch.Tensor: ...
+    def contiguous_start(self, slot: int) -> int | None: ...
+    def reserve(self, slot: int, new_len: int) -> None: ...
+
+
+def build_kv_batch(
+    pool: CachePoolProtocol,
+    slots: Sequence[int],
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    tree_mask: torch.Tensor | None = None,
+) -> KVBatch:
+    """Reserve room for ``lengths[b]`` new tokens at ``starts[b]`` in each slot and describe the pass.
+
+    Query token t of row b sits at cache position ``starts[b] + t`` and may attend to every
+    position up to its own (causal). ``tree_mask`` [B, T, T] instead says which new tokens a new
+    token may see (tree attention); the cached context before ``starts[b]`` is always visible.
+    Sequence lengths become ``starts[b] + lengths[b]`` (the caller truncates if it keeps fewer).
+    """
+    device = pool.device
+    batch, width = len(slots), max(lengths)
+    for slot, start, n in zip(slots, starts, lengths, strict=True):
+        if start != pool.seq_len(slot):
+            raise ValueError(f"cannot write at position {start}: slot {slot} holds {pool.seq_len(slot)} tokens "
+                             "(new tokens must follow the cached ones; truncate_to first to rewrite)")
+        pool.reserve(slot, start + n)
+    ends = [s + n for s, n in zip(starts, lengths, strict=True)]
+    context = max(ends)
+    rows = [pool.storage_rows(slot, end) for slot, end in zip(slots, ends, strict=True)]
+    write_index = torch.cat([r[s:] for r, s in zip(rows, starts, strict=True)])
+    uniform = all(n == width for n in lengths)
+    token_valid = None
+    if not uniform:
+        token_valid = torch.arange(width, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)
+    read_start = pool.contiguous_start(slots[0]) if batch == 1 else None
+    read_index = None
+    if read_start is None:
+        read_index = torch.zeros(batch, context, dtype=torch.long, device=device)
+        for b, r in enumerate(rows):
+            read_index[b, : r.numel()] = r
+    start_t = torch.tensor(starts, device=device).unsqueeze(1)
+    query_pos = start_t + torch.arange(width, device=device).unsqueeze(0)  # [B, T]
+    key_pos = torch.arange(context, device=device)
+    mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # causal, [B, T, L]
+    mask &= key_pos.view(1, 1, -1) < torch.tensor(ends, device=device).view(-1, 1, 1)
+    if tree_mask is not None:
+        in_new = (key_pos.view(1, -1) >= start_t)  # [B, L]
+        rel = (key_pos.view(1, -1) - start_t).clamp(min=0, max=width - 1)  # [B, L]
+        tree_vis = tree_mask.gather(2, rel.unsqueeze(1).expand(-1, width, -1))  # [B, T, L]
+        mask &= ~in_new.unsqueeze(1) | tree_vis
+    return KVBatch(
+        k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write_index, token_valid=token_valid,
+        read_index=read_index, read_start=read_start, context_len=context, mask=mask.unsqueeze(1),
+    )
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token occupies across all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

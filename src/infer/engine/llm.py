@@ -1,0 +1,76 @@
+"""The offline Python API: ``LLM(model=...).generate(prompts, params)``, as users know it from vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from infer.engine.config import EngineConfig
+from infer.engine.engine import Engine
+from infer.engine.request import Request, RequestMetrics
+from infer.sampling.params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]  # generated ids only
+    finish_reason: str | None  # stop | length | abort | error
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @classmethod
+    def from_request(cls, request: Request) -> RequestOutput:
+        return cls(request.request_id, request.prompt, request.prompt_token_ids, request.text,
+                   list(request.output_token_ids), request.finish_reason, request.metrics, request.error)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "metrics": self.metrics.to_dict()}
+
+
+class LLM:
+    """Load a model (and optionally a drafter) and generate for a batch of prompts."""
+
+    def __init__(self, model: str, dtype: str = "auto", device: str = "auto", draft_model: str | None = None,
+                 speculator: str | None = None, spec_length: int = 5, spec_length_policy: str = "fixed",
+                 progress: Callable[[str], None] | None = None, **engine_options: Any) -> None:
+        self.config = EngineConfig(model=str(model), dtype=dtype, device=device,
+                                   draft_model=None if draft_model is None else str(draft_model),
+                                   speculator=speculator, spec_length=spec_length,
+                                   spec_length_policy=spec_length_policy, **engine_options)
+        self.engine = Engine(self.config, progress)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 on_token: Callable[[Request, list[int]], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (batched); ``params`` is one for all or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None:
+            params = SamplingParams()
+        param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(prompt_list):
+            raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts")
+        # Validate every prompt before admitting any, so a bad one does not leave others half-run.
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        pending = list(requests)
+        while pending or self.engine.has_unfinished():
+            while pending:  # the queue is bounded: feed it as it drains
+                if len(self.engine.scheduler.waiting) >= self.config.max_queue:
+                    break
+                self.engine.scheduler.add(pending.pop(0))
+            for update in self.engine.step():
+                if on_token is not None and update.new_token_ids:
+                    on_token(update.request, update.new_token_ids)
+        return [RequestOutput.from_request(r) for r in requests]
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> RequestOutput:
+        ids = self.tokenizer.encode_chat(messages)
+        return self.generate([ids], params)[0]

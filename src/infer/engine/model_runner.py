@@ -1,0 +1,54 @@
+"""Run one model over one KV cache pool: batched runs of new tokens at explicit positions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from infer.cache.protocol import CachePoolProtocol, build_kv_batch
+from infer.models.layers import DecoderOnlyLM
+
+
+class ModelRunner:
+    """The single place that turns (slot, start, tokens) runs into a model forward.
+
+    Prefill chunks, decode steps, speculative verification, draft-model catch-up and tree
+    verification are all "append these tokens to these sequences"; only the caller differs.
+    """
+
+    def __init__(self, model: DecoderOnlyLM, pool: CachePoolProtocol) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+        self.vocab_size = model.config.vocab_size
+
+    @torch.inference_mode()
+    def forward(self, slots: Sequence[int], runs: Sequence[Sequence[int]],
+                positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``runs[b]`` to sequence ``slots[b]``; return hidden states [B, T, hidden] (padded).
+
+        ``positions`` (RoPE positions, [B, T]) default to the cache positions; tree verification
+        passes depth-based positions and a ``tree_mask`` instead.
+        """
+        starts = [self.pool.seq_len(s) for s in slots]
+        lengths = [len(r) for r in runs]
+        width = max(lengths)
+        ids = torch.zeros(len(runs), width, dtype=torch.long)
+        for b, run in enumerate(runs):
+            ids[b, : len(run)] = torch.as_tensor(run, dtype=torch.long)
+        ids = ids.to(self.device, non_blocking=True)
+        if positions is None:
+            positions = torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device)
+        kv = build_kv_batch(self.pool, slots, starts, lengths, tree_mask)
+        return self.model(ids, positions, kv)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).float()
+
+    @staticmethod
+    def last_hidden(hidden: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """Hidden state of each row's last real token, [B, hidden]."""
+        index = torch.tensor([n - 1 for n in lengths], device=hidden.device)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), index]

@@ -1,0 +1,162 @@
+"""A request's life: prompt, sampling state, generated tokens, stop checks and metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.sampling.params import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class StepOutput:
+    """One token emitted for a request in an engine step.
+
+    Speculative decoding may emit several ``StepOutput`` for one request in one step (the accepted
+    drafts and the correction/bonus token), always in order.
+    """
+
+    token_id: int
+
+
+@dataclass
+class RequestMetrics:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    # Speculative decoding (zero when speculation is off).
+    num_rounds: int = 0  # target verification passes
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # how often draft i+1 was accepted
+    proposed_per_position: list[int] = field(default_factory=list)  # how often draft i+1 was proposed
+    prefix_cached_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        if self.first_token_time is None or self.finish_time is None or self.generated_tokens < 2:
+            return None
+        elapsed = self.finish_time - self.first_token_time
+        return (self.generated_tokens - 1) / elapsed if elapsed > 0 else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None
+
+    @property
+    def mean_accepted_tokens(self) -> float | None:
+        """Tokens emitted per target verification pass (accepted drafts + the one target token)."""
+        return (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else None
+
+    def record_round(self, proposed: int, accepted: int) -> None:
+        self.num_rounds += 1
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+        for per_pos in (self.proposed_per_position, self.accepted_per_position):
+            if len(per_pos) < proposed:
+                per_pos.extend([0] * (proposed - len(per_pos)))
+        for i in range(proposed):
+            self.proposed_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for name in ("arrival_time", "first_token_time", "finish_time"):
+            out.pop(name)
+        out["time_to_first_token"] = self.time_to_first_token
+        out["decode_tokens_per_s"] = self.decode_tokens_per_s
+        out["acceptance_rate"] = self.acceptance_rate
+        out["mean_accepted_tokens"] = self.mean_accepted_tokens
+        out["acceptance_by_position"] = [
+            a / p if p else None for a, p in zip(self.accepted_per_position, self.proposed_per_position, strict=True)
+        ]
+        return out
+
+
+class Request:
+    """State of one generation request inside the engine."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer, eos_token_ids: list[int], max_seq_len: int,
+                 device: torch.device, prompt: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.detokenizer = detokenizer
+        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.stop_token_ids = set(params.stop_token_ids)
+        self.max_seq_len = max_seq_len
+        self.num_computed_tokens = 0  # tokens whose K/V are in the target cache
+        self.slot: int | None = None
+        self.metrics = RequestMetrics(prompt_tokens=len(prompt_token_ids), arrival_time=time.perf_counter())
+        # Each request draws from its own generator, so its samples do not depend on the batch it is in.
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold in a KV cache."""
+        return min(self.max_seq_len, len(self.prompt_token_ids) + self.params.max_tokens)
+
+    def append_token(self, token_id: int) -> bool:
+        """Record a generated token and apply the stop rules; True when the request is now finished."""
+        if not self.output_token_ids:
+            self.metrics.first_token_time = time.perf_counter()
+        self.output_token_ids.append(token_id)
+        self.metrics.generated_tokens = len(self.output_token_ids)
+        stop_hit = self.detokenizer.append(token_id, self.params.stop)
+        if token_id in self.stop_token_ids or token_id in self.eos_token_ids or stop_hit:
+            self.finish("stop")
+        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_seq_len:
+            self.finish("length")
+        return self.is_finished
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.metrics.finish_time = time.perf_counter()

@@ -1,0 +1,82 @@
+"""Tokenizer from ``tokenizer.json`` (the ``tokenizers`` library) plus the HF tokenizer config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from infer.loader.config import CheckpointError
+
+
+class Tokenizer:
+    """Encode, decode, render the chat template, and know the end-of-sequence ids."""
+
+    def __init__(self, folder: Path, eos_token_ids: list[int] | None = None) -> None:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: tokenizer.json not found")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a plain Exception for a malformed file
+            raise CheckpointError(f"{path}: cannot parse tokenizer ({err})") from None
+        cfg_path = folder / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.chat_template: str | None = _pick_template(self.config.get("chat_template"))
+        ids = list(eos_token_ids or [])
+        if self.eos_token is not None:
+            eos_id = self._tok.token_to_id(self.eos_token)
+            if eos_id is not None and eos_id not in ids:
+                ids.append(eos_id)
+        self.eos_token_ids = ids
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json; use a plain prompt")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except TemplateError as err:
+            raise ValueError(f"chat template failed: {err}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The template already writes any BOS, so no special tokens are added again (as transformers does).
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(value: Any) -> str | None:
+    if isinstance(value, list):  # named templates: use "default"
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return value if isinstance(value, str) else None
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
