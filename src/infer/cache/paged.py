@@ -7,7 +7,6 @@ sequences; ``truncate_to`` only drops this sequence's reference to blocks past t
 from __future__ import annotations
 
 import math
-
 from typing import Protocol
 
 import torch

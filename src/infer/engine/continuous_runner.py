@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.model_runner import ModelRunner
 from infer.engine.request import Request, StepOutput
@@ -21,13 +23,14 @@ class PrefillChunk:
     num_tokens: int
 
 
-def kv_tokens_needed(pool: CachePoolProtocol, request: Request, extra: int) -> int:
-    """Tokens ``pool`` must still supply so ``request`` can finish (``extra``: speculative overrun)."""
-    total = min(pool.max_seq_len, request.max_total_tokens + extra)
+def kv_tokens_needed(pool: CachePoolProtocol, slot: int | None, total_tokens: int) -> int:
+    """Tokens ``pool`` must still supply for the sequence in ``slot`` (None: not yet allocated) to
+    reach ``total_tokens`` (capped at the pool's max_seq_len)."""
     block = getattr(pool, "block_size", None)
     if block is None:  # slotted: a whole slot, already taken once allocated
-        return 0 if request.slot is not None else pool.max_seq_len
-    held = 0 if request.slot is None else math.ceil(pool.seq_len(request.slot) / block) * block
+        return 0 if slot is not None else pool.max_seq_len
+    total = min(pool.max_seq_len, total_tokens)
+    held = 0 if slot is None else math.ceil(pool.seq_len(slot) / block) * block
     return max(0, math.ceil(total / block) * block - held)
 
 
@@ -56,8 +59,10 @@ class ContinuousRunner:
 
     def can_admit(self, request: Request, running: list[Request], extra: int = 0) -> bool:
         """Whether the pool can take ``request`` while still finishing every running request."""
-        committed = sum(kv_tokens_needed(self.pool, r, extra) for r in running)
-        return kv_tokens_needed(self.pool, request, extra) <= self.pool.free_kv_tokens() - committed
+        def need(r: Request) -> int:
+            return kv_tokens_needed(self.pool, r.slot, r.max_total_tokens + extra)
+
+        return need(request) <= self.pool.free_kv_tokens() - sum(need(r) for r in running)
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk]) -> StepResult:
@@ -96,9 +101,9 @@ class ContinuousRunner:
             r.num_computed_tokens += 1
         return self._sample(requests, self.runner.logits(hidden[:, -1]))
 
-    def _sample(self, requests: list[Request], logits: object) -> StepResult:
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> StepResult:
         tokens = sample_next_tokens(
-            logits,  # type: ignore[arg-type]
+            logits,
             [r.params for r in requests], [r.all_token_ids for r in requests], [r.generator for r in requests],
         ).tolist()
         return [(r, StepOutput(t)) for r, t in zip(requests, tokens, strict=True)]

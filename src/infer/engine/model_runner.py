@@ -24,20 +24,25 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
 
     @torch.inference_mode()
-    def forward(self, slots: Sequence[int], runs: Sequence[Sequence[int]],
+    def forward(self, slots: Sequence[int], runs: Sequence[Sequence[int]] | torch.Tensor,
                 positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Append ``runs[b]`` to sequence ``slots[b]``; return hidden states [B, T, hidden] (padded).
 
-        ``positions`` (RoPE positions, [B, T]) default to the cache positions; tree verification
-        passes depth-based positions and a ``tree_mask`` instead.
+        ``runs`` is a list of token lists, or a [B, T] tensor already on the device (equal-length
+        runs, e.g. draft steps: no host round trip). ``positions`` (RoPE positions, [B, T]) default
+        to the cache positions; tree verification passes depth-based positions and a ``tree_mask``.
         """
         starts = [self.pool.seq_len(s) for s in slots]
-        lengths = [len(r) for r in runs]
-        width = max(lengths)
-        ids = torch.zeros(len(runs), width, dtype=torch.long)
-        for b, run in enumerate(runs):
-            ids[b, : len(run)] = torch.as_tensor(run, dtype=torch.long)
-        ids = ids.to(self.device, non_blocking=True)
+        if isinstance(runs, torch.Tensor):
+            ids = runs
+            lengths = [runs.shape[1]] * runs.shape[0]
+        else:
+            lengths = [len(r) for r in runs]
+            ids = torch.zeros(len(runs), max(lengths), dtype=torch.long)
+            for b, run in enumerate(runs):
+                ids[b, : len(run)] = torch.as_tensor(run, dtype=torch.long)
+            ids = ids.to(self.device, non_blocking=True)
+        width = ids.shape[1]
         if positions is None:
             positions = torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device)
         kv = build_kv_batch(self.pool, slots, starts, lengths, tree_mask)

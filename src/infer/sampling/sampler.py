@@ -10,10 +10,40 @@ from infer.sampling.params import SamplingParams
 from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_presence
 
 
+def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
 def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of ``probs`` [B, V], drawn with that row's generator (None: global RNG)."""
-    rows = [torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)]
-    return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long, device=probs.device)
+    """Draw one token per row of ``probs`` ([B, V], non-negative, need not be normalised).
+
+    Row ``b`` uses ``generators[b]``; ``None`` means the global RNG of ``probs.device``. Rows that
+    share the global RNG are sampled in one batched call, so large batches without per-row
+    generators stay fast. Returns a [B] long tensor on ``probs.device``.
+    """
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be [B, V], got shape {tuple(probs.shape)}")
+    batch = probs.shape[0]
+    if len(generators) != batch:
+        raise ValueError(f"generators has {len(generators)} entries for a batch of {batch}")
+    device = probs.device
+    if batch == 0:
+        return torch.empty(0, dtype=torch.long, device=device)
+    # multinomial is not implemented for half types on every backend; a [B, V] cast is cheap.
+    weights = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
+
+    shared = [b for b, g in enumerate(generators) if g is None]
+    if len(shared) == batch:
+        return torch.multinomial(weights, 1).squeeze(1)
+    out = torch.empty(batch, dtype=torch.long, device=device)
+    if shared:
+        idx = row_index(shared, device)
+        out[idx] = torch.multinomial(weights[idx], 1).squeeze(1)
+
+    own = [b for b, g in enumerate(generators) if g is not None]
+    draws = [torch.multinomial(weights[b], 1, generator=generators[b]) for b in own]
+    out[row_index(own, device)] = torch.cat(draws)
+    return out
 
 
 def context_presence(batch: SamplingBatch, contexts: Sequence[Sequence[int]], vocab_size: int,

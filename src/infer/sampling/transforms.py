@@ -52,13 +52,17 @@ class SamplingBatch:
             use_penalty=any(p.repetition_penalty != 1.0 for p in params),
         )
 
-    def repeat_rows(self, n: int) -> SamplingBatch:
-        """Each row repeated ``n`` times consecutively (row b -> rows b*n .. b*n+n-1)."""
-        rep = {name: getattr(self, name).repeat_interleave(n, dim=0)
-               for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "greedy")}
-        return SamplingBatch(**rep, any_greedy=self.any_greedy, all_greedy=self.all_greedy,
+    def select(self, rows: torch.Tensor) -> SamplingBatch:
+        """The rows ``rows`` (an index tensor; may repeat rows). Flags stay safe over-approximations."""
+        picked = {name: getattr(self, name)[rows]
+                  for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "greedy")}
+        return SamplingBatch(**picked, any_greedy=self.any_greedy, all_greedy=self.all_greedy,
                              use_top_k=self.use_top_k, use_top_p=self.use_top_p, use_min_p=self.use_min_p,
                              use_penalty=self.use_penalty)
+
+    def repeat_rows(self, n: int) -> SamplingBatch:
+        """Each row repeated ``n`` times consecutively (row b -> rows b*n .. b*n+n-1)."""
+        return self.select(torch.arange(self.greedy.shape[0], device=self.greedy.device).repeat_interleave(n))
 
 
 def token_presence(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:

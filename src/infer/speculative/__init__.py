@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposal (n-gram lookup, draft models) and lossless verification."""

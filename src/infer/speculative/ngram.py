@@ -1,0 +1,156 @@
+"""Prompt-lookup (n-gram) drafting: propose the tokens that followed an earlier copy of the suffix.
+
+Rule (shared by :func:`propose_ngram` and :class:`NgramIndex`): take the longest ``n`` in
+``[min_n, max_n]`` for which the last ``n`` tokens also occur earlier, i.e. as an occurrence that
+is followed by at least one token; among those occurrences use the most recent one, and propose
+up to ``max_proposal`` tokens that followed it (fewer if the sequence ends first).
+"""
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from infer.engine.request import Request
+from infer.speculative.proposer import Proposal, Proposer, pad_proposals
+
+
+def _check_args(min_n: int, max_n: int, max_proposal: int | None = None) -> None:
+    if min_n < 1:
+        raise ValueError(f"min_n must be >= 1, got {min_n}")
+    if max_n < min_n:
+        raise ValueError(f"max_n must be >= min_n ({min_n}), got {max_n}")
+    if max_proposal is not None and max_proposal < 1:
+        raise ValueError(f"max_proposal must be >= 1, got {max_proposal}")
+
+
+def _as_int_list(tokens: Iterable[int] | torch.Tensor) -> list[int]:
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        return [int(t) for t in tokens.tolist()]
+    return [int(t) for t in tokens]
+
+
+def propose_ngram(
+    tokens: Sequence[int] | torch.Tensor,
+    *,
+    min_n: int = 1,
+    max_n: int = 4,
+    max_proposal: int = 5,
+) -> list[int]:
+    """Return up to ``max_proposal`` draft tokens by n-gram lookup in ``tokens``; [] if no match.
+
+    Vectorised over positions with numpy: ``max_n`` comparison passes of length ``len(tokens)``.
+    """
+    _check_args(min_n, max_n, max_proposal)
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        arr = tokens.detach().cpu().numpy().astype(np.int64, copy=False)
+    else:
+        arr = np.asarray(tokens, dtype=np.int64)
+    length = arr.shape[0]
+    if length < 2:
+        return []
+
+    # Candidate occurrences end at j = 0..L-2 (each has a following token). match_len[j] counts how
+    # many trailing tokens agree: arr[j-k] == arr[L-1-k] for k = 0, 1, ... (capped at max_n).
+    ends = length - 1
+    alive = np.ones(ends, dtype=bool)
+    match_len = np.zeros(ends, dtype=np.int64)
+    for k in range(max_n):
+        if k >= ends:
+            break  # no end position j >= k is left, so nothing can extend further
+        eq = np.zeros(ends, dtype=bool)
+        eq[k:] = arr[: ends - k] == arr[length - 1 - k]
+        alive &= eq
+        if not alive.any():
+            break
+        match_len += alive
+
+    best = int(match_len.max())
+    if best < min_n:
+        return []
+    # Most recent occurrence of the longest matching suffix.
+    j = int(np.flatnonzero(match_len >= best)[-1])
+    return [int(t) for t in arr[j + 1 : j + 1 + max_proposal]]
+
+
+class NgramIndex:
+    """Incremental n-gram index for one request, same rule as :func:`propose_ngram`.
+
+    Keeps, per n, a map from each n-gram to the end position of its most recent occurrence that
+    is followed by a token. ``extend`` costs O(max_n - min_n + 1) per token and ``propose``
+    O(max_n), so per-round drafting does not rescan the whole sequence.
+    """
+
+    def __init__(self, tokens: Iterable[int] | torch.Tensor = (), *, min_n: int = 1, max_n: int = 4) -> None:
+        _check_args(min_n, max_n)
+        self.min_n = min_n
+        self.max_n = max_n
+        self._tokens: list[int] = []
+        self._last_end: dict[tuple[int, ...], int] = {}  # n-gram -> end index of latest occurrence
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Copy of the indexed sequence."""
+        return list(self._tokens)
+
+    def extend(self, new_tokens: Iterable[int] | torch.Tensor) -> None:
+        """Append tokens to the sequence and index the n-grams that gained a follower."""
+        toks = self._tokens
+        for tok in _as_int_list(new_tokens):
+            # The n-grams ending at the current last token become "earlier occurrences" only once a
+            # token follows them, so index them now, before appending.
+            end = len(toks) - 1
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self._last_end[tuple(toks[end - n + 1 : end + 1])] = end
+            toks.append(tok)
+
+    def propose(self, max_proposal: int = 5) -> list[int]:
+        """Draft up to ``max_proposal`` tokens following the latest copy of the longest suffix."""
+        _check_args(self.min_n, self.max_n, max_proposal)
+        toks = self._tokens
+        for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
+            end = self._last_end.get(tuple(toks[len(toks) - n :]))
+            if end is not None:
+                return toks[end + 1 : end + 1 + max_proposal]
+        return []
+
+
+class NgramProposer(Proposer):
+    """Prompt-lookup drafting: continue the longest recent n-gram seen in the prompt or output.
+
+    Proposals are deterministic guesses, so the rejection sampler treats q as one-hot: a guess is
+    accepted with probability p(t) and a rejection resamples from p with t removed, which keeps
+    sampling exact. With no match a request drafts nothing and the round is a plain decode step.
+    """
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4, device: torch.device | str = "cpu") -> None:
+        _check_args(min_n, max_n)
+        self.min_n, self.max_n = min_n, max_n
+        self.device = torch.device(device)
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def propose(self, requests: list[Request], max_tokens: list[int]) -> Proposal:
+        guesses = []
+        for request, limit in zip(requests, max_tokens, strict=True):
+            if limit <= 0:
+                guesses.append([])
+                continue
+            index = self._indexes.get(request.request_id)
+            if index is None:
+                index = self._indexes[request.request_id] = NgramIndex(min_n=self.min_n, max_n=self.max_n)
+            index.extend(request.all_token_ids[len(index):])
+            guesses.append(index.propose(limit))
+        return pad_proposals(guesses, self.device)
+
+    def release(self, request: Request) -> None:
+        self._indexes.pop(request.request_id, None)

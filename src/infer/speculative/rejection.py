@@ -1,0 +1,181 @@
+"""Batched, lossless verification of drafted tokens (Leviathan et al. 2023, Algorithm 1).
+
+For each row, drafted token ``t_i`` (proposed from ``q_i``) is accepted with probability
+``min(1, p_i(t_i) / q_i(t_i))``. At the first rejection, position ``n``, the correction token is
+drawn from ``norm(max(0, p_n - q_n))``; if every draft is accepted a bonus token is drawn from
+``p_{num_draft + 1}``. Every emitted token is then distributed exactly as if it had been sampled
+from the target model directly, which is what makes speculative decoding lossless.
+
+All per-token work is tensor ops over the whole batch. The only Python loops are over rows, to
+draw random numbers from each request's own ``torch.Generator`` (so a seeded request reproduces
+no matter what it is batched with).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from infer.sampling.sampler import row_index as _row_index
+from infer.sampling.sampler import sample_from_probs
+
+
+@dataclass
+class VerificationResult:
+    """Outcome of verifying one round of drafts for a batch.
+
+    ``num_accepted[b]`` drafts were accepted in row ``b``; ``output_tokens[b]`` holds those drafts
+    followed by the correction (or bonus) token, then ``-1`` padding.
+    """
+
+    num_accepted: torch.Tensor  # [B] long, 0..num_draft[b]
+    output_tokens: torch.Tensor  # [B, K+1] long, -1 past position num_accepted[b]
+
+    def tokens_for(self, b: int) -> list[int]:
+        """Host list of the ``num_accepted[b] + 1`` tokens emitted by row ``b``."""
+        n = int(self.num_accepted[b])
+        return [int(t) for t in self.output_tokens[b, : n + 1].tolist()]
+
+
+def _draw_uniforms(
+    num_draft_host: list[int],
+    sample_rows: list[int],
+    generators: Sequence[torch.Generator | None],
+    k: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Uniforms [B, K] for the accept test; rows not in ``sample_rows`` stay 0 and draw nothing."""
+    u = torch.zeros(len(num_draft_host), k, device=device)
+    if k == 0 or not sample_rows:
+        return u
+    shared = [b for b in sample_rows if generators[b] is None]
+    if shared:
+        # The global RNG has no per-request reproducibility anyway, so one batched draw is fine.
+        u[_row_index(shared, device)] = torch.rand(len(shared), k, device=device)
+    own = [b for b in sample_rows if generators[b] is not None]
+    if own:
+        # Draw exactly num_draft[b] uniforms so a request's random stream depends only on its own
+        # draft count, not on the batch-wide padding K.
+        rows = [
+            torch.nn.functional.pad(
+                torch.rand(num_draft_host[b], generator=generators[b], device=device),
+                (0, k - num_draft_host[b]),
+            )
+            for b in own
+        ]
+        u[_row_index(own, device)] = torch.stack(rows)
+    return u
+
+
+def _check_inputs(
+    draft_tokens: torch.Tensor,
+    num_draft: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    greedy: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+) -> None:
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [B, K], got shape {tuple(draft_tokens.shape)}")
+    batch, k = draft_tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (batch, k + 1):
+        raise ValueError(
+            f"target_probs must be [B, K+1, V] = [{batch}, {k + 1}, V], got {tuple(target_probs.shape)}"
+        )
+    vocab = target_probs.shape[2]
+    if draft_probs is not None and tuple(draft_probs.shape) != (batch, k, vocab):
+        raise ValueError(
+            f"draft_probs must be [B, K, V] = [{batch}, {k}, {vocab}], got {tuple(draft_probs.shape)}"
+        )
+    if tuple(num_draft.shape) != (batch,):
+        raise ValueError(f"num_draft must be [B] = [{batch}], got {tuple(num_draft.shape)}")
+    if tuple(greedy.shape) != (batch,):
+        raise ValueError(f"greedy must be [B] = [{batch}], got {tuple(greedy.shape)}")
+    if len(generators) != batch:
+        raise ValueError(f"generators has {len(generators)} entries for a batch of {batch}")
+
+
+def verify_drafts(
+    draft_tokens: torch.Tensor,
+    num_draft: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    greedy: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+) -> VerificationResult:
+    """Verify a batch of drafts against the target model's distributions.
+
+    Args:
+        draft_tokens: [B, K] drafted ids; entries past ``num_draft[b]`` are ignored.
+        num_draft: [B] number of real drafts per row (0 makes the row a plain decode step).
+        target_probs: [B, K+1, V] target distributions p_1..p_{K+1}, after the sampling transform.
+        draft_probs: [B, K, V] draft distributions q_i after the same transform, or ``None`` when
+            each draft is a deterministic (one-hot) proposal, e.g. from n-gram lookup.
+        greedy: [B] rows decoded greedily; they accept while ``argmax p_i == t_i``, emit
+            ``argmax p`` at the stop position and consume no randomness.
+        generators: per-row generator for the accept uniforms and the final token draw; ``None``
+            uses the global RNG of the tensors' device.
+    """
+    _check_inputs(draft_tokens, num_draft, target_probs, draft_probs, greedy, generators)
+    device = target_probs.device
+    batch, k = draft_tokens.shape
+    vocab = target_probs.shape[2]
+
+    drafts = draft_tokens.to(device=device, dtype=torch.long)
+    num_draft = num_draft.to(device=device, dtype=torch.long)
+    greedy = greedy.to(device=device, dtype=torch.bool)
+
+    # One host sync per call (not per token): the row loops below need to know which rows sample.
+    greedy_host, num_draft_host = torch.stack([greedy.long(), num_draft]).tolist()
+    if any(n < 0 or n > k for n in num_draft_host):
+        raise ValueError(f"num_draft entries must lie in [0, {k}], got {num_draft_host}")
+    sample_rows = [b for b in range(batch) if not greedy_host[b]]
+
+    # Padding past num_draft may be any id; clamp so the gathers below stay in range.
+    safe_drafts = drafts.clamp(0, vocab - 1)
+    rows = torch.arange(batch, device=device)
+    in_range = torch.arange(k, device=device)[None, :] < num_draft[:, None]  # [B, K]
+
+    # Probabilities of each draft under p and q; only these gathers are upcast, never [B, K, V].
+    target_draft = target_probs[:, :k]
+    p_tok = target_draft.gather(2, safe_drafts.unsqueeze(2)).squeeze(2).float()
+    if draft_probs is None:
+        q_tok = torch.ones_like(p_tok)
+    else:
+        q_tok = draft_probs.to(device).gather(2, safe_drafts.unsqueeze(2)).squeeze(2).float()
+
+    u = _draw_uniforms(num_draft_host, sample_rows, generators, k, device)
+    # u < p/q written multiplicatively so q == 0 cannot divide by zero.
+    stochastic_ok = u * q_tok < p_tok
+    greedy_ok = target_draft.argmax(dim=2) == safe_drafts
+    ok = torch.where(greedy[:, None], greedy_ok, stochastic_ok) & in_range
+    # Accepted prefix length = number of leading ones.
+    num_accepted = ok.long().cumprod(dim=1).sum(dim=1)
+
+    stop_p = target_probs[rows, num_accepted].float()  # [B, V], p at the stop position
+    final_dist = stop_p
+    if k > 0:
+        stop = num_accepted.clamp(max=k - 1)  # only meaningful where the row rejected
+        if draft_probs is None:
+            # One-hot q: max(0, p - q) is p with the rejected token removed.
+            residual = stop_p.scatter(1, safe_drafts[rows, stop].unsqueeze(1), 0.0)
+        else:
+            residual = (stop_p - draft_probs.to(device)[rows, stop].float()).clamp_min(0.0)
+        mass = residual.sum(dim=1, keepdim=True)
+        # Zero residual mass means p == q where rejection has probability 0; fall back to p.
+        residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), stop_p)
+        rejected = num_accepted < num_draft
+        final_dist = torch.where(rejected[:, None], residual, stop_p)
+
+    final = stop_p.argmax(dim=1)  # the greedy answer; sampled rows are overwritten below
+    if len(sample_rows) == batch:
+        final = sample_from_probs(final_dist, generators)
+    elif sample_rows:
+        idx = _row_index(sample_rows, device)
+        final[idx] = sample_from_probs(final_dist[idx], [generators[b] for b in sample_rows])
+
+    positions = torch.arange(k + 1, device=device)[None, :]
+    padded = torch.cat([drafts, drafts.new_full((batch, 1), -1)], dim=1)
+    output = torch.where(positions < num_accepted[:, None], padded, torch.full_like(padded, -1))
+    output.scatter_(1, num_accepted[:, None], final[:, None])
+    return VerificationResult(num_accepted=num_accepted, output_tokens=output)
