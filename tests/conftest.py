@@ -1,0 +1,85 @@
+"""Shared pytest fixtures: tiny random HF checkpoints and a trained tokenizer, built once per session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# Make `import checkpoints` work whether or not tests/ is a package and whatever pytest's
+# import mode is.
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+from checkpoints import (  # noqa: E402
+    LLAMA3_ROPE_SCALING,
+    make_tiny_checkpoint,
+    shared_tokenizer,
+)
+from infer.train.tokenizer import EOS_ID, IM_END_ID, save_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folder with tokenizer.json + tokenizer_config.json of the shared 512-token BPE tokenizer."""
+    return save_tokenizer(shared_tokenizer(), tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama, untied embeddings, llama3 rope scaling (factor 8 from 64 to 512 positions)."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_llama"), "llama", rope_scaling=LLAMA3_ROPE_SCALING, seed=0
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with tied input/output embeddings (no lm_head.weight in the safetensors)."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_llama_tied"), "llama", tie_word_embeddings=True, seed=1
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like tiny_llama but sharded (index.json + shards) and with transformers-5 config.json layout."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_llama_sharded"),
+        "llama",
+        rope_scaling=LLAMA3_ROPE_SCALING,
+        seed=0,
+        sharded=True,
+        config_format="v5",
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 (q/k RMSNorm, head_dim 16) with two EOS ids like real Qwen3 chat models."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=2, eos_token_id=[IM_END_ID, EOS_ID]
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2 (q/k/v projection biases, non-zero)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Small llama draft model (1 layer, hidden 32) sharing tiny_llama's tokenizer and vocab."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_draft"),
+        "llama",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        seed=100,
+    )
