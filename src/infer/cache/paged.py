@@ -98,6 +98,9 @@ class PagedKVCachePool:
         self._refcount[block] = 1
         return block
 
+    def refcount(self, block: int) -> int:
+        return self._refcount[block]
+
     def retain_block(self, block: int) -> None:
         self._refcount[block] += 1
 

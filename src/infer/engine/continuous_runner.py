@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.cache.prefix import PrefixCache
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.model_runner import ModelRunner
 from infer.engine.request import Request, StepOutput
@@ -37,7 +38,7 @@ def kv_tokens_needed(pool: CachePoolProtocol, slot: int | None, total_tokens: in
 class ContinuousRunner:
     """Owns the target model's runner and pool; one ``step`` = one batched prefill + one decode pass."""
 
-    def __init__(self, runner: ModelRunner, prefix_cache: object | None = None) -> None:
+    def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None) -> None:
         self.runner = runner
         self.pool = runner.pool
         self.prefix_cache = prefix_cache
@@ -79,6 +80,10 @@ class ContinuousRunner:
         done = [i for i, c in enumerate(chunks) if not c.request.is_prefilling]
         if not done:
             return []
+        if self.prefix_cache is not None:
+            for i in done:
+                request = chunks[i].request
+                self.prefix_cache.insert(request.slot, request.prompt_token_ids)  # type: ignore[arg-type]
         last = self.runner.last_hidden(hidden, [len(r) for r in runs])[done]
         requests = [chunks[i].request for i in done]
         return self._sample(requests, self.runner.logits(last))
@@ -87,7 +92,7 @@ class ContinuousRunner:
         if request.slot is None:
             request.slot = self.pool.allocate()
             if self.prefix_cache is not None:
-                cached = self.prefix_cache.attach(request.slot, request.prompt_token_ids)  # type: ignore[attr-defined]
+                cached = self.prefix_cache.attach(request.slot, request.prompt_token_ids)
                 request.num_computed_tokens = cached
                 request.metrics.prefix_cached_tokens = cached
 
