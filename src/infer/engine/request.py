@@ -41,6 +41,7 @@ class RequestMetrics:
     num_rounds: int = 0  # target verification passes
     proposed_tokens: int = 0
     accepted_tokens: int = 0
+    rejected_rounds: int = 0  # rounds that ended on a rejected draft (the rest accepted every draft)
     accepted_per_position: list[int] = field(default_factory=list)  # how often draft i+1 was accepted
     proposed_per_position: list[int] = field(default_factory=list)  # how often draft i+1 was proposed
     prefix_cached_tokens: int = 0
@@ -61,6 +62,16 @@ class RequestMetrics:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None
 
     @property
+    def alpha(self) -> float | None:
+        """Per-draft acceptance probability (the paper's α): accepted / drafts actually judged.
+
+        A round stops at its first rejection, so drafts after it were never judged; unlike
+        ``acceptance_rate`` this does not depend on the draft length K.
+        """
+        judged = self.accepted_tokens + self.rejected_rounds
+        return self.accepted_tokens / judged if judged else None
+
+    @property
     def mean_accepted_tokens(self) -> float | None:
         """Tokens emitted per target verification pass (accepted drafts + the one target token)."""
         return (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else None
@@ -69,6 +80,7 @@ class RequestMetrics:
         self.num_rounds += 1
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
+        self.rejected_rounds += accepted < proposed
         for per_pos in (self.proposed_per_position, self.accepted_per_position):
             if len(per_pos) < proposed:
                 per_pos.extend([0] * (proposed - len(per_pos)))
@@ -84,6 +96,7 @@ class RequestMetrics:
         out["time_to_first_token"] = self.time_to_first_token
         out["decode_tokens_per_s"] = self.decode_tokens_per_s
         out["acceptance_rate"] = self.acceptance_rate
+        out["alpha"] = self.alpha
         out["mean_accepted_tokens"] = self.mean_accepted_tokens
         out["acceptance_by_position"] = [
             a / p if p else None for a, p in zip(self.accepted_per_position, self.proposed_per_position, strict=True)

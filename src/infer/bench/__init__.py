@@ -1,0 +1,1 @@
+"""Benchmarks: single-request generation (infer vs transformers) and serving load."""

@@ -1,0 +1,58 @@
+"""``infer bench generation`` and ``infer bench serving``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_subparser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (generation vs transformers; serving load)")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+
+    gen = kinds.add_parser("generation", help="single-request decode: infer plain/speculative vs transformers")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--draft-model", default=None)
+    gen.add_argument("--prompts", default=None, help="prompt file (JSON list, JSONL with 'prompt', or text split by ---)")
+    gen.add_argument("--workload", default="code", choices=["code", "edit", "sample"],
+                     help="built-in prompts: code continuation, input-grounded edit, or code at temperature 1")
+    gen.add_argument("--num-prompts", type=int, default=4)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=None, help="default 0 (1 for --workload sample)")
+    gen.add_argument("--spec-length", type=int, nargs="+", default=[3, 5])
+    gen.add_argument("--policies", nargs="*", default=["entropy", "goodput"], choices=["entropy", "goodput"])
+    gen.add_argument("--no-ngram", action="store_true")
+    gen.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
+    gen.add_argument("--repeats", type=int, default=3)
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--out", default="bench-out", help="folder for generation.json, generation.md and plots")
+    gen.set_defaults(func=_run_generation)
+
+    try:
+        from infer.bench.serving import add_serving_parser
+    except ModuleNotFoundError:
+        return
+    add_serving_parser(kinds)
+
+
+def _run_generation(args: argparse.Namespace) -> int:
+    from infer.bench.generation import BenchSettings, run_generation_bench
+    from infer.bench.report import generation_table, write_generation_report
+    from infer.bench.workloads import load_prompts, workload_prompts
+
+    prompts = load_prompts(args.prompts) if args.prompts else workload_prompts(args.workload, args.num_prompts)
+    temperature = args.temperature if args.temperature is not None else (1.0 if args.workload == "sample" else 0.0)
+    settings = BenchSettings(
+        model=args.model, draft_model=args.draft_model, prompts=prompts, workload=args.workload,
+        max_tokens=args.max_tokens, temperature=temperature, spec_lengths=args.spec_length,
+        policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, hf=not args.no_transformers,
+        repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed,
+    )
+    report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
+    paths = write_generation_report(report, args.out)
+    print(generation_table(report))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

@@ -1,0 +1,59 @@
+"""The same workload through Hugging Face transformers: generate, assisted generation, prompt lookup."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from infer.bench.generation import BenchSettings, ModeResult
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def run_transformers_modes(settings: BenchSettings, say: Callable[[str], None]) -> list[ModeResult]:
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from infer.bench.generation import ModeResult
+
+    device = "cuda" if settings.device in ("cuda", "auto") and torch.cuda.is_available() else settings.device
+    dtype = DTYPES.get(settings.dtype, torch.float32)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{settings.model}/tokenizer.json")
+    target = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype).to(device).eval()
+    draft = None
+    if settings.draft_model is not None:
+        draft = AutoModelForCausalLM.from_pretrained(settings.draft_model, dtype=dtype).to(device).eval()
+    k = max(settings.spec_lengths)
+    modes: list[tuple[str, dict[str, Any]]] = [("transformers generate", {})]
+    if draft is not None:
+        modes.append(("transformers assisted", {"assistant_model": draft}))
+    if settings.ngram:
+        modes.append(("transformers prompt lookup", {"prompt_lookup_num_tokens": k}))
+    sampling: dict[str, Any] = {"do_sample": False}
+    if settings.temperature > 0:
+        sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0}
+    results = []
+    for name, extra in modes:
+        if extra.get("prompt_lookup_num_tokens") and settings.temperature > 0:
+            continue  # transformers' prompt lookup is greedy-only
+        say(f"[{name}] running")
+
+        def run(prompt: str, _extra: dict[str, Any] = extra) -> float:
+            ids = torch.tensor([tokenizer.encode(prompt)], device=device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.max_tokens,
+                                      min_new_tokens=settings.max_tokens, pad_token_id=tokenizer.pad_token_id or 0,
+                                      **sampling, **_extra)
+            return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
+
+        run(settings.prompts[0])  # warm-up
+        rates = [run(p) for _ in range(settings.repeats) for p in settings.prompts]
+        say(f"[{name}] median {statistics.median(rates):.1f} tok/s")
+        results.append(ModeResult(name, "transformers", statistics.median(rates), rates,
+                                  spec_length=extra.get("prompt_lookup_num_tokens")))
+    return results

@@ -1,0 +1,87 @@
+"""Write a benchmark report: JSON with every figure, a markdown table, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from infer.speculative.length_policy import expected_speedup
+
+
+def _fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def generation_table(report: dict[str, Any]) -> str:
+    rows = ["| mode | tok/s | vs infer plain | vs transformers | α | accepted/pass | Thm 3.8 predicted | measured / predicted |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["results"]:
+        ratio = (r["speedup_vs_plain"] / r["predicted_speedup"]) if r.get("predicted_speedup") else None
+        rows.append(f"| {r['mode']} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup_vs_plain'], 2, '×')} | "
+                    f"{_fmt(r['speedup_vs_transformers'], 2, '×')} | {_fmt(r['alpha'])} | "
+                    f"{_fmt(r['mean_accepted_tokens'])} | {_fmt(r['predicted_speedup'], 2, '×')} | {_fmt(ratio, 0 if ratio is None else 2)} |")
+    s = report["settings"]
+    head = (f"workload `{s['workload']}`, {s['num_prompts']} prompts × {s['repeats']} repeats, {s['max_tokens']} new tokens, "
+            f"temperature {s['temperature']}, {s['dtype']} on {report['environment'].get('gpu') or report['environment']['cpu']}; "
+            f"measured cost ratio c = {_fmt(report['cost_ratio_c'], 3)}")
+    if report.get("greedy_outputs_identical") is not None:
+        head += f"; greedy outputs identical across infer modes: {report['greedy_outputs_identical']}"
+    return head + "\n\n" + "\n".join(rows) + "\n"
+
+
+def write_generation_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "generation.json", out / "generation.md"]
+    paths[0].write_text(json.dumps(report, indent=2))
+    paths[1].write_text(generation_table(report))
+    paths += _plot_generation(report, out)
+    return paths
+
+
+def _plot_generation(report: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fixed = [r for r in report["results"] if r["engine"] == "infer" and r["spec_length"] and r["policy"] is None
+             and "draft" in r["mode"]]
+    cost = report.get("cost_ratio_c")
+    if fixed and cost is not None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ks = [r["spec_length"] for r in fixed]
+        ax.plot(ks, [r["speedup_vs_plain"] for r in fixed], "o-", label="measured")
+        alphas = [r["alpha"] for r in fixed if r["alpha"] is not None]
+        if alphas:
+            alpha = sum(alphas) / len(alphas)
+            grid = list(range(0, max(ks) + 3))
+            ax.plot(grid, [expected_speedup(alpha, k, cost) for k in grid], "--",
+                    label=f"Theorem 3.8 (α={alpha:.2f}, c={cost:.3f})")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("draft length K")
+        ax.set_ylabel("speedup over infer plain")
+        ax.set_title("Speculative decoding: measured vs predicted")
+        ax.legend()
+        fig.tight_layout()
+        written.append(out / "speedup_vs_k.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    spec = [r for r in report["results"] if r.get("acceptance_by_position")]
+    if spec:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in spec:
+            vals = r["acceptance_by_position"]
+            ax.plot(range(1, len(vals) + 1), [v if v is not None else float("nan") for v in vals], "o-", label=r["mode"])
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("P(accepted | proposed)")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("Acceptance by draft position")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out / "acceptance_by_position.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
