@@ -116,7 +116,7 @@ def measure_cost_ratio(settings: BenchSettings, say: Callable[[str], None]) -> f
 def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> dict[str, Any]:
     torch.manual_seed(settings.seed)
     results: list[ModeResult] = []
-    common = dict(dtype=settings.dtype, device=settings.device)
+    common: dict[str, Any] = dict(dtype=settings.dtype, device=settings.device)
 
     def infer_mode(mode: str, **options: Any) -> ModeResult:
         say(f"[{mode}] loading")

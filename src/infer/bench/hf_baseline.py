@@ -23,10 +23,10 @@ def run_transformers_modes(settings: BenchSettings, say: Callable[[str], None]) 
     device = "cuda" if settings.device in ("cuda", "auto") and torch.cuda.is_available() else settings.device
     dtype = DTYPES.get(settings.dtype, torch.float32)
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{settings.model}/tokenizer.json")
-    target = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype).to(device).eval()
-    draft = None
+    target: Any = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    draft: Any = None
     if settings.draft_model is not None:
-        draft = AutoModelForCausalLM.from_pretrained(settings.draft_model, dtype=dtype).to(device).eval()
+        draft = AutoModelForCausalLM.from_pretrained(settings.draft_model, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     k = max(settings.spec_lengths)
     modes: list[tuple[str, dict[str, Any]]] = [("transformers generate", {})]
     if draft is not None:

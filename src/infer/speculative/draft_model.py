@@ -59,15 +59,16 @@ class DraftModelProposer(Proposer):
             if sampling.use_penalty else None
 
         active = [b for b in range(batch) if max_tokens[b] > 0]
-        runs: list[list[int]] | torch.Tensor = []
+        catchup: list[list[int]] = []
         self.last_catchup_tokens = 0
         for b in active:
             request = requests[b]
             slot = self._slot(request)
             fed = self.pool.seq_len(slot)
             self._fed_before_round[request.request_id] = request.num_tokens
-            runs.append(request.all_token_ids[fed:])
-            self.last_catchup_tokens = max(self.last_catchup_tokens, len(runs[-1]))
+            catchup.append(request.all_token_ids[fed:])
+            self.last_catchup_tokens = max(self.last_catchup_tokens, len(catchup[-1]))
+        runs: list[list[int]] | torch.Tensor = catchup
         step = 0
         while active:
             slots = [self.slots[requests[b].request_id] for b in active]

@@ -140,7 +140,7 @@ class NgramProposer(Proposer):
         self._indexes: dict[str, NgramIndex] = {}
 
     def propose(self, requests: list[Request], max_tokens: list[int]) -> Proposal:
-        guesses = []
+        guesses: list[list[int]] = []
         for request, limit in zip(requests, max_tokens, strict=True):
             if limit <= 0:
                 guesses.append([])

@@ -1,0 +1,17 @@
+# The two set-up commands of the README. Both install what they need first:
+# torch 2.13.0 (the CPU wheel) before the project, so pip never resolves another torch build.
+PY ?= python3
+
+.PHONY: install demo test
+
+install:
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+
+demo: install
+	$(PY) -m infer.cli demo
+
+test: install
+	$(PY) -m ruff check src tests
+	$(PY) -m mypy
+	$(PY) -m pytest -q
