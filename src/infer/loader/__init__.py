@@ -55,8 +55,12 @@ def load_config(folder: Path) -> ModelConfig:
 
 
 def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
-               device: str = "auto") -> tuple[DecoderOnlyLM, ModelConfig]:
-    """Build the architecture named by ``config.json`` and fill it from safetensors."""
+               device: str = "auto", fuse: bool = True) -> tuple[DecoderOnlyLM, ModelConfig]:
+    """Build the architecture named by ``config.json`` and fill it from safetensors.
+
+    ``fuse`` merges q/k/v and gate/up projections for faster inference; pass False to get the
+    Hugging Face module layout (training, saving).
+    """
     # Imported here: the model modules import loader.config, so a top-level import would be circular.
     from infer.models import MODEL_REGISTRY
     from infer.models.layers import rope_inv_freq
@@ -90,6 +94,8 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config).to(dev)
+    if fuse:
+        model.fuse_projections()
     return model.eval(), config
 
 

@@ -91,11 +91,23 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
+        self.qkv_proj: nn.Linear | None = None  # set by fuse(): one matmul instead of three
+
+    def fuse(self) -> None:
+        """Merge q/k/v into one projection for inference (fewer, larger matmuls; same math)."""
+        self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch | None) -> torch.Tensor:
         batch, width, _ = x.shape
-        q = self.q_proj(x).view(batch, width, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, width, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, width, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+                dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(batch, width, self.num_heads, self.head_dim)
+        k = k.view(batch, width, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, width, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -126,9 +138,29 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear computing all of ``linears`` side by side. The fused weight is a new tensor, so the
+    originals are dropped afterwards (``DecoderOnlyLM.fuse_projections``) to keep memory flat."""
+    first = linears[0]
+    fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([m.weight for m in linears]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([m.bias for m in linears]))  # type: ignore[misc]
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -169,6 +201,7 @@ class DecoderOnlyLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.fused = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv: KVBatch | None = None) -> torch.Tensor:
@@ -181,11 +214,27 @@ class DecoderOnlyLM(nn.Module):
             x = layer(x, cos, sin, kv)
         return self.model.norm(x)
 
+    def fuse_projections(self) -> None:
+        """Inference layout: fused q/k/v and gate/up matmuls; the separate weights are released.
+
+        A fused model cannot be trained or saved by ``hf_state_dict`` (load a fresh copy for that).
+        """
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+            for name in ("q_proj", "k_proj", "v_proj"):
+                delattr(layer.self_attn, name)
+            for name in ("gate_proj", "up_proj"):
+                delattr(layer.mlp, name)
+        self.fused = True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def hf_state_dict(self) -> dict[str, Any]:
         """Weights under Hugging Face names (tied head omitted, as transformers saves it)."""
+        if self.fused:
+            raise RuntimeError("this model's projections are fused for inference; load it unfused to save it")
         state = {k: v for k, v in self.state_dict().items()}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
