@@ -1,0 +1,287 @@
+"""The FastAPI app: OpenAI-compatible completions and chat completions, models, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from infer.engine.engine import Engine
+from infer.server.engine_loop import EngineService, Progress, Subscription
+from infer.server.errors import APIError, bad_request, error_body, install_error_handlers, server_error
+from infer.server.metrics import ServerMetrics
+from infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, check_model
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def create_app(engine: Engine, served_model_name: str, api_key: str | None) -> FastAPI:
+    """An app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1/* when set.
+
+    The engine thread starts with the app (lifespan startup) and stops with it; requests still
+    running at shutdown end with an error.
+    """
+    metrics = ServerMetrics(max_draft=engine.config.max_draft_length if engine.config.use_speculative_decoding else 0)
+    service = EngineService(engine, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(service.stop)
+
+    app = FastAPI(title="infer", description="OpenAI-compatible LLM server", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.service = service
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    api = _Api(engine, service, served_model_name)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, http: Request) -> Response:
+        return await api.completions(body, http)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
+        return await api.chat(body, http)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [api.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != served_model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return api.model_card()
+
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        if not service.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics_text() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+class _Api:
+    def __init__(self, engine: Engine, service: EngineService, served_model_name: str) -> None:
+        self.engine = engine
+        self.service = service
+        self.model_name = served_model_name
+        self.created = int(time.time())
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "infer",
+                "root": self.engine.config.model, "max_model_len": self.engine.max_seq_len}
+
+    # -- endpoints --------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, http: Request) -> Response:
+        check_model(body.model, self.model_name)
+        body.check_supported()
+        prompt = body.single_prompt()
+        params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        sub = await self.service.submit(prompt, params, rid, prompt_param="prompt")
+        stream = _Stream("text_completion", rid, self.model_name, body, chat=False,
+                         holdback=_holdback(params.stop))
+        return await self._respond(sub, body, http, stream)
+
+    async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
+        check_model(body.model, self.model_name)
+        body.check_supported()
+        messages = body.template_messages()
+        try:
+            ids = await asyncio.to_thread(self.engine.tokenizer.encode_chat, messages)
+        except ValueError as err:
+            raise bad_request(str(err), param="messages") from None
+        params = body.sampling_params(max(1, self.engine.max_seq_len - len(ids)))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        sub = await self.service.submit(ids, params, rid, prompt_param="messages")
+        stream = _Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
+                         holdback=_holdback(params.stop))
+        return await self._respond(sub, body, http, stream)
+
+    async def _respond(self, sub: Subscription, body: SamplingRequest, http: Request, stream: _Stream) -> Response:
+        if body.stream:
+            return EventStreamResponse(stream.events(sub), on_close=sub.close)
+        try:
+            final = await _wait_final(sub, http)
+        finally:
+            sub.close()
+        if final is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        if final.finish_reason not in ("stop", "length"):
+            raise server_error(final.error or f"the request ended with finish_reason={final.finish_reason!r}")
+        return JSONResponse(stream.whole(final))
+
+
+async def _wait_final(sub: Subscription, http: Request) -> Progress | None:
+    """The finished progress of ``sub``, or None if the client disconnects first."""
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    final = asyncio.ensure_future(sub.final())
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({final, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (final, watcher):
+            task.cancel()
+    return final.result() if final.done() and not final.cancelled() else None
+
+
+def _holdback(stop: list[str]) -> int:
+    """Characters a stream keeps back so it never sends the start of a stop string that later matches."""
+    return max((len(s) for s in stop), default=1) - 1
+
+
+class _Stream:
+    """Builds the response bodies of one request, streamed (SSE chunks) or whole."""
+
+    def __init__(self, object_name: str, request_id: str, model: str, body: SamplingRequest, *, chat: bool,
+                 holdback: int) -> None:
+        self.object = object_name
+        self.id = request_id
+        self.model = model
+        self.chat = chat
+        self.include_usage = body.include_usage
+        self.holdback = holdback
+        self.created = int(time.time())
+
+    # -- whole (stream=false) ---------------------------------------------------------------------
+    def whole(self, final: Progress) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": final.text}
+        else:
+            choice["text"] = final.text
+        choice["logprobs"] = None
+        choice["finish_reason"] = final.finish_reason
+        out: dict[str, Any] = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                               "created": self.created, "model": self.model, "choices": [choice],
+                               "usage": final.usage()}
+        if final.spec is not None:
+            out["speculative"] = final.spec.to_dict()
+        return out
+
+    # -- streamed ---------------------------------------------------------------------------------
+    async def events(self, sub: Subscription) -> AsyncIterator[str]:
+        try:
+            if self.chat:
+                yield self._chunk({"role": "assistant", "content": ""}, None)
+            sent = 0
+            while True:
+                progress = await sub.next()
+                if progress.finished and progress.finish_reason not in ("stop", "length"):
+                    message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
+                    yield _sse(error_body(message, "server_error", None, "internal_error"))
+                    break
+                text = progress.text
+                visible = text if progress.finished else text[: max(0, len(text) - self.holdback)]
+                if len(visible) > sent:
+                    delta, sent = visible[sent:], len(visible)
+                    yield self._chunk({"content": delta} if self.chat else delta, None)
+                if progress.finished:
+                    yield self._chunk({} if self.chat else "", progress.finish_reason)
+                    if self.include_usage:
+                        yield self._usage_chunk(progress)
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            sub.close()
+
+    def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None) -> str:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                                 "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return _sse(chunk)
+
+    def _usage_chunk(self, final: Progress) -> str:
+        chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                                 "choices": [], "usage": final.usage()}
+        if final.spec is not None:
+            chunk["speculative"] = final.spec.to_dict()
+        return _sse(chunk)
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that notices a client disconnect while it waits for tokens and always runs
+    ``on_close`` (which aborts an unfinished request), however the stream ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(watch)
+                with contextlib.suppress(OSError):  # the client went away mid-send
+                    await self.stream_response(send)
+                group.cancel_scope.cancel()
+        finally:
+            self._on_close()
+            aclose = getattr(self._content, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+class BearerAuth:
+    """ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (health and metrics stay open)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                reason = "missing API key" if not given else "invalid API key"
+                error = APIError(401, f"{reason}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,359 @@
+"""The engine thread: one background thread steps the engine and streams progress to HTTP handlers.
+
+Handlers live on the asyncio event loop; the engine lives on this thread. They meet in three places:
+
+* ``submit`` registers a ``Subscription`` (an asyncio.Queue owned by the handler's loop) and then
+  calls ``Engine.add_request`` on a worker thread, so tokenization and waiting for ``engine.lock``
+  (held during a step) never block the event loop.
+* After each ``Engine.step`` the engine thread takes an immutable ``Progress`` snapshot of every
+  updated request (under ``engine.lock``) and hands it to the request's loop with
+  ``call_soon_threadsafe``. Snapshots are cumulative, so a slow consumer may skip to the latest.
+* ``Subscription.close`` (client gone, handler done) queues an abort that the engine thread applies
+  before its next step, freeing the request's KV blocks in every pool (target and draft).
+
+An exception from ``Engine.step`` fails the requests of that batch (finish_reason "error", KV
+freed) and the loop keeps serving; on shutdown every unfinished request is failed the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from infer.engine.engine import Engine, RequestUpdate
+from infer.engine.request import Request
+from infer.engine.scheduler import QueueFullError
+from infer.sampling.params import SamplingParams
+from infer.server.errors import APIError, bad_request
+from infer.server.metrics import ServerMetrics
+
+log = logging.getLogger("infer.server")
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    num_rounds: int
+    proposed_tokens: int
+    accepted_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        rate = self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None
+        mean = (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else None
+        return {"acceptance_rate": rate, "mean_accepted_tokens": mean, "num_rounds": self.num_rounds,
+                "proposed_tokens": self.proposed_tokens, "accepted_tokens": self.accepted_tokens}
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One request as of the end of an engine step (everything so far, not a delta)."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    spec: SpecStats | None
+
+    @classmethod
+    def of(cls, request: Request, speculative: bool) -> Progress:
+        m = request.metrics
+        spec = SpecStats(m.num_rounds, m.proposed_tokens, m.accepted_tokens) if speculative else None
+        return cls(request.text, len(request.prompt_token_ids), len(request.output_token_ids), request.is_finished,
+                   request.finish_reason, request.error, spec)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class Subscription:
+    """The handler's end of one request: ``await next()`` for the latest progress, ``close()`` when done."""
+
+    def __init__(self, service: EngineService, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.service = service
+        self.request_id = request_id
+        self.loop = loop
+        self._queue: asyncio.Queue[Progress] = asyncio.Queue()
+        self.request: Request | None = None  # set once the engine accepted it
+        self.final_sent = False  # engine thread: a finished Progress was handed over
+        self.finished = False  # handler: a finished Progress was received
+        self.closed = False
+
+    def push(self, progress: Progress) -> None:
+        """Engine thread: hand ``progress`` to the handler's loop."""
+        if progress.finished:
+            self.final_sent = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, progress)
+
+    async def next(self) -> Progress:
+        """The newest progress (waits for one; skips older snapshots still queued)."""
+        progress = await self._queue.get()
+        while not self._queue.empty():
+            progress = self._queue.get_nowait()
+        if progress.finished:
+            self.finished = True
+        return progress
+
+    async def final(self) -> Progress:
+        """Wait for the finished progress."""
+        while True:
+            progress = await self.next()
+            if progress.finished:
+                return progress
+
+    def close(self) -> None:
+        """Stop listening; an unfinished request is aborted (idempotent, event loop thread)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.service.unsubscribe(self)
+
+
+class EngineService:
+    """Owns the engine thread and the request subscriptions of one app."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.idle_wait_s = idle_wait_s
+        self.speculative = bool(engine.config.use_speculative_decoding)
+        self._subs: dict[str, Subscription] = {}
+        self._subs_lock = threading.Lock()
+        self._aborts: deque[str] = deque()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._crashed: BaseException | None = None
+        # Engine-thread bookkeeping for latency and speculation metrics.
+        self._last_emit: dict[str, float] = {}
+        self._spec_seen: dict[str, tuple[int, int, int]] = {}
+
+    # -- lifecycle (event loop thread) --------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is already running")
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the engine thread; requests still unfinished end with an error."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the engine thread did not stop within %.0fs", timeout)
+            self._thread = None
+
+    @property
+    def idle(self) -> bool:
+        """No request waiting or running and no abort pending."""
+        return not self._aborts and not self.engine.has_unfinished()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    # -- requests (event loop thread) -------------------------------------------------------------
+    async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                     prompt_param: str = "prompt") -> Subscription:
+        """Admit a request to the engine's queue; 400 if the engine refuses it, 429 if the queue is full."""
+        if not self.alive:
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+        loop = asyncio.get_running_loop()
+        sub = Subscription(self, request_id, loop)
+        with self._subs_lock:
+            self._subs[request_id] = sub
+        add = loop.run_in_executor(None, functools.partial(self.engine.add_request, prompt, params, request_id))
+        try:
+            request = await asyncio.shield(add)
+        except asyncio.CancelledError:
+            # The handler is gone but the add may still succeed: abort the request once it is in.
+            add.add_done_callback(lambda f: None if f.cancelled() or f.exception() else self._queue_abort(request_id))
+            sub.close()
+            raise
+        except QueueFullError as err:
+            sub.close()
+            self.metrics.rejected.inc()
+            raise APIError(429, f"{err}; retry later", type="rate_limit_error", code="queue_full") from None
+        except ValueError as err:
+            sub.close()
+            raise bad_request(str(err), param=prompt_param) from None
+        except BaseException:
+            sub.close()
+            raise
+        sub.request = request
+        self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+        self._wake.set()
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._subs_lock:
+            if self._subs.get(sub.request_id) is sub:
+                del self._subs[sub.request_id]
+        if sub.request is not None and not sub.finished and not sub.final_sent:
+            self._queue_abort(sub.request_id)
+
+    def _queue_abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._wake.clear()
+                self._apply_aborts()
+                if not self.engine.has_unfinished():
+                    self._publish_gauges()
+                    self._wake.wait(self.idle_wait_s)
+                    continue
+                self._step()
+                time.sleep(0)  # let a worker thread waiting in add_request take engine.lock
+        except BaseException as err:  # a bug in this loop itself: record it, /health turns 503
+            self._crashed = err
+            log.exception("the engine thread crashed")
+        finally:
+            self._fail_all("the server is shutting down" if self._crashed is None else
+                           f"the engine thread crashed: {self._crashed!r}")
+
+    def _step(self) -> None:
+        try:
+            with self.engine.lock:
+                updates = self.engine.step()
+                snapshots = [(u, Progress.of(u.request, self.speculative)) for u in updates]
+                self._publish_gauges()
+        except Exception as err:
+            log.exception("engine step failed; failing the requests of this batch")
+            self._fail_batch(f"engine error: {type(err).__name__}: {err}")
+            return
+        now = time.perf_counter()
+        for update, progress in snapshots:
+            self._record(update, now)
+            self._deliver(update.request.request_id, progress)
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            try:
+                request = self.engine.abort(request_id)
+            except Exception:
+                log.exception("aborting %s failed", request_id)
+                continue
+            if request is not None:
+                self._finished(request)
+
+    def _record(self, update: RequestUpdate, now: float) -> None:
+        request, n = update.request, len(update.new_token_ids)
+        rid, m = request.request_id, request.metrics
+        if n:
+            self.metrics.generation_tokens.inc(n)
+            last = self._last_emit.get(rid)
+            if last is None:
+                if m.time_to_first_token is not None:
+                    self.metrics.ttft.observe(m.time_to_first_token)
+            else:
+                self.metrics.itl.observe((now - last) / n, n)
+            self._last_emit[rid] = now
+        seen = self._spec_seen.get(rid, (0, 0, 0))
+        current = (m.num_rounds, m.proposed_tokens, m.accepted_tokens)
+        if current != seen:
+            self._spec_seen[rid] = current
+            self.metrics.record_round(current[1] - seen[1], current[2] - seen[2], current[0] - seen[0])
+        if update.finished:
+            self._finished(request)
+
+    def _finished(self, request: Request) -> None:
+        self.metrics.requests.inc(labels=(("finish_reason", request.finish_reason or "error"),))
+        m = request.metrics
+        if m.finish_time is not None:
+            self.metrics.e2e.observe(m.finish_time - m.arrival_time)
+        self._last_emit.pop(request.request_id, None)
+        self._spec_seen.pop(request.request_id, None)
+
+    def _deliver(self, request_id: str, progress: Progress) -> None:
+        with self._subs_lock:
+            sub = self._subs.get(request_id)
+        if sub is not None:
+            sub.push(progress)
+
+    def _fail_batch(self, message: str) -> None:
+        """Fail the requests the failed step was working on (or, if none ran, the waiting ones)."""
+        with self.engine.lock:
+            scheduler = self.engine.scheduler
+            victims = list(scheduler.running) or list(scheduler.waiting)
+            for request in victims:
+                self._fail(request, message)
+            self._publish_gauges()
+        self._sweep(message)
+
+    def _fail_all(self, message: str) -> None:
+        try:
+            with self.engine.lock:
+                scheduler = self.engine.scheduler
+                for request in [*scheduler.running, *scheduler.waiting]:
+                    self._fail(request, message)
+                self._publish_gauges()
+        except Exception:
+            log.exception("failing the remaining requests failed")
+        self._sweep(message)
+
+    def _fail(self, request: Request, message: str) -> None:
+        if not request.is_finished:
+            request.finish("error", message)
+        try:
+            self.engine.abort(request.request_id)  # frees its KV in every pool
+        except Exception:
+            log.exception("releasing %s failed", request.request_id)
+        scheduler = self.engine.scheduler
+        for queue in (scheduler.running, scheduler.waiting):  # never step a failed request again
+            if request in queue:
+                queue.remove(request)
+        self._finished(request)
+        self._deliver(request.request_id, Progress.of(request, self.speculative))
+
+    def _sweep(self, message: str) -> None:
+        """Give every subscriber whose request ended without a final progress (lost step) an error."""
+        with self._subs_lock:
+            subs = list(self._subs.values())
+        for sub in subs:
+            request = sub.request
+            if request is None or sub.final_sent:
+                continue
+            if self._stopping.is_set() or request.is_finished:
+                if not request.is_finished:
+                    request.finish("error", message)
+                sub.push(Progress.of(request, self.speculative))
+
+    def _publish_gauges(self) -> None:
+        scheduler = self.engine.scheduler
+        self.metrics.running.set(len(scheduler.running))
+        self.metrics.waiting.set(len(scheduler.waiting))
+        for name, pool in kv_pools(self.engine):
+            labels = (("pool", name),)
+            with contextlib.suppress(Exception):
+                self.metrics.kv_free_tokens.set(pool.free_kv_tokens(), labels)
+                total = getattr(pool, "num_blocks", None)
+                free_blocks = getattr(pool, "num_free_blocks", None)
+                if total is not None and free_blocks is not None:
+                    self.metrics.kv_blocks_total.set(total, labels)
+                    self.metrics.kv_blocks_in_use.set(total - free_blocks(), labels)
+
+
+def kv_pools(engine: Engine) -> list[tuple[str, Any]]:
+    """The engine's KV pools by name: ``target`` and, with a draft model, ``draft``."""
+    pools: list[tuple[str, Any]] = [("target", engine.pool)]
+    draft_pool = getattr(getattr(engine.runner, "proposer", None), "pool", None)
+    if draft_pool is not None:
+        pools.append(("draft", draft_pool))
+    return pools

@@ -1,0 +1,112 @@
+"""OpenAI-style error bodies and the exception handlers that produce them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("infer.server")
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": "1"}}.get(self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_sampling_error(err: ValueError) -> APIError:
+    """A 400 for a ``SamplingParams`` ValueError, naming the offending field as ``param``."""
+    match = _SAMPLING_FIELD.search(str(err))
+    return bad_request(str(err), param=match.group(1) if match else None)
+
+
+def server_error(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error")
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = list(exc.errors())
+    if not errors:
+        return "invalid request body", None
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid")
+        reason = (detail.get("ctx") or {}).get("error", detail.get("msg", ""))
+        return f"the request body is not valid JSON ({reason})", None
+    parts = []
+    param: str | None = None
+    for e in errors[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = loc[0]
+        where = ".".join(loc) or "body"
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {_short(got)})"
+        parts.append(f"{where}: {e.get('msg', 'invalid value')}{shown}")
+    return "; ".join(parts), param
+
+
+def _short(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """APIError as is; FastAPI's 422 validation errors become 400; every HTTP error gets the shape."""
+
+    async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _describe_validation(exc)
+        return bad_request(message, param=param).response()
+
+    async def on_http_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), type=kind, code=code).response()
+
+    async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error", exc_info=exc)
+        return server_error(f"internal error: {type(exc).__name__}").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

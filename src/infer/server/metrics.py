@@ -1,0 +1,181 @@
+"""Prometheus metrics in the text exposition format (no prometheus_client dependency).
+
+Counters and histograms are updated by the engine thread; gauges are snapshots the engine
+thread publishes after each step. ``render()`` may run on any thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Sequence
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _fmt(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _labels(labels: Labels, extra: tuple[str, str] | None = None) -> str:
+    items = list(labels) + ([extra] if extra else [])
+    if not items:
+        return ""
+    escaped = (v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for _, v in items)
+    return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(items, escaped, strict=True)) + "}"
+
+
+class _Metric:
+    kind = "untyped"
+
+    def __init__(self, name: str, help: str) -> None:
+        self.name = name
+        self.help = help
+        self._lock = threading.Lock()
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+    def render(self) -> list[str]:
+        raise NotImplementedError
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, initial_labels: Sequence[Labels] = ((),)) -> None:
+        super().__init__(name, help)
+        self._values: dict[Labels, float] = {labels: 0.0 for labels in initial_labels}
+
+    def inc(self, amount: float = 1.0, labels: Labels = ()) -> None:
+        if amount < 0:
+            raise ValueError("a counter only goes up")
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0.0) + amount
+
+    def value(self, labels: Labels = ()) -> float:
+        with self._lock:
+            return self._values.get(labels, 0.0)
+
+    def render(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return self.header() + [f"{self.name}{_labels(k)} {_fmt(v)}" for k, v in items]
+
+
+class Gauge(_Metric):
+    kind = "gauge"
+
+    def __init__(self, name: str, help: str) -> None:
+        super().__init__(name, help)
+        self._values: dict[Labels, float] = {}
+
+    def set(self, value: float, labels: Labels = ()) -> None:
+        with self._lock:
+            self._values[labels] = float(value)
+
+    def value(self, labels: Labels = ()) -> float | None:
+        with self._lock:
+            return self._values.get(labels)
+
+    def render(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return self.header() + [f"{self.name}{_labels(k)} {_fmt(v)}" for k, v in items]
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, buckets: Sequence[float]) -> None:
+        super().__init__(name, help)
+        self.bounds = sorted(float(b) for b in buckets)
+        self._counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self._sum = 0.0
+        self._count = 0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """Record ``value`` ``count`` times."""
+        if count <= 0:
+            return
+        with self._lock:
+            self._counts[bisect.bisect_left(self.bounds, value)] += count
+            self._sum += value * count
+            self._count += count
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return self._count
+
+    def render(self) -> list[str]:
+        with self._lock:
+            counts, total, n = list(self._counts), self._sum, self._count
+        lines = self.header()
+        cumulative = 0
+        for bound, c in zip([*self.bounds, math.inf], counts, strict=True):
+            cumulative += c
+            lines.append(f"{self.name}_bucket{_labels((), ('le', _fmt(bound)))} {cumulative}")
+        lines += [f"{self.name}_sum {_fmt(total)}", f"{self.name}_count {n}"]
+        return lines
+
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ServerMetrics:
+    """Every metric ``GET /metrics`` exposes."""
+
+    def __init__(self, max_draft: int = 0) -> None:
+        self.requests = Counter("infer_requests_total", "Finished requests by finish reason.",
+                                [(("finish_reason", r),) for r in FINISH_REASONS])
+        self.rejected = Counter("infer_requests_rejected_total", "Requests refused before admission (queue full).")
+        self.prompt_tokens = Counter("infer_prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self.generation_tokens = Counter("infer_generation_tokens_total", "Generated tokens.")
+        self.ttft = Histogram("infer_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60])
+        self.itl = Histogram("infer_inter_token_latency_seconds",
+                             "Time per generated token after the first (a step's gap shared by its tokens).",
+                             [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5])
+        self.e2e = Histogram("infer_e2e_request_latency_seconds", "Time from arrival to finish.",
+                             [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600])
+        self.running = Gauge("infer_num_requests_running", "Requests in the running batch.")
+        self.waiting = Gauge("infer_num_requests_waiting", "Requests waiting for admission.")
+        self.kv_free_tokens = Gauge("infer_kv_cache_free_tokens", "Free KV cache token rows, by pool.")
+        self.kv_blocks_in_use = Gauge("infer_kv_cache_blocks_in_use", "KV blocks in use, by pool (paged only).")
+        self.kv_blocks_total = Gauge("infer_kv_cache_blocks_total", "KV blocks in the pool (paged only).")
+        self.spec_rounds = Counter("infer_spec_decode_rounds_total", "Speculative verification rounds.")
+        self.spec_proposed = Counter("infer_spec_decode_proposed_tokens_total", "Draft tokens proposed.")
+        self.spec_accepted = Counter("infer_spec_decode_accepted_tokens_total", "Draft tokens accepted.")
+        self.spec_acceptance = Gauge("infer_spec_decode_acceptance_rate", "Accepted / proposed draft tokens so far.")
+        self.spec_per_round = Histogram("infer_spec_decode_accepted_tokens_per_round",
+                                        "Draft tokens accepted in one verification round.",
+                                        list(range(0, max(1, max_draft) + 1)))
+        self.spec_acceptance.set(0.0)
+
+    def all(self) -> list[_Metric]:
+        return [self.requests, self.rejected, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
+                self.e2e, self.running, self.waiting, self.kv_free_tokens, self.kv_blocks_in_use,
+                self.kv_blocks_total, self.spec_rounds, self.spec_proposed, self.spec_accepted,
+                self.spec_acceptance, self.spec_per_round]
+
+    def record_round(self, proposed: int, accepted: int, rounds: int) -> None:
+        if rounds <= 0:
+            return
+        self.spec_rounds.inc(rounds)
+        self.spec_proposed.inc(proposed)
+        self.spec_accepted.inc(accepted)
+        self.spec_per_round.observe(accepted / rounds, rounds)
+        total = self.spec_proposed.value()
+        self.spec_acceptance.set(self.spec_accepted.value() / total if total else 0.0)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for metric in self.all():
+            lines += metric.render()
+        return "\n".join(lines) + "\n"

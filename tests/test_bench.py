@@ -1,0 +1,65 @@
+"""The benchmark and demo commands run end to end on tiny checkpoints and write valid reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infer.bench.workloads import code_prompts, edit_prompts, load_prompts
+from infer.cli import main
+from infer.speculative.length_policy import expected_speedup
+
+
+def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def add(a, b):\n", "import os\nimport sys\n"]))
+    out = tmp_path / "report"
+    code = main(["bench", "generation", "--model", str(tiny_llama), "--draft-model", str(tiny_draft),
+                 "--prompts", str(prompts), "--max-tokens", "8", "--repeats", "1", "--spec-length", "2", "3",
+                 "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "generation.json").read_text())
+    modes = {r["mode"]: r for r in report["results"]}
+    for expected in ("infer plain", "infer + draft K=2", "infer + draft K=3", "infer + draft (entropy)",
+                     "infer + draft (goodput)", "infer + n-gram K=3", "transformers generate",
+                     "transformers assisted", "transformers prompt lookup"):
+        assert expected in modes, expected
+        assert modes[expected]["tokens_per_s"] > 0
+    assert report["greedy_outputs_identical"] is True
+    assert report["cost_ratio_c"] > 0
+    k2 = modes["infer + draft K=2"]
+    assert k2["predicted_speedup"] == pytest.approx(expected_speedup(k2["alpha"], 2, report["cost_ratio_c"]))
+    assert report["environment"]["torch"]
+    assert (out / "generation.md").read_text().startswith("workload")
+    assert (out / "speedup_vs_k.png").stat().st_size > 1000
+    assert "| infer plain |" in capsys.readouterr().out
+
+
+def test_workloads_and_prompt_files(tmp_path: Path) -> None:
+    code = code_prompts(3)
+    assert len(code) == 3 and all(p.count("\n") >= 4 for p in code)
+    edit = edit_prompts(2)
+    assert all("A copy of the function above" in p for p in edit)
+    text = tmp_path / "p.txt"
+    text.write_text("first prompt\n---\nsecond\nprompt")
+    assert load_prompts(text) == ["first prompt", "second\nprompt"]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert load_prompts(jsonl) == ["a", "b"]
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    with pytest.raises(ValueError, match="no prompts"):
+        load_prompts(empty)
+
+
+def test_demo_runs_on_given_models(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The self-draft accepts everything, so the demo's table shows acceptance 1.00.
+    code = main(["demo", "--model", str(tiny_llama), "--draft-model", str(tiny_llama), "--num-prompts", "1",
+                 "--max-tokens", "12"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "greedy text identical in every mode: True" in out
+    assert "draft model K=4" in out and "1.00" in out
