@@ -63,3 +63,17 @@ def test_demo_runs_on_given_models(tiny_llama: Path, capsys: pytest.CaptureFixtu
     assert code == 0
     assert "greedy text identical in every mode: True" in out
     assert "draft model K=4" in out and "1.00" in out
+
+
+def test_bench_serving_against_launched_servers(tiny_llama: Path, tiny_draft: Path, tmp_path: Path) -> None:
+    code = main(["bench", "serving", "--model", str(tiny_llama), "--draft-model", str(tiny_draft),
+                 "--concurrency", "1", "2", "--requests-per-level", "2", "--max-tokens", "6", "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "serving.json").read_text())
+    assert [run["label"] for run in report["runs"]] == ["speculation off", "fixed", "goodput"]
+    for run in report["runs"]:
+        for level in run["levels"]:
+            assert level["errors"] == 0
+            assert level["output_tokens"] == 6 * level["requests"]
+            assert level["ttft_ms"]["p50"] > 0
+    assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000

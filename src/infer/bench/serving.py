@@ -33,7 +33,8 @@ class LevelResult:
     output_tokens: int
     throughput_tok_s: float
     ttft_ms: dict[str, float] = field(default_factory=dict)
-    itl_ms: dict[str, float] = field(default_factory=dict)
+    itl_ms: dict[str, float] = field(default_factory=dict)  # gaps between streamed chunks
+    tpot_ms: dict[str, float] = field(default_factory=dict)  # per request: (last - first token time) / (tokens - 1)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -48,7 +49,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 async def _one_request(client: Any, url: str, model: str, prompt: str, max_tokens: int, temperature: float,
-                       ttfts: list[float], itls: list[float]) -> int:
+                       ttfts: list[float], itls: list[float], tpots: list[float]) -> int:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -71,6 +72,9 @@ async def _one_request(client: Any, url: str, model: str, prompt: str, max_token
             else:
                 itls.append(now - last)
             last = now
+    if ttfts and last is not None and tokens > 1:
+        first = start + ttfts[-1]
+        tpots.append((last - first) / (tokens - 1))
     return tokens
 
 
@@ -81,6 +85,7 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
     rng = random.Random(seed)
     ttfts: list[float] = []
     itls: list[float] = []
+    tpots: list[float] = []
     gate = asyncio.Semaphore(concurrency)
     errors = 0
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
@@ -90,7 +95,7 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
             async with gate:
                 try:
                     return await _one_request(client, url, model, prompts[i % len(prompts)], max_tokens,
-                                              temperature, ttfts, itls)
+                                              temperature, ttfts, itls, tpots)
                 except Exception as err:  # a failed request is counted, not fatal to the sweep
                     errors += 1
                     print(f"[bench] request failed: {err}", file=sys.stderr)
@@ -106,7 +111,7 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
         wall = time.perf_counter() - start
     total = sum(counts)
     return LevelResult(concurrency, num_requests, errors, wall, total, total / wall, percentiles(ttfts),
-                       percentiles(itls))
+                       percentiles(itls), percentiles(tpots))
 
 
 def _free_port() -> int:
@@ -170,7 +175,7 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
                 res = asyncio.run(run_level(url, model, prompts, c, n, args.max_tokens, args.temperature,
                                             args.poisson_rate, args.seed))
                 print(f"[bench] {label} c={c}: {res.throughput_tok_s:.1f} tok/s, TTFT p50 "
-                      f"{res.ttft_ms.get('p50', float('nan')):.0f} ms, ITL p50 {res.itl_ms.get('p50', float('nan')):.1f} ms, "
+                      f"{res.ttft_ms.get('p50', float('nan')):.0f} ms, TPOT p50 {res.tpot_ms.get('p50', float('nan')):.1f} ms, "
                       f"errors {res.errors}", file=sys.stderr, flush=True)
                 levels.append(asdict(res))
             report["runs"].append({"label": label, "url": url, "levels": levels})
@@ -182,13 +187,14 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serving_table(report: dict[str, Any]) -> str:
-    rows = ["| config | concurrency | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| config | concurrency | tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run in report["runs"]:
         for lv in run["levels"]:
-            t, i = lv["ttft_ms"], lv["itl_ms"]
+            t, i, o = lv["ttft_ms"], lv["itl_ms"], lv["tpot_ms"]
             rows.append(f"| {run['label']} | {lv['concurrency']} | {lv['throughput_tok_s']:.1f} | {t.get('p50', 0):.0f} | "
-                        f"{t.get('p99', 0):.0f} | {i.get('p50', 0):.1f} | {i.get('p99', 0):.1f} | {lv['errors']} |")
+                        f"{t.get('p99', 0):.0f} | {o.get('p50', 0):.1f} | {o.get('p99', 0):.1f} | {i.get('p99', 0):.1f} | "
+                        f"{lv['errors']} |")
     return "\n".join(rows) + "\n"
 
 
