@@ -77,13 +77,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     printed = 0
+    # Hold back the last characters that could still become the start of a stop string.
+    holdback = max((len(s) for s in args.stop), default=1) - 1
 
     def stream(request: Request, _new: list[int]) -> None:
         nonlocal printed
         text = request.text
-        sys.stdout.write(text[printed:])
+        upto = len(text) if request.is_finished else max(printed, len(text) - holdback)
+        sys.stdout.write(text[printed:upto])
         sys.stdout.flush()
-        printed = len(text)
+        printed = upto
 
     out = llm.generate([prompt], params, on_token=None if args.json else stream)[0]
     if args.json:

@@ -43,3 +43,13 @@ class IncrementalDetokenizer:
                 self.text = self.text[:idx]
                 self.stopped = True
         return self.stopped
+
+    def flush(self) -> None:
+        """At the end, keep text still held back (an incomplete UTF-8 tail), unless a stop string cut it."""
+        if self.stopped:
+            return
+        prefix = self.tokenizer.decode(self.ids[self._prefix_offset:self._read_offset])
+        full = self.tokenizer.decode(self.ids[self._prefix_offset:])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix):]
+            self._prefix_offset = self._read_offset = len(self.ids)

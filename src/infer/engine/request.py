@@ -169,6 +169,7 @@ class Request:
         return self.is_finished
 
     def finish(self, reason: str, error: str | None = None) -> None:
+        self.detokenizer.flush()
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error

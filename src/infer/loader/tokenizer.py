@@ -25,7 +25,14 @@ class Tokenizer:
         except Exception as err:  # tokenizers raises a plain Exception for a malformed file
             raise CheckpointError(f"{path}: cannot parse tokenizer ({err})") from None
         cfg_path = folder / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config: dict[str, Any] = {}
+        if cfg_path.is_file():
+            try:
+                self.config = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as err:
+                raise CheckpointError(f"{cfg_path}: not valid JSON ({err})") from None
+            if not isinstance(self.config, dict):
+                raise CheckpointError(f"{cfg_path}: expected a JSON object")
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.chat_template: str | None = _pick_template(self.config.get("chat_template"))

@@ -19,8 +19,10 @@ def weight_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"{index}: not a valid safetensors index ({err})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
         files = [folder / name for name in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
