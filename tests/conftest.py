@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 # Make `import checkpoints` work whether or not tests/ is a package and whatever pytest's
 # import mode is.
@@ -83,3 +85,18 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
         intermediate_size=64,
         seed=100,
     )
+
+
+@pytest.fixture(scope="module")
+def torch_single_thread() -> Iterator[None]:
+    """One intra-op CPU thread for a test module (``pytestmark = pytest.mark.usefixtures(...)``).
+
+    The tiny test models are far faster single-threaded: with 64-wide layers, handing work to a
+    second thread costs more than the matmul, and on a busy machine 10-30x more.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

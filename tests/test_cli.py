@@ -1,0 +1,141 @@
+"""The ``infer generate`` command: JSON output, streaming, chat, flag validation, console entry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.cli import main
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+PROMPT = "class Foo:\n    def __init__(self, x):"
+MAX_TOKENS = 12
+
+
+def generate_args(model: Path, *extra: str, prompt: str = PROMPT) -> list[str]:
+    return ["generate", "--model", str(model), "--prompt", prompt, "--dtype", "float32", "--device", "cpu",
+            "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--ignore-eos", *extra]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", device="cpu")
+
+
+def greedy(**kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def test_json_output(tiny_llama: Path, llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(generate_args(tiny_llama, "--json")) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert len(lines) == 1, captured.out
+    result = json.loads(lines[0])
+    assert {"text", "token_ids", "finish_reason", "metrics"} <= set(result)
+    expected = llm.generate(PROMPT, greedy())[0]
+    assert result["token_ids"] == expected.token_ids
+    assert result["text"] == expected.text
+    assert result["finish_reason"] == "length"
+    assert result["metrics"]["generated_tokens"] == MAX_TOKENS
+    assert result["metrics"]["prompt_tokens"] == len(llm.tokenizer.encode(PROMPT))
+
+
+def test_streaming_output(tiny_llama: Path, llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(generate_args(tiny_llama)) == 0
+    captured = capsys.readouterr()
+    expected = llm.generate(PROMPT, greedy())[0]
+    assert captured.out == expected.text
+    summary = [line for line in captured.err.splitlines() if line.startswith("[infer]") and "tokens" in line]
+    assert summary, captured.err
+    assert f"{MAX_TOKENS} tokens" in summary[-1] and "finish=length" in summary[-1]
+
+
+def test_stop_string(tiny_llama: Path, llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    full = llm.generate(PROMPT, greedy())[0].text
+    stop = full[4:7]
+    assert main(generate_args(tiny_llama, "--json", "--stop", stop)) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["finish_reason"] == "stop"
+    assert result["text"] == full[: full.find(stop)]
+
+
+def test_streamed_text_never_shows_part_of_a_stop_string(tiny_llama: Path, llm: LLM,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Streaming must print exactly the final text, even when a stop string spans tokens."""
+    prompt_ids = llm.tokenizer.encode(PROMPT)
+    out = llm.generate([prompt_ids], greedy())[0]
+    texts = [llm.tokenizer.decode(out.token_ids[:k]) for k in range(len(out.token_ids) + 1)]
+    candidates = []
+    for k in range(1, len(texts) - 1):  # the last char of token k-1's text + the first char of token k's
+        cut = len(texts[k])
+        stop = texts[k + 1][cut - 1: cut + 1]
+        if (cut > len(texts[k - 1]) and len(texts[k + 1]) > cut and stop.isascii() and stop.isprintable()
+                and texts[k + 1].find(stop) == cut - 1):
+            candidates.append(stop)
+    assert candidates, texts
+    stop = candidates[0]
+    stopped = llm.generate([prompt_ids], greedy(stop=[stop]))[0]
+    assert stopped.finish_reason == "stop"
+    assert main(generate_args(tiny_llama, "--stop", stop)) == 0
+    assert capsys.readouterr().out == stopped.text
+
+
+def test_chat_flag(tiny_llama: Path, llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(generate_args(tiny_llama, "--json", "--chat", prompt="Hello there")) == 0
+    result = json.loads(capsys.readouterr().out)
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": "Hello there"}])
+    assert result["metrics"]["prompt_tokens"] == len(ids)
+    assert result["token_ids"] == llm.generate([ids], greedy())[0].token_ids
+
+
+def test_slotted_backend_flag(tiny_llama: Path, llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(generate_args(tiny_llama, "--json", "--kv-cache-backend", "slotted")) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == llm.generate(PROMPT, greedy())[0].token_ids
+
+
+@pytest.mark.parametrize(("flag", "value", "field"), [
+    ("--top-p", "2", "top_p"),
+    ("--temperature", "-1", "temperature"),
+    ("--max-tokens", "0", "max_tokens"),
+    ("--top-k", "-3", "top_k"),
+])
+def test_bad_flag_value_exits_2_naming_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  flag: str, value: str, field: str) -> None:
+    # A model path that does not exist: the flag must be rejected before any model load.
+    args = generate_args(tmp_path / "no_model", flag, value)
+    try:
+        code = main(args)
+    except SystemExit as exit_:
+        code = exit_.code  # type: ignore[assignment]
+    assert code == 2
+    err = capsys.readouterr().err
+    assert field in err and "no_model" not in err
+
+
+def test_unparsable_flag_exits_2(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(generate_args(tiny_llama, "--top-p", "high"))
+    assert exit_.value.code == 2
+    assert "--top-p" in capsys.readouterr().err
+
+
+def test_missing_model_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(generate_args(tmp_path / "no_model")) == 2
+    assert "no_model" in capsys.readouterr().err
+
+
+def test_console_entry_subprocess(tiny_llama: Path, llm: LLM) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "infer.cli", *generate_args(tiny_llama, "--json")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["token_ids"] == llm.generate(PROMPT, greedy())[0].token_ids

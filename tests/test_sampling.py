@@ -1,0 +1,299 @@
+"""Sampling: each transform against hand-computed distributions, seeding, validation, engine reproducibility."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.sampling import SamplingBatch, probs_from_logits, sample_from_probs, sample_next_tokens
+from infer.sampling.transforms import presence_with_drafts, token_presence
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+ATOL = 1e-6
+
+
+def probs_for(logits: list[float] | torch.Tensor, presence: torch.Tensor | None = None,
+              **params: object) -> torch.Tensor:
+    """The transform for one row with ``params``."""
+    row = torch.as_tensor(logits, dtype=torch.float32).unsqueeze(0)
+    batch = SamplingBatch.from_params([SamplingParams(**params)], "cpu")  # type: ignore[arg-type]
+    return probs_from_logits(row, batch, presence)[0]
+
+
+def softmax(values: list[float]) -> list[float]:
+    exps = [math.exp(v) for v in values]
+    return [e / sum(exps) for e in exps]
+
+
+def assert_probs(actual: torch.Tensor, expected: list[float]) -> None:
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=torch.float32), atol=ATOL, rtol=0)
+
+
+# Logits whose softmax is exactly [1/8, 1/2, 1/8, 1/4] (shuffled, so sorting matters).
+DYADIC = [math.log(0.125), math.log(0.5), math.log(0.125), math.log(0.25)]
+
+
+# ------------------------------------------------------------------------- single transforms
+
+
+def test_plain_softmax() -> None:
+    assert_probs(probs_for([1.0, 2.0, 3.0, 0.0]), softmax([1.0, 2.0, 3.0, 0.0]))
+    assert_probs(probs_for(DYADIC), [0.125, 0.5, 0.125, 0.25])
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0, 0.01])
+def test_temperature(temperature: float) -> None:
+    logits = [1.0, 2.0, 3.0, 0.0]
+    assert_probs(probs_for(logits, temperature=temperature), softmax([v / temperature for v in logits]))
+
+
+def test_top_k() -> None:
+    logits = [1.0, 2.0, 3.0, 0.0, -1.0]
+    assert_probs(probs_for(logits, top_k=2), [0.0, *softmax([2.0, 3.0]), 0.0, 0.0])
+    assert_probs(probs_for(logits, top_k=1), [0.0, 0.0, 1.0, 0.0, 0.0])
+    # top_k >= vocab keeps everything; top_k applies after temperature (same set, sharper shape)
+    assert_probs(probs_for(logits, top_k=50), softmax(logits))
+    assert_probs(probs_for(logits, top_k=3, temperature=0.5), [*softmax([2.0, 4.0, 6.0]), 0.0, 0.0])
+
+
+def test_top_p_keeps_the_boundary_token() -> None:
+    # sorted probs: 0.5 (idx 1), 0.25 (idx 3), 0.125, 0.125
+    # top_p=0.55: 0.5 alone is not enough, so the token that crosses 0.55 (idx 3) is kept
+    assert_probs(probs_for(DYADIC, top_p=0.55), [0.0, 2 / 3, 0.0, 1 / 3])
+    assert_probs(probs_for(DYADIC, top_p=0.45), [0.0, 1.0, 0.0, 0.0])
+    # 0.8 needs a third token; the two 1/8 tokens tie, exactly one of them is kept
+    p = probs_for(DYADIC, top_p=0.8)
+    assert p[1].item() == pytest.approx(0.5 / 0.875) and p[3].item() == pytest.approx(0.25 / 0.875)
+    assert sorted([p[0].item(), p[2].item()]) == pytest.approx([0.0, 0.125 / 0.875])
+    assert_probs(probs_for(DYADIC, top_p=1.0), [0.125, 0.5, 0.125, 0.25])
+    # a tiny top_p keeps only the most likely token
+    assert_probs(probs_for(DYADIC, top_p=1e-6), [0.0, 1.0, 0.0, 0.0])
+
+
+def test_min_p() -> None:
+    # threshold = 0.5 * min_p
+    assert_probs(probs_for(DYADIC, min_p=0.3), [0.0, 2 / 3, 0.0, 1 / 3])
+    assert_probs(probs_for(DYADIC, min_p=0.2), [0.125, 0.5, 0.125, 0.25])  # threshold 0.1 keeps all
+    assert_probs(probs_for(DYADIC, min_p=0.9), [0.0, 1.0, 0.0, 0.0])
+    assert_probs(probs_for(DYADIC, min_p=0.0), [0.125, 0.5, 0.125, 0.25])
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = [2.0, -1.0, 0.5, -2.0, 1.0]
+    presence = torch.tensor([[True, True, False, False, False]])
+    expected = softmax([2.0 / 2, -1.0 * 2, 0.5, -2.0, 1.0])
+    assert_probs(probs_for(logits, presence, repetition_penalty=2.0), expected)
+    # a penalty below 1 rewards repetition the same way round
+    expected = softmax([2.0 / 0.5, -1.0 * 0.5, 0.5, -2.0, 1.0])
+    assert_probs(probs_for(logits, presence, repetition_penalty=0.5), expected)
+    # no seen tokens: nothing changes
+    assert_probs(probs_for(logits, torch.zeros(1, 5, dtype=torch.bool), repetition_penalty=2.0), softmax(logits))
+    with pytest.raises(ValueError, match="presence"):
+        probs_for(logits, None, repetition_penalty=2.0)
+
+
+def test_penalty_applies_before_temperature() -> None:
+    logits = [2.0, -1.0, 0.5]
+    presence = torch.tensor([[True, True, False]])
+    expected = softmax([2.0 / 2 / 0.5, -1.0 * 2 / 0.5, 0.5 / 0.5])
+    assert_probs(probs_for(logits, presence, repetition_penalty=2.0, temperature=0.5), expected)
+
+
+def test_greedy_is_one_hot_on_the_argmax() -> None:
+    assert_probs(probs_for([1.0, 2.0, 3.0, 0.0], temperature=0), [0.0, 0.0, 1.0, 0.0])
+    # top-k/top-p/min-p do not change a greedy row
+    assert_probs(probs_for([1.0, 2.0, 3.0, 0.0], temperature=0, top_k=2, top_p=0.1, min_p=0.5),
+                 [0.0, 0.0, 1.0, 0.0])
+    # the penalty does: greedy picks the argmax of the penalised logits (as transformers does)
+    presence = torch.tensor([[False, False, True, False]])
+    assert_probs(probs_for([1.0, 2.0, 3.0, 0.0], presence, temperature=0, repetition_penalty=2.0),
+                 [0.0, 1.0, 0.0, 0.0])
+
+
+def test_all_transforms_in_order() -> None:
+    """penalty -> temperature -> top-k -> top-p -> min-p, computed by hand."""
+    logits = [3.0, 1.0, 2.0, -1.0, 0.0, 2.5]
+    presence = torch.tensor([[True, False, False, True, False, False]])
+    penalised = [1.5, 1.0, 2.0, -2.0, 0.0, 2.5]
+    scaled = [v / 0.8 for v in penalised]
+    # top_k=4 keeps indices 5, 2, 0, 1
+    kept = [0, 1, 2, 5]
+    p = softmax([scaled[i] for i in kept])
+    by_index = dict(zip(kept, p, strict=True))
+    # top_p=0.8 over sorted (5, 2, 0, 1): keep while the mass before a token is < 0.8
+    order = sorted(kept, key=lambda i: -by_index[i])
+    mass, top_p_kept = 0.0, []
+    for i in order:
+        if mass < 0.8:
+            top_p_kept.append(i)
+        mass += by_index[i]
+    assert len(top_p_kept) == 3  # the case exercises a real cut
+    total = sum(by_index[i] for i in top_p_kept)
+    after_top_p = {i: by_index[i] / total for i in top_p_kept}
+    # min_p=0.5 against the largest remaining probability
+    threshold = 0.5 * max(after_top_p.values())
+    after_min_p = {i: v for i, v in after_top_p.items() if v >= threshold}
+    assert len(after_min_p) == 2
+    total = sum(after_min_p.values())
+    expected = [after_min_p.get(i, 0.0) / total for i in range(6)]
+    actual = probs_for(logits, presence, repetition_penalty=2.0, temperature=0.8, top_k=4, top_p=0.8, min_p=0.5)
+    assert_probs(actual, expected)
+
+
+def test_mixed_batch_rows_use_their_own_parameters() -> None:
+    base = torch.tensor([1.0, 2.0, 3.0, 0.0, -1.0])
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.5),
+        SamplingParams(top_k=2),
+        SamplingParams(top_p=0.5),
+        SamplingParams(min_p=0.3),
+        SamplingParams(repetition_penalty=3.0),
+        SamplingParams(),
+    ]
+    presence = torch.zeros(len(params), 5, dtype=torch.bool)
+    presence[:, 2] = True  # every row has seen token 2; only row 5 penalises it
+    logits = base.repeat(len(params), 1)
+    probs = probs_from_logits(logits, SamplingBatch.from_params(params, "cpu"), presence)
+    for row, p in enumerate(params):
+        alone = probs_from_logits(base.unsqueeze(0), SamplingBatch.from_params([p], "cpu"), presence[row: row + 1])
+        torch.testing.assert_close(probs[row], alone[0], atol=ATOL, rtol=0, msg=f"row {row}: {p}")
+    assert_probs(probs[0], [0.0, 0.0, 1.0, 0.0, 0.0])
+    assert_probs(probs[1], softmax([2.0, 4.0, 6.0, 0.0, -2.0]))
+    assert_probs(probs[2], [0.0, *softmax([2.0, 3.0]), 0.0, 0.0])
+    assert_probs(probs[6], softmax(base.tolist()))
+    assert_probs(probs[5], softmax([1.0, 2.0, 1.0, 0.0, -1.0]))
+    assert torch.allclose(probs.sum(-1), torch.ones(len(params)))
+
+
+def test_presence_with_drafts() -> None:
+    vocab = 7
+    presence = token_presence([[0, 1], [6]], vocab, "cpu")
+    drafts = torch.tensor([[2, 3, 2], [5, 6, 4]])
+    out = presence_with_drafts(presence, drafts)
+    assert out.shape == (2, 4, vocab)
+    for b, (context, row) in enumerate(zip([[0, 1], [6]], drafts.tolist(), strict=True)):
+        for i in range(4):
+            seen = set(context) | set(row[:i])
+            assert out[b, i].tolist() == [t in seen for t in range(vocab)], (b, i)
+    # no drafts: just the context
+    assert torch.equal(presence_with_drafts(presence, torch.zeros(2, 0, dtype=torch.long)), presence.unsqueeze(1))
+
+
+# ------------------------------------------------------------------------- drawing tokens
+
+
+def _generators(seed: int, n: int) -> list[torch.Generator | None]:
+    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+
+
+def test_sample_next_tokens_is_reproducible_with_a_seed() -> None:
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0)] * 4
+    contexts: list[list[int]] = [[]] * 4
+
+    def draw(seed: int) -> list[int]:
+        gens = _generators(seed, 4)
+        return [t for _ in range(10) for t in sample_next_tokens(logits, params, contexts, gens).tolist()]
+
+    torch.manual_seed(123)  # the global RNG must not matter when every row has a generator
+    first = draw(1)
+    torch.manual_seed(456)
+    assert draw(1) == first
+    assert draw(2) != first
+
+
+def test_sample_next_tokens_greedy_rows_take_the_argmax() -> None:
+    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0)]
+    out = sample_next_tokens(logits, params, [[]] * 3, _generators(0, 3))
+    assert out[0].item() == logits[0].argmax().item() and out[2].item() == logits[2].argmax().item()
+
+
+def test_sample_from_probs_frequencies_match() -> None:
+    probs = torch.tensor([0.1, 0.2, 0.0, 0.3, 0.4])
+    n = 20000
+    torch.manual_seed(0)
+    shared = sample_from_probs(probs.repeat(n, 1), [None] * n)
+    freq = torch.bincount(shared, minlength=5).float() / n
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+    assert freq[2] == 0  # zero-probability tokens are never drawn
+
+    # per-row generators (and unnormalised weights) give the same distribution
+    n = 3000
+    gen = torch.Generator().manual_seed(1)
+    own = sample_from_probs((probs * 3).repeat(n, 1), [gen] * n)
+    freq = torch.bincount(own, minlength=5).float() / n
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+    assert freq[2] == 0
+
+
+def test_sample_from_probs_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError):
+        sample_from_probs(torch.ones(4), [None])
+    with pytest.raises(ValueError):
+        sample_from_probs(torch.ones(2, 4), [None])
+
+
+# ------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_tokens", 0),
+    ("max_tokens", -3),
+    ("temperature", -1.0),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_k", -1),
+    ("min_p", 2.0),
+    ("min_p", -0.1),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+])
+def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_valid_edge_values_are_accepted() -> None:
+    SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, min_p=1.0, repetition_penalty=0.01)
+    assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.1).greedy
+    assert SamplingParams(stop="x").stop == ["x"]
+
+
+# ------------------------------------------------------------------------- through the engine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, max_batch_size=4)
+
+
+def test_seeded_generation_is_reproducible_across_calls(llm: LLM) -> None:
+    prompt = "def foo(x):"
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    first = llm.generate(prompt, params)[0].token_ids
+    torch.manual_seed(99)  # unrelated global RNG use in between
+    second = llm.generate(prompt, params)[0].token_ids
+    assert first == second and len(first) == 16
+    other = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=4321,
+                                                ignore_eos=True))[0].token_ids
+    assert other != first
+
+
+def test_seeded_generation_is_independent_of_the_batch(llm: LLM) -> None:
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    alone = llm.generate(["import json"], seeded)[0].token_ids
+    others = ["class A:\n    pass\n", "x", "The quick brown fox jumps over the lazy dog"]
+    batch_params = [SamplingParams(max_tokens=9, temperature=0.7), seeded,
+                    SamplingParams(max_tokens=20, temperature=1.0, seed=3), SamplingParams(max_tokens=5, temperature=0)]
+    outputs = llm.generate([others[0], "import json", others[1], others[2]], batch_params)
+    assert outputs[1].token_ids == alone
+    # and in another position with different neighbours
+    outputs = llm.generate(["import json", others[2]], [seeded, SamplingParams(max_tokens=3, temperature=1.5)])
+    assert outputs[0].token_ids == alone
