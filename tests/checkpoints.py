@@ -263,3 +263,58 @@ def make_tiny_checkpoint(
         raise ValueError(f"config_format must be 'legacy' or 'v5', got {config_format!r}")
     save_tokenizer(tokenizer, out, model_max_length=max_position_embeddings)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Small-vocabulary checkpoints (for exact distribution tests, where P over V^2 must be enumerable)
+
+
+def small_vocab_tokenizer(vocab_size: int) -> Tokenizer:
+    """A WordLevel tokenizer with exactly ``vocab_size`` tokens: the 5 specials, then words w0, w1, ...
+
+    Ids 0..4 are the shared specials (BOS, EOS, PAD, im_start, im_end), so ``save_tokenizer`` and
+    the engine's EOS handling work as with the BPE tokenizer; words are split on whitespace.
+    """
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from infer.train.tokenizer import SPECIAL_TOKENS
+
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be > {len(SPECIAL_TOKENS)} (the special tokens), got {vocab_size}")
+    words = [f"w{i}" for i in range(vocab_size - len(SPECIAL_TOKENS))]
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[2]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if tok.get_vocab_size() != vocab_size:  # guard against a tokenizers behaviour change
+        raise RuntimeError(f"small tokenizer has {tok.get_vocab_size()} tokens, expected {vocab_size}")
+    return tok
+
+
+def make_small_vocab_checkpoint(
+    out_dir: str | Path,
+    vocab_size: int,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 32,
+    seed: int = 0,
+    logit_scale: float = 1.0,
+) -> Path:
+    """A tiny llama over :func:`small_vocab_tokenizer` (``vocab_size`` tokens).
+
+    ``logit_scale`` multiplies ``lm_head.weight`` after the usual init, to make the next-token
+    distributions flatter (< 1) or more peaked (> 1).
+    """
+    from safetensors.torch import load_file, save_file
+
+    out = make_tiny_checkpoint(
+        out_dir, "llama", hidden_size=hidden_size, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+        intermediate_size=2 * hidden_size, seed=seed, tokenizer=small_vocab_tokenizer(vocab_size),
+    )
+    if logit_scale != 1.0:
+        path = out / "model.safetensors"
+        tensors = load_file(path)
+        tensors["lm_head.weight"] = (tensors["lm_head.weight"] * logit_scale).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out

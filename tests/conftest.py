@@ -87,9 +87,9 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def torch_single_thread() -> Iterator[None]:
-    """One intra-op CPU thread for a test module (``pytestmark = pytest.mark.usefixtures(...)``).
+    """One intra-op CPU thread for the whole test session (some modules also name it explicitly).
 
     The tiny test models are far faster single-threaded: with 64-wide layers, handing work to a
     second thread costs more than the matmul, and on a busy machine 10-30x more.

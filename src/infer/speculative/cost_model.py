@@ -46,7 +46,9 @@ class CostModel:
     def __init__(self, prior_cost: float) -> None:
         self.prior_cost = prior_cost
         self.target = LinearFit()  # x = tokens in the pass
-        self.draft = LinearFit()  # x = requests in the draft step
+        # Draft steps are sampled less often once goodput settles on K = 0 (only probes draft), so
+        # forget faster: one slow early sample must not keep c high for long.
+        self.draft = LinearFit(decay=0.7)  # x = requests in the draft step
 
     def observe_target(self, num_tokens: int, seconds: float) -> None:
         self.target.observe(num_tokens, seconds)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,9 @@ class DraftModelProposer(Proposer):
         draft_params = sum(p.numel() for p in runner.model.parameters())
         self._cost_hint = draft_params / max(1, target_params)
         self.continue_fn: ContinueFn | None = None
-        self.last_catchup_tokens = 0  # longest catch-up run of the last round (the runner's timing skips big ones)
+        # Seconds per single-token draft step in the last round, timed apart from the first step
+        # (whose catch-up run may hold a whole prompt); None when the round had one step only.
+        self.last_step_seconds: float | None = None
 
     @property
     def relative_cost_hint(self) -> float:
@@ -60,17 +63,18 @@ class DraftModelProposer(Proposer):
 
         active = [b for b in range(batch) if max_tokens[b] > 0]
         catchup: list[list[int]] = []
-        self.last_catchup_tokens = 0
         for b in active:
             request = requests[b]
             slot = self._slot(request)
             fed = self.pool.seq_len(slot)
             self._fed_before_round[request.request_id] = request.num_tokens
             catchup.append(request.all_token_ids[fed:])
-            self.last_catchup_tokens = max(self.last_catchup_tokens, len(catchup[-1]))
         runs: list[list[int]] | torch.Tensor = catchup
         step = 0
+        steps_started = 0.0
         while active:
+            if step == 1:
+                steps_started = _clock(device)
             slots = [self.slots[requests[b].request_id] for b in active]
             hidden = self.runner.forward(slots, runs)
             last = hidden[:, -1] if isinstance(runs, torch.Tensor) else \
@@ -96,6 +100,7 @@ class DraftModelProposer(Proposer):
                 keep = [i for i, go in zip(keep, flags, strict=True) if go]
             runs = drafted[keep].unsqueeze(1)  # stays on the device: no sync per draft token
             active = [active[i] for i in keep]
+        self.last_step_seconds = (_clock(device) - steps_started) / (step - 1) if step > 1 else None
         return Proposal(tokens, counts, probs)
 
     def accepted(self, request: Request, num_proposed: int, num_accepted: int) -> None:
@@ -128,6 +133,13 @@ class DraftModelProposer(Proposer):
             slot = self.slots[request.request_id] = self.pool.allocate()
         return slot
 
+
+
+def _clock(device: torch.device) -> float:
+    """Wall time after the device's queued work is done (one sync, only for timing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def load_draft_proposer(engine: Engine, max_draft: int) -> DraftModelProposer:

@@ -84,7 +84,7 @@ class GoodputLength(LengthPolicy):
     prior); ``cost`` comes from the runner's measured timings and grows with batch size, because a
     verification pass of K+1 tokens per request gets dearer as the batch fills. K = 0 (plain
     decoding) is chosen whenever speculation cannot pay; every ``probe_every`` plain rounds one
-    round drafts a single token so a request whose text turns predictable can win speculation back.
+    round drafts two tokens so a request whose text turns predictable can win speculation back.
     """
 
     def __init__(self, max_length: int, prior_alpha: float = 0.6, ema: float = 0.3, probe_every: int = 16) -> None:
@@ -104,7 +104,9 @@ class GoodputLength(LengthPolicy):
                 waited = self._plain_rounds.get(request.request_id, 0) + 1
                 self._plain_rounds[request.request_id] = waited
                 if waited >= self.probe_every:
-                    best, self._plain_rounds[request.request_id] = 1, 0
+                    # Two drafts, so the draft model's single-token step gets timed too (the first
+                    # step of a round also catches the draft cache up and is not a clean sample).
+                    best, self._plain_rounds[request.request_id] = min(2, self.max_length), 0
             out.append(best)
         return out
 
