@@ -7,11 +7,12 @@ sequences; ``truncate_to`` only drops this sequence's reference to blocks past t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
-from infer.cache.protocol import CacheFullError
+from infer.cache.protocol import CacheFullError, copy_positions
 
 
 class BlockEvictor(Protocol):
@@ -128,6 +129,10 @@ class PagedKVCachePool:
         if all(b == table[0] + i for i, b in enumerate(table)):
             return table[0] * self.block_size if table else 0
         return None
+
+    def move_positions(self, slot: int, src_positions: Sequence[int], dst_positions: Sequence[int]) -> None:
+        """Copy every layer's K/V at ``src_positions`` of ``slot`` to ``dst_positions`` (tree compaction)."""
+        copy_positions(self, [(slot, src_positions, dst_positions)])
 
     def free_kv_tokens(self) -> int:
         return self.num_free_blocks() * self.block_size

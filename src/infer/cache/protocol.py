@@ -70,6 +70,7 @@ class CachePoolProtocol(Protocol):
     def storage_rows(self, slot: int, end: int) -> torch.Tensor: ...
     def contiguous_start(self, slot: int) -> int | None: ...
     def reserve(self, slot: int, new_len: int) -> None: ...
+    def move_positions(self, slot: int, src_positions: Sequence[int], dst_positions: Sequence[int]) -> None: ...
 
 
 def build_kv_batch(
@@ -121,6 +122,37 @@ def build_kv_batch(
         k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write_index, token_valid=token_valid,
         read_index=read_index, read_start=read_start, context_len=context, mask=mask.unsqueeze(1),
     )
+
+
+def copy_positions(pool: CachePoolProtocol, moves: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
+    """For each ``(slot, src_positions, dst_positions)``, copy the K/V of every layer at the source
+    positions of that sequence to its destination positions (tree speculation compacts the accepted
+    path this way before ``truncate_to``).
+
+    All sequences move in one gather and one scatter per layer and tensor. Sources are read before
+    anything is written, so source and destination ranges may overlap; destinations must be
+    distinct and inside each sequence's current length.
+    """
+    src_rows: list[torch.Tensor] = []
+    dst_rows: list[torch.Tensor] = []
+    for slot, src, dst in moves:
+        if len(src) != len(dst):
+            raise ValueError(f"slot {slot}: {len(src)} source positions but {len(dst)} destinations")
+        if not src:
+            continue
+        length = pool.seq_len(slot)
+        if min(*src, *dst) < 0 or max(*src, *dst) >= length:
+            raise ValueError(f"slot {slot}: positions must lie in [0, {length})")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"slot {slot}: destination positions repeat")
+        rows = pool.storage_rows(slot, length)
+        src_rows.append(rows[torch.tensor(list(src), device=rows.device)])
+        dst_rows.append(rows[torch.tensor(list(dst), device=rows.device)])
+    if not src_rows:
+        return
+    source, dest = torch.cat(src_rows), torch.cat(dst_rows)
+    for store in (*pool.k_layers, *pool.v_layers):
+        store.index_copy_(0, dest, store.index_select(0, source))
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

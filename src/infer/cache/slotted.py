@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from infer.cache.protocol import CacheFullError
+from infer.cache.protocol import CacheFullError, copy_positions
 
 
 class SlottedKVCache:
@@ -52,6 +54,10 @@ class SlottedKVCache:
 
     def contiguous_start(self, slot: int) -> int | None:
         return slot * self.max_seq_len
+
+    def move_positions(self, slot: int, src_positions: Sequence[int], dst_positions: Sequence[int]) -> None:
+        """Copy every layer's K/V at ``src_positions`` of ``slot`` to ``dst_positions`` (tree compaction)."""
+        copy_positions(self, [(slot, src_positions, dst_positions)])
 
     def free_kv_tokens(self) -> int:
         return len(self._free) * self.max_seq_len

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,9 @@ from infer.engine.request import Request, StepOutput
 from infer.sampling.sampler import sample_next_tokens
 
 StepResult = list[tuple[Request, StepOutput]]
+# Receives the target's final hidden state [B, hidden] of the position whose logits just produced
+# each request's newest token (Medusa heads draft from it).
+HiddenListener = Callable[[list[Request], torch.Tensor], None]
 
 
 @dataclass
@@ -42,6 +46,7 @@ class ContinuousRunner:
         self.runner = runner
         self.pool = runner.pool
         self.prefix_cache = prefix_cache
+        self.hidden_listener: HiddenListener | None = None  # set by a speculative runner that needs it
 
     # -- the runner interface the scheduler uses -------------------------------------------------
     def step(self, prefill: list[PrefillChunk], decode: list[Request]) -> StepResult:
@@ -86,6 +91,8 @@ class ContinuousRunner:
                 self.prefix_cache.insert(request.slot, request.prompt_token_ids)  # type: ignore[arg-type]
         last = self.runner.last_hidden(hidden, [len(r) for r in runs])[done]
         requests = [chunks[i].request for i in done]
+        if self.hidden_listener is not None:
+            self.hidden_listener(requests, last)
         return self._sample(requests, self.runner.logits(last))
 
     def ensure_slot(self, request: Request) -> None:
@@ -104,6 +111,8 @@ class ContinuousRunner:
         hidden = self.runner.forward([r.slot for r in requests], [[r.output_token_ids[-1]] for r in requests])  # type: ignore[misc]
         for r in requests:
             r.num_computed_tokens += 1
+        if self.hidden_listener is not None:
+            self.hidden_listener(requests, hidden[:, -1])
         return self._sample(requests, self.runner.logits(hidden[:, -1]))
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> StepResult:

@@ -4,6 +4,11 @@ Prefill is the target runner's own; only decode changes. Per round and per reque
 et al., Algorithm 1): the proposer drafts t_1..t_K with distributions q_i; one batched target pass
 over [g, t_1..t_K] gives p_1..p_{K+1} through the same sampling transform; the rejection sampler
 keeps a prefix and adds one target token; both caches roll back to what was kept.
+
+A proposal may instead be a tree of guesses (Medusa, ``Proposal.parents``): the pass then feeds
+[g, node_1..node_N] with a tree attention mask and depth-based positions, ``verify_tree`` keeps one
+root-to-node path, and the K/V of that path, scattered through the tree's rows, are compacted into
+consecutive positions before the rollback.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer.cache.protocol import copy_positions
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
 from infer.engine.request import Request, StepOutput
 from infer.sampling.transforms import SamplingBatch, presence_with_drafts, probs_from_logits, token_presence
@@ -21,6 +27,7 @@ from infer.speculative.cost_model import CostModel
 from infer.speculative.length_policy import LengthPolicy, make_length_policy
 from infer.speculative.proposer import Proposal, Proposer
 from infer.speculative.rejection import verify_drafts
+from infer.speculative.tree import TreeMaskCache, tree_depths, verify_tree
 
 if TYPE_CHECKING:
     from infer.engine.engine import Engine
@@ -34,8 +41,13 @@ class SpeculativeRunner:
         self.proposer = proposer
         self.policy = policy
         self.max_draft = max_draft
+        # A tree verifies more tokens than it can accept: reserve room for all of them.
+        self.max_verify = max(max_draft, proposer.max_verify_nodes or 0)
+        self.tree_masks = TreeMaskCache()
         self.costs = CostModel(proposer.relative_cost_hint)
         self.device = target.pool.device
+        if proposer.wants_hidden:  # plain prefill/decode passes hand it the target's hidden state
+            target.hidden_listener = proposer.observe_hidden
 
     # -- runner interface ------------------------------------------------------------------------
     def step(self, prefill: list[PrefillChunk], decode: list[Request]) -> StepResult:
@@ -54,8 +66,8 @@ class SpeculativeRunner:
         return target_free if draft_free is None else min(target_free, draft_free)
 
     def can_admit(self, request: Request, running: list[Request]) -> bool:
-        # Verification writes up to max_draft + 1 positions past the kept length before rollback.
-        extra = self.max_draft + 1
+        # Verification writes up to max_verify + 1 positions past the kept length before rollback.
+        extra = self.max_verify + 1
         return self.target.can_admit(request, running, extra) and self.proposer.can_admit(request, running, extra)
 
     # -- one speculative round -------------------------------------------------------------------
@@ -64,23 +76,32 @@ class SpeculativeRunner:
             return []
         lengths = [self._clamp(r, k) for r, k in
                    zip(requests, self.policy.lengths(requests, self.costs.effective_cost(len(requests))), strict=True)]
-        if not any(lengths):  # nothing worth drafting: a plain decode step
+        if not any(lengths):  # nothing worth drafting: a plain decode step (still one target pass)
             start = self._now()
             out = self.target.decode(requests)
             self.costs.observe_target(len(requests), self._now() - start)
+            for request in requests:
+                request.metrics.record_round(0, 0)
             return out
         start = self._now()
         proposal = self.proposer.propose(requests, lengths)
         drafted = self._now()
         steps = max(proposal.num_tokens)
-        if steps and getattr(self.proposer, "last_catchup_tokens", 0) <= 2:  # skip rounds with a lazy prefill
-            self.costs.observe_draft_step(len(requests), (drafted - start) / steps)
+        # A drafter that times its own single-token steps (the draft model: its first step may
+        # also catch up a whole prompt) reports them; otherwise the whole drafting time is used.
+        step_seconds = getattr(self.proposer, "last_step_seconds", None)
+        if step_seconds is None and steps and not hasattr(self.proposer, "last_step_seconds"):
+            step_seconds = (drafted - start) / steps
+        if step_seconds is not None:
+            self.costs.observe_draft_step(len(requests), step_seconds)
         result = self.verify(requests, proposal)
         self.costs.observe_target(len(requests) + sum(proposal.num_tokens), self._now() - drafted)
         return result
 
     def verify(self, requests: list[Request], proposal: Proposal) -> StepResult:
         """One batched target pass over [g, t_1..t_k] per request, rejection sampling, rollback."""
+        if proposal.parents is not None:
+            return self.verify_tree(requests, proposal)
         runner = self.target.runner
         draft_lists = proposal.tokens.tolist()
         runs = [[r.output_token_ids[-1]] + draft_lists[b][: proposal.num_tokens[b]] for b, r in enumerate(requests)]
@@ -112,6 +133,60 @@ class SpeculativeRunner:
             outputs.extend((request, StepOutput(t)) for t in emitted[b][: kept + 1])
         return outputs
 
+    def verify_tree(self, requests: list[Request], proposal: Proposal) -> StepResult:
+        """One batched target pass over [g, tree nodes] with tree attention, tree acceptance, and
+        KV compaction of the accepted path, then rollback."""
+        assert proposal.parents is not None
+        runner, pool = self.target.runner, self.target.pool
+        counts = proposal.num_tokens
+        width = max(counts, default=0)
+        tokens, parents = proposal.tokens[:, :width], proposal.parents[:, :width]
+        slots: list[int] = [r.slot for r in requests]  # type: ignore[misc]
+        starts = [pool.seq_len(s) for s in slots]
+        mask = self.tree_masks(parents, counts)  # [B, W+1, W+1] ancestor-or-self, row 0 = g
+        depths = tree_depths(mask)
+        # Node at depth d sits at RoPE position start + d, where it would be if its path were kept.
+        positions = torch.tensor(starts, device=self.device).unsqueeze(1) + depths
+        node_lists = tokens.tolist()
+        runs = [[r.output_token_ids[-1]] + node_lists[b][: counts[b]] for b, r in enumerate(requests)]
+        hidden = runner.forward(slots, runs, positions=positions, tree_mask=mask)
+        logits = runner.logits(hidden)  # [B, W+1, V]
+        batch, rows, vocab = logits.shape
+        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
+        presence = None
+        if sampling.use_penalty:  # a node's penalty context is the request's tokens plus its path
+            base = token_presence([r.all_token_ids for r in requests], vocab, self.device)
+            on_path = torch.zeros(batch, rows, vocab, device=self.device)
+            on_path[:, 1:].scatter_(2, tokens.unsqueeze(2), 1.0)
+            presence = ((torch.bmm(mask.float(), on_path) > 0) | base.unsqueeze(1)).flatten(0, 1)
+        target_probs = probs_from_logits(logits.flatten(0, 1), sampling.repeat_rows(rows), presence)
+        verdict = verify_tree(tokens, counts, parents, target_probs.view(batch, rows, vocab), sampling.greedy,
+                              [r.generator for r in requests], mask)
+        # Compaction: the accepted path's K/V move to start + 1 .. start + kept, right after g.
+        moves = []
+        for b, path in enumerate(verdict.paths):
+            src = [starts[b] + 1 + i for i in path]
+            dst = [starts[b] + 1 + j for j in range(len(path))]
+            keep = [k for k in range(len(path)) if src[k] != dst[k]]
+            if keep:
+                moves.append((slots[b], [src[k] for k in keep], [dst[k] for k in keep]))
+        copy_positions(pool, moves)
+        if self.proposer.wants_hidden:
+            last = torch.tensor(verdict.last_rows, device=self.device)
+            self.proposer.observe_hidden(requests, hidden[torch.arange(batch, device=self.device), last])
+        depth_lists = depths.tolist()
+        outputs: StepResult = []
+        for b, request in enumerate(requests):
+            kept, depth = len(verdict.paths[b]), max(depth_lists[b][1: 1 + counts[b]], default=0)
+            request.num_computed_tokens += 1 + kept
+            pool.truncate_to(slots[b], request.num_computed_tokens)
+            self.proposer.accepted(request, counts[b], kept)
+            # Per-depth metrics: a tree of depth d "proposes" d positions, of which `kept` survive.
+            self.policy.update(request, depth, kept)
+            request.metrics.record_round(depth, kept)
+            outputs.extend((request, StepOutput(t)) for t in verdict.tokens[b])
+        return outputs
+
     def _clamp(self, request: Request, k: int) -> int:
         """Never draft past the context (overflow guard) or past the request's remaining budget."""
         room_in_context = request.max_seq_len - request.num_tokens
@@ -141,7 +216,9 @@ def build_speculative_runner(engine: Engine, target: ContinuousRunner, say: Call
         say(f"loading draft model {config.draft_model}")
         proposer = load_draft_proposer(engine, max_draft)
     elif config.speculator == "medusa":
-        from infer.speculative.medusa import load_medusa_proposer  # type: ignore[import-not-found]
+        from infer.speculative.medusa import load_medusa_proposer
+
+        say(f"loading Medusa heads for {config.model}")
 
         proposer = load_medusa_proposer(engine, max_draft)
     else:

@@ -220,6 +220,7 @@ class DecoderOnlyLM(nn.Module):
         A fused model cannot be trained or saved by ``hf_state_dict`` (load a fresh copy for that).
         """
         for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse()
             layer.mlp.fuse()
             for name in ("q_proj", "k_proj", "v_proj"):
