@@ -29,6 +29,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculator", default=None, choices=["draft", "ngram", "medusa"])
     parser.add_argument("--spec-length", type=int, default=5, help="tokens drafted per round (K)")
     parser.add_argument("--spec-length-policy", default="fixed", choices=["fixed", "entropy", "goodput"])
+    parser.add_argument("--medusa-heads", default=None, help="Medusa heads folder (default: <model>/medusa)")
+    parser.add_argument("--medusa-tree-size", type=int, default=None, help="candidate tree nodes per round")
     parser.add_argument("--max-seq-len", type=int, default=None)
     parser.add_argument("--kv-cache-backend", default="paged", choices=["paged", "slotted"])
 
@@ -38,7 +40,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, dtype=args.dtype, device=args.device, draft_model=args.draft_model,
                 speculator=args.speculator, use_speculative_decoding=args.speculative_decoding,
                 spec_length=args.spec_length, spec_length_policy=args.spec_length_policy,
-                max_seq_len=args.max_seq_len, kv_cache_backend=args.kv_cache_backend)
+                max_seq_len=args.max_seq_len, kv_cache_backend=args.kv_cache_backend,
+                medusa_heads=args.medusa_heads, medusa_tree_size=args.medusa_tree_size)
 
 
 def _add_generate(sub: Any) -> None:

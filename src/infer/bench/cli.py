@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -23,6 +24,8 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--spec-length", type=int, nargs="+", default=[3, 5])
     gen.add_argument("--policies", nargs="*", default=["entropy", "goodput"], choices=["entropy", "goodput"])
     gen.add_argument("--no-ngram", action="store_true")
+    gen.add_argument("--medusa-heads", default=None,
+                     help="Medusa heads folder for an extra row (default: <model>/medusa when it exists)")
     gen.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     gen.add_argument("--repeats", type=int, default=3)
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -44,11 +47,15 @@ def _run_generation(args: argparse.Namespace) -> int:
     from infer.bench.workloads import load_prompts, workload_prompts
 
     prompts = load_prompts(args.prompts) if args.prompts else workload_prompts(args.workload, args.num_prompts)
+    medusa = args.medusa_heads
+    if medusa is None and (Path(args.model) / "medusa" / "medusa_config.json").is_file():
+        medusa = str(Path(args.model) / "medusa")
     temperature = args.temperature if args.temperature is not None else (1.0 if args.workload == "sample" else 0.0)
     settings = BenchSettings(
         model=args.model, draft_model=args.draft_model, prompts=prompts, workload=args.workload,
         max_tokens=args.max_tokens, temperature=temperature, spec_lengths=args.spec_length,
-        policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, hf=not args.no_transformers,
+        policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
+        hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed,
     )
     report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))

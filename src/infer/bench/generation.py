@@ -33,6 +33,7 @@ class BenchSettings:
     spec_lengths: list[int] = field(default_factory=lambda: [3, 5])
     policies: list[str] = field(default_factory=lambda: ["entropy", "goodput"])
     ngram: bool = True
+    medusa_heads: str | None = None  # a Medusa heads folder: adds an "infer + Medusa" row
     hf: bool = True
     repeats: int = 3
     dtype: str = "float32"
@@ -143,6 +144,9 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
                        spec_length=max(settings.spec_lengths), spec_length_policy=policy)
     if settings.ngram:
         infer_mode(f"infer + n-gram K={max(settings.spec_lengths)}", speculator="ngram",
+                   spec_length=max(settings.spec_lengths))
+    if settings.medusa_heads:
+        infer_mode("infer + Medusa", speculator="medusa", medusa_heads=settings.medusa_heads,
                    spec_length=max(settings.spec_lengths))
     if settings.hf:
         from infer.bench.hf_baseline import run_transformers_modes

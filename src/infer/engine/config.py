@@ -35,6 +35,7 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     medusa_heads: str | None = None  # folder of trained Medusa heads (default: <model>/medusa)
+    medusa_tree_size: int | None = None  # candidate tree nodes per round (default: the heads' config)
 
     def __post_init__(self) -> None:
         if self.draft_model is not None and self.speculator is None:
@@ -69,6 +70,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len={self.max_seq_len} is invalid: must be >= 2")
+        if self.medusa_tree_size is not None and self.medusa_tree_size < 1:
+            raise ValueError(f"medusa_tree_size={self.medusa_tree_size} is invalid: must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
 

@@ -325,7 +325,7 @@ def load_medusa_proposer(engine: Engine, max_draft: int) -> MedusaProposer:
             f"retrain them with `infer train medusa --target {config.model}`"
         )
     # Optional engine-level overrides (EngineConfig may grow these; the heads' config is the default).
-    tree_size = getattr(config, "medusa_tree_size", None) or heads.config.tree_size
+    tree_size = config.medusa_tree_size or heads.config.tree_size
     tree = heads.config.tree(tree_size)
     target_params = sum(p.numel() for p in engine.model.parameters())
     return MedusaProposer(heads, tree, engine.device, target_params)
