@@ -102,36 +102,18 @@ class SpeculativeRunner:
         """One batched target pass over [g, t_1..t_k] per request, rejection sampling, rollback."""
         if proposal.parents is not None:
             return self.verify_tree(requests, proposal)
-        runner = self.target.runner
-        draft_lists = proposal.tokens.tolist()
-        runs = [[r.output_token_ids[-1]] + draft_lists[b][: proposal.num_tokens[b]] for b, r in enumerate(requests)]
-        hidden = runner.forward([r.slot for r in requests], runs)  # type: ignore[misc]
-        logits = runner.logits(hidden)  # [B, W+1, V]
-        batch, width, vocab = logits.shape
-        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-        presence = None
-        if sampling.use_penalty:  # position i's penalty context includes the drafts before it
-            base = token_presence([r.all_token_ids for r in requests], vocab, self.device)
-            presence = presence_with_drafts(base, proposal.tokens[:, : width - 1]).flatten(0, 1)
-        target_probs = probs_from_logits(logits.flatten(0, 1), sampling.repeat_rows(width), presence)
+        width = 1 + max(proposal.num_tokens)
+        drafts = proposal.tokens[:, : width - 1]
+        hidden = self.target.runner.forward([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens))  # type: ignore[misc]
+        target_probs, sampling = self._target_probs(requests, hidden, drafts)
         draft_probs = None if proposal.probs is None else proposal.probs[:, : width - 1]
         verdict = verify_drafts(
-            proposal.tokens[:, : width - 1], torch.tensor(proposal.num_tokens, device=self.device),
-            target_probs.view(batch, width, vocab), draft_probs, sampling.greedy, [r.generator for r in requests],
+            drafts, torch.tensor(proposal.num_tokens, device=self.device), target_probs, draft_probs,
+            sampling.greedy, [r.generator for r in requests],
         )
         accepted = verdict.num_accepted.tolist()
-        emitted = verdict.output_tokens.tolist()
-        outputs: StepResult = []
-        for b, request in enumerate(requests):
-            kept, proposed = accepted[b], proposal.num_tokens[b]
-            # The target cache now holds g and the accepted drafts; the final token stays pending.
-            request.num_computed_tokens += 1 + kept
-            self.target.pool.truncate_to(request.slot, request.num_computed_tokens)  # type: ignore[arg-type]
-            self.proposer.accepted(request, proposed, kept)
-            self.policy.update(request, proposed, kept)
-            request.metrics.record_round(proposed, kept)
-            outputs.extend((request, StepOutput(t)) for t in emitted[b][: kept + 1])
-        return outputs
+        emitted = [row[: kept + 1] for row, kept in zip(verdict.output_tokens.tolist(), accepted, strict=True)]
+        return self._finish_round(requests, proposal.num_tokens, proposal.num_tokens, accepted, emitted)
 
     def verify_tree(self, requests: list[Request], proposal: Proposal) -> StepResult:
         """One batched target pass over [g, tree nodes] with tree attention, tree acceptance, and
@@ -147,21 +129,11 @@ class SpeculativeRunner:
         depths = tree_depths(mask)
         # Node at depth d sits at RoPE position start + d, where it would be if its path were kept.
         positions = torch.tensor(starts, device=self.device).unsqueeze(1) + depths
-        node_lists = tokens.tolist()
-        runs = [[r.output_token_ids[-1]] + node_lists[b][: counts[b]] for b, r in enumerate(requests)]
-        hidden = runner.forward(slots, runs, positions=positions, tree_mask=mask)
-        logits = runner.logits(hidden)  # [B, W+1, V]
-        batch, rows, vocab = logits.shape
-        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-        presence = None
-        if sampling.use_penalty:  # a node's penalty context is the request's tokens plus its path
-            base = token_presence([r.all_token_ids for r in requests], vocab, self.device)
-            on_path = torch.zeros(batch, rows, vocab, device=self.device)
-            on_path[:, 1:].scatter_(2, tokens.unsqueeze(2), 1.0)
-            presence = ((torch.bmm(mask.float(), on_path) > 0) | base.unsqueeze(1)).flatten(0, 1)
-        target_probs = probs_from_logits(logits.flatten(0, 1), sampling.repeat_rows(rows), presence)
-        verdict = verify_tree(tokens, counts, parents, target_probs.view(batch, rows, vocab), sampling.greedy,
+        hidden = runner.forward(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask)
+        target_probs, sampling = self._target_probs(requests, hidden, tokens, mask)
+        verdict = verify_tree(tokens, counts, parents, target_probs, sampling.greedy,
                               [r.generator for r in requests], mask)
+        batch = len(requests)
         # Compaction: the accepted path's K/V move to start + 1 .. start + kept, right after g.
         moves = []
         for b, path in enumerate(verdict.paths):
@@ -175,16 +147,53 @@ class SpeculativeRunner:
             last = torch.tensor(verdict.last_rows, device=self.device)
             self.proposer.observe_hidden(requests, hidden[torch.arange(batch, device=self.device), last])
         depth_lists = depths.tolist()
+        # Per-depth metrics: a tree of depth d "proposes" d positions, of which `kept` survive.
+        tree_depth = [max(depth_lists[b][1: 1 + counts[b]], default=0) for b in range(batch)]
+        kept = [len(path) for path in verdict.paths]
+        return self._finish_round(requests, counts, tree_depth, kept, verdict.tokens)
+
+    # -- shared by chain and tree rounds ---------------------------------------------------------
+    @staticmethod
+    def _runs(requests: list[Request], nodes: torch.Tensor, counts: list[int]) -> list[list[int]]:
+        """Per request the pending token g followed by its drafted nodes."""
+        node_lists = nodes.tolist()
+        return [[r.output_token_ids[-1]] + node_lists[b][: counts[b]] for b, r in enumerate(requests)]
+
+    def _target_probs(self, requests: list[Request], hidden: torch.Tensor, nodes: torch.Tensor,
+                      ancestors: torch.Tensor | None = None) -> tuple[torch.Tensor, SamplingBatch]:
+        """Target distributions [B, R, V] of the verification rows through the request's own transform.
+
+        Row i's repetition-penalty context is the request's tokens plus the drafted tokens on its
+        path: t_1..t_i for a chain, the node's ancestors (``ancestors`` [B, R, R]) for a tree.
+        """
+        logits = self.target.runner.logits(hidden)  # [B, R, V]
+        batch, rows, vocab = logits.shape
+        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
+        presence = None
+        if sampling.use_penalty:
+            base = token_presence([r.all_token_ids for r in requests], vocab, self.device)
+            if ancestors is None:
+                presence = presence_with_drafts(base, nodes)
+            else:
+                on_path = torch.zeros(batch, rows, vocab, device=self.device)
+                on_path[:, 1:].scatter_(2, nodes.unsqueeze(2), 1.0)
+                presence = (torch.bmm(ancestors.float(), on_path) > 0) | base.unsqueeze(1)
+            presence = presence.flatten(0, 1)
+        probs = probs_from_logits(logits.flatten(0, 1), sampling.repeat_rows(rows), presence)
+        return probs.view(batch, rows, vocab), sampling
+
+    def _finish_round(self, requests: list[Request], proposed: list[int], judged: list[int], kept: list[int],
+                      emitted: list[list[int]]) -> StepResult:
+        """Roll the target cache back to g + the kept drafts, inform proposer/policy/metrics, emit."""
         outputs: StepResult = []
         for b, request in enumerate(requests):
-            kept, depth = len(verdict.paths[b]), max(depth_lists[b][1: 1 + counts[b]], default=0)
-            request.num_computed_tokens += 1 + kept
-            pool.truncate_to(slots[b], request.num_computed_tokens)
-            self.proposer.accepted(request, counts[b], kept)
-            # Per-depth metrics: a tree of depth d "proposes" d positions, of which `kept` survive.
-            self.policy.update(request, depth, kept)
-            request.metrics.record_round(depth, kept)
-            outputs.extend((request, StepOutput(t)) for t in verdict.tokens[b])
+            # The target cache now holds g and the accepted drafts; the final token stays pending.
+            request.num_computed_tokens += 1 + kept[b]
+            self.target.pool.truncate_to(request.slot, request.num_computed_tokens)  # type: ignore[arg-type]
+            self.proposer.accepted(request, proposed[b], kept[b])
+            self.policy.update(request, judged[b], kept[b])
+            request.metrics.record_round(judged[b], kept[b])
+            outputs.extend((request, StepOutput(t)) for t in emitted[b])
         return outputs
 
     def _clamp(self, request: Request, k: int) -> int:
