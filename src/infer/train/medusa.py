@@ -1,0 +1,317 @@
+"""Train Medusa heads on a frozen target: ``infer train medusa --target DIR [--heads 4]``.
+
+The target runs under ``torch.inference_mode`` on each batch; only the heads learn. Head k at
+position t is taught the token at t + k + 2, either
+
+* ``distill`` (default): the target's own next-token distribution at position t + k + 1 (soft
+  cross-entropy), which is what verification judges the guesses against, or
+* ``ce``: the corpus token itself (hard cross-entropy).
+
+The data settings (corpus, character cap, held-out split, window length) default to the target's
+own training run, so its cached token stream is reused. The loop, budgets (``--max-steps`` and/or
+``--time-budget``), progress bar, seed and learning-rate schedule are those of ``infer train
+pretrain``/``distill`` (``infer.train.common``). Afterwards held-out windows measure each head's
+top-s accuracy against the target's argmax; those numbers are saved with the heads and shape the
+candidate tree (``infer.speculative.tree.build_tree``). The heads are published atomically to
+``<target>/medusa`` unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from infer.speculative.medusa import DEFAULT_TOP_K, DEFAULT_TREE_SIZE, MedusaHeads, default_heads_dir
+
+OBJECTIVES = ("distill", "ce")
+
+
+@dataclass
+class MedusaTrainConfig:
+    """Settings for ``train_medusa``; ``None`` data settings mean "as the target was trained"."""
+
+    target: Path
+    heads: int = 4
+    out: Path | None = None  # default: <target>/medusa
+    objective: str = "distill"
+    num_layers: int = 1  # residual blocks per head
+    train_projection: bool = True  # False: keep each head's vocabulary projection at the target's lm_head
+    tree_size: int = DEFAULT_TREE_SIZE
+    top_k: int = DEFAULT_TOP_K
+    corpus: list[str] | None = None
+    max_train_chars: int | None = None
+    held_out_fraction: float | None = None
+    seq_len: int | None = None
+    batch_size: int = 8
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_steps: int | None = 500
+    time_budget: float | None = None  # seconds; with max_steps, whichever ends first
+    eval_every: int | None = None
+    eval_windows: int = 32
+    log_every: int = 10
+    seed: int = 0
+    device: str = "auto"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        self.target = Path(self.target).expanduser()
+        if self.out is not None:
+            self.out = Path(self.out).expanduser()
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r} is invalid: use one of {', '.join(OBJECTIVES)}")
+        for name in ("heads", "num_layers", "tree_size", "top_k", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.seq_len is not None and self.seq_len < self.heads + 2:
+            raise ValueError(f"seq_len={self.seq_len} must be >= heads + 2 = {self.heads + 2}")
+
+
+@dataclass
+class MedusaTrainResult:
+    out: Path
+    steps: int
+    train_time: float
+    initial_loss: float  # held-out loss (mean over heads) before the first step
+    final_loss: float  # held-out loss after the last step
+    head_losses: list[float]  # final held-out loss per head
+    rank_accuracy: list[list[float]]  # [head][rank]: P(candidate == target argmax)
+    train_losses: list[float] = field(default_factory=list)  # logged training losses
+
+    @property
+    def top1_accuracy(self) -> list[float]:
+        return [row[0] for row in self.rank_accuracy]
+
+
+def head_loss(logits: torch.Tensor, k: int, ids: torch.Tensor, teacher: torch.Tensor | None) -> torch.Tensor:
+    """Loss of head k, whose logits [B, T, V] at position t guess the token at t + k + 2.
+
+    ``teacher`` [B, T, V] holds the target's next-token distributions (distillation); None uses the
+    corpus tokens ``ids`` [B, T].
+    """
+    usable = ids.shape[1] - (k + 2)
+    pred = logits[:, :usable].float()
+    if teacher is None:
+        return F.cross_entropy(pred.flatten(0, 1), ids[:, k + 2:].flatten())
+    target = teacher[:, k + 1: k + 1 + usable]  # p(x_{t+k+2} | x_{<=t+k+1})
+    return -(target * F.log_softmax(pred, dim=-1)).sum(-1).mean()
+
+
+@torch.no_grad()
+def evaluate_heads(target: Any, heads: MedusaHeads, windows: torch.Tensor, objective: str, batch_size: int,
+                   device: torch.device) -> tuple[list[float], list[list[float]]]:
+    """Per-head held-out loss, and rank accuracy P(head k's rank-r token == target argmax at t + k + 1)."""
+    num_heads, top_k = heads.config.num_heads, heads.config.top_k
+    loss_sum = [0.0] * num_heads
+    hits = torch.zeros(num_heads, top_k, dtype=torch.float64)
+    counts = [0] * num_heads
+    batches = 0
+    heads.eval()
+    for start in range(0, windows.shape[0], batch_size):
+        ids = windows[start:start + batch_size].to(device)
+        with torch.inference_mode():
+            hidden = target(ids).float()
+            teacher_logits = target.compute_logits(hidden).float()
+        teacher = torch.softmax(teacher_logits, dim=-1) if objective == "distill" else None
+        argmax = teacher_logits.argmax(dim=-1)
+        for k in range(num_heads):
+            logits = heads.head_logits(k, hidden)
+            loss_sum[k] += float(head_loss(logits, k, ids, teacher))
+            usable = ids.shape[1] - (k + 2)
+            top = logits[:, :usable].topk(top_k, dim=-1).indices
+            truth = argmax[:, k + 1: k + 1 + usable].unsqueeze(-1)
+            hits[k] += (top == truth).flatten(0, 1).double().sum(0).cpu()
+            counts[k] += truth.numel()
+        batches += 1
+    losses = [s / max(1, batches) for s in loss_sum]
+    return losses, [[float(h) / max(1, counts[k]) for h in hits[k]] for k in range(num_heads)]
+
+
+def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainResult:
+    """Train ``cfg.heads`` Medusa heads for the frozen ``cfg.target`` and publish them; see the module doc."""
+    from infer.loader import load_model
+    from infer.train.common import (
+        LoopSettings,
+        LoopState,
+        configure_threads,
+        is_complete_model,
+        pick_device,
+        publish_folder,
+        run_loop,
+        say,
+        staging_folder,
+    )
+    from infer.train.corpus import load_corpus
+    from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus
+    from infer.train.distill import target_training_args
+    from infer.train.pretrain import pick_eval_windows
+
+    wall_start = time.perf_counter()
+    device = pick_device(cfg.device)
+    configure_threads(device, cfg.threads)
+    if not is_complete_model(cfg.target):
+        raise FileNotFoundError(f"{cfg.target}: not a complete model folder (config.json, model.safetensors, "
+                                "tokenizer.json)")
+    targs = target_training_args(cfg.target)
+    corpus_paths = cfg.corpus if cfg.corpus is not None else targs.get("corpus")
+    max_chars = cfg.max_train_chars if cfg.max_train_chars is not None else targs.get("max_train_chars")
+    held_frac = cfg.held_out_fraction if cfg.held_out_fraction is not None else targs.get("held_out_fraction", 0.05)
+    seq_len = cfg.seq_len if cfg.seq_len is not None else int(targs.get("seq_len", 256))
+    data_seed = int(targs.get("seed", cfg.seed)) if cfg.max_train_chars is None else cfg.seed
+
+    target, tcfg = load_model(cfg.target, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                              device=str(device))
+    target.requires_grad_(False)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(cfg.target / "tokenizer.json"))
+    eos_id = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else tokenizer.token_to_id("<|end_of_text|>")
+    if eos_id is None:
+        raise ValueError(f"{cfg.target}: no eos_token_id in config.json or generation_config.json")
+    seq_len = min(seq_len, tcfg.max_position_embeddings - 1)
+    corpus = load_corpus(corpus_paths, held_out_fraction=held_frac)
+    t0 = time.perf_counter()
+    data = tokenize_corpus(tokenizer, corpus, eos_id, max_train_chars=max_chars, seed=data_seed,
+                           cache=[cfg.target / TOKENS_FILE])
+    say(f"corpus: {corpus.source}: {data.num_train_tokens:,} train / {data.num_heldout_tokens:,} held-out "
+        f"tokens ({time.perf_counter() - t0:.1f}s)", progress)
+
+    torch.manual_seed(cfg.seed)
+    medusa = MedusaHeads.from_target(target.lm_head.weight.detach().float().clone(), cfg.heads, cfg.num_layers,
+                                     tree_size=cfg.tree_size, top_k=cfg.top_k, target=str(cfg.target))
+    medusa.to(device)
+    for head in medusa.heads:
+        head.lm_head.requires_grad_(cfg.train_projection)  # type: ignore[union-attr]
+    trainable = [p for p in medusa.parameters() if p.requires_grad]
+    say(f"{cfg.heads} Medusa heads, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters, "
+        f"for a {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M target on {device}", progress)
+
+    sampler = WindowSampler(data.train, seq_len, cfg.batch_size, cfg.seed + 1)
+    windows = pick_eval_windows(data, seq_len, cfg.eval_windows)
+    if sampler.window < cfg.heads + 2 or windows.shape[0] == 0:
+        raise ValueError(f"the corpus is too small ({data.num_train_tokens} training tokens) for {cfg.heads} heads")
+    eval_batch = max(1, cfg.batch_size)
+    before, _ = evaluate_heads(target, medusa, windows, cfg.objective, eval_batch, device)
+    say(f"held-out loss before training: {sum(before) / cfg.heads:.4f}", progress)
+
+    def step_fn() -> tuple[torch.Tensor, dict[str, float]]:
+        ids = sampler.sample().to(device, non_blocking=True)
+        with torch.inference_mode():
+            hidden = target(ids).float()
+            teacher = torch.softmax(target.compute_logits(hidden).float(), dim=-1) \
+                if cfg.objective == "distill" else None
+        hidden = hidden.clone()  # normal tensors, usable by autograd
+        teacher = None if teacher is None else teacher.clone()
+        losses = [head_loss(medusa.head_logits(k, hidden), k, ids, teacher) for k in range(cfg.heads)]
+        return torch.stack(losses).mean(), {f"head{k}": float(loss.detach()) for k, loss in enumerate(losses)}
+
+    def eval_fn() -> dict[str, float]:
+        losses, accuracy = evaluate_heads(target, medusa, windows, cfg.objective, eval_batch, device)
+        return {"loss": sum(losses) / cfg.heads, **{f"top1_head{k}": row[0] for k, row in enumerate(accuracy)}}
+
+    eval_every = cfg.eval_every
+    if eval_every is None:
+        eval_every = max(1, cfg.max_steps // 4) if cfg.max_steps is not None else 0
+    settings = LoopSettings(max_steps=cfg.max_steps, time_budget=cfg.time_budget, lr=cfg.lr,
+                            min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps,
+                            weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, eval_every=eval_every or None,
+                            log_every=max(1, cfg.log_every), checkpoint_every=0,
+                            tokens_per_step=cfg.batch_size * (sampler.window))
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    state = run_loop(model=medusa, optimizer=optimizer, settings=settings, step_fn=step_fn, eval_fn=eval_fn,
+                     state=LoopState(), save_checkpoint=None, progress=progress, desc="medusa")
+
+    final, rank_accuracy = evaluate_heads(target, medusa, windows, cfg.objective, eval_batch, device)
+    medusa.config.rank_accuracy = rank_accuracy
+    medusa.config.training = {
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "resolved": {"corpus": corpus_paths, "max_train_chars": max_chars, "held_out_fraction": held_frac,
+                     "seq_len": seq_len, "data_seed": data_seed, "corpus_source": corpus.source},
+        "steps": state.step, "tokens": state.tokens, "train_time_s": round(state.elapsed, 1),
+        "heldout_loss_before": sum(before) / cfg.heads, "heldout_loss_after": sum(final) / cfg.heads,
+        "heldout_loss_per_head": final,
+    }
+    out = cfg.out if cfg.out is not None else default_heads_dir(cfg.target)
+    with staging_folder(out) as tmp:
+        medusa.to(torch.float32).write_files(tmp)
+        publish_folder(tmp, out)
+    top1 = ", ".join(f"{row[0]:.3f}" for row in rank_accuracy)
+    say(f"saved {out} ({state.step} steps, {state.elapsed:.0f}s training, {time.perf_counter() - wall_start:.0f}s "
+        f"total): held-out loss {sum(before) / cfg.heads:.4f} -> {sum(final) / cfg.heads:.4f}, top-1 accuracy "
+        f"per head [{top1}]", progress)
+    return MedusaTrainResult(out=out, steps=state.step, train_time=state.elapsed,
+                             initial_loss=sum(before) / cfg.heads, final_loss=sum(final) / cfg.heads,
+                             head_losses=final, rank_accuracy=rank_accuracy,
+                             train_losses=[float(e["loss"]) for e in state.log])
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+_RENAMES = {"layers": "num_layers"}
+_NOT_CONFIG = {"func", "quiet", "freeze_projection"}
+
+
+def add_medusa_parser(train_subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``medusa`` to ``infer train``'s subcommands (flags as for pretrain/distill)."""
+    p: argparse.ArgumentParser = train_subparsers.add_parser(
+        "medusa", help="train Medusa heads for a frozen target (used by --speculator medusa)",
+        description="Train Medusa heads on a frozen target; they are saved to TARGET/medusa by default.")
+    p.add_argument("--target", required=True, help="trained target model folder")
+    p.add_argument("--heads", type=int, default=None, help="number of heads = tokens guessed ahead (default 4)")
+    p.add_argument("--out", default=None, help="heads folder (default: TARGET/medusa)")
+    p.add_argument("--objective", default=None, choices=OBJECTIVES,
+                   help="distill: the target's own predictions (default); ce: the corpus's future tokens")
+    p.add_argument("--layers", type=int, default=None, help="residual blocks per head (default 1)")
+    p.add_argument("--freeze-projection", action="store_true",
+                   help="keep each head's vocabulary projection equal to the target's LM head")
+    p.add_argument("--tree-size", type=int, default=None, help=f"candidate tree nodes per round (default {DEFAULT_TREE_SIZE})")
+    p.add_argument("--top-k", type=int, default=None, help=f"most candidates per head in the tree (default {DEFAULT_TOP_K})")
+    p.add_argument("--corpus", nargs="+", action="extend", default=None, metavar="PATH",
+                   help="default: the corpus the target was trained on")
+    p.add_argument("--max-train-chars", type=int, default=None)
+    g = p.add_argument_group("training")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per training window (default: the target's)")
+    g.add_argument("--batch-size", type=int, default=None, help="windows per step (default 8)")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW, warm-up + cosine; default 1e-3)")
+    g.add_argument("--warmup-steps", type=int, default=None)
+    g.add_argument("--max-steps", type=int, default=None, help="default 500 unless --time-budget is given")
+    g.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop after this much training time (with --max-steps: whichever comes first)")
+    g.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default=None, help="cpu, cuda or auto (default)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available cores)")
+    g.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_run_medusa)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> MedusaTrainConfig:
+    fields = MedusaTrainConfig.__dataclass_fields__
+    kwargs = {_RENAMES.get(k, k): v for k, v in vars(args).items() if k not in _NOT_CONFIG and v is not None}
+    kwargs = {k: v for k, v in kwargs.items() if k in fields}
+    if "time_budget" in kwargs and "max_steps" not in kwargs:
+        kwargs["max_steps"] = None  # time-limited only
+    if args.freeze_projection:
+        kwargs["train_projection"] = False
+    return MedusaTrainConfig(**kwargs)
+
+
+def _run_medusa(args: argparse.Namespace) -> int:
+    result = train_medusa(config_from_args(args), progress=not args.quiet)
+    print(json.dumps({"out": str(result.out), "steps": result.steps, "train_time_s": round(result.train_time, 1),
+                      "heldout_loss_before": round(result.initial_loss, 4),
+                      "heldout_loss_after": round(result.final_loss, 4),
+                      "top1_accuracy": [round(a, 4) for a in result.top1_accuracy]}))
+    return 0
+
