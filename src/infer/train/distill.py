@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from infer.loader import load_model
+from infer.loader.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
     CHECKPOINT_DIR,
@@ -175,6 +176,48 @@ def pair_metrics(target: DecoderOnlyLM, draft: DecoderOnlyLM, windows: torch.Ten
     return {k: v / max(count, 1) for k, v in sums.items()}
 
 
+@dataclass
+class FrozenTarget:
+    """The model a draft or Medusa heads are trained for, frozen, with the data settings of its own
+    training run (each overridable by the caller's config)."""
+
+    model: DecoderOnlyLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_id: int
+    corpus_paths: list[str] | None
+    max_train_chars: int | None
+    held_out_fraction: float
+    seq_len: int
+    data_seed: int
+
+
+def load_frozen_target(cfg: Any, device: torch.device) -> FrozenTarget:
+    """Load ``cfg.target`` in inference mode; ``cfg`` has target, corpus, max_train_chars,
+    held_out_fraction, seq_len and seed (None data settings mean "as the target was trained")."""
+    if not is_complete_model(cfg.target):
+        raise FileNotFoundError(f"{cfg.target}: not a complete model folder (config.json, model.safetensors, "
+                                "tokenizer.json)")
+    targs = target_training_args(cfg.target)
+    target, tcfg = load_model(cfg.target, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                              device=str(device))
+    target.requires_grad_(False)
+    tokenizer = Tokenizer.from_file(str(cfg.target / "tokenizer.json"))
+    eos_id = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else tokenizer.token_to_id("<|end_of_text|>")
+    if eos_id is None:
+        raise ValueError(f"{cfg.target}: no eos_token_id in config.json or generation_config.json")
+    return FrozenTarget(
+        model=target, config=tcfg, tokenizer=tokenizer, eos_id=eos_id,
+        corpus_paths=cfg.corpus if cfg.corpus is not None else targs.get("corpus"),
+        max_train_chars=cfg.max_train_chars if cfg.max_train_chars is not None else targs.get("max_train_chars"),
+        held_out_fraction=(cfg.held_out_fraction if cfg.held_out_fraction is not None
+                           else targs.get("held_out_fraction", 0.05)),
+        seq_len=cfg.seq_len if cfg.seq_len is not None else int(targs.get("seq_len", 256)),
+        # The target's own seed picks the same training subset when the data settings are inherited.
+        data_seed=int(targs.get("seed", cfg.seed)) if cfg.max_train_chars is None else cfg.seed,
+    )
+
+
 def target_training_args(target: Path) -> dict[str, Any]:
     path = target / TRAINING_ARGS_FILE
     if not path.is_file():
@@ -191,9 +234,6 @@ def distill(cfg: DistillConfig, progress: bool = True) -> TrainResult:
     wall_start = time.perf_counter()
     device = pick_device(cfg.device)
     configure_threads(device, cfg.threads)
-    if not is_complete_model(cfg.target):
-        raise FileNotFoundError(f"{cfg.target}: not a complete model folder (config.json, model.safetensors, "
-                                "tokenizer.json)")
     out = cfg.out
     work = out / CHECKPOINT_DIR
     resuming = cfg.resume and (work / CHECKPOINT_FILE).is_file()
@@ -202,21 +242,10 @@ def distill(cfg: DistillConfig, progress: bool = True) -> TrainResult:
     if not resuming:
         (work / CHECKPOINT_FILE).unlink(missing_ok=True)
 
-    # Inherit data settings from the target's run unless given.
-    targs = target_training_args(cfg.target)
-    corpus_paths = cfg.corpus if cfg.corpus is not None else targs.get("corpus")
-    max_chars = cfg.max_train_chars if cfg.max_train_chars is not None else targs.get("max_train_chars")
-    held_frac = cfg.held_out_fraction if cfg.held_out_fraction is not None else targs.get("held_out_fraction", 0.05)
-    seq_len = cfg.seq_len if cfg.seq_len is not None else int(targs.get("seq_len", 256))
-    data_seed = int(targs.get("seed", cfg.seed)) if cfg.max_train_chars is None else cfg.seed
-
-    target, tcfg = load_model(cfg.target, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                              device=str(device))
-    target.requires_grad_(False)
-    tokenizer = Tokenizer.from_file(str(cfg.target / "tokenizer.json"))
-    eos_id = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else tokenizer.token_to_id("<|end_of_text|>")
-    if eos_id is None:
-        raise ValueError(f"{cfg.target}: no eos_token_id in config.json or generation_config.json")
+    frozen = load_frozen_target(cfg, device)
+    target, tcfg, tokenizer, eos_id = frozen.model, frozen.config, frozen.tokenizer, frozen.eos_id
+    corpus_paths, max_chars, held_frac = frozen.corpus_paths, frozen.max_train_chars, frozen.held_out_fraction
+    seq_len, data_seed = frozen.seq_len, frozen.data_seed
     if seq_len > tcfg.max_position_embeddings:
         raise ValueError(f"seq_len={seq_len} exceeds the target's max_position_embeddings "
                          f"{tcfg.max_position_embeddings}")

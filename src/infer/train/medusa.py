@@ -139,12 +139,10 @@ def evaluate_heads(target: Any, heads: MedusaHeads, windows: torch.Tensor, objec
 
 def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainResult:
     """Train ``cfg.heads`` Medusa heads for the frozen ``cfg.target`` and publish them; see the module doc."""
-    from infer.loader import load_model
     from infer.train.common import (
         LoopSettings,
         LoopState,
         configure_threads,
-        is_complete_model,
         pick_device,
         publish_folder,
         run_loop,
@@ -153,31 +151,16 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
     )
     from infer.train.corpus import load_corpus
     from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus
-    from infer.train.distill import target_training_args
+    from infer.train.distill import load_frozen_target
     from infer.train.pretrain import pick_eval_windows
 
     wall_start = time.perf_counter()
     device = pick_device(cfg.device)
     configure_threads(device, cfg.threads)
-    if not is_complete_model(cfg.target):
-        raise FileNotFoundError(f"{cfg.target}: not a complete model folder (config.json, model.safetensors, "
-                                "tokenizer.json)")
-    targs = target_training_args(cfg.target)
-    corpus_paths = cfg.corpus if cfg.corpus is not None else targs.get("corpus")
-    max_chars = cfg.max_train_chars if cfg.max_train_chars is not None else targs.get("max_train_chars")
-    held_frac = cfg.held_out_fraction if cfg.held_out_fraction is not None else targs.get("held_out_fraction", 0.05)
-    seq_len = cfg.seq_len if cfg.seq_len is not None else int(targs.get("seq_len", 256))
-    data_seed = int(targs.get("seed", cfg.seed)) if cfg.max_train_chars is None else cfg.seed
-
-    target, tcfg = load_model(cfg.target, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                              device=str(device))
-    target.requires_grad_(False)
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(cfg.target / "tokenizer.json"))
-    eos_id = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else tokenizer.token_to_id("<|end_of_text|>")
-    if eos_id is None:
-        raise ValueError(f"{cfg.target}: no eos_token_id in config.json or generation_config.json")
+    frozen = load_frozen_target(cfg, device)
+    target, tcfg, tokenizer, eos_id = frozen.model, frozen.config, frozen.tokenizer, frozen.eos_id
+    corpus_paths, max_chars, held_frac = frozen.corpus_paths, frozen.max_train_chars, frozen.held_out_fraction
+    seq_len, data_seed = frozen.seq_len, frozen.data_seed
     seq_len = min(seq_len, tcfg.max_position_embeddings - 1)
     corpus = load_corpus(corpus_paths, held_out_fraction=held_frac)
     t0 = time.perf_counter()
