@@ -7,6 +7,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from infer.cache.paged import PagedKVCachePool
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.slotted import SlottedKVCache
@@ -31,17 +33,20 @@ class RequestUpdate:
     finished: bool
 
 
-def build_pool(config: EngineConfig, model_config: ModelConfig, max_seq_len: int, device: object,
-               dtype: object) -> CachePoolProtocol:
-    """A KV pool for ``model_config`` sized for ``max_batch_size`` full-length sequences by default."""
+def build_pool(config: EngineConfig, model_config: ModelConfig, max_seq_len: int, device: torch.device,
+               dtype: torch.dtype) -> CachePoolProtocol:
+    """A KV pool for ``model_config`` sized for ``max_batch_size`` full-length sequences by default.
+
+    Speculative rounds never write past ``max_seq_len`` (the runner clamps the draft length), so
+    no extra room is needed here; admission reserves the per-round overrun within each sequence.
+    """
     shape = (model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim)
-    # Speculation overruns a sequence by up to max_draft_length + 1 positions before rollback.
     if config.kv_cache_backend == "slotted":
         return SlottedKVCache(*shape, num_slots=config.max_batch_size, max_seq_len=max_seq_len,
-                              dtype=dtype, device=device)  # type: ignore[arg-type]
+                              dtype=dtype, device=device)
     blocks = config.num_kv_blocks or config.max_batch_size * -(-max_seq_len // config.block_size)
     return PagedKVCachePool(*shape, num_blocks=blocks, block_size=config.block_size, max_seq_len=max_seq_len,
-                            dtype=dtype, device=device)  # type: ignore[arg-type]
+                            dtype=dtype, device=device)
 
 
 class Engine:
