@@ -62,9 +62,13 @@ class MedusaTrainConfig:
     log_every: int = 10
     seed: int = 0
     device: str = "auto"
+    precision: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU; or float32 / bfloat16
     threads: int | None = None
 
     def __post_init__(self) -> None:
+        from infer.train.common import uses_bf16
+
+        uses_bf16(torch.device("cpu"), self.precision)  # rejects an unknown precision now, not mid-run
         self.target = Path(self.target).expanduser()
         if self.out is not None:
             self.out = Path(self.out).expanduser()
@@ -142,6 +146,7 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
     from infer.train.common import (
         LoopSettings,
         LoopState,
+        autocast,
         configure_threads,
         pick_device,
         publish_folder,
@@ -189,13 +194,15 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
 
     def step_fn() -> tuple[torch.Tensor, dict[str, float]]:
         ids = sampler.sample().to(device, non_blocking=True)
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast(device, cfg.precision):
             hidden = target(ids).float()
             teacher = torch.softmax(target.compute_logits(hidden).float(), dim=-1) \
                 if cfg.objective == "distill" else None
         hidden = hidden.clone()  # normal tensors, usable by autograd
         teacher = None if teacher is None else teacher.clone()
-        losses = [head_loss(medusa.head_logits(k, hidden), k, ids, teacher) for k in range(cfg.heads)]
+        with autocast(device, cfg.precision):
+            logits = [medusa.head_logits(k, hidden) for k in range(cfg.heads)]
+        losses = [head_loss(logits[k].float(), k, ids, teacher) for k in range(cfg.heads)]
         return torch.stack(losses).mean(), {f"head{k}": float(loss.detach()) for k, loss in enumerate(losses)}
 
     def eval_fn() -> dict[str, float]:
@@ -273,6 +280,8 @@ def add_medusa_parser(train_subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--device", default=None, help="cpu, cuda or auto (default)")
+    g.add_argument("--precision", default=None, choices=["auto", "float32", "bfloat16"],
+                   help="auto (default): bfloat16 autocast on CUDA, float32 on CPU")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available cores)")
     g.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_run_medusa)
