@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from infer.speculative.tree import (
     tree_depths,
     verify_tree,
 )
+from infer.speculative.tree_sizer import TreeSizer, size_ladder
 
 P_THRESHOLD = 1e-3
 PROMPTS = [
@@ -307,14 +308,22 @@ def greedy(max_tokens: int = 24, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
+@pytest.mark.parametrize("sizing", ["adaptive", "fixed"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("tree", ["size_1", "small", "default"])
 def test_greedy_parity_with_plain_decoding(tiny_llama: Path, heads_dirs: dict[str, Path],
-                                           plain_greedy: list[list[int]], tree: str, backend: str) -> None:
+                                           plain_greedy: list[list[int]], tree: str, backend: str,
+                                           sizing: str) -> None:
+    fixed_size = MedusaConfig.from_file(heads_dirs[tree] / CONFIG_FILE).tree_size if sizing == "fixed" else None
     llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs[tree]),
-              max_batch_size=4, **BACKENDS[backend])  # type: ignore[arg-type]
+              max_batch_size=4, medusa_tree_size=fixed_size, **BACKENDS[backend])  # type: ignore[arg-type]
     outputs = llm.generate(PROMPTS, greedy())  # 5 prompts, batches of up to 4
     assert [o.token_ids for o in outputs] == plain_greedy
+    sizer = llm.engine.runner.proposer.sizer  # type: ignore[attr-defined]
+    if sizing == "fixed":
+        assert sizer is None
+    else:  # several sizes were verified, plain steps (size 0) among them, all without changing the output
+        assert sum(n > 0 for n in sizer.counts) > 1 and sizer.counts[0] > 0
     m = outputs[0].metrics
     assert m.num_rounds > 0 and m.mean_accepted_tokens is not None and m.mean_accepted_tokens >= 1.0
     assert m.proposed_per_position and len(m.proposed_per_position) <= 3  # depth <= number of heads
@@ -493,3 +502,50 @@ def test_cli_finds_heads_in_the_default_folder(tiny_llama: Path, tmp_path: Path,
     assert medusa_out["token_ids"] == plain_out["token_ids"]
     assert medusa_out["metrics"]["num_rounds"] > 0
     assert medusa_out["metrics"]["mean_accepted_tokens"] >= 1.0
+
+
+# =============================================================================== tree sizing
+
+
+def play(sizer: TreeSizer, rounds: int, tokens_for: Callable[[int], float],
+         seconds_for: Callable[[int], float]) -> list[int]:
+    chosen = []
+    for _ in range(rounds):
+        n = sizer.choose()
+        chosen.append(n)
+        sizer.observe(round(tokens_for(n)), seconds_for(n))
+    return chosen
+
+
+def expected_tokens(n: int, decay: float = 0.6) -> float:
+    """1 + the accepted nodes of an n-node tree whose k-th node is accepted with chance 0.7 * decay^k."""
+    return 1 + sum(0.7 * decay**k for k in range(n))
+
+
+def test_size_ladder_starts_with_plain_and_ends_with_the_whole_tree() -> None:
+    assert size_ladder(1) == [0, 1]
+    assert size_ladder(32) == [0, 1, 2, 3, 4, 6, 9, 13, 19, 28, 32]
+    with pytest.raises(ValueError, match="max_nodes"):
+        TreeSizer(0)
+
+
+@pytest.mark.parametrize(("decay", "cost_per_node", "best"), [(0.9, 0.0, 32), (0.6, 0.02, 6), (0.6, 1.0, 0)])
+def test_tree_sizer_settles_on_the_fastest_size(decay: float, cost_per_node: float, best: int) -> None:
+    # GPU-like (nodes free): the whole tree; CPU-like (each node costs 2% of a step): a few nodes;
+    # useless heads (a node costs a whole step): plain decoding.
+    sizer = TreeSizer(32)
+    tokens = {n: round(1000 * expected_tokens(n, decay)) for n in sizer.sizes}
+    rates = {n: tokens[n] / (1 + cost_per_node * n) for n in sizer.sizes}
+    assert max(rates, key=lambda n: rates[n]) == best  # the test's premise
+    chosen = play(sizer, 200, lambda n: tokens[n], lambda n: 1 + cost_per_node * n)
+    assert sizer.best_size == best
+    assert sum(n == best for n in chosen[-100:]) >= 90  # exploits, probing now and then
+    assert set(chosen[:22]) == set(sizer.sizes)  # every size was measured first
+
+
+def test_tree_sizer_follows_a_change_in_costs() -> None:
+    sizer = TreeSizer(16)
+    play(sizer, 100, lambda n: 1000 * expected_tokens(n, 0.9), lambda n: 1.0)
+    assert sizer.best_size == 16
+    play(sizer, 400, lambda n: 1000 * expected_tokens(n, 0.9), lambda n: 1 + n)  # nodes became dear
+    assert sizer.best_size == 0

@@ -30,7 +30,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-length", type=int, default=5, help="tokens drafted per round (K)")
     parser.add_argument("--spec-length-policy", default="fixed", choices=["fixed", "entropy", "goodput"])
     parser.add_argument("--medusa-heads", default=None, help="Medusa heads folder (default: <model>/medusa)")
-    parser.add_argument("--medusa-tree-size", type=int, default=None, help="candidate tree nodes per round")
+    parser.add_argument("--medusa-tree-size", type=int, default=None,
+                        help="verify exactly this many tree nodes per round (default: choose each round, "
+                        "up to the heads' tree, by measured tokens/s)")
     parser.add_argument("--max-seq-len", type=int, default=None)
     parser.add_argument("--kv-cache-backend", default="paged", choices=["paged", "slotted"])
 

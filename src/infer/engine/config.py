@@ -35,7 +35,9 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     medusa_heads: str | None = None  # folder of trained Medusa heads (default: <model>/medusa)
-    medusa_tree_size: int | None = None  # candidate tree nodes per round (default: the heads' config)
+    # Tree nodes verified per round. None: up to the heads' configured tree, sized each round by
+    # measured tokens per second (speculative/tree_sizer.py); a number: exactly that tree, always.
+    medusa_tree_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.draft_model is not None and self.speculator is None:

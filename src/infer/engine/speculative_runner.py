@@ -76,26 +76,27 @@ class SpeculativeRunner:
             return []
         lengths = [self._clamp(r, k) for r, k in
                    zip(requests, self.policy.lengths(requests, self.costs.effective_cost(len(requests))), strict=True)]
-        if not any(lengths):  # nothing worth drafting: a plain decode step (still one target pass)
-            start = self._now()
-            out = self.target.decode(requests)
-            self.costs.observe_target(len(requests), self._now() - start)
+        start = self._now()
+        proposal = self.proposer.propose(requests, lengths) if any(lengths) else None
+        drafted = self._now()
+        if proposal is None or not any(proposal.num_tokens):
+            # Nothing worth drafting (or nothing found): a plain decode step, still one target pass.
+            result = self.target.decode(requests)
+            self.costs.observe_target(len(requests), self._now() - drafted)
             for request in requests:
                 request.metrics.record_round(0, 0)
-            return out
-        start = self._now()
-        proposal = self.proposer.propose(requests, lengths)
-        drafted = self._now()
-        steps = max(proposal.num_tokens)
-        # A drafter that times its own single-token steps (the draft model: its first step may
-        # also catch up a whole prompt) reports them; otherwise the whole drafting time is used.
-        step_seconds = getattr(self.proposer, "last_step_seconds", None)
-        if step_seconds is None and steps and not hasattr(self.proposer, "last_step_seconds"):
-            step_seconds = (drafted - start) / steps
-        if step_seconds is not None:
-            self.costs.observe_draft_step(len(requests), step_seconds)
-        result = self.verify(requests, proposal)
-        self.costs.observe_target(len(requests) + sum(proposal.num_tokens), self._now() - drafted)
+        else:
+            steps = max(proposal.num_tokens)
+            # A drafter that times its own single-token steps (the draft model: its first step may
+            # also catch up a whole prompt) reports them; otherwise the whole drafting time is used.
+            step_seconds = getattr(self.proposer, "last_step_seconds", None)
+            if step_seconds is None and not hasattr(self.proposer, "last_step_seconds"):
+                step_seconds = (drafted - start) / steps
+            if step_seconds is not None:
+                self.costs.observe_draft_step(len(requests), step_seconds)
+            result = self.verify(requests, proposal)
+            self.costs.observe_target(len(requests) + sum(proposal.num_tokens), self._now() - drafted)
+        self.proposer.round_finished(len(result), self._now() - start)
         return result
 
     def verify(self, requests: list[Request], proposal: Proposal) -> StepResult:

@@ -30,6 +30,7 @@ from torch import nn
 from infer.engine.request import Request
 from infer.speculative.proposer import Proposal, Proposer
 from infer.speculative.tree import CandidateTree, build_tree, default_rank_accuracy
+from infer.speculative.tree_sizer import TreeSizer
 
 if TYPE_CHECKING:
     from infer.engine.engine import Engine
@@ -234,13 +235,15 @@ class MedusaProposer(Proposer):
 
     ``max_tokens[b]`` caps the tree's depth (the policy's length, the request's remaining budget);
     its size is capped by the room left in the context, since verification writes every node.
+    With ``adaptive`` a :class:`TreeSizer` picks how much of the tree (best nodes first) each round
+    verifies, by measured tokens per second; otherwise every round verifies the whole tree.
     """
 
     name = "medusa"
     wants_hidden = True
 
     def __init__(self, heads: MedusaHeads, tree: CandidateTree, device: torch.device | str,
-                 target_params: int | None = None) -> None:
+                 target_params: int | None = None, adaptive: bool = False) -> None:
         if tree.max_depth > heads.config.num_heads:
             raise ValueError(f"the candidate tree is {tree.max_depth} deep but there are only "
                              f"{heads.config.num_heads} heads")
@@ -249,6 +252,7 @@ class MedusaProposer(Proposer):
         self.tree = tree
         self.device = torch.device(device)
         self.max_verify_nodes = tree.size
+        self.sizer = TreeSizer(tree.size) if adaptive else None
         self._hidden: dict[str, torch.Tensor] = {}
         self._subtrees: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._head_index = torch.tensor(tree.heads, device=self.device)
@@ -268,11 +272,16 @@ class MedusaProposer(Proposer):
     def release(self, request: Request) -> None:
         self._hidden.pop(request.request_id, None)
 
+    def round_finished(self, num_tokens: int, seconds: float) -> None:
+        if self.sizer is not None:
+            self.sizer.observe(num_tokens, seconds)
+
     @torch.inference_mode()
     def propose(self, requests: list[Request], max_tokens: list[int]) -> Proposal:
+        budget = self.sizer.choose() if self.sizer is not None else self.tree.size
         limits = []
         for request, depth in zip(requests, max_tokens, strict=True):
-            room = request.max_seq_len - request.num_tokens  # nodes that still fit in the context
+            room = min(budget, request.max_seq_len - request.num_tokens)  # nodes must fit in the context
             ready = request.request_id in self._hidden
             limits.append((min(depth, self.tree.max_depth), room) if ready and depth > 0 and room > 0 else (0, 0))
         active = [b for b, (d, _) in enumerate(limits) if d > 0]
@@ -324,8 +333,8 @@ def load_medusa_proposer(engine: Engine, max_draft: int) -> MedusaProposer:
             f"{heads.config.vocab_size}, but {config.model} has {target.hidden_size} and {target.vocab_size}: "
             f"retrain them with `infer train medusa --target {config.model}`"
         )
-    # Optional engine-level overrides (EngineConfig may grow these; the heads' config is the default).
-    tree_size = config.medusa_tree_size or heads.config.tree_size
-    tree = heads.config.tree(tree_size)
+    # An explicit tree size is verified whole every round; by default the heads' tree is the largest
+    # candidate and each round verifies the part of it that measures fastest.
+    tree = heads.config.tree(config.medusa_tree_size or heads.config.tree_size)
     target_params = sum(p.numel() for p in engine.model.parameters())
-    return MedusaProposer(heads, tree, engine.device, target_params)
+    return MedusaProposer(heads, tree, engine.device, target_params, adaptive=config.medusa_tree_size is None)

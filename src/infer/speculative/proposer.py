@@ -58,6 +58,9 @@ class Proposer(ABC):
         """The target's final hidden state [B, hidden] at the position whose logits produced each
         request's newest token (called only when ``wants_hidden``)."""
 
+    def round_finished(self, num_tokens: int, seconds: float) -> None:
+        """A whole round (drafting, verification, rollback) emitted ``num_tokens`` in ``seconds``."""
+
     def release(self, request: Request) -> None:
         """The request is gone: free anything held for it (a draft KV slot)."""
 
