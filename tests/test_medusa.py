@@ -504,6 +504,22 @@ def test_cli_finds_heads_in_the_default_folder(tiny_llama: Path, tmp_path: Path,
     assert medusa_out["metrics"]["mean_accepted_tokens"] >= 1.0
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_fused_heads_compute_what_the_heads_compute(shared: bool) -> None:
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(num_heads=3, hidden_size=16, vocab_size=40, num_layers=2))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+        if shared:  # trained with --freeze-projection: every head keeps the target's LM head
+            for head in heads.heads[1:]:
+                head.lm_head.weight.copy_(heads.heads[0].lm_head.weight)  # type: ignore[union-attr]
+    fused = heads.fused()
+    assert fused.shared_projection == shared
+    hidden = torch.randn(5, 16)
+    torch.testing.assert_close(fused(hidden), heads(hidden), rtol=1e-5, atol=1e-5)
+
+
 # =============================================================================== tree sizing
 
 

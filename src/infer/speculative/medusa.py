@@ -196,7 +196,9 @@ class FusedHeads:
     """All K heads' weights stacked: per block ``[K, H, H]`` + ``[K, H]``, projections ``[K, V, H]``.
 
     ``__call__(hidden[A, H]) -> logits[A, K, V]``, the same function as ``MedusaHeads.forward`` in
-    1 + 2 * num_layers batched matmuls instead of K * (1 + num_layers) small ones.
+    1 + 2 * num_layers batched matmuls instead of K * (1 + num_layers) small ones. Heads trained
+    with a frozen projection all hold the target's LM head: it is then kept once and applied to
+    the K heads' states in one matmul, so drafting reads V x H weights once instead of K times.
     """
 
     def __init__(self, heads: MedusaHeads) -> None:
@@ -208,15 +210,22 @@ class FusedHeads:
                 weight = torch.stack([lin.weight.transpose(0, 1) for lin in linears if isinstance(lin, nn.Linear)])
                 bias = torch.stack([lin.bias for lin in linears if isinstance(lin, nn.Linear)])
                 self.blocks.append((weight.contiguous(), bias.unsqueeze(1).contiguous()))
-            self.projection = torch.stack([m.lm_head.weight.transpose(0, 1) for m in modules]).contiguous()
+            projections = [m.lm_head.weight for m in modules]
+            self.shared_projection = all(torch.equal(w, projections[0]) for w in projections[1:])
+            if self.shared_projection:
+                self.projection = projections[0].transpose(0, 1).contiguous().unsqueeze(0)  # [1, H, V]
+            else:
+                self.projection = torch.stack([w.transpose(0, 1) for w in projections]).contiguous()  # [K, H, V]
+        self.num_heads = len(modules)
         self.dtype = self.projection.dtype
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        num_heads = self.projection.shape[0]
-        x = hidden.to(self.dtype).unsqueeze(0).expand(num_heads, -1, -1)  # [K, A, H]
+        x = hidden.to(self.dtype).unsqueeze(0).expand(self.num_heads, -1, -1)  # [K, A, H]
         for weight, bias in self.blocks:
             x = x + F.silu(torch.baddbmm(bias, x, weight))
+        if self.shared_projection:
+            return x.transpose(0, 1) @ self.projection[0]  # [A, K, V]
         return torch.bmm(x, self.projection).transpose(0, 1)  # [A, K, V]
 
 
