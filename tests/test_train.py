@@ -5,6 +5,7 @@ Everything runs on tiny models and a tiny corpus on one CPU thread, so the file 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import torch
 
 from infer.loader import load_model, load_tokenizer
 from infer.train import distill as distill_module
+from infer.train import medusa as medusa_train_module
 from infer.train import pretrain as pretrain_module
 from infer.train import reference as reference_module
 from infer.train.common import CHECKPOINT_DIR, MODEL_FILES, build_model, model_config
@@ -337,6 +339,33 @@ def test_reference_pair_builds_then_reuses(corpus_dir: Path, tmp_path: Path,
     (folder / MARKER_FILE).unlink()
     build_reference_pair(out=folder, settings=tiny_reference(corpus_dir, steps=3), progress=False)
     assert len(calls) == 6
+
+
+def test_reference_pair_medusa_recipe_change_retrains_only_the_heads(corpus_dir: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "pair"
+    base = tiny_reference(corpus_dir)
+    with_heads = dataclasses.replace(base, medusa=dict(heads=2, max_steps=2, eval_windows=2, batch_size=2))
+    build_reference_pair(out=folder, settings=with_heads, progress=False)
+    heads_config = folder / "target" / "medusa" / "medusa_config.json"
+    assert json.loads(heads_config.read_text())["training"]["steps"] == 2
+    assert with_heads.settings_hash() == base.settings_hash() != ""  # heads are not part of the pair's hash
+
+    def no_model_training(cfg: Any, progress: bool = True) -> Any:
+        raise AssertionError("target and draft follow the same recipe and must be reused")
+
+    monkeypatch.setattr(reference_module, "pretrain", no_model_training)
+    monkeypatch.setattr(reference_module, "distill", no_model_training)
+    target_weights = (folder / "target" / "model.safetensors").stat().st_mtime_ns
+    more_steps = dataclasses.replace(with_heads, medusa={**with_heads.medusa, "max_steps": 3})
+    build_reference_pair(out=folder, settings=more_steps, progress=False)
+    assert json.loads(heads_config.read_text())["training"]["steps"] == 3
+    assert json.loads((folder / MARKER_FILE).read_text())["medusa_hash"] == more_steps.medusa_hash()
+    assert (folder / "target" / "model.safetensors").stat().st_mtime_ns == target_weights
+
+    # Now current: nothing is trained again.
+    monkeypatch.setattr(medusa_train_module, "train_medusa", no_model_training)
+    build_reference_pair(out=folder, settings=more_steps, progress=False)
 
 
 def test_reference_pair_interrupted_build_resumes(corpus_dir: Path, tmp_path: Path,

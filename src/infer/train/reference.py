@@ -65,10 +65,13 @@ class ReferenceSettings:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def settings_hash(self) -> str:
-        raw = json.dumps({"pretrain": self.pretrain, "distill": self.distill, "medusa": self.medusa,
-                          "eval_windows": self.eval_windows,
-                          "format": SETTINGS_FORMAT}, sort_keys=True, default=str)
-        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+        """The target and draft recipe: a change rebuilds the whole pair."""
+        return _digest({"pretrain": self.pretrain, "distill": self.distill, "eval_windows": self.eval_windows,
+                        "format": SETTINGS_FORMAT})
+
+    def medusa_hash(self) -> str:
+        """The Medusa heads' recipe: a change retrains only the heads (minutes, not the hour)."""
+        return _digest({"medusa": self.medusa, "format": SETTINGS_FORMAT})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +105,10 @@ REFERENCE_SIZES: dict[str, ReferenceSettings] = {
 }
 
 
+def _digest(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/infer`` or ``~/.cache/infer``."""
     base = os.environ.get("XDG_CACHE_HOME")
@@ -112,17 +119,29 @@ def reference_pair_dir(size: str) -> Path:
     return default_cache_dir() / f"reference-pair-{size}"
 
 
-def is_complete_pair(folder: Path, settings: ReferenceSettings) -> bool:
-    """Marker present with this recipe's hash, and both model folders complete."""
-    marker = folder / MARKER_FILE
-    if not marker.is_file():
-        return False
+def _read_marker(folder: Path) -> dict[str, Any]:
     try:
-        saved = json.loads(marker.read_text())
+        saved = json.loads((folder / MARKER_FILE).read_text())
     except (json.JSONDecodeError, OSError):
-        return False
-    return (isinstance(saved, dict) and saved.get("settings_hash") == settings.settings_hash()
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def is_complete_pair(folder: Path, settings: ReferenceSettings) -> bool:
+    """Marker present with this recipe's hash, and both model folders complete (heads aside)."""
+    return (_read_marker(folder).get("settings_hash") == settings.settings_hash()
             and is_complete_model(folder / "target") and is_complete_model(folder / "draft"))
+
+
+def has_current_heads(folder: Path, settings: ReferenceSettings) -> bool:
+    """The target's Medusa heads exist and follow this recipe (trivially true for a recipe without)."""
+    if not settings.medusa:
+        return True
+    from infer.speculative.medusa import CONFIG_FILE, HEADS_FILE
+
+    heads = folder / "target" / "medusa"
+    return ((heads / HEADS_FILE).is_file() and (heads / CONFIG_FILE).is_file()
+            and _read_marker(folder).get("medusa_hash") == settings.medusa_hash())
 
 
 @contextlib.contextmanager
@@ -158,10 +177,27 @@ def build_reference_pair(size: str = "small", out: str | os.PathLike[str] | None
     folder = Path(out).expanduser() if out is not None else reference_pair_dir(size)
     with _build_lock(folder):
         if not force and is_complete_pair(folder, settings):
+            if not has_current_heads(folder, settings):
+                say(f"reference pair ({size}) cached at {folder}; its Medusa recipe changed: retraining the heads",
+                    progress)
+                _train_heads(folder / "target", settings, device, progress)
+                marker = _read_marker(folder)
+                write_json(folder / MARKER_FILE, {**marker, "medusa_hash": settings.medusa_hash(),
+                                                  "settings": settings.to_dict()})
             say(f"reference pair ({size}) cached at {folder}", progress)
             return folder / "target", folder / "draft"
         _build(folder, size, settings, force, progress, device)
     return folder / "target", folder / "draft"
+
+
+def _train_heads(target_dir: Path, settings: ReferenceSettings, device: str | None, progress: bool) -> None:
+    """Train the recipe's Medusa heads into ``target_dir/medusa`` (replacing any there, atomically)."""
+    from infer.train.medusa import MedusaTrainConfig, train_medusa
+
+    options = {**settings.medusa, "target": target_dir}
+    if device is not None:
+        options["device"] = device
+    train_medusa(MedusaTrainConfig(**options), progress=progress)
 
 
 def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, progress: bool,
@@ -171,15 +207,17 @@ def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, pr
     work = folder.parent / f".{folder.name}.partial"
     partial_marker = work / "building.json"
     if work.exists():
-        same = False
+        saved: dict[str, Any] = {}
         with contextlib.suppress(json.JSONDecodeError, OSError):
-            same = json.loads(partial_marker.read_text()).get("settings_hash") == digest
-        if force or not same:
+            saved = json.loads(partial_marker.read_text())
+        if force or saved.get("settings_hash") != digest:
             shutil.rmtree(work)
         else:
             say(f"continuing the interrupted build in {work}", progress)
+            if saved.get("medusa_hash") != settings.medusa_hash():
+                shutil.rmtree(work / "target" / "medusa", ignore_errors=True)  # heads of another recipe
     work.mkdir(parents=True, exist_ok=True)
-    write_json(partial_marker, {"settings_hash": digest, "size": size})
+    write_json(partial_marker, {"settings_hash": digest, "medusa_hash": settings.medusa_hash(), "size": size})
     say(f"building reference pair ({size}, settings {digest}) in {work}", progress)
 
     target_dir, draft_dir = work / "target", work / "draft"
@@ -196,12 +234,7 @@ def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, pr
         distill(DistillConfig(**dis), progress=progress)
     draft_time = time.perf_counter() - t0
     if settings.medusa and not (target_dir / "medusa" / "medusa_config.json").is_file():
-        from infer.train.medusa import MedusaTrainConfig, train_medusa
-
-        medusa_options = {**settings.medusa, "target": target_dir}
-        if device is not None:
-            medusa_options["device"] = device
-        train_medusa(MedusaTrainConfig(**medusa_options), progress=progress)
+        _train_heads(target_dir, settings, device, progress)
 
     metrics = evaluate_pair(target_dir, draft_dir, settings.eval_windows, pre.get("device", "auto"),
                             pre.get("threads"))
@@ -209,8 +242,8 @@ def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, pr
                     "target_build_s": round(target_time, 1), "draft_build_s": round(draft_time, 1)})
     write_json(work / METRICS_FILE, metrics)
     partial_marker.unlink()
-    write_json(work / MARKER_FILE, {"settings_hash": digest, "size": size, "settings": settings.to_dict(),
-                                    "complete": True})
+    write_json(work / MARKER_FILE, {"settings_hash": digest, "medusa_hash": settings.medusa_hash(), "size": size,
+                                    "settings": settings.to_dict(), "complete": True})
     publish_folder(work, folder)
     say(f"reference pair ({size}) ready at {folder} in {metrics['build_wall_time_s']:.0f}s: "
         f"alpha {metrics['alpha']:.3f}, greedy agreement {metrics['greedy_agreement']:.3f}, "
