@@ -30,38 +30,28 @@ from infer.loader.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
     CHECKPOINT_DIR,
-    CHECKPOINT_FILE,
-    TRAIN_LOG_FILE,
     TRAINING_ARGS_FILE,
-    Checkpointer,
-    LoopState,
-    ThreadTuner,
     autocast,
     build_model,
-    configure_threads,
     count_params,
     is_complete_model,
-    make_optimizer,
     model_config,
-    pick_device,
     publish_folder,
-    run_loop,
     say,
     staging_folder,
     write_json,
     write_model_files,
 )
 from infer.train.corpus import load_corpus
-from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus
+from infer.train.data import TOKENS_FILE, tokenize_corpus
 from infer.train.pretrain import (
     TOKENIZER_FILES,
+    TrainingRun,
     TrainResult,
     _jsonable,
-    _train_log,
     check_precision,
     environment,
-    loop_settings,
-    pick_eval_windows,
+    prepare_run,
     save_dtype,
 )
 
@@ -232,15 +222,9 @@ def target_training_args(target: Path) -> dict[str, Any]:
 def distill(cfg: DistillConfig, progress: bool = True) -> TrainResult:
     """Train a draft for ``cfg.target`` and publish it at ``cfg.out``; see the module docstring."""
     wall_start = time.perf_counter()
-    device = pick_device(cfg.device)
-    configure_threads(device, cfg.threads)
+    device, resuming = prepare_run(cfg, progress)
     out = cfg.out
     work = out / CHECKPOINT_DIR
-    resuming = cfg.resume and (work / CHECKPOINT_FILE).is_file()
-    if cfg.resume and not resuming:
-        say(f"no checkpoint in {work}; starting from scratch", progress)
-    if not resuming:
-        (work / CHECKPOINT_FILE).unlink(missing_ok=True)
 
     frozen = load_frozen_target(cfg, device)
     target, tcfg, tokenizer, eos_id = frozen.model, frozen.config, frozen.tokenizer, frozen.eos_id
@@ -275,19 +259,11 @@ def distill(cfg: DistillConfig, progress: bool = True) -> TrainResult:
     say(f"draft: llama {num_params / 1e6:.2f}M params ({cfg.num_layers} layers, hidden {cfg.hidden_size}) "
         f"for a {target_params / 1e6:.2f}M target on {device}, {torch.get_num_threads()} threads", progress)
 
-    settings = loop_settings(cfg, cfg.batch_size * seq_len)
-    optimizer = make_optimizer(draft, cfg.lr, cfg.weight_decay, device)
-    sampler = WindowSampler(data.train, seq_len, cfg.batch_size, cfg.seed + 1)
-    windows = pick_eval_windows(data, seq_len, cfg.eval_windows)
     identity = {"kind": "distill", "model": dcfg.to_hf_dict(), "data": data.key, "seq_len": seq_len,
                 "batch_size": cfg.batch_size, "seed": cfg.seed, "target": str(cfg.target.resolve()),
                 "temperature": cfg.temperature, "ce_weight": cfg.ce_weight}
-    checkpointer = Checkpointer(out, identity)
-    state = LoopState()
-    if resuming:
-        sampler_state, state = checkpointer.load(draft, optimizer, device)
-        sampler.load_state_dict(sampler_state)
-        say(f"resumed from {checkpointer.path} at step {state.step} ({state.elapsed:.0f}s trained)", progress)
+    run = TrainingRun(cfg, draft, data, seq_len, cfg.seed + 1, identity, device, resuming, progress)
+    sampler, windows = run.sampler, run.windows
 
     def step_fn() -> tuple[torch.Tensor, dict[str, float]]:
         batch = sampler.sample().to(device, non_blocking=True)
@@ -310,20 +286,13 @@ def distill(cfg: DistillConfig, progress: bool = True) -> TrainResult:
         m = pair_metrics(target, draft, windows[:16], device, cfg.batch_size, cfg.precision)
         return {"kl": m["kl"], "alpha": m["alpha"], "agreement": m["agreement"]}
 
-    def save_checkpoint(st: LoopState) -> None:
-        checkpointer.save(draft, optimizer, sampler.state_dict(), st)
-
-    state = run_loop(model=draft, optimizer=optimizer, settings=settings, step_fn=step_fn,
-                     eval_fn=eval_fn if windows.shape[0] else None, state=state,
-                     save_checkpoint=save_checkpoint if cfg.checkpoint_every > 0 else None,
-                     progress=progress, tuner=ThreadTuner.for_device(device, cfg.threads), desc="distill")
+    state = run.train(step_fn, eval_fn, "distill")
     final: dict[str, float] = {}
     if windows.shape[0]:
         final = pair_metrics(target, draft, windows, device, cfg.batch_size, cfg.precision)
         say(f"held-out (T=1, {windows[:, 1:].numel():,} tokens): KL {final['kl']:.4f}, "
             f"alpha {final['alpha']:.4f}, greedy agreement {final['agreement']:.4f}, "
             f"draft loss {final['draft_loss']:.4f} vs target {final['target_loss']:.4f}", progress)
-    train_loss = state.log[-1]["loss"] if state.log else None
 
     with staging_folder(out) as tmp:
         write_model_files(tmp, draft, dcfg, save_dtype(cfg, device))
@@ -337,11 +306,7 @@ def distill(cfg: DistillConfig, progress: bool = True) -> TrainResult:
                 "model_config": dcfg.to_hf_dict(), "num_params": num_params, "target_params": target_params,
                 "corpus_source": corpus.source, **environment(device)}
         write_json(tmp / TRAINING_ARGS_FILE, args)
-        wall = time.perf_counter() - wall_start
-        write_json(tmp / TRAIN_LOG_FILE, _train_log(state, wall, train_loss, final))
-        if cfg.keep_checkpoint:
-            save_checkpoint(state)
-            os.replace(work, tmp / CHECKPOINT_DIR)
+        run.write_log(tmp, wall_start, final)
         publish_folder(tmp, out)
     say(f"saved {out} ({state.step} steps, {state.tokens:,} tokens, {state.elapsed:.0f}s training)", progress)
     return TrainResult(path=out, config=dcfg, num_params=num_params, steps=state.step, tokens=state.tokens,

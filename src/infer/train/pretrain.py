@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from infer.loader.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
     CHECKPOINT_DIR,
+    CHECKPOINT_FILE,
     PRECISIONS,
     TRAIN_LOG_FILE,
     TRAINING_ARGS_FILE,
@@ -168,18 +170,69 @@ def pick_eval_windows(data: TokenData, seq_len: int, count: int) -> torch.Tensor
     return eval_windows(source, seq_len, count)
 
 
+def prepare_run(cfg: Any, progress: bool) -> tuple[torch.device, bool]:
+    """The device (threads configured), and whether ``cfg.resume`` finds a checkpoint in
+    OUT/.checkpoint; starting afresh removes a stale one (it must not be resumed later with another
+    run's tokenizer or data)."""
+    device = pick_device(cfg.device)
+    configure_threads(device, cfg.threads)
+    checkpoint = cfg.out / CHECKPOINT_DIR / CHECKPOINT_FILE
+    resuming = bool(cfg.resume) and checkpoint.is_file()
+    if cfg.resume and not resuming:
+        say(f"no checkpoint in {checkpoint.parent}; starting from scratch", progress)
+    if not resuming:
+        checkpoint.unlink(missing_ok=True)
+    return device, resuming
+
+
+class TrainingRun:
+    """What pretraining and distillation set up alike around the model they train: the optimiser,
+    the window sampler, held-out windows, resumable checkpoints, the loop, and the run's log."""
+
+    def __init__(self, cfg: Any, model: DecoderOnlyLM, data: TokenData, seq_len: int, sampler_seed: int,
+                 identity: dict[str, Any], device: torch.device, resuming: bool, progress: bool) -> None:
+        self.cfg, self.model, self.device, self.progress = cfg, model, device, progress
+        self.settings = loop_settings(cfg, cfg.batch_size * seq_len)
+        self.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
+        self.sampler = WindowSampler(data.train, seq_len, cfg.batch_size, sampler_seed)
+        self.windows = pick_eval_windows(data, seq_len, cfg.eval_windows)
+        self.checkpointer = Checkpointer(cfg.out, identity)
+        self.state = LoopState()
+        if resuming:
+            sampler_state, self.state = self.checkpointer.load(model, self.optimizer, device)
+            self.sampler.load_state_dict(sampler_state)
+            say(f"resumed from {self.checkpointer.path} at step {self.state.step} "
+                f"({self.state.elapsed:.0f}s trained)", progress)
+
+    def save_checkpoint(self, state: LoopState) -> None:
+        self.checkpointer.save(self.model, self.optimizer, self.sampler.state_dict(), state)
+
+    def train(self, step_fn: Callable[[], tuple[torch.Tensor, dict[str, float]]],
+              eval_fn: Callable[[], dict[str, float]], desc: str) -> LoopState:
+        cfg = self.cfg
+        self.state = run_loop(model=self.model, optimizer=self.optimizer, settings=self.settings, step_fn=step_fn,
+                              eval_fn=eval_fn if self.windows.shape[0] else None, state=self.state,
+                              save_checkpoint=self.save_checkpoint if cfg.checkpoint_every > 0 else None,
+                              progress=self.progress, tuner=ThreadTuner.for_device(self.device, cfg.threads),
+                              desc=desc)
+        return self.state
+
+    def write_log(self, folder: Path, wall_start: float, final: dict[str, float]) -> None:
+        """``train_log.json`` into the folder being published, and the checkpoint too if it is kept."""
+        state = self.state
+        train_loss = state.log[-1]["loss"] if state.log else None
+        write_json(folder / TRAIN_LOG_FILE, _train_log(state, time.perf_counter() - wall_start, train_loss, final))
+        if self.cfg.keep_checkpoint:
+            self.save_checkpoint(state)
+            os.replace(self.cfg.out / CHECKPOINT_DIR, folder / CHECKPOINT_DIR)
+
+
 def pretrain(cfg: PretrainConfig, progress: bool = True) -> TrainResult:
     """Train tokenizer + model as configured and publish the folder ``cfg.out``; see the module docstring."""
     wall_start = time.perf_counter()
-    device = pick_device(cfg.device)
-    configure_threads(device, cfg.threads)
+    device, resuming = prepare_run(cfg, progress)
     out = cfg.out
     work = out / CHECKPOINT_DIR
-    resuming = cfg.resume and (work / "state.pt").is_file()
-    if cfg.resume and not resuming:
-        say(f"no checkpoint in {work}; starting from scratch", progress)
-    if not resuming:  # a stale checkpoint must not be resumed later with this run's tokenizer
-        (work / "state.pt").unlink(missing_ok=True)
 
     corpus = load_corpus(cfg.corpus, held_out_fraction=cfg.held_out_fraction)
     say(f"corpus: {corpus.source}: {corpus.train_chars:,} train / {corpus.heldout_chars:,} held-out chars",
@@ -200,18 +253,10 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> TrainResult:
     num_params = count_params(model)
     say(f"model: llama {num_params / 1e6:.2f}M params ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"vocab {mcfg.vocab_size}) on {device}, {torch.get_num_threads()} threads", progress)
-    settings = loop_settings(cfg, cfg.batch_size * cfg.seq_len)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
-    sampler = WindowSampler(data.train, cfg.seq_len, cfg.batch_size, cfg.seed)
-    windows = pick_eval_windows(data, cfg.seq_len, cfg.eval_windows)
     identity = {"kind": "pretrain", "model": mcfg.to_hf_dict(), "data": data.key, "seq_len": cfg.seq_len,
                 "batch_size": cfg.batch_size, "seed": cfg.seed}
-    checkpointer = Checkpointer(out, identity)
-    state = LoopState()
-    if resuming:
-        sampler_state, state = checkpointer.load(model, optimizer, device)
-        sampler.load_state_dict(sampler_state)
-        say(f"resumed from {checkpointer.path} at step {state.step} ({state.elapsed:.0f}s trained)", progress)
+    run = TrainingRun(cfg, model, data, cfg.seq_len, cfg.seed, identity, device, resuming, progress)
+    sampler, windows = run.sampler, run.windows
 
     def step_fn() -> tuple[torch.Tensor, dict[str, float]]:
         batch = sampler.sample().to(device, non_blocking=True)
@@ -223,18 +268,11 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> TrainResult:
     def eval_fn() -> dict[str, float]:
         return {"loss": heldout_loss(model, windows[:16], device, cfg.batch_size, cfg.precision)}
 
-    def save_checkpoint(st: LoopState) -> None:
-        checkpointer.save(model, optimizer, sampler.state_dict(), st)
-
-    state = run_loop(model=model, optimizer=optimizer, settings=settings, step_fn=step_fn,
-                     eval_fn=eval_fn if windows.shape[0] else None, state=state,
-                     save_checkpoint=save_checkpoint if cfg.checkpoint_every > 0 else None,
-                     progress=progress, tuner=ThreadTuner.for_device(device, cfg.threads), desc="pretrain")
+    state = run.train(step_fn, eval_fn, "pretrain")
     final: dict[str, float] = {}
     if windows.shape[0]:
         final["loss"] = heldout_loss(model, windows, device, cfg.batch_size, cfg.precision)
         say(f"held-out loss {final['loss']:.4f} nats/token over {windows[:, 1:].numel():,} tokens", progress)
-    train_loss = state.log[-1]["loss"] if state.log else None
 
     with staging_folder(out) as tmp:
         dtype = save_dtype(cfg, device)
@@ -247,11 +285,7 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> TrainResult:
                 "train_tokens_available": data.num_train_tokens, "heldout_tokens": data.num_heldout_tokens,
                 **environment(device)}
         write_json(tmp / TRAINING_ARGS_FILE, args)
-        wall = time.perf_counter() - wall_start
-        write_json(tmp / TRAIN_LOG_FILE, _train_log(state, wall, train_loss, final))
-        if cfg.keep_checkpoint:
-            save_checkpoint(state)
-            os.replace(work, tmp / CHECKPOINT_DIR)
+        run.write_log(tmp, wall_start, final)
         publish_folder(tmp, out)
     say(f"saved {out} ({state.step} steps, {state.tokens:,} tokens, {state.elapsed:.0f}s training, "
         f"{time.perf_counter() - wall_start:.0f}s total)", progress)
