@@ -318,3 +318,20 @@ def make_small_vocab_checkpoint(
         tensors["lm_head.weight"] = (tensors["lm_head.weight"] * logit_scale).contiguous()
         save_file(tensors, path, metadata={"format": "pt"})
     return out
+
+
+def make_medusa_heads(target: Path, out: Path, *, num_heads: int = 3, tree_size: int = 32, top_k: int = 4,
+                      seed: int = 0, jitter: float = 0.05) -> Path:
+    """Untrained heads for ``target`` (residual blocks perturbed so the heads differ), saved to ``out``."""
+    from infer.loader import load_model
+    from infer.speculative.medusa import MedusaHeads
+
+    model, _ = load_model(target, "float32", "cpu")
+    heads = MedusaHeads.from_target(model.lm_head.weight.detach().clone(), num_heads, tree_size=tree_size,
+                                    top_k=top_k)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in heads.named_parameters():
+            if ".blocks." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * jitter)
+    return heads.save(out)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpoints import make_medusa_heads
 from infer.bench.workloads import code_prompts, edit_prompts, load_prompts
 from infer.cli import main
 from infer.speculative.length_policy import expected_speedup
@@ -36,6 +37,20 @@ def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_
     assert (out / "generation.md").read_text().startswith("workload")
     assert (out / "speedup_vs_k.png").stat().st_size > 1000
     assert "| infer plain |" in capsys.readouterr().out
+
+
+def test_bench_generation_medusa_rows(tiny_llama: Path, tmp_path: Path) -> None:
+    heads = make_medusa_heads(tiny_llama, tmp_path / "heads", tree_size=6)
+    out = tmp_path / "report"
+    code = main(["bench", "generation", "--model", str(tiny_llama), "--num-prompts", "1", "--max-tokens", "8",
+                 "--repeats", "1", "--no-ngram", "--no-transformers", "--medusa-heads", str(heads),
+                 "--medusa-tree-size", "2", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "generation.json").read_text())
+    modes = {r["mode"]: r for r in report["results"]}
+    assert set(modes) == {"infer plain", "infer + Medusa", "infer + Medusa (2-node tree)"}
+    assert report["greedy_outputs_identical"] is True
+    assert all(modes[m]["mean_accepted_tokens"] >= 1.0 for m in ("infer + Medusa", "infer + Medusa (2-node tree)"))
 
 
 def test_workloads_and_prompt_files(tmp_path: Path) -> None:

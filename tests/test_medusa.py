@@ -21,6 +21,7 @@ from scipy.stats import chisquare
 
 import infer.engine.speculative_runner as speculative_runner
 import infer.speculative.tree as tree_module
+from checkpoints import make_medusa_heads
 from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.llm import LLM
@@ -59,20 +60,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def make_medusa_heads(target: Path, out: Path, *, num_heads: int = 3, tree_size: int = 32, top_k: int = 4,
-                      seed: int = 0, jitter: float = 0.05) -> Path:
-    """Untrained heads for ``target`` (residual blocks perturbed so the heads differ), saved to ``out``."""
-    model, _ = load_model(target, "float32", "cpu")
-    heads = MedusaHeads.from_target(model.lm_head.weight.detach().clone(), num_heads, tree_size=tree_size,
-                                    top_k=top_k)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in heads.named_parameters():
-            if ".blocks." in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * jitter)
-    return heads.save(out)
 
 
 @pytest.fixture(scope="module")

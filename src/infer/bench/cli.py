@@ -26,6 +26,8 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--no-ngram", action="store_true")
     gen.add_argument("--medusa-heads", default=None,
                      help="Medusa heads folder for an extra row (default: <model>/medusa when it exists)")
+    gen.add_argument("--medusa-tree-size", type=int, nargs="*", default=[], metavar="N",
+                     help="also rows with a fixed N-node tree (the default row sizes its tree by measurement)")
     gen.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     gen.add_argument("--repeats", type=int, default=3)
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -55,7 +57,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         model=args.model, draft_model=args.draft_model, prompts=prompts, workload=args.workload,
         max_tokens=args.max_tokens, temperature=temperature, spec_lengths=args.spec_length,
         policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
-        hf=not args.no_transformers,
+        medusa_tree_sizes=args.medusa_tree_size, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed,
     )
     report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))

@@ -34,6 +34,7 @@ class BenchSettings:
     policies: list[str] = field(default_factory=lambda: ["entropy", "goodput"])
     ngram: bool = True
     medusa_heads: str | None = None  # a Medusa heads folder: adds an "infer + Medusa" row
+    medusa_tree_sizes: list[int] = field(default_factory=list)  # plus one row per fixed tree size
     hf: bool = True
     repeats: int = 3
     dtype: str = "float32"
@@ -148,6 +149,9 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     if settings.medusa_heads:
         infer_mode("infer + Medusa", speculator="medusa", medusa_heads=settings.medusa_heads,
                    spec_length=max(settings.spec_lengths))
+        for size in settings.medusa_tree_sizes:
+            infer_mode(f"infer + Medusa ({size}-node tree)", speculator="medusa", medusa_heads=settings.medusa_heads,
+                       spec_length=max(settings.spec_lengths), medusa_tree_size=size)
     if settings.hf:
         from infer.bench.hf_baseline import run_transformers_modes
 
