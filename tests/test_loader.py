@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
 from infer.loader import CheckpointError, load_config, load_model, load_tokenizer, resolve_model_path
+from infer.models.layers import PackedLinear, count_weights, cpu_packing_available
 from infer.train.tokenizer import IM_END_ID, IM_START_ID
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -213,6 +214,24 @@ def test_dtype_is_applied(tiny_llama: Path) -> None:
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     model, _ = load_model(tiny_llama, "auto", "cpu")
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_cpu_bfloat16_weights_are_packed_and_compute_the_same(tiny_llama: Path) -> None:
+    if not cpu_packing_available():
+        pytest.skip("this torch build cannot pre-pack bfloat16 weights for oneDNN")
+    packed, _ = load_model(tiny_llama, "bfloat16", "cpu")
+    unpacked, _ = load_model(tiny_llama, "bfloat16", "cpu", pack=False)
+    assert isinstance(packed.lm_head, PackedLinear) and not isinstance(unpacked.lm_head, PackedLinear)
+    assert count_weights(packed) == count_weights(unpacked)
+    ids = torch.randint(0, packed.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ours, reference = (m.compute_logits(m(ids)).float() for m in (packed, unpacked))
+    torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2)
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    float32, _ = load_model(tiny_llama, "float32", "cpu")  # float32 keeps F.linear: exact parity tests use it
+    assert not isinstance(float32.lm_head, PackedLinear)
+    with pytest.raises(RuntimeError, match="fused"):
+        load_model(tiny_llama, "bfloat16", "cpu", fuse=False, pack=True)
 
 
 # ------------------------------------------------------------------------- hub cache

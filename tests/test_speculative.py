@@ -179,6 +179,20 @@ def test_greedy_parity(tiny_llama: Path, request: pytest.FixtureRequest, drafter
         assert len({o.metrics.accepted_tokens for o in spec}) > 1
 
 
+@pytest.mark.parametrize("drafter", ["noisy_draft", "ngram"])
+def test_greedy_parity_in_bfloat16_with_packed_cpu_weights(tiny_llama: Path, request: pytest.FixtureRequest,
+                                                           drafter: str) -> None:
+    # bfloat16 on CPU runs the pre-packed oneDNN linears (where available): a 1-token decode step
+    # and a (K+1)-token verification pass go through different kernels and must still agree.
+    def bf16(**options: Any) -> LLM:
+        return LLM(str(tiny_llama), dtype="bfloat16", device="cpu", **options)
+
+    plain = bf16().generate(PROMPTS, GREEDY)
+    spec = bf16(**drafter_options(drafter, request), spec_length=4).generate(PROMPTS, GREEDY)
+    assert_same_outputs(spec, plain)
+    assert total(spec, "accepted_tokens") > 0
+
+
 def test_greedy_parity_with_penalty_and_sampled_batch_mates(tiny_llama: Path, noisy_draft: Path) -> None:
     """Greedy rows (one with a repetition penalty) stay exact while batched with sampled rows."""
     prompts = PROMPTS[:4]

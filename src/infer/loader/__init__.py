@@ -55,15 +55,16 @@ def load_config(folder: Path) -> ModelConfig:
 
 
 def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
-               device: str = "auto", fuse: bool = True) -> tuple[DecoderOnlyLM, ModelConfig]:
+               device: str = "auto", fuse: bool = True, pack: bool | None = None) -> tuple[DecoderOnlyLM, ModelConfig]:
     """Build the architecture named by ``config.json`` and fill it from safetensors.
 
     ``fuse`` merges q/k/v and gate/up projections for faster inference; pass False to get the
-    Hugging Face module layout (training, saving).
+    Hugging Face module layout (training, saving). ``pack`` pre-packs the fused weights for oneDNN
+    (``DecoderOnlyLM.pack_for_cpu``); the default does so for bfloat16 on CPU where torch supports it.
     """
     # Imported here: the model modules import loader.config, so a top-level import would be circular.
     from infer.models import MODEL_REGISTRY
-    from infer.models.layers import rope_inv_freq
+    from infer.models.layers import cpu_packing_available, rope_inv_freq
 
     folder = resolve_model_path(ref)
     dev = resolve_device(device)
@@ -96,6 +97,10 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     model.inv_freq = rope_inv_freq(config).to(dev)
     if fuse:
         model.fuse_projections()
+    if pack is None:
+        pack = fuse and dev.type == "cpu" and torch_dtype == torch.bfloat16 and cpu_packing_available()
+    if pack:
+        model.pack_for_cpu()
     return model.eval(), config
 
 

@@ -6,6 +6,7 @@ saves to the same names.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -163,6 +164,56 @@ def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+@functools.cache
+def cpu_packing_available() -> bool:
+    """Whether this torch build can pre-pack bfloat16 weights for oneDNN and gets the same products.
+
+    The two operators are the ones torch.compile's CPU backend uses for frozen linears; they are
+    internal, so they are probed once (present, and matching ``F.linear`` on a small case) rather
+    than trusted.
+    """
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
+        x = torch.randn(2, 3, 32, generator=gen).to(torch.bfloat16)
+        packed = ops._linear_pointwise(x, ops._reorder_linear_weight(weight, 1), None, "none", [], "")
+        return bool(torch.allclose(packed.float(), F.linear(x, weight).float(), rtol=1e-2, atol=1e-2))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` for CPU bfloat16 inference with the weight pre-packed in oneDNN's blocked layout.
+
+    Decoding multiplies a handful of rows by each weight; with the weight laid out for the CPU's
+    bfloat16 instructions once, those products run 1.5-4x faster than ``F.linear`` re-laying it out
+    on every call (measured on the project's 2-core AMD EPYC). The packed tensor is opaque: it
+    cannot be saved, trained or moved, so only ``DecoderOnlyLM.pack_for_cpu`` creates these.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_numel = linear.weight.numel()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")  # type: ignore[no-any-return]
+
+
+def count_weights(model: nn.Module) -> int:
+    """Parameters, counting pre-packed linear weights (which are not ``nn.Parameter``s) too."""
+    packed = sum(m.weight_numel for m in model.modules() if isinstance(m, PackedLinear))
+    return packed + sum(p.numel() for p in model.parameters())
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -228,6 +279,18 @@ class DecoderOnlyLM(nn.Module):
             for name in ("gate_proj", "up_proj"):
                 delattr(layer.mlp, name)
         self.fused = True
+
+    def pack_for_cpu(self) -> None:
+        """Replace every projection and the LM head by a ``PackedLinear`` (fused, bfloat16, CPU only)."""
+        if not self.fused:
+            raise RuntimeError("pack_for_cpu needs the fused inference layout (fuse_projections first)")
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
+            attn.qkv_proj, attn.o_proj = PackedLinear(attn.qkv_proj), PackedLinear(attn.o_proj)  # type: ignore[assignment]
+            mlp.gate_up_proj, mlp.down_proj = PackedLinear(mlp.gate_up_proj), PackedLinear(mlp.down_proj)  # type: ignore[assignment]
+        self.lm_head = PackedLinear(self.lm_head)  # type: ignore[assignment]  # a tied head gets its own packed copy
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

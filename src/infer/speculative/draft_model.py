@@ -11,6 +11,7 @@ import torch
 from infer.engine.continuous_runner import kv_tokens_needed
 from infer.engine.model_runner import ModelRunner
 from infer.engine.request import Request
+from infer.models.layers import count_weights
 from infer.sampling.sampler import sample_from_probs
 from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_presence
 from infer.speculative.proposer import Proposal, Proposer
@@ -40,7 +41,7 @@ class DraftModelProposer(Proposer):
         self.extra_tokens = extra_tokens
         self.slots: dict[str, int] = {}
         self._fed_before_round: dict[str, int] = {}
-        draft_params = sum(p.numel() for p in runner.model.parameters())
+        draft_params = count_weights(runner.model)
         self._cost_hint = draft_params / max(1, target_params)
         self.continue_fn: ContinueFn | None = None
         # Seconds per single-token draft step in the last round, timed apart from the first step
@@ -154,7 +155,7 @@ def load_draft_proposer(engine: Engine, max_draft: int) -> DraftModelProposer:
     check_compatible(engine, model_config.vocab_size, tokenizer)
     # Same backend and sequence length as the target; its own (smaller) per-token footprint.
     pool = build_pool(config, model_config, engine.max_seq_len, engine.device, engine.dtype)
-    target_params = sum(p.numel() for p in engine.model.parameters())
+    target_params = count_weights(engine.model)
     return DraftModelProposer(ModelRunner(model, pool), target_params, max_draft + 1)
 
 

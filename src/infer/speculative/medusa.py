@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.engine.request import Request
+from infer.models.layers import count_weights
 from infer.speculative.proposer import Proposal, Proposer
 from infer.speculative.tree import CandidateTree, build_tree, default_rank_accuracy
 from infer.speculative.tree_sizer import TreeSizer
@@ -345,5 +346,5 @@ def load_medusa_proposer(engine: Engine, max_draft: int) -> MedusaProposer:
     # An explicit tree size is verified whole every round; by default the heads' tree is the largest
     # candidate and each round verifies the part of it that measures fastest.
     tree = heads.config.tree(config.medusa_tree_size or heads.config.tree_size)
-    target_params = sum(p.numel() for p in engine.model.parameters())
+    target_params = count_weights(engine.model)
     return MedusaProposer(heads, tree, engine.device, target_params, adaptive=config.medusa_tree_size is None)
