@@ -27,6 +27,7 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.engine.llm import LLM
 from infer.engine.request import Request
 from infer.loader import load_model
+from infer.models.layers import cpu_packing_available
 from infer.sampling.params import SamplingParams
 from infer.speculative.medusa import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads, MedusaProposer
 from infer.speculative.proposer import Proposal
@@ -491,8 +492,9 @@ def test_cli_finds_heads_in_the_default_folder(tiny_llama: Path, tmp_path: Path,
     assert medusa_out["metrics"]["mean_accepted_tokens"] >= 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [False, True])
-def test_fused_heads_compute_what_the_heads_compute(shared: bool) -> None:
+def test_fused_heads_compute_what_the_heads_compute(shared: bool, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     heads = MedusaHeads(MedusaConfig(num_heads=3, hidden_size=16, vocab_size=40, num_layers=2))
     with torch.no_grad():
@@ -501,10 +503,14 @@ def test_fused_heads_compute_what_the_heads_compute(shared: bool) -> None:
         if shared:  # trained with --freeze-projection: every head keeps the target's LM head
             for head in heads.heads[1:]:
                 head.lm_head.weight.copy_(heads.heads[0].lm_head.weight)  # type: ignore[union-attr]
+    heads.to(dtype)
     fused = heads.fused()
     assert fused.shared_projection == shared
-    hidden = torch.randn(5, 16)
-    torch.testing.assert_close(fused(hidden), heads(hidden), rtol=1e-5, atol=1e-5)
+    assert (fused.packed is not None) == (dtype == torch.bfloat16 and cpu_packing_available())
+    hidden = torch.randn(5, 16, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(hidden).float(), heads(hidden).float(), rtol=tol, atol=tol)
 
 
 # =============================================================================== tree sizing

@@ -60,8 +60,10 @@ def small_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(small_target: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
     heads = make_medusa_heads(small_target, tmp_path_factory.mktemp("medusa_small_heads") / "medusa",
                               num_heads=2, tree_size=10, top_k=4, jitter=0.2)
+    # A fixed tree: every round verifies all 10 nodes (the measured-size default could settle on plain steps
+    # for this batch of 256, leaving the tree acceptance untested).
     return LLM(str(small_target), speculator="medusa", medusa_heads=str(heads), dtype="float32", device="cpu",
-               max_batch_size=256, max_seq_len=32)
+               max_batch_size=256, max_seq_len=32, medusa_tree_size=10)
 
 
 def run_engine(llm: LLM, params: dict[str, Any], n: int = NUM_SAMPLES, seed0: int = 0) -> tuple[np.ndarray, int, int]:

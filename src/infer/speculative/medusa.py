@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.engine.request import Request
-from infer.models.layers import count_weights
+from infer.models.layers import PackedLinear, count_weights, cpu_packing_available
 from infer.speculative.proposer import Proposal, Proposer
 from infer.speculative.tree import CandidateTree, build_tree, default_rank_accuracy
 from infer.speculative.tree_sizer import TreeSizer
@@ -200,6 +200,7 @@ class FusedHeads:
     1 + 2 * num_layers batched matmuls instead of K * (1 + num_layers) small ones. Heads trained
     with a frozen projection all hold the target's LM head: it is then kept once and applied to
     the K heads' states in one matmul, so drafting reads V x H weights once instead of K times.
+    In bfloat16 on CPU the projections are pre-packed for oneDNN, as the target's are.
     """
 
     def __init__(self, heads: MedusaHeads) -> None:
@@ -219,12 +220,19 @@ class FusedHeads:
                 self.projection = torch.stack([w.transpose(0, 1) for w in projections]).contiguous()  # [K, H, V]
         self.num_heads = len(modules)
         self.dtype = self.projection.dtype
+        self.packed: list[PackedLinear] | None = None
+        if self.projection.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_packing_available():
+            self.packed = [PackedLinear(m.lm_head) for m in (modules[:1] if self.shared_projection else modules)]
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.to(self.dtype).unsqueeze(0).expand(self.num_heads, -1, -1)  # [K, A, H]
         for weight, bias in self.blocks:
             x = x + F.silu(torch.baddbmm(bias, x, weight))
+        if self.packed is not None:
+            if len(self.packed) == 1:
+                return self.packed[0](x.transpose(0, 1))  # type: ignore[no-any-return]
+            return torch.stack([proj(x[k]) for k, proj in enumerate(self.packed)], dim=1)
         if self.shared_projection:
             return x.transpose(0, 1) @ self.projection[0]  # [A, K, V]
         return torch.bmm(x, self.projection).transpose(0, 1)  # [A, K, V]
