@@ -27,7 +27,7 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.engine.llm import LLM
 from infer.engine.request import Request
 from infer.loader import load_model
-from infer.models.layers import cpu_packing_available
+from infer.models.layers import cpu_packing_available, flex_available
 from infer.sampling.params import SamplingParams
 from infer.speculative.medusa import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads, MedusaProposer
 from infer.speculative.proposer import Proposal
@@ -316,6 +316,29 @@ def test_greedy_parity_with_plain_decoding(tiny_llama: Path, heads_dirs: dict[st
     assert m.num_rounds > 0 and m.mean_accepted_tokens is not None and m.mean_accepted_tokens >= 1.0
     assert m.proposed_per_position and len(m.proposed_per_position) <= 3  # depth <= number of heads
     assert all(a <= p for a, p in zip(m.accepted_per_position, m.proposed_per_position, strict=True))
+
+
+@pytest.mark.skipif(not flex_available(), reason="this torch has no FlexAttention")
+def test_greedy_parity_with_flex_tree_attention(tiny_llama: Path, heads_dirs: dict[str, Path],
+                                                plain_greedy: list[list[int]],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import infer.engine.model_runner as model_runner
+
+    made: list[tuple[int, ...]] = []
+    real = model_runner.block_mask_from
+
+    def spy(mask: torch.Tensor) -> Any:
+        made.append(tuple(mask.shape))
+        return real(mask)
+
+    monkeypatch.setattr(model_runner, "block_mask_from", spy)
+    llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["small"]),
+              medusa_tree_size=5, tree_attention="flex", max_batch_size=4)
+    outputs = llm.generate(PROMPTS[:4], greedy(max_tokens=12))
+    assert [o.token_ids for o in outputs] == [tokens[:12] for tokens in plain_greedy[:4]]
+    assert made and all(shape[2] > 1 for shape in made)  # only tree passes (several rows) used flex
+    with pytest.raises(ValueError, match="tree_attention"):
+        LLM(str(tiny_llama), device="cpu", tree_attention="triton")
 
 
 def plant_oracle(llm: LLM, references: dict[tuple[int, ...], list[int]], seed: int = 0,

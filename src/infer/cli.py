@@ -33,6 +33,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--medusa-tree-size", type=int, default=None,
                         help="verify exactly this many tree nodes per round (default: choose each round, "
                         "up to the heads' tree, by measured tokens/s)")
+    parser.add_argument("--tree-attention", default="sdpa", choices=["sdpa", "flex"],
+                        help="Medusa tree verification: SDPA with a dense mask, or FlexAttention (for CUDA)")
     parser.add_argument("--max-seq-len", type=int, default=None)
     parser.add_argument("--kv-cache-backend", default="paged", choices=["paged", "slotted"])
 
@@ -43,7 +45,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 speculator=args.speculator, use_speculative_decoding=args.speculative_decoding,
                 spec_length=args.spec_length, spec_length_policy=args.spec_length_policy,
                 max_seq_len=args.max_seq_len, kv_cache_backend=args.kv_cache_backend,
-                medusa_heads=args.medusa_heads, medusa_tree_size=args.medusa_tree_size)
+                medusa_heads=args.medusa_heads, medusa_tree_size=args.medusa_tree_size,
+                tree_attention=args.tree_attention)
 
 
 def _add_generate(sub: Any) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -31,6 +31,7 @@ class KVBatch:
     read_start: int | None  # B == 1 and rows contiguous: context is rows[read_start : read_start + L]
     context_len: int  # L
     mask: torch.Tensor  # [B, 1, T, L] bool, True = may attend
+    block_mask: Any = None  # the same mask as a FlexAttention BlockMask, when the runner asks for flex
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the whole context, ``[B, kv_heads, L, head_dim]``."""

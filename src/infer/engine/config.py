@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 SPECULATORS = ("draft", "ngram", "medusa")
 LENGTH_POLICIES = ("fixed", "entropy", "goodput")
 KV_BACKENDS = ("paged", "slotted")
+TREE_ATTENTION = ("sdpa", "flex")
 
 
 @dataclass
@@ -38,6 +41,9 @@ class EngineConfig:
     # Tree nodes verified per round. None: up to the heads' configured tree, sized each round by
     # measured tokens per second (speculative/tree_sizer.py); a number: exactly that tree, always.
     medusa_tree_size: int | None = None
+    # Tree verification kernel: SDPA with the dense boolean mask, or FlexAttention with a block mask
+    # (compiled on CUDA; on CPU it runs eagerly and is only a slower reference).
+    tree_attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.draft_model is not None and self.speculator is None:
@@ -74,6 +80,14 @@ class EngineConfig:
             raise ValueError(f"max_seq_len={self.max_seq_len} is invalid: must be >= 2")
         if self.medusa_tree_size is not None and self.medusa_tree_size < 1:
             raise ValueError(f"medusa_tree_size={self.medusa_tree_size} is invalid: must be >= 1")
+        if self.tree_attention not in TREE_ATTENTION:
+            raise ValueError(f"tree_attention={self.tree_attention!r} is invalid: use sdpa or flex")
+        if self.tree_attention == "flex":
+            from infer.models.layers import flex_available
+
+            if not flex_available():
+                raise ValueError(f"tree_attention='flex' needs torch.nn.attention.flex_attention (torch "
+                                 f">= 2.5); this is torch {torch.__version__}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
 

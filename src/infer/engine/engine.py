@@ -70,7 +70,7 @@ class Engine:
             assert isinstance(self.pool, PagedKVCachePool)
             prefix_cache = PrefixCache(self.pool)
         self.prefix_cache = prefix_cache
-        target = ContinuousRunner(ModelRunner(self.model, self.pool), prefix_cache)
+        target = ContinuousRunner(ModelRunner(self.model, self.pool, config.tree_attention), prefix_cache)
         self.runner: Runner = target
         if config.use_speculative_decoding:
             from infer.engine.speculative_runner import build_speculative_runner

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from infer.cache.protocol import CachePoolProtocol, build_kv_batch
-from infer.models.layers import DecoderOnlyLM
+from infer.models.layers import DecoderOnlyLM, block_mask_from
 
 
 class ModelRunner:
@@ -17,9 +17,10 @@ class ModelRunner:
     verification are all "append these tokens to these sequences"; only the caller differs.
     """
 
-    def __init__(self, model: DecoderOnlyLM, pool: CachePoolProtocol) -> None:
+    def __init__(self, model: DecoderOnlyLM, pool: CachePoolProtocol, tree_attention: str = "sdpa") -> None:
         self.model = model
         self.pool = pool
+        self.tree_attention = tree_attention  # "flex": tree passes use FlexAttention with a block mask
         self.device = pool.device
         self.vocab_size = model.config.vocab_size
 
@@ -46,6 +47,8 @@ class ModelRunner:
         if positions is None:
             positions = torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device)
         kv = build_kv_batch(self.pool, slots, starts, lengths, tree_mask)
+        if tree_mask is not None and self.tree_attention == "flex":
+            kv.block_mask = block_mask_from(kv.mask)
         return self.model(ids, positions, kv)
 
     @torch.inference_mode()

@@ -118,7 +118,10 @@ class Attention(nn.Module):
             kv.write(self.layer_idx, k, v)
             keys, values = kv.gather(self.layer_idx)
             mask, causal = kv.mask, False
-        out = _sdpa(q.transpose(1, 2), keys, values, mask, causal)
+        if kv is not None and kv.block_mask is not None:
+            out = flex_attention_with(kv.block_mask, q.transpose(1, 2), keys, values)
+        else:
+            out = _sdpa(q.transpose(1, 2), keys, values, mask, causal)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
 
 
@@ -129,6 +132,43 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def block_mask_from(mask: torch.Tensor) -> Any:
+    """A FlexAttention ``BlockMask`` for a dense ``[B, 1, T, L]`` boolean mask (tree verification)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, _, width, context = mask.shape
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return mask[b, 0, q, k]
+
+    return create_block_mask(mask_mod, batch, None, width, context, device=mask.device)
+
+
+@functools.cache
+def _flex_kernel(device_type: str) -> Any:
+    """FlexAttention compiled where it pays (CUDA); eager elsewhere (a slow reference, for tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+
+
+def flex_attention_with(block_mask: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():  # eager flex warns that it is unfused; that is known and intended off CUDA
+        warnings.simplefilter("ignore", UserWarning)
+        out = _flex_kernel(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return out  # type: ignore[no-any-return]
 
 
 class MLP(nn.Module):
