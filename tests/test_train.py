@@ -309,7 +309,7 @@ def test_reference_pair_builds_then_reuses(corpus_dir: Path, tmp_path: Path,
         assert key in metrics
     assert 0.0 <= metrics["alpha"] <= 1.0 and metrics["target_params"] > metrics["draft_params"]
     marker = json.loads((folder / MARKER_FILE).read_text())
-    assert marker["settings_hash"] == settings.settings_hash()
+    assert marker["settings_hash"] == settings.settings_hash() and metrics["resumed"] is False
     assert _no_temp_siblings(tmp_path) and not (tmp_path / ".pair.partial").exists()
 
     calls: list[str] = []
@@ -389,6 +389,11 @@ def test_reference_pair_interrupted_build_resumes(corpus_dir: Path, tmp_path: Pa
     monkeypatch.setattr(reference_module, "distill", distill_module.distill)
     build_reference_pair(out=folder, settings=settings, progress=False)
     assert (folder / MARKER_FILE).is_file() and not (tmp_path / ".pair.partial").exists()
+    # The reused target's time comes from its own log, so the build time still covers every stage.
+    metrics = json.loads((folder / METRICS_FILE).read_text())
+    logged = json.loads((folder / "target" / "train_log.json").read_text())["wall_time_s"]
+    assert metrics["resumed"] is True and metrics["target_build_s"] == pytest.approx(logged, abs=0.1)
+    assert metrics["build_wall_time_s"] >= metrics["target_build_s"] + metrics["draft_build_s"]
 
 
 def test_reference_pair_default_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

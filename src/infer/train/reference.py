@@ -202,7 +202,6 @@ def _train_heads(target_dir: Path, settings: ReferenceSettings, device: str | No
 
 def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, progress: bool,
            device: str | None) -> None:
-    start = time.perf_counter()
     digest = settings.settings_hash()
     work = folder.parent / f".{folder.name}.partial"
     partial_marker = work / "building.json"
@@ -221,25 +220,34 @@ def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, pr
     say(f"building reference pair ({size}, settings {digest}) in {work}", progress)
 
     target_dir, draft_dir = work / "target", work / "draft"
-    t0 = time.perf_counter()
     pre = {**settings.pretrain, "out": target_dir, "resume": True}
     dis = {**settings.distill, "target": target_dir, "out": draft_dir, "resume": True}
     if device is not None:
         pre["device"] = dis["device"] = device
-    if not is_complete_model(target_dir):
-        pretrain(PretrainConfig(**pre), progress=progress)
-    target_time = time.perf_counter() - t0
+    # Stage times: measured now, or read from a stage finished by an earlier (interrupted) build.
+    stage_s: dict[str, float] = {}
+    reused: list[str] = []
+    for stage, folder_done, run in (("target", target_dir, lambda: pretrain(PretrainConfig(**pre), progress=progress)),
+                                    ("draft", draft_dir, lambda: distill(DistillConfig(**dis), progress=progress))):
+        t0 = time.perf_counter()
+        if is_complete_model(folder_done):
+            stage_s[stage] = _logged_wall_time(folder_done)
+            reused.append(stage)
+        else:
+            run()
+            stage_s[stage] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if not is_complete_model(draft_dir):
-        distill(DistillConfig(**dis), progress=progress)
-    draft_time = time.perf_counter() - t0
     if settings.medusa and not (target_dir / "medusa" / "medusa_config.json").is_file():
         _train_heads(target_dir, settings, device, progress)
+    stage_s["medusa"] = time.perf_counter() - t0
 
+    t0 = time.perf_counter()
     metrics = evaluate_pair(target_dir, draft_dir, settings.eval_windows, pre.get("device", "auto"),
                             pre.get("threads"))
-    metrics.update({"size": size, "settings_hash": digest, "build_wall_time_s": round(time.perf_counter() - start, 1),
-                    "target_build_s": round(target_time, 1), "draft_build_s": round(draft_time, 1)})
+    stage_s["evaluation"] = time.perf_counter() - t0
+    metrics.update({"size": size, "settings_hash": digest, "build_wall_time_s": round(sum(stage_s.values()), 1),
+                    "target_build_s": round(stage_s["target"], 1), "draft_build_s": round(stage_s["draft"], 1),
+                    "medusa_build_s": round(stage_s["medusa"], 1), "resumed": bool(reused)})
     write_json(work / METRICS_FILE, metrics)
     partial_marker.unlink()
     write_json(work / MARKER_FILE, {"settings_hash": digest, "medusa_hash": settings.medusa_hash(), "size": size,
@@ -249,6 +257,13 @@ def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, pr
         f"alpha {metrics['alpha']:.3f}, greedy agreement {metrics['greedy_agreement']:.3f}, "
         f"target {metrics['target_params'] / 1e6:.2f}M / draft {metrics['draft_params'] / 1e6:.2f}M params",
         progress)
+
+
+def _logged_wall_time(model_dir: Path) -> float:
+    """Wall time a finished training stage recorded in its train_log.json (0 if it did not)."""
+    with contextlib.suppress(OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return float(json.loads((model_dir / "train_log.json").read_text())["wall_time_s"])
+    return 0.0
 
 
 def _median_forward_ms(model: DecoderOnlyLM, ids: torch.Tensor, repeats: int = 7) -> float:
