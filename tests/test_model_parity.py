@@ -160,3 +160,19 @@ def test_greedy_generation_matches_transformers(checkpoint: Path, backend: str) 
         assert out.token_ids[:cut] == expected[:cut]
         # Not a one-token loop: the comparison exercises real context dependence.
         assert len(set(out.token_ids)) > 4
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_half_precision_gqa_attention_folds_query_heads_exactly(width: int) -> None:
+    # The bfloat16 path folds each KV head's query heads into the query length; it must compute
+    # what plain grouped-query attention (K/V heads repeated) computes, masks included.
+    from infer.models.layers import _sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, width, 16, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(2, 2, 9, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    mask = torch.rand(2, 1, width, 9, generator=gen) > 0.3
+    mask[..., 0] = True
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.repeat_interleave(3, 1).float(), v.repeat_interleave(3, 1).float(), attn_mask=mask)
+    torch.testing.assert_close(_sdpa(q, k, v, mask, False).float(), reference, rtol=2e-2, atol=2e-2)
