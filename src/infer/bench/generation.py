@@ -7,6 +7,7 @@ after one warm-up generation per mode.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import statistics
 import sys
@@ -65,20 +66,6 @@ def _params(settings: BenchSettings, seed: int) -> SamplingParams:
                           seed=seed)
 
 
-def _time_infer(llm: LLM, settings: BenchSettings, say: Callable[[str], None], label: str) -> tuple[list[float], list[Any]]:
-    llm.generate([settings.prompts[0]], _params(settings, settings.seed))  # warm-up
-    rates, outputs = [], []
-    for rep in range(settings.repeats):
-        for i, prompt in enumerate(settings.prompts):
-            start = time.perf_counter()
-            out = llm.generate([prompt], _params(settings, settings.seed + 1000 * rep + i))[0]
-            rates.append(len(out.token_ids) / (time.perf_counter() - start))
-            if rep == 0:
-                outputs.append(out)
-        say(f"{label}: repeat {rep + 1}/{settings.repeats}, median {statistics.median(rates):.1f} tok/s")
-    return rates, outputs
-
-
 def _spec_stats(outputs: list[Any]) -> dict[str, Any]:
     accepted = sum(o.metrics.accepted_tokens for o in outputs)
     proposed = sum(o.metrics.proposed_tokens for o in outputs)
@@ -98,48 +85,53 @@ def _spec_stats(outputs: list[Any]) -> dict[str, Any]:
     }
 
 
-def measure_cost_ratio(settings: BenchSettings, say: Callable[[str], None]) -> float | None:
-    """c = time of one draft decode step / one target decode step, both plain decoding in infer."""
-    if settings.draft_model is None:
-        return None
-    times = {}
-    for name, path in (("target", settings.model), ("draft", settings.draft_model)):
-        llm = LLM(path, dtype=settings.dtype, device=settings.device)
-        params = SamplingParams(max_tokens=settings.max_tokens, temperature=0.0, ignore_eos=True)
-        llm.generate([settings.prompts[0]], params)
-        outs = [llm.generate([p], params)[0] for p in settings.prompts]
-        times[name] = statistics.median(1.0 / o.metrics.decode_tokens_per_s for o in outs if o.metrics.decode_tokens_per_s)
-        del llm
-    ratio = times["draft"] / times["target"]
-    say(f"cost ratio c = draft step / target step = {times['draft'] * 1e3:.2f} ms / {times['target'] * 1e3:.2f} ms = {ratio:.3f}")
-    return ratio
+# One timed generation: (tokens per second, the infer RequestOutput or None for transformers).
+RunFn = Callable[[str, int], tuple[float, Any]]
+
+
+@dataclass
+class _Mode:
+    result: ModeResult
+    run: RunFn
+    outputs: list[Any] = field(default_factory=list)
+    reported: bool = True
+
+
+def _infer_runner(settings: BenchSettings, **options: Any) -> RunFn:
+    # One request at a time: a batch of one needs only one sequence's KV cache.
+    llm = LLM(settings.model, dtype=settings.dtype, device=settings.device, max_batch_size=1, **options)
+
+    def run(prompt: str, seed: int) -> tuple[float, Any]:
+        start = time.perf_counter()
+        out = llm.generate([prompt], _params(settings, seed))[0]
+        return len(out.token_ids) / (time.perf_counter() - start), out
+
+    return run
 
 
 def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Load every mode, then time them interleaved: each (repeat, prompt) runs all modes back to back,
+    in an order that rotates per repeat, so a machine that speeds up or slows down over minutes
+    (shared or throttled CPUs) shifts every mode alike instead of whichever ran at that time."""
     torch.manual_seed(settings.seed)
-    results: list[ModeResult] = []
-    common: dict[str, Any] = dict(dtype=settings.dtype, device=settings.device)
+    modes: list[_Mode] = []
 
-    def infer_mode(mode: str, **options: Any) -> ModeResult:
-        say(f"[{mode}] loading")
-        llm = LLM(settings.model, **common, **options)
-        rates, outputs = _time_infer(llm, settings, say, mode)
-        result = ModeResult(mode, "infer", statistics.median(rates), rates,
-                            spec_length=options.get("spec_length"), policy=options.get("spec_length_policy"),
-                            texts=[o.text for o in outputs])
-        if options:
-            for key, value in _spec_stats(outputs).items():
-                setattr(result, key, value)
-        results.append(result)
+    def infer_mode(name: str, reported: bool = True, **options: Any) -> ModeResult:
+        say(f"[{name}] loading")
+        model = options.pop("model", settings.model)
+        run = _infer_runner(dataclasses.replace(settings, model=model), **options)
+        result = ModeResult(name, "infer", 0.0, [], spec_length=options.get("spec_length"),
+                            policy=options.get("spec_length_policy"))
+        modes.append(_Mode(result, run, reported=reported))
         return result
 
     plain = infer_mode("infer plain")
-    cost = measure_cost_ratio(settings, say)
+    draft_alone = None
     if settings.draft_model is not None:
+        # Not a row: the draft model decoding on its own gives the cost ratio c (draft step / target step).
+        draft_alone = infer_mode("draft model alone", reported=False, model=settings.draft_model)
         for k in settings.spec_lengths:
-            r = infer_mode(f"infer + draft K={k}", draft_model=settings.draft_model, spec_length=k)
-            if r.alpha is not None and cost is not None:
-                r.predicted_speedup = expected_speedup(r.alpha, k, cost)
+            infer_mode(f"infer + draft K={k}", draft_model=settings.draft_model, spec_length=k)
         for policy in settings.policies:
             infer_mode(f"infer + draft ({policy})", draft_model=settings.draft_model,
                        spec_length=max(settings.spec_lengths), spec_length_policy=policy)
@@ -153,9 +145,47 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             infer_mode(f"infer + Medusa ({size}-node tree)", speculator="medusa", medusa_heads=settings.medusa_heads,
                        spec_length=max(settings.spec_lengths), medusa_tree_size=size)
     if settings.hf:
-        from infer.bench.hf_baseline import run_transformers_modes
+        from infer.bench.hf_baseline import transformers_runners
 
-        results.extend(run_transformers_modes(settings, say))
+        say("[transformers] loading")
+        for name, run, spec_length in transformers_runners(settings):
+            modes.append(_Mode(ModeResult(name, "transformers", 0.0, [], spec_length=spec_length), run))
+
+    say(f"warming up {len(modes)} modes")
+    for mode in modes:
+        mode.run(settings.prompts[0], settings.seed)
+    for rep in range(settings.repeats):
+        order = modes[rep % len(modes):] + modes[: rep % len(modes)]
+        for i, prompt in enumerate(settings.prompts):
+            for mode in order:
+                rate, out = mode.run(prompt, settings.seed + 1000 * rep + i)
+                mode.result.samples.append(rate)
+                if out is not None:
+                    mode.outputs.append(out)
+        say(f"repeat {rep + 1}/{settings.repeats}: " + ", ".join(
+            f"{m.result.mode} {statistics.median(m.result.samples):.1f}" for m in modes if m.reported))
+
+    for mode in modes:
+        r = mode.result
+        r.tokens_per_s = statistics.median(r.samples)
+        r.texts = [o.text for o in mode.outputs[: len(settings.prompts)]]
+        if r.engine == "infer" and r.mode != "infer plain":
+            for key, value in _spec_stats(mode.outputs).items():
+                setattr(r, key, value)
+    cost = None
+    if draft_alone is not None:
+        def step_seconds(outputs: list[Any]) -> float:
+            return statistics.median(1.0 / o.metrics.decode_tokens_per_s for o in outputs if o.metrics.decode_tokens_per_s)
+
+        draft_step = step_seconds(next(m.outputs for m in modes if m.result is draft_alone))
+        target_step = step_seconds(next(m.outputs for m in modes if m.result is plain))
+        cost = draft_step / target_step
+        say(f"cost ratio c = draft step / target step = {draft_step * 1e3:.2f} ms / {target_step * 1e3:.2f} ms "
+            f"= {cost:.3f}")
+    results = [m.result for m in modes if m.reported]
+    for r in results:
+        if r.mode.startswith("infer + draft K=") and r.alpha is not None and cost is not None:
+            r.predicted_speedup = expected_speedup(r.alpha, r.spec_length or 0, cost)
 
     hf_plain = next((r for r in results if r.mode == "transformers generate"), None)
     for r in results:

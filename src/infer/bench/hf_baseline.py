@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from infer.bench.generation import BenchSettings, ModeResult
+    from infer.bench.generation import BenchSettings, RunFn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def run_transformers_modes(settings: BenchSettings, say: Callable[[str], None]) -> list[ModeResult]:
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+def transformers_runners(settings: BenchSettings) -> list[tuple[str, RunFn, int | None]]:
+    """(name, run, spec_length) for transformers generate, assisted generation and prompt lookup.
 
-    from infer.bench.generation import ModeResult
+    ``run(prompt, seed)`` generates exactly ``max_tokens`` tokens and returns (tokens/s, None).
+    """
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     device = "cuda" if settings.device in ("cuda", "auto") and torch.cuda.is_available() else settings.device
     dtype = DTYPES.get(settings.dtype, torch.float32)
@@ -31,29 +31,23 @@ def run_transformers_modes(settings: BenchSettings, say: Callable[[str], None]) 
     modes: list[tuple[str, dict[str, Any]]] = [("transformers generate", {})]
     if draft is not None:
         modes.append(("transformers assisted", {"assistant_model": draft}))
-    if settings.ngram:
+    if settings.ngram and settings.temperature == 0:  # transformers' prompt lookup is greedy-only
         modes.append(("transformers prompt lookup", {"prompt_lookup_num_tokens": k}))
     sampling: dict[str, Any] = {"do_sample": False}
     if settings.temperature > 0:
         sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0}
-    results = []
-    for name, extra in modes:
-        if extra.get("prompt_lookup_num_tokens") and settings.temperature > 0:
-            continue  # transformers' prompt lookup is greedy-only
-        say(f"[{name}] running")
 
-        def run(prompt: str, _extra: dict[str, Any] = extra) -> float:
+    def runner(extra: dict[str, Any]) -> RunFn:
+        def run(prompt: str, seed: int) -> tuple[float, Any]:
+            torch.manual_seed(seed)
             ids = torch.tensor([tokenizer.encode(prompt)], device=device)
             start = time.perf_counter()
             with torch.inference_mode():
                 out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.max_tokens,
                                       min_new_tokens=settings.max_tokens, pad_token_id=tokenizer.pad_token_id or 0,
-                                      **sampling, **_extra)
-            return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
+                                      **sampling, **extra)
+            return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start), None
 
-        run(settings.prompts[0])  # warm-up
-        rates = [run(p) for _ in range(settings.repeats) for p in settings.prompts]
-        say(f"[{name}] median {statistics.median(rates):.1f} tok/s")
-        results.append(ModeResult(name, "transformers", statistics.median(rates), rates,
-                                  spec_length=extra.get("prompt_lookup_num_tokens")))
-    return results
+        return run
+
+    return [(name, runner(extra), extra.get("prompt_lookup_num_tokens")) for name, extra in modes]
