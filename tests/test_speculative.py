@@ -437,6 +437,21 @@ def test_goodput_length_choice() -> None:
     assert "bad" not in policy.alpha
 
 
+def test_goodput_new_requests_start_from_recent_acceptance() -> None:
+    policy = GoodputLength(max_length=8)
+    first, second = fake_request("first"), fake_request("second")
+    assert policy.lengths([second], cost=0.45) == [1]  # the fixed prior (0.6) alone: one draft
+    for _ in range(30):
+        policy.update(first, proposed=4, accepted=4)
+    policy.release(first)
+    assert policy.recent_alpha > 0.9
+    assert policy.lengths([second], cost=0.45)[0] >= 3  # starts where the drafter has been doing well
+    for _ in range(60):
+        policy.update(second, proposed=4, accepted=0)
+    assert policy.recent_alpha < 0.1
+    assert policy.lengths([fake_request("third")], cost=0.45) == [0]
+
+
 def test_goodput_probes_while_at_zero() -> None:
     """A request stuck at K = 0 drafts two tokens every probe_every rounds to re-measure α and c."""
     bad = fake_request("bad")

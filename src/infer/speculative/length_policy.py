@@ -80,8 +80,10 @@ class EntropyLength(LengthPolicy):
 class GoodputLength(LengthPolicy):
     """Pick the K in [0, max_length] that maximises Theorem 3.8 for this request's acceptance rate.
 
-    α is an exponential moving average of the request's per-token acceptance (starting from a
-    prior); ``cost`` comes from the runner's measured timings and grows with batch size, because a
+    α is an exponential moving average of the request's per-token acceptance, starting from the
+    acceptance this drafter has recently achieved across requests (a fixed prior until it has any:
+    a new request is most likely like the last ones, and short requests would otherwise spend
+    their few rounds climbing from a pessimistic prior); ``cost`` comes from the runner's measured timings and grows with batch size, because a
     verification pass of K+1 tokens per request gets dearer as the batch fills. K = 0 (plain
     decoding) is chosen whenever speculation cannot pay; every ``probe_every`` plain rounds one
     round drafts two tokens so a request whose text turns predictable can win speculation back.
@@ -93,12 +95,13 @@ class GoodputLength(LengthPolicy):
         self.ema = ema
         self.probe_every = probe_every
         self.alpha: dict[str, float] = {}
+        self.recent_alpha = prior_alpha  # EMA over every request's rounds: where new requests start
         self._plain_rounds: dict[str, int] = {}
 
     def lengths(self, requests: list[Request], cost: float) -> list[int]:
         out = []
         for request in requests:
-            alpha = self.alpha.get(request.request_id, self.prior_alpha)
+            alpha = self.alpha.get(request.request_id, self.recent_alpha)
             best = max(range(self.max_length + 1), key=lambda k: expected_speedup(alpha, k, cost))
             if best == 0:
                 waited = self._plain_rounds.get(request.request_id, 0) + 1
@@ -117,8 +120,9 @@ class GoodputLength(LengthPolicy):
         # first rejection ends a round, so later drafts were never tested).
         judged = accepted + (1 if accepted < proposed else 0)
         observed = accepted / judged
-        prev = self.alpha.get(request.request_id, self.prior_alpha)
+        prev = self.alpha.get(request.request_id, self.recent_alpha)
         self.alpha[request.request_id] = (1 - self.ema) * prev + self.ema * observed
+        self.recent_alpha = (1 - self.ema / 4) * self.recent_alpha + self.ema / 4 * observed
 
     def release(self, request: Request) -> None:
         self.alpha.pop(request.request_id, None)
