@@ -78,7 +78,7 @@ class EntropyLength(LengthPolicy):
 
 
 class GoodputLength(LengthPolicy):
-    """Pick the K in [0, max_length] that maximises Theorem 3.8 for this request's acceptance rate.
+    """Pick the K in [0, max_length] that maximises Theorem 3.8 for the batch's acceptance rates.
 
     α is an exponential moving average of the request's per-token acceptance, starting from the
     acceptance this drafter has recently achieved across requests (a fixed prior until it has any:
@@ -99,18 +99,25 @@ class GoodputLength(LengthPolicy):
         self._plain_rounds: dict[str, int] = {}
 
     def lengths(self, requests: list[Request], cost: float) -> list[int]:
+        # One K for the whole batch: drafting runs as many steps as the longest draft and the
+        # verification pass is padded to it, so a round costs what its longest draft costs. Pick
+        # the K that maximises the batch's expected tokens per unit of time (Theorem 3.8 summed
+        # over requests; for one request it is the theorem itself).
+        alphas = [self.alpha.get(r.request_id, self.recent_alpha) for r in requests]
+        best = max(range(self.max_length + 1),
+                   key=lambda k: sum(expected_speedup(a, k, 0.0) for a in alphas) / (cost * k + 1))
+        if best > 0:
+            return [best] * len(requests)
         out = []
         for request in requests:
-            alpha = self.alpha.get(request.request_id, self.recent_alpha)
-            best = max(range(self.max_length + 1), key=lambda k: expected_speedup(alpha, k, cost))
-            if best == 0:
-                waited = self._plain_rounds.get(request.request_id, 0) + 1
-                self._plain_rounds[request.request_id] = waited
-                if waited >= self.probe_every:
-                    # Two drafts, so the draft model's single-token step gets timed too (the first
-                    # step of a round also catches the draft cache up and is not a clean sample).
-                    best, self._plain_rounds[request.request_id] = min(2, self.max_length), 0
-            out.append(best)
+            waited = self._plain_rounds.get(request.request_id, 0) + 1
+            self._plain_rounds[request.request_id] = waited
+            probe = 0
+            if waited >= self.probe_every:
+                # Two drafts, so the draft model's single-token step gets timed too (the first
+                # step of a round also catches the draft cache up and is not a clean sample).
+                probe, self._plain_rounds[request.request_id] = min(2, self.max_length), 0
+            out.append(probe)
         return out
 
     def update(self, request: Request, proposed: int, accepted: int) -> None:
