@@ -87,12 +87,13 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def torch_single_thread() -> Iterator[None]:
-    """One intra-op CPU thread for the whole test session (some modules also name it explicitly).
+    """One intra-op CPU thread for every test, restored afterwards.
 
     The tiny test models are far faster single-threaded: with 64-wide layers, handing work to a
-    second thread costs more than the matmul, and on a busy machine 10-30x more.
+    second thread costs more than the matmul, and on a busy machine 10-30x more. Per test rather
+    than per session because training code under test sets its own thread count.
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

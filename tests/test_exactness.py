@@ -16,7 +16,6 @@ chi-square test; x1 itself is checked against P(x1 | prompt).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,15 +47,6 @@ CONFIGS: dict[str, dict[str, float | int]] = {
     "repetition_penalty_1.5": {"temperature": 1.0, "repetition_penalty": 1.5},
 }
 DRAFTERS = ("draft", "ngram")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls: one intra-op thread is much faster than OpenMP spinning on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

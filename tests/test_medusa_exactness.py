@@ -11,7 +11,6 @@ must be caught.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +39,6 @@ CONFIGS: dict[str, dict[str, float | int]] = {
     "temperature_0.7_top_k_3": {"temperature": 0.7, "top_k": 3},
     "repetition_penalty_1.5": {"temperature": 1.0, "repetition_penalty": 1.5},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

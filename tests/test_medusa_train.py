@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,14 +16,6 @@ from infer.sampling.params import SamplingParams
 from infer.speculative.medusa import CONFIG_FILE, HEADS_FILE, MedusaHeads
 from infer.train.corpus import stdlib_root
 from infer.train.medusa import MedusaTrainConfig, add_medusa_parser, train_medusa
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -49,15 +48,6 @@ BACKENDS: dict[str, dict[str, Any]] = {
     "paged": {"kv_cache_backend": "paged", "block_size": 4},
     "slotted": {"kv_cache_backend": "slotted"},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls: one intra-op thread is much faster than OpenMP spinning on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +37,6 @@ TINY_MODEL: dict[str, Any] = dict(hidden_size=64, num_layers=2, num_heads=4, num
 TINY_DRAFT: dict[str, Any] = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 TINY_RUN: dict[str, Any] = dict(seq_len=48, batch_size=8, device="cpu", threads=1, eval_windows=8,
                                 checkpoint_every=0.0)
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
