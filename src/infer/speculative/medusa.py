@@ -214,15 +214,17 @@ class FusedHeads:
                 self.blocks.append((weight.contiguous(), bias.unsqueeze(1).contiguous()))
             projections = [m.lm_head.weight for m in modules]
             self.shared_projection = all(torch.equal(w, projections[0]) for w in projections[1:])
-            if self.shared_projection:
-                self.projection = projections[0].transpose(0, 1).contiguous().unsqueeze(0)  # [1, H, V]
-            else:
-                self.projection = torch.stack([w.transpose(0, 1) for w in projections]).contiguous()  # [K, H, V]
         self.num_heads = len(modules)
-        self.dtype = self.projection.dtype
+        self.dtype = projections[0].dtype
+        distinct = modules[:1] if self.shared_projection else modules
+        # Either pre-packed projections (CPU bfloat16) or one stacked tensor, never both copies.
         self.packed: list[PackedLinear] | None = None
-        if self.projection.device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_packing_available():
-            self.packed = [PackedLinear(m.lm_head) for m in (modules[:1] if self.shared_projection else modules)]
+        self.projection: torch.Tensor | None = None
+        if projections[0].device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_packing_available():
+            self.packed = [PackedLinear(m.lm_head) for m in distinct]
+        else:
+            with torch.no_grad():  # [K or 1, H, V]
+                self.projection = torch.stack([m.lm_head.weight.transpose(0, 1) for m in distinct]).contiguous()
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -233,6 +235,7 @@ class FusedHeads:
             if len(self.packed) == 1:
                 return self.packed[0](x.transpose(0, 1))  # type: ignore[no-any-return]
             return torch.stack([proj(x[k]) for k, proj in enumerate(self.packed)], dim=1)
+        assert self.projection is not None
         if self.shared_projection:
             return x.transpose(0, 1) @ self.projection[0]  # [A, K, V]
         return torch.bmm(x, self.projection).transpose(0, 1)  # [A, K, V]
