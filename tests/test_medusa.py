@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +52,6 @@ PROMPTS = [
     "for i in range(10):\n    print(",
 ]
 BACKENDS = {"paged": dict(kv_cache_backend="paged", block_size=4), "slotted": dict(kv_cache_backend="slotted")}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls: one intra-op thread is much faster than OpenMP spinning on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -373,18 +364,24 @@ def plant_oracle(llm: LLM, references: dict[tuple[int, ...], list[int]], seed: i
     return proposer
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_greedy_parity_with_deep_acceptance_through_the_tree(
-        tiny_llama: Path, heads_dirs: dict[str, Path], plain_greedy: list[list[int]], backend: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    moved: list[int] = []
+@pytest.fixture
+def moved(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many K/V rows each compaction moved (``copy_positions`` is spied on)."""
+    rows: list[int] = []
     real_copy = speculative_runner.copy_positions
 
     def spy(pool: CachePoolProtocol, moves: list[tuple[int, list[int], list[int]]]) -> None:
-        moved.extend(len(src) for _, src, _ in moves)
+        rows.extend(len(src) for _, src, _ in moves)
         real_copy(pool, moves)
 
     monkeypatch.setattr(speculative_runner, "copy_positions", spy)
+    return rows
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_greedy_parity_with_deep_acceptance_through_the_tree(
+        tiny_llama: Path, heads_dirs: dict[str, Path], plain_greedy: list[list[int]], backend: str,
+        moved: list[int]) -> None:
     llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
               max_batch_size=3, **BACKENDS[backend])  # type: ignore[arg-type]
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
@@ -431,17 +428,9 @@ def test_tree_shrinks_to_fit_the_context(tiny_llama: Path, heads_dirs: dict[str,
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_compacted_cache_gives_the_logits_of_a_fresh_forward(
         tiny_llama: Path, heads_dirs: dict[str, Path], plain_greedy: list[list[int]], backend: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        moved: list[int]) -> None:
     """After Medusa rounds that kept scattered paths, decoding from the cache gives the logits of a
     cache-free forward over the final sequence."""
-    moved: list[int] = []
-    real_copy = speculative_runner.copy_positions
-
-    def spy(pool: CachePoolProtocol, moves: list[tuple[int, list[int], list[int]]]) -> None:
-        moved.extend(len(src) for _, src, _ in moves)
-        real_copy(pool, moves)
-
-    monkeypatch.setattr(speculative_runner, "copy_positions", spy)
     llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
               **BACKENDS[backend])  # type: ignore[arg-type]
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]

@@ -7,7 +7,6 @@ after one warm-up generation per mode.
 
 from __future__ import annotations
 
-import dataclasses
 import platform
 import statistics
 import sys
@@ -97,9 +96,9 @@ class _Mode:
     reported: bool = True
 
 
-def _infer_runner(settings: BenchSettings, **options: Any) -> RunFn:
+def _infer_runner(settings: BenchSettings, model: str, **options: Any) -> RunFn:
     # One request at a time: a batch of one needs only one sequence's KV cache.
-    llm = LLM(settings.model, dtype=settings.dtype, device=settings.device, max_batch_size=1, **options)
+    llm = LLM(model, dtype=settings.dtype, device=settings.device, max_batch_size=1, **options)
 
     def run(prompt: str, seed: int) -> tuple[float, Any]:
         start = time.perf_counter()
@@ -118,8 +117,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
 
     def infer_mode(name: str, reported: bool = True, **options: Any) -> ModeResult:
         say(f"[{name}] loading")
-        model = options.pop("model", settings.model)
-        run = _infer_runner(dataclasses.replace(settings, model=model), **options)
+        run = _infer_runner(settings, options.pop("model", settings.model), **options)
         result = ModeResult(name, "infer", 0.0, [], spec_length=options.get("spec_length"),
                             policy=options.get("spec_length_policy"))
         modes.append(_Mode(result, run, reported=reported))
