@@ -3,7 +3,7 @@
 A bigger candidate tree accepts a little more per round but costs more per verification pass,
 and where the balance lies depends on the hardware: on a GPU a 64-node pass costs about what a
 1-token step does, on a CPU it costs several. Rather than model that, the sizer treats each size
-on a ladder (0 = a plain step, 1, 2, 4, ... up to the tree) as an arm and measures it: an
+on a ladder (0 = a plain step, 1, 2, 3, 4, 6, 9, ... up to the tree) as an arm and measures it: an
 exponential moving average of tokens emitted and of seconds per round, per arm. It first tries
 every arm a few times, then plays the arm with the best tokens/second, and every ``probe_every``
 rounds tries a neighbour of the best one so the estimates follow changes in batch size or text.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 
 def size_ladder(max_nodes: int) -> list[int]:
-    """0, 1, 2, 3, 4, 6, 8, 12, 16, ... (about x1.5 apart), ending with ``max_nodes`` itself."""
+    """0, 1, 2, 3, 4, 6, 9, 13, 19, ... (about x1.5 apart), ending with ``max_nodes`` itself."""
     sizes, n = [0], 1
     while n < max_nodes:
         sizes.append(n)
@@ -38,22 +38,20 @@ class TreeSizer:
         self.tokens = [0.0] * len(self.sizes)
         self.seconds = [0.0] * len(self.sizes)
         self.counts = [0] * len(self.sizes)
-        self.rounds = 0
         self._arm = len(self.sizes) - 1
         self._probe_up = True
 
     def choose(self) -> int:
         """The node budget of the next round."""
         untried = [i for i, n in enumerate(self.counts) if n < self.warmup_rounds]
-        best = self.best_arm()
         if untried:
             self._arm = untried[-1]  # largest first: the heads' own tree is the prior favourite
         elif self.rounds % self.probe_every == self.probe_every - 1:
             step = 1 if self._probe_up else -1
             self._probe_up = not self._probe_up
-            self._arm = min(max(best + step, 0), len(self.sizes) - 1)
+            self._arm = min(max(self.best_arm() + step, 0), len(self.sizes) - 1)
         else:
-            self._arm = best
+            self._arm = self.best_arm()
         return self.sizes[self._arm]
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -65,7 +63,10 @@ class TreeSizer:
             self.tokens[arm] += self.ema * (tokens - self.tokens[arm])
             self.seconds[arm] += self.ema * (seconds - self.seconds[arm])
         self.counts[arm] += 1
-        self.rounds += 1
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.counts)
 
     def rate(self, arm: int) -> float:
         return self.tokens[arm] / self.seconds[arm] if self.counts[arm] and self.seconds[arm] > 0 else 0.0
