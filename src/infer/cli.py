@@ -1,7 +1,7 @@
-"""The ``infer`` command: generate, serve, train, bench, demo.
+"""The ``infer`` command: generate, serve, train, bench, audit, demo.
 
 Each subcommand lives with the code it drives (``infer.server.cli``, ``infer.train.cli``,
-``infer.bench.cli``); this module only wires them together.
+``infer.bench.cli``, ``infer.audit.cli``); this module only wires them together.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from infer.engine.request import Request
 
-SUBCOMMAND_MODULES = ("infer.server.cli", "infer.train.cli", "infer.bench.cli", "infer.demo")
+SUBCOMMAND_MODULES = ("infer.server.cli", "infer.train.cli", "infer.bench.cli", "infer.audit.cli", "infer.demo")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

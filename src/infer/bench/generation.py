@@ -65,7 +65,8 @@ def _params(settings: BenchSettings, seed: int) -> SamplingParams:
                           seed=seed)
 
 
-def _spec_stats(outputs: list[Any]) -> dict[str, Any]:
+def speculation_stats(outputs: list[Any]) -> dict[str, Any]:
+    """α, acceptance rate, tokens per target pass and acceptance by draft position over ``outputs``."""
     accepted = sum(o.metrics.accepted_tokens for o in outputs)
     proposed = sum(o.metrics.proposed_tokens for o in outputs)
     rounds = sum(o.metrics.num_rounds for o in outputs)
@@ -168,7 +169,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         r.tokens_per_s = statistics.median(r.samples)
         r.texts = [o.text for o in mode.outputs[: len(settings.prompts)]]
         if r.engine == "infer" and r.mode != "infer plain":
-            for key, value in _spec_stats(mode.outputs).items():
+            for key, value in speculation_stats(mode.outputs).items():
                 setattr(r, key, value)
     cost = None
     if draft_alone is not None:

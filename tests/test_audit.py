@@ -1,0 +1,299 @@
+"""``infer audit``: its statistics are right, it passes the real engine, and it fails real bugs.
+
+The negative controls break the speculative path the way real bugs do, by wrapping the one
+function every chain round goes through (``verify_drafts``, patched wherever it was imported):
+a target distribution at the wrong temperature, a rejection that resamples from p instead of the
+residual norm(max(0, p - q)), a draft q that is not the distribution the drafts were sampled from,
+and a greedy verifier that reads the wrong row. Each must make the audit FAIL at its default
+sample size, while the unbroken engine PASSes the same audit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+import infer.speculative.rejection as rejection
+from checkpoints import make_small_vocab_checkpoint
+from infer.audit import AuditSettings, exit_code, run_audit
+from infer.audit.checks import FAIL, LOW_POWER, NEAR_TIE, PASS, next_token_logits
+from infer.audit.stats import (
+    cell_chisquare,
+    chi2_isf,
+    chi2_sf,
+    detectable_tv,
+    ncx2_sf,
+    noncentrality_for_power,
+)
+from infer.cli import main
+from infer.speculative.rejection import VerificationResult
+
+V = 10
+LOGIT_SCALE = 0.6  # next-token probabilities mostly 0.2-0.6: neither flat nor peaked
+# Few distinct tokens, repeated, so n-gram lookup finds matches; the first is the default context.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 7, 5, 9, 7, 5, 9, 7], [6, 6, 8, 6, 6, 8, 6]]
+SPEC_LENGTH = 3
+
+Verify = Callable[..., VerificationResult]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_small_vocab_checkpoint(tmp_path_factory.mktemp("audit_target"), V, num_layers=2, seed=11,
+                                       logit_scale=LOGIT_SCALE)
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_small_vocab_checkpoint(tmp_path_factory.mktemp("audit_draft"), V, num_layers=1, seed=12,
+                                       logit_scale=LOGIT_SCALE)
+
+
+def audit(target: Path, contexts: int = 1, checks: tuple[str, ...] = ("distribution",), **engine: Any) -> dict[str, Any]:
+    """The audit at its default sample size and significance, on the tiny pair."""
+    settings = AuditSettings(engine=dict(model=str(target), dtype="float32", device="cpu", spec_length=SPEC_LENGTH,
+                                         **engine),
+                             prompts=PROMPTS, contexts=contexts, checks=checks, max_tokens=24)
+    return run_audit(settings)
+
+
+# ------------------------------------------------------------------------------------- statistics
+
+
+@pytest.mark.parametrize("dof", [1, 4, 30, 200])
+def test_chi_square_functions_match_scipy(dof: int) -> None:
+    for x in (0.5 * dof, dof, 2.0 * dof + 10):
+        assert chi2_sf(x, dof) == pytest.approx(scipy_stats.chi2.sf(x, dof), rel=1e-9, abs=1e-300)
+        for nc in (0.5, 12.0, 150.0):
+            assert ncx2_sf(x, dof, nc) == pytest.approx(scipy_stats.ncx2.sf(x, dof, nc), rel=1e-7, abs=1e-12)
+    assert chi2_isf(1e-3, dof) == pytest.approx(scipy_stats.chi2.isf(1e-3, dof), rel=1e-8)
+    lam = noncentrality_for_power(dof, 1e-3, 0.8)
+    assert scipy_stats.ncx2.sf(scipy_stats.chi2.isf(1e-3, dof), dof, lam) == pytest.approx(0.8, abs=1e-6)
+
+
+def test_detectable_tv_is_detected_with_the_stated_power() -> None:
+    """Monte Carlo: a deviation of exactly the reported TV, in its least detectable direction
+    (|Δ| proportional to p0), is rejected in about 80% of repeated experiments."""
+    p0 = np.array([0.3, 0.2, 0.15, 0.15, 0.1, 0.1])  # halves {0.3, 0.2} vs the rest: 0.5 each
+    n, alpha = 3000, 0.001
+    tv = detectable_tv(n, len(p0) - 1, alpha, 0.8)
+    assert tv is not None and 0.02 < tv < 0.1
+    sign = np.array([1, 1, -1, -1, -1, -1])
+    p1 = p0 + sign * 2 * tv * p0  # Σ|Δ| = 2 tv·Σp0 = 2 tv; Σ Δ = 0 because the halves weigh 0.5
+    assert abs(p1 - p0).sum() / 2 == pytest.approx(tv)
+    counts = np.random.default_rng(0).multinomial(n, p1, size=4000)
+    statistics = ((counts - n * p0) ** 2 / (n * p0)).sum(axis=1)
+    power = (statistics > scipy_stats.chi2.isf(alpha, len(p0) - 1)).mean()
+    assert 0.77 < power < 0.83
+    # A deviation half as large is mostly missed: the reported figure is not loose.
+    counts = np.random.default_rng(1).multinomial(n, p0 + sign * tv * p0, size=4000)
+    assert (((counts - n * p0) ** 2 / (n * p0)).sum(axis=1) > scipy_stats.chi2.isf(alpha, len(p0) - 1)).mean() < 0.4
+
+
+def test_cell_chisquare_pools_small_cells() -> None:
+    exact = cell_chisquare(np.array([50, 30, 20]), np.array([50.0, 30.0, 20.0]))
+    assert exact.statistic == pytest.approx(0.0) and exact.dof == 2 and exact.p_value == 1.0
+    # Expected (5, 3, 2): the two small cells pool into one of 5, so 1 dof remains.
+    pooled = cell_chisquare(np.array([5, 3, 2]), np.array([5.0, 3.0, 2.0]))
+    assert pooled.dof == 1 and pooled.samples == 10
+    # A pool still below 5 joins the smallest big cell; a single cell is no test.
+    assert cell_chisquare(np.array([10, 6, 2]), np.array([10.0, 6.0, 2.0])).dof == 1
+    assert cell_chisquare(np.array([3, 1]), np.array([3.0, 1.0])).dof == 0
+
+
+# ------------------------------------------------------------------------------------- negative controls
+
+
+@pytest.fixture(scope="module")
+def engine_modules_loaded(target: Path, draft: Path) -> None:
+    """Build each kind of speculative engine once, so every module that imports ``verify_drafts`` is
+    loaded before a test patches it (a module first imported under the patch would keep the bug)."""
+    from infer import LLM
+
+    for drafter in ({"draft_model": str(draft)}, {"speculator": "ngram"}):
+        LLM(str(target), dtype="float32", device="cpu", max_seq_len=32, **drafter)  # type: ignore[arg-type]
+
+
+def patch_verify(monkeypatch: pytest.MonkeyPatch, make: Callable[[Verify], Verify]) -> None:
+    """Replace ``verify_drafts`` in every infer module that holds it (the runner imports it by name)."""
+    real = rejection.verify_drafts
+    broken = make(real)
+    patched = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("infer") and getattr(module, "verify_drafts", None) is real:
+            monkeypatch.setattr(module, "verify_drafts", broken)
+            patched += 1
+    assert patched >= 2, "no module besides infer.speculative.rejection holds verify_drafts: nothing was broken"
+
+
+def wrong_temperature(real: Verify) -> Verify:
+    """The speculative path verifies against the target at temperature 1.25 instead of 1."""
+
+    def verify(tokens: torch.Tensor, num: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
+               greedy: torch.Tensor, generators: list[torch.Generator | None]) -> VerificationResult:
+        hotter = target.clamp_min(0) ** (1 / 1.25)  # softmax(l)^(1/T) ∝ softmax(l / T)
+        return real(tokens, num, hotter / hotter.sum(-1, keepdim=True), draft, greedy, generators)
+
+    return verify
+
+
+def residual_skipped(real: Verify) -> Verify:
+    """After a rejection the correction token is drawn from p instead of norm(max(0, p - q))."""
+
+    def verify(tokens: torch.Tensor, num: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
+               greedy: torch.Tensor, generators: list[torch.Generator | None]) -> VerificationResult:
+        result = real(tokens, num, target, draft, greedy, generators)
+        for b in range(tokens.shape[0]):
+            kept = int(result.num_accepted[b])
+            if not greedy[b] and kept < int(num[b]):
+                result.output_tokens[b, kept] = torch.multinomial(target[b, kept].float(), 1, generator=generators[b])[0]
+        return result
+
+    return verify
+
+
+def misreported_q(real: Verify) -> Verify:
+    """The drafts were sampled from q, but the verifier is handed q at twice the temperature."""
+
+    def verify(tokens: torch.Tensor, num: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
+               greedy: torch.Tensor, generators: list[torch.Generator | None]) -> VerificationResult:
+        if draft is not None:
+            flat = draft.clamp_min(0).sqrt()
+            draft = flat / flat.sum(-1, keepdim=True)
+        return real(tokens, num, target, draft, greedy, generators)
+
+    return verify
+
+
+def wrong_row(real: Verify) -> Verify:
+    """Draft t_i is checked against the distribution one position later (p_{i+1})."""
+
+    def verify(tokens: torch.Tensor, num: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
+               greedy: torch.Tensor, generators: list[torch.Generator | None]) -> VerificationResult:
+        return real(tokens, num, target.roll(-1, dims=1), draft, greedy, generators)
+
+    return verify
+
+
+@pytest.mark.parametrize(("bug", "drafter"), [
+    (wrong_temperature, "ngram"),
+    (wrong_temperature, "draft"),
+    (residual_skipped, "ngram"),
+    (residual_skipped, "draft"),
+    (misreported_q, "draft"),
+])
+@pytest.mark.usefixtures("engine_modules_loaded")
+def test_audit_fails_broken_verifiers(target: Path, draft: Path, monkeypatch: pytest.MonkeyPatch,
+                                      bug: Callable[[Verify], Verify], drafter: str) -> None:
+    patch_verify(monkeypatch, bug)
+    engine = {"draft_model": str(draft)} if drafter == "draft" else {"speculator": "ngram"}
+    report = audit(target, **engine)
+    check = report["checks"]["distribution"]
+    assert report["verdict"] == FAIL and check["verdict"] == FAIL, check["summary"]
+    assert check["contexts"][0]["exercised"], "the control never reached the broken code"
+    assert exit_code(report) == 1
+
+
+@pytest.mark.usefixtures("engine_modules_loaded")
+def test_greedy_check_fails_a_broken_greedy_verifier(target: Path, draft: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    patch_verify(monkeypatch, wrong_row)
+    check = audit(target, checks=("greedy",), draft_model=str(draft))["checks"]["greedy"]
+    assert check["verdict"] == FAIL
+    divergences = [p["first_divergence"] for p in check["prompts"] if p["first_divergence"]]
+    assert divergences and all(not d["near_tie"] and d["chosen_margin"] > d["tie_tolerance"] for d in divergences)
+
+
+# ------------------------------------------------------------------------------------- the real engine
+
+
+def test_audit_passes_the_engine_with_ngram(target: Path) -> None:
+    report = audit(target, checks=("distribution", "greedy", "acceptance"), speculator="ngram")
+    assert report["verdict"] == PASS, json.dumps(report["checks"], indent=1)[:3000]
+    distribution = report["checks"]["distribution"]
+    assert len(distribution["contexts"]) == 1 and distribution["alpha_per_test"] == pytest.approx(0.01 / 2)
+    assert distribution["contexts"][0]["exercised"] and distribution["contexts"][0]["powered"]
+    acceptance = report["checks"]["acceptance"]
+    assert acceptance["proposed_tokens"] > 0 and 0 < acceptance["alpha"] < 1
+    assert acceptance["gamma"] == SPEC_LENGTH and acceptance["expected_tokens_per_pass"] >= 1
+
+
+def test_cli_audit_passes_the_engine_with_a_draft_model(target: Path, draft: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([" ".join(f"w{t - 5}" for t in p) for p in PROMPTS]))
+    out = tmp_path / "audit.json"
+    args = ["audit", "--model", str(target), "--draft-model", str(draft), "--dtype", "float32", "--device", "cpu",
+            "--spec-length", str(SPEC_LENGTH), "--prompts", str(prompts), "--contexts", "2", "--max-tokens", "24",
+            "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["verdict"] == PASS
+    assert {name: c["verdict"] for name, c in report["checks"].items()} == {
+        "distribution": PASS, "greedy": PASS, "acceptance": "INFO"}
+    contexts = report["checks"]["distribution"]["contexts"]
+    assert [c["prompt"] for c in contexts] == json.loads(prompts.read_text())[:2]  # the file's prompts were used
+    for c in contexts:
+        for test in (c["next_token"], c["next_two_tokens"]):
+            assert test["dof"] >= 10 and test["p_value"] > 0.01 / 4 and test["detectable_tv"] <= 0.1
+    assert report["checks"]["acceptance"]["cost_ratio_c"] is not None  # the draft model's cost was measured
+    printed = capsys.readouterr().out
+    assert "distribution  PASS" in printed and printed.rstrip().endswith("audit         PASS")
+
+
+@pytest.mark.usefixtures("engine_modules_loaded")
+def test_cli_exit_codes_for_failure_and_low_power(target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w0 w1 w2 w3 w0 w1 w2 w3 w0 w1\n")
+    base = ["audit", "--model", str(target), "--speculator", "ngram", "--dtype", "float32", "--device", "cpu",
+            "--prompts", str(prompts), "--checks", "distribution"]
+    # 200 samples cannot rule out a 10% deviation: not a pass, whatever the p-values say.
+    assert main([*base, "--samples", "200", "--json", str(tmp_path / "low.json")]) == 3
+    low = json.loads((tmp_path / "low.json").read_text())["checks"]["distribution"]
+    assert low["verdict"] == LOW_POWER and not low["contexts"][0]["powered"]
+    assert "INSUFFICIENT POWER" in capsys.readouterr().out
+    patch_verify(monkeypatch, residual_skipped)
+    assert main([*base, "--json", "-"]) == 1
+    assert json.loads(capsys.readouterr().out)["checks"]["distribution"]["verdict"] == FAIL
+
+
+def test_audit_needs_a_drafter(target: Path) -> None:
+    with pytest.raises(ValueError, match="needs a drafter"):
+        AuditSettings(engine={"model": str(target)})
+    assert main(["audit", "--model", str(target)]) == 2
+
+
+@pytest.mark.usefixtures("engine_modules_loaded")
+def test_near_tie_flip_is_told_from_a_bug(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A divergence at a top-2 margin within the tolerance is a NEAR-TIE (exit 0), beyond it a FAIL."""
+    patch_verify(monkeypatch, wrong_row)
+    report = audit(target, checks=("greedy",), speculator="ngram")
+    divergences = [p["first_divergence"] for p in report["checks"]["greedy"]["prompts"] if p["first_divergence"]]
+    assert divergences
+    widest = max(abs(d["chosen_margin"]) for d in divergences)
+    tolerant = run_audit(AuditSettings(engine=dict(model=str(target), dtype="float32", device="cpu",
+                                                   speculator="ngram", spec_length=SPEC_LENGTH),
+                                       prompts=PROMPTS, checks=("greedy",), max_tokens=24, tie_tolerance=widest))
+    assert tolerant["checks"]["greedy"]["verdict"] == NEAR_TIE and exit_code(tolerant) == 0
+
+
+def test_reference_logits_match_the_engine(target: Path) -> None:
+    """The reference (plain forward, no KV cache) agrees with the engine's greedy decoding."""
+    from infer import LLM, SamplingParams
+
+    llm = LLM(str(target), dtype="float32", device="cpu")
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    context = list(PROMPTS[0])
+    for token in out.token_ids:
+        logits = next_token_logits(llm.engine.target_model, [context], llm.engine.device)
+        assert int(logits[0].argmax()) == token
+        context.append(token)
+
