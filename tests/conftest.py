@@ -17,6 +17,7 @@ if _TESTS_DIR not in sys.path:
 
 from checkpoints import (  # noqa: E402
     LLAMA3_ROPE_SCALING,
+    make_small_vocab_checkpoint,
     make_tiny_checkpoint,
     shared_tokenizer,
 )
@@ -85,6 +86,25 @@ def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
         intermediate_size=64,
         seed=100,
     )
+
+
+# The exactness tests' pair: a 10-token vocabulary, so every two-token continuation can be enumerated, and
+# lm_head scaled by 0.6 so next-token probabilities are mostly 0.2-0.6 (neither flat nor peaked): a few
+# thousand samples give chi-square tests power.
+SMALL_VOCAB_SIZE = 10
+SMALL_LOGIT_SCALE = 0.6
+
+
+@pytest.fixture(scope="session")
+def small_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_small_vocab_checkpoint(tmp_path_factory.mktemp("small_target"), SMALL_VOCAB_SIZE, num_layers=2,
+                                       seed=11, logit_scale=SMALL_LOGIT_SCALE)
+
+
+@pytest.fixture(scope="session")
+def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_small_vocab_checkpoint(tmp_path_factory.mktemp("small_draft"), SMALL_VOCAB_SIZE, num_layers=1,
+                                       seed=12, logit_scale=SMALL_LOGIT_SCALE)
 
 
 @pytest.fixture(autouse=True)

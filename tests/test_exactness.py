@@ -25,12 +25,10 @@ import torch
 from scipy.stats import chi2
 
 import infer.engine.speculative_runner as speculative_runner
-from checkpoints import make_small_vocab_checkpoint
 from infer import LLM, SamplingParams
 from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_presence
 
-V = 10
-LOGIT_SCALE = 0.6  # max next-token probability mostly 0.2-0.6: neither flat nor peaked
+V = 10  # the vocabulary of the small_target / small_draft pair (conftest.py)
 # Only four of the ten tokens, repeated: n-gram lookup finds a match whenever x1 is one of them,
 # and the repetition penalty's context differs between continuations.
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
@@ -47,18 +45,6 @@ CONFIGS: dict[str, dict[str, float | int]] = {
     "repetition_penalty_1.5": {"temperature": 1.0, "repetition_penalty": 1.5},
 }
 DRAFTERS = ("draft", "ngram")
-
-
-@pytest.fixture(scope="module")
-def small_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_small_vocab_checkpoint(tmp_path_factory.mktemp("small_target"), V, num_layers=2, seed=11,
-                                       logit_scale=LOGIT_SCALE)
-
-
-@pytest.fixture(scope="module")
-def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_small_vocab_checkpoint(tmp_path_factory.mktemp("small_draft"), V, num_layers=1, seed=12,
-                                       logit_scale=LOGIT_SCALE)
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,11 @@ import pytest
 import torch
 
 import infer.speculative.tree as tree_module
-from checkpoints import make_small_vocab_checkpoint
 from infer import LLM, SamplingParams
 from test_exactness import (
-    LOGIT_SCALE,
     P_CONTROL,
     P_THRESHOLD,
     PROMPT,
-    V,
     first_token_chisquare,
     grouped_chisquare,
     reference,
@@ -39,12 +36,6 @@ CONFIGS: dict[str, dict[str, float | int]] = {
     "temperature_0.7_top_k_3": {"temperature": 0.7, "top_k": 3},
     "repetition_penalty_1.5": {"temperature": 1.0, "repetition_penalty": 1.5},
 }
-
-
-@pytest.fixture(scope="module")
-def small_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_small_vocab_checkpoint(tmp_path_factory.mktemp("medusa_small_target"), V, num_layers=2, seed=11,
-                                       logit_scale=LOGIT_SCALE)
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ class AuditSettings:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompts: Sequence[str | list[int]] = DEFAULT_PROMPTS
     contexts: int = 3  # the first prompts are the distribution check's contexts
-    samples: int = 4000  # speculative samples per context
+    samples: int = 3000  # speculative samples per context
     max_tokens: int = 64  # tokens per prompt for the greedy and acceptance checks
     checks: Sequence[str] = CHECKS
     alpha: float = 0.01  # family-wise significance level (Bonferroni over the distribution tests)

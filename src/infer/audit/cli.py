@@ -24,7 +24,7 @@ def add_subparser(sub: Any) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--samples", type=int, default=4000, help="speculative samples per context (distribution check)")
+    p.add_argument("--samples", type=int, default=3000, help="speculative samples per context (distribution check)")
     p.add_argument("--contexts", type=int, default=3, help="how many of the prompts the distribution check uses")
     p.add_argument("--prompts", default=None,
                    help="prompt file (JSON list, JSON lines with 'prompt', or text split by lines of ---); "
