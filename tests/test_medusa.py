@@ -23,7 +23,7 @@ import infer.engine.speculative_runner as speculative_runner
 import infer.speculative.tree as tree_module
 from checkpoints import make_medusa_heads
 from infer.cache import PagedKVCachePool, SlottedKVCache
-from infer.cache.protocol import CachePoolProtocol
+from infer.cache.protocol import CachePoolProtocol, copy_positions
 from infer.engine.llm import LLM
 from infer.engine.request import Request
 from infer.loader import load_model
@@ -35,7 +35,6 @@ from infer.speculative.tree import (
     CandidateTree,
     TreeMaskCache,
     build_tree,
-    chain_tree,
     default_rank_accuracy,
     tree_attention_mask,
     tree_depths,
@@ -52,6 +51,11 @@ PROMPTS = [
     "for i in range(10):\n    print(",
 ]
 BACKENDS = {"paged": dict(kv_cache_backend="paged", block_size=4), "slotted": dict(kv_cache_backend="slotted")}
+
+
+def chain_tree(length: int) -> CandidateTree:
+    """The top-1 chain of ``length`` nodes (what a single-path drafter would propose)."""
+    return CandidateTree(tuple((0,) * d for d in range(1, length + 1)))
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +257,7 @@ def test_per_request_generators_reproduce() -> None:
 
 
 @pytest.mark.parametrize("backend", ["paged", "slotted"])
-def test_move_positions_copies_every_layer(backend: str) -> None:
+def test_copy_positions_copies_every_layer(backend: str) -> None:
     pool: CachePoolProtocol
     if backend == "paged":
         pool = PagedKVCachePool(3, 2, 4, num_blocks=8, block_size=4, max_seq_len=24, dtype=torch.float32, device="cpu")
@@ -268,7 +272,7 @@ def test_move_positions_copies_every_layer(backend: str) -> None:
                 rows = pool.storage_rows(s, 14)
                 store[rows] = sign * (torch.arange(14.0) + 100 * layer + 1000 * s).view(-1, 1, 1).expand(-1, 2, 4)
     before_other = [pool.k_layers[i][pool.storage_rows(other, 14)].clone() for i in range(3)]
-    pool.move_positions(slot, [9, 12, 13], [6, 7, 8])  # a path scattered through a tree, compacted
+    copy_positions(pool, [(slot, [9, 12, 13], [6, 7, 8])])  # a path scattered through a tree, compacted
     for layer in range(3):
         rows = pool.storage_rows(slot, 14)
         k = pool.k_layers[layer][rows][:, 0, 0] - 100 * layer - 1000 * slot
@@ -277,7 +281,7 @@ def test_move_positions_copies_every_layer(backend: str) -> None:
         assert torch.equal(k, expected) and torch.equal(v, expected)
         assert torch.equal(pool.k_layers[layer][pool.storage_rows(other, 14)], before_other[layer])
     with pytest.raises(ValueError):
-        pool.move_positions(slot, [14], [6])  # past the sequence
+        copy_positions(pool, [(slot, [14], [6])])  # past the sequence
 
 
 # =============================================================================== engine: greedy parity

@@ -16,8 +16,6 @@ from collections.abc import Sequence
 
 from infer.cache.paged import PagedKVCachePool
 
-BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent key, this block's tokens)
-
 
 class PrefixCache:
     def __init__(self, pool: PagedKVCachePool) -> None:
@@ -25,7 +23,6 @@ class PrefixCache:
         self.block_size = pool.block_size
         self._blocks: OrderedDict[int, int] = OrderedDict()  # key hash -> block, in LRU order
         self.hit_tokens = 0  # prompt tokens served from the cache
-        self.query_tokens = 0  # prompt tokens looked up
         pool.evictor = self
 
     def _keys(self, tokens: Sequence[int], num_blocks: int) -> list[int]:
@@ -52,7 +49,6 @@ class PrefixCache:
             blocks.append(block)
         if blocks:
             self.pool.append_shared_blocks(slot, blocks)
-        self.query_tokens += len(prompt)
         self.hit_tokens += len(blocks) * self.block_size
         return len(blocks) * self.block_size
 
@@ -79,7 +75,3 @@ class PrefixCache:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._blocks)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,40 +236,6 @@ def write_model_files(folder: Path, model: DecoderOnlyLM, config: ModelConfig, d
 
 def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-
-
-def _temp_sibling(folder: Path, tag: str) -> Path:
-    return folder.parent / f".{folder.name}.{tag}-{os.getpid()}"
-
-
-def publish_folder(tmp: Path, final: Path) -> None:
-    """Move a finished ``tmp`` folder to ``final``, replacing whatever is there.
-
-    Each step is a rename: at every moment ``final`` is either the old folder, absent, or the
-    new complete one, never a half-written mix.
-    """
-    old = None
-    if final.exists():
-        old = _temp_sibling(final, "old")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def staging_folder(final: Path) -> Iterator[Path]:
-    """A fresh hidden sibling of ``final`` to write into; removed again if the body fails."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(final, "tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ---------------------------------------------------------------- training loop

@@ -143,16 +143,15 @@ def evaluate_heads(target: Any, heads: MedusaHeads, windows: torch.Tensor, objec
 
 def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainResult:
     """Train ``cfg.heads`` Medusa heads for the frozen ``cfg.target`` and publish them; see the module doc."""
+    from infer.fileio import publish_folder, staging_folder
     from infer.train.common import (
         LoopSettings,
         LoopState,
         autocast,
         configure_threads,
         pick_device,
-        publish_folder,
         run_loop,
         say,
-        staging_folder,
     )
     from infer.train.corpus import load_corpus
     from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from infer.fileio import publish_folder
 from infer.loader import load_model
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
@@ -40,7 +41,6 @@ from infer.train.common import (
     count_params,
     is_complete_model,
     pick_device,
-    publish_folder,
     say,
     write_json,
 )
