@@ -13,6 +13,7 @@ import math
 import random
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,12 +25,14 @@ import infer.speculative.tree as tree_module
 from checkpoints import make_medusa_heads
 from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.cache.protocol import CachePoolProtocol, copy_positions
+from infer.core.request import Request
 from infer.engine.llm import LLM
-from infer.engine.request import Request
 from infer.loader import load_model
 from infer.models.layers import cpu_packing_available, flex_available
+from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads
 from infer.sampling.params import SamplingParams
-from infer.speculative.medusa import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads, MedusaProposer
+from infer.speculative.budget import BudgetController, size_ladder
+from infer.speculative.medusa import MedusaProposer, medusa_tree
 from infer.speculative.proposer import Proposal
 from infer.speculative.tree import (
     CandidateTree,
@@ -40,7 +43,6 @@ from infer.speculative.tree import (
     tree_depths,
     verify_tree,
 )
-from infer.speculative.tree_sizer import TreeSizer, size_ladder
 
 P_THRESHOLD = 1e-3
 PROMPTS = [
@@ -302,9 +304,9 @@ def test_greedy_parity_with_plain_decoding(tiny_llama: Path, heads_dirs: dict[st
               max_batch_size=4, medusa_tree_size=fixed_size, **BACKENDS[backend])  # type: ignore[arg-type]
     outputs = llm.generate(PROMPTS, greedy())  # 5 prompts, batches of up to 4
     assert [o.token_ids for o in outputs] == plain_greedy
-    sizer = llm.engine.runner.proposer.sizer  # type: ignore[attr-defined]
+    sizer = llm.engine.runner.budget  # type: ignore[attr-defined]
     if sizing == "fixed":
-        assert sizer is None
+        assert not sizer.adaptive
     else:  # several sizes were verified, plain steps (size 0) among them, all without changing the output
         assert sum(n > 0 for n in sizer.counts) > 1 and sizer.counts[0] > 0
     m = outputs[0].metrics
@@ -317,7 +319,7 @@ def test_greedy_parity_with_plain_decoding(tiny_llama: Path, heads_dirs: dict[st
 def test_greedy_parity_with_flex_tree_attention(tiny_llama: Path, heads_dirs: dict[str, Path],
                                                 plain_greedy: list[list[int]],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import infer.engine.model_runner as model_runner
+    import infer.core.model_runner as model_runner
 
     made: list[tuple[int, ...]] = []
     real = model_runner.block_mask_from
@@ -346,8 +348,8 @@ def plant_oracle(llm: LLM, references: dict[tuple[int, ...], list[int]], seed: i
     rng = random.Random(seed)
 
     @torch.inference_mode()
-    def propose(requests: list[Request], max_tokens: list[int]) -> Proposal:
-        proposal = real_propose(requests, max_tokens)
+    def propose(requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
+        proposal = real_propose(requests, budgets, hidden_states)
         assert proposal.parents is not None
         for b, request in enumerate(requests):
             n = proposal.num_tokens[b]
@@ -470,7 +472,7 @@ def test_heads_round_trip_and_start_as_the_lm_head(tiny_llama: Path, tmp_path: P
     heads.save(tmp_path / "h")  # overwriting is atomic and leaves no temporary folders
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]
     loaded = MedusaHeads.load(out)
-    assert loaded.config.tree_size == 7 and loaded.config.tree().size == 7
+    assert loaded.config.tree_size == 7 and medusa_tree(loaded.config).size == 7
     with torch.no_grad():
         assert torch.equal(loaded(hidden), heads(hidden))
 
@@ -532,13 +534,21 @@ def test_fused_heads_compute_what_the_heads_compute(shared: bool, dtype: torch.d
 # =============================================================================== tree sizing
 
 
-def play(sizer: TreeSizer, rounds: int, tokens_for: Callable[[int], float],
+def tree_sizer(max_nodes: int) -> BudgetController:
+    """The budget controller as the engine makes it for Medusa heads whose tree has ``max_nodes``."""
+    return BudgetController(max_nodes, adaptive=True, tree=True, cost_per_token=False)
+
+
+def play(sizer: BudgetController, rounds: int, tokens_for: Callable[[int], float],
          seconds_for: Callable[[int], float]) -> list[int]:
+    """One request; a round of size n emits tokens_for(n) and its target pass takes seconds_for(n)."""
     chosen = []
+    request: Any = SimpleNamespace(request_id="r")
     for _ in range(rounds):
-        n = sizer.choose()
+        n = sizer.budgets([request])[0]
         chosen.append(n)
-        sizer.observe(round(tokens_for(n)), seconds_for(n))
+        sizer.observe_target(1 + n, seconds_for(n))
+        sizer.record_tree_round(n, round(tokens_for(n)))
     return chosen
 
 
@@ -550,27 +560,27 @@ def expected_tokens(n: int, decay: float = 0.6) -> float:
 def test_size_ladder_starts_with_plain_and_ends_with_the_whole_tree() -> None:
     assert size_ladder(1) == [0, 1]
     assert size_ladder(32) == [0, 1, 2, 3, 4, 6, 9, 13, 19, 28, 32]
-    with pytest.raises(ValueError, match="max_nodes"):
-        TreeSizer(0)
+    with pytest.raises(ValueError, match="max_budget"):
+        tree_sizer(0)
 
 
 @pytest.mark.parametrize(("decay", "cost_per_node", "best"), [(0.9, 0.0, 32), (0.6, 0.02, 6), (0.6, 1.0, 0)])
 def test_tree_sizer_settles_on_the_fastest_size(decay: float, cost_per_node: float, best: int) -> None:
     # GPU-like (nodes free): the whole tree; CPU-like (each node costs 2% of a step): a few nodes;
     # useless heads (a node costs a whole step): plain decoding.
-    sizer = TreeSizer(32)
+    sizer = tree_sizer(32)
     tokens = {n: round(1000 * expected_tokens(n, decay)) for n in sizer.sizes}
     rates = {n: tokens[n] / (1 + cost_per_node * n) for n in sizer.sizes}
     assert max(rates, key=lambda n: rates[n]) == best  # the test's premise
     chosen = play(sizer, 200, lambda n: tokens[n], lambda n: 1 + cost_per_node * n)
-    assert sizer.best_size == best
+    assert sizer.best_tree_size == best
     assert sum(n == best for n in chosen[-100:]) >= 90  # exploits, probing now and then
     assert set(chosen[:22]) == set(sizer.sizes)  # every size was measured first
 
 
 def test_tree_sizer_follows_a_change_in_costs() -> None:
-    sizer = TreeSizer(16)
+    sizer = tree_sizer(16)
     play(sizer, 100, lambda n: 1000 * expected_tokens(n, 0.9), lambda n: 1.0)
-    assert sizer.best_size == 16
+    assert sizer.best_tree_size == 16
     play(sizer, 400, lambda n: 1000 * expected_tokens(n, 0.9), lambda n: 1 + n)  # nodes became dear
-    assert sizer.best_size == 0
+    assert sizer.best_tree_size == 0

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from infer.engine.request import Request
+from infer.core.request import Request
 
 SUBCOMMAND_MODULES = ("infer.server.cli", "infer.train.cli", "infer.bench.cli", "infer.demo")
 
@@ -76,7 +76,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed)
     options = engine_options(args)
-    EngineConfig(**options)  # validate flags before the (slow) model load
+    EngineConfig.from_options(**options)  # validate flags before the (slow) model load
     progress = None if args.json else (lambda msg: print(f"[infer] {msg}", file=sys.stderr, flush=True))
     options.pop("model")
     llm = LLM(args.model, progress=progress, **{k: v for k, v in options.items() if k not in ("dtype", "device")},

@@ -7,20 +7,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from infer.cache.paged import PagedKVCachePool
+from infer.cache import PagedKVCachePool, make_pool
 from infer.cache.protocol import CachePoolProtocol
-from infer.cache.slotted import SlottedKVCache
+from infer.core.detokenizer import IncrementalDetokenizer
+from infer.core.model_runner import ModelRunner
+from infer.core.request import Request
 from infer.engine.config import EngineConfig
 from infer.engine.continuous_runner import ContinuousRunner
-from infer.engine.detokenizer import IncrementalDetokenizer
-from infer.engine.model_runner import ModelRunner
-from infer.engine.request import Request
 from infer.engine.scheduler import Runner, Scheduler
 from infer.loader import Tokenizer, load_model, load_tokenizer, resolve_device, resolve_dtype
 from infer.loader.config import ModelConfig
-from infer.models.layers import DecoderOnlyLM
 from infer.sampling.params import SamplingParams
 
 
@@ -31,22 +27,6 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     finished: bool
-
-
-def build_pool(config: EngineConfig, model_config: ModelConfig, max_seq_len: int, device: torch.device,
-               dtype: torch.dtype) -> CachePoolProtocol:
-    """A KV pool for ``model_config`` sized for ``max_batch_size`` full-length sequences by default.
-
-    Speculative rounds never write past ``max_seq_len`` (the runner clamps the draft length), so
-    no extra room is needed here; admission reserves the per-round overrun within each sequence.
-    """
-    shape = (model_config.num_hidden_layers, model_config.num_key_value_heads, model_config.head_dim)
-    if config.kv_cache_backend == "slotted":
-        return SlottedKVCache(*shape, num_slots=config.max_batch_size, max_seq_len=max_seq_len,
-                              dtype=dtype, device=device)
-    blocks = config.num_kv_blocks or config.max_batch_size * -(-max_seq_len // config.block_size)
-    return PagedKVCachePool(*shape, num_blocks=blocks, block_size=config.block_size, max_seq_len=max_seq_len,
-                            dtype=dtype, device=device)
 
 
 class Engine:
@@ -62,7 +42,7 @@ class Engine:
         self.tokenizer: Tokenizer = load_tokenizer(config.model, self.model_config)
         limit = self.model_config.max_position_embeddings
         self.max_seq_len = min(config.max_seq_len or min(limit, 4096), limit)
-        self.pool = build_pool(config, self.model_config, self.max_seq_len, self.device, self.dtype)
+        self.pool = self._make_pool(self.model_config)
         prefix_cache = None
         if config.prefix_caching:
             from infer.cache.prefix import PrefixCache
@@ -72,10 +52,13 @@ class Engine:
         self.prefix_cache = prefix_cache
         target = ContinuousRunner(ModelRunner(self.model, self.pool, config.tree_attention), prefix_cache)
         self.runner: Runner = target
-        if config.use_speculative_decoding:
-            from infer.engine.speculative_runner import build_speculative_runner
+        if config.speculative is not None:
+            from infer.engine.drafters import TargetModel, make_speculative_runner
 
-            self.runner = build_speculative_runner(self, target, say)
+            described = TargetModel(path=config.model, model=self.model, config=self.model_config,
+                                    tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
+                                    make_pool=self._make_pool)
+            self.runner = make_speculative_runner(config.speculative, target, described, say)
         self.scheduler = Scheduler(self.runner, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                    chunked_prefill=config.chunked_prefill,
                                    max_prefill_tokens=config.max_prefill_tokens)
@@ -140,6 +123,15 @@ class Engine:
         while self.has_unfinished():
             self.step()
 
-    @property
-    def target_model(self) -> DecoderOnlyLM:
-        return self.model
+    def kv_pools(self) -> dict[str, CachePoolProtocol]:
+        """The engine's KV pools by name: ``target`` and, with a draft model, ``draft``."""
+        return self.runner.kv_pools()
+
+    def _make_pool(self, model_config: ModelConfig) -> CachePoolProtocol:
+        """A KV pool for a model (the target, or a draft model) with this engine's settings."""
+        config = self.config
+        return make_pool(config.kv_cache_backend, num_layers=model_config.num_hidden_layers,
+                         num_kv_heads=model_config.num_key_value_heads, head_dim=model_config.head_dim,
+                         max_seq_len=self.max_seq_len, max_batch_size=config.max_batch_size,
+                         block_size=config.block_size, num_blocks=config.num_kv_blocks, dtype=self.dtype,
+                         device=self.device)

@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from infer.core.request import Request, RequestMetrics
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
-from infer.engine.request import Request, RequestMetrics
 from infer.sampling.params import SamplingParams
 
 
@@ -39,10 +39,9 @@ class LLM:
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", draft_model: str | None = None,
                  speculator: str | None = None, spec_length: int = 5, spec_length_policy: str = "fixed",
                  progress: Callable[[str], None] | None = None, **engine_options: Any) -> None:
-        self.config = EngineConfig(model=str(model), dtype=dtype, device=device,
-                                   draft_model=None if draft_model is None else str(draft_model),
-                                   speculator=speculator, spec_length=spec_length,
-                                   spec_length_policy=spec_length_policy, **engine_options)
+        self.config = EngineConfig.from_options(
+            model=str(model), dtype=dtype, device=device, draft_model=None if draft_model is None else str(draft_model),
+            speculator=speculator, spec_length=spec_length, spec_length_policy=spec_length_policy, **engine_options)
         self.engine = Engine(self.config, progress)
         self.tokenizer = self.engine.tokenizer
 

@@ -32,7 +32,8 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None) -> F
     The engine thread starts with the app (lifespan startup) and stops with it; requests still
     running at shutdown end with an error.
     """
-    metrics = ServerMetrics(max_draft=engine.config.max_draft_length if engine.config.use_speculative_decoding else 0)
+    spec = engine.config.speculative
+    metrics = ServerMetrics(max_draft=spec.max_length if spec is not None else 0)
     service = EngineService(engine, metrics)
 
     @asynccontextmanager

@@ -56,7 +56,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     options.update(max_batch_size=args.max_batch_size, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                    chunked_prefill=args.chunked_prefill, max_prefill_tokens=args.max_prefill_tokens,
                    prefix_caching=args.prefix_caching, max_queue=args.max_queue)
-    return EngineConfig(**options)
+    return EngineConfig.from_options(**options)
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -87,8 +87,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     name = served_model_name(args)
     engine = Engine(config, say)
-    spec = f", speculation {config.speculator} (K={config.spec_length}, {config.spec_length_policy})" \
-        if config.use_speculative_decoding else ""
+    spec = "" if config.speculative is None else \
+        f", speculation {config.speculative.method} (K={config.speculative.length}, {config.speculative.length_policy})"
     say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
         f"{engine.pool.free_kv_tokens()} KV tokens{spec}")
     app = create_app(engine, name, args.api_key)

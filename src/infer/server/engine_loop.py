@@ -27,8 +27,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from infer.core.request import Request
 from infer.engine.engine import Engine, RequestUpdate
-from infer.engine.request import Request
 from infer.engine.scheduler import QueueFullError
 from infer.sampling.params import SamplingParams
 from infer.server.errors import APIError, bad_request
@@ -352,8 +352,4 @@ class EngineService:
 
 def kv_pools(engine: Engine) -> list[tuple[str, Any]]:
     """The engine's KV pools by name: ``target`` and, with a draft model, ``draft``."""
-    pools: list[tuple[str, Any]] = [("target", engine.pool)]
-    draft_pool = getattr(getattr(engine.runner, "proposer", None), "pool", None)
-    if draft_pool is not None:
-        pools.append(("draft", draft_pool))
-    return pools
+    return list(engine.kv_pools().items())

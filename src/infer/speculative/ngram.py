@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 import torch
 
-from infer.engine.request import Request
-from infer.speculative.proposer import Proposal, Proposer, pad_proposals
+from infer.core.request import Request
+from infer.speculative.proposer import DrafterInfo, Proposal, Proposer, pad_proposals
 
 
 def _check_args(min_n: int, max_n: int, max_proposal: int | None = None) -> None:
@@ -85,17 +85,16 @@ class NgramProposer(Proposer):
     sampling exact. With no match a request drafts nothing and the round is a plain decode step.
     """
 
-    name = "ngram"
-
     def __init__(self, min_n: int = 1, max_n: int = 4, device: torch.device | str = "cpu") -> None:
         _check_args(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
         self.device = torch.device(device)
+        self.info = DrafterInfo()
         self._indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, requests: list[Request], max_tokens: list[int]) -> Proposal:
+    def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
         guesses: list[list[int]] = []
-        for request, limit in zip(requests, max_tokens, strict=True):
+        for request, limit in zip(requests, budgets, strict=True):
             if limit <= 0:
                 guesses.append([])
                 continue

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infer.speculative.medusa import DEFAULT_TOP_K, DEFAULT_TREE_SIZE, MedusaHeads, default_heads_dir
+from infer.models.medusa_heads import DEFAULT_TOP_K, DEFAULT_TREE_SIZE, MedusaHeads
+from infer.speculative.medusa import default_heads_dir
 
 OBJECTIVES = ("distill", "ce")
 
@@ -143,7 +144,6 @@ def evaluate_heads(target: Any, heads: MedusaHeads, windows: torch.Tensor, objec
 
 def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainResult:
     """Train ``cfg.heads`` Medusa heads for the frozen ``cfg.target`` and publish them; see the module doc."""
-    from infer.fileio import publish_folder, staging_folder
     from infer.train.common import (
         LoopSettings,
         LoopState,
@@ -231,9 +231,7 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
         "heldout_loss_per_head": final,
     }
     out = cfg.out if cfg.out is not None else default_heads_dir(cfg.target)
-    with staging_folder(out) as tmp:
-        medusa.to(torch.float32).write_files(tmp)
-        publish_folder(tmp, out)
+    medusa.to(torch.float32).save(out)
     top1 = ", ".join(f"{row[0]:.3f}" for row in rank_accuracy)
     say(f"saved {out} ({state.step} steps, {state.elapsed:.0f}s training, {time.perf_counter() - wall_start:.0f}s "
         f"total): held-out loss {sum(before) / cfg.heads:.4f} -> {sum(final) / cfg.heads:.4f}, top-1 accuracy "

@@ -137,7 +137,7 @@ def has_current_heads(folder: Path, settings: ReferenceSettings) -> bool:
     """The target's Medusa heads exist and follow this recipe (trivially true for a recipe without)."""
     if not settings.medusa:
         return True
-    from infer.speculative.medusa import CONFIG_FILE, HEADS_FILE
+    from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE
 
     heads = folder / "target" / "medusa"
     return ((heads / HEADS_FILE).is_file() and (heads / CONFIG_FILE).is_file()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.core.detokenizer import IncrementalDetokenizer
 from infer.sampling.params import SamplingParams
 
 
@@ -149,6 +149,16 @@ class Request:
     @property
     def text(self) -> str:
         return self.detokenizer.text
+
+    @property
+    def context_room(self) -> int:
+        """Positions left in the context after the pending token: what one verification pass may add."""
+        return max(0, self.max_seq_len - self.num_tokens)
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens this request may still emit after the pending one (drafts past them are discarded)."""
+        return max(0, self.params.max_tokens - len(self.output_token_ids) - 1)
 
     @property
     def max_total_tokens(self) -> int:
