@@ -75,6 +75,25 @@ def test_a_new_drafter_plugs_in_through_the_contract(tiny_llama: Path, uses_hidd
             torch.testing.assert_close(row, fresh, atol=1e-4, rtol=1e-4)
 
 
+def test_a_request_without_a_hidden_state_takes_a_plain_step(tiny_llama: Path) -> None:
+    """A drafter that reads hidden states cannot draft for a request whose state is gone (say, after a
+    failed step was rolled back): that request's round is a plain step, and drafting resumes."""
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(PROMPTS[:1], GREEDY)[0]
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    drafter = RepeatLast(uses_hidden_states=True)
+    with_drafter(llm, drafter, BudgetController(3))
+    engine = llm.engine
+    request = engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()  # prefill: the first token and the hidden state that produced it
+    engine.runner._hidden.clear()  # type: ignore[attr-defined]
+    proposals = len(drafter.budgets)
+    assert [len(u.new_token_ids) for u in engine.step()] == [1]  # no draft: one plain token
+    assert len(drafter.budgets) == proposals
+    engine.run_until_done()
+    assert len(drafter.budgets) > proposals  # drafting resumed with the next hidden state
+    assert request.output_token_ids == plain.token_ids
+
+
 def test_budget_is_clamped_to_the_request(tiny_llama: Path) -> None:
     """Budgets reach the drafter clamped to the tokens a request may still emit."""
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu")

@@ -197,7 +197,10 @@ class SpeculativeRunner:
 
     def _clamp(self, request: Request, budget: int) -> int:
         """Never verify past the context (overflow guard); a chain never drafts past the tokens the
-        request may still emit (a tree's depth is capped by its drafter)."""
+        request may still emit (a tree's depth is capped by its drafter); a drafter that reads hidden
+        states waits for the request's first one."""
+        if self._hidden is not None and request.request_id not in self._hidden:
+            return 0
         if self.proposer.info.tree:
             return min(budget, request.context_room)
         return min(budget, request.context_room, request.tokens_left)
@@ -219,6 +222,9 @@ class SpeculativeRunner:
             self._hidden[request.request_id] = row
 
     def _hidden_of(self, requests: list[Request]) -> torch.Tensor | None:
+        """[B, H] for the drafter; a request without one (its budget is 0) gets a row of zeros."""
         if self._hidden is None:
             return None
-        return torch.stack([self._hidden[r.request_id] for r in requests])
+        rows = [self._hidden.get(r.request_id) for r in requests]
+        known = next(row for row in rows if row is not None)
+        return torch.stack([known.new_zeros(known.shape) if row is None else row for row in rows])
