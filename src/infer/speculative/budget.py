@@ -116,7 +116,7 @@ class BudgetController:
         self.alpha: dict[str, float] = {}
         self.recent_alpha = prior_alpha
         self._plain_rounds: dict[str, int] = {}
-        # Tree acceptance: tokens per request and round at each ladder size.
+        # Tree acceptance: tokens per request and round at each ladder size (unused for chains).
         self.sizes = size_ladder(max_budget) if tree else list(range(max_budget + 1))
         self.warmup_rounds = warmup_rounds
         self.tree_ema = tree_ema
@@ -124,7 +124,7 @@ class BudgetController:
         self.counts = [0] * len(self.sizes)
         self._arm = len(self.sizes) - 1
         self._probe_up = True
-        self._last_cost = (prior_cost, 0.0)
+        self._last_cost = self.round_cost(1)  # the prior, until a round is costed
 
     # -- the decision ----------------------------------------------------------------------------
     def budgets(self, requests: list[Request]) -> list[int]:
