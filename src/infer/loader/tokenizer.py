@@ -1,4 +1,5 @@
-"""Tokenizer from ``tokenizer.json`` (the ``tokenizers`` library) plus the HF tokenizer config."""
+"""The tokenizer: a ``tokenizers`` object (from ``tokenizer.json``, or built from a GGUF's vocabulary)
+plus the tokenizer config (special tokens, chat template)."""
 
 from __future__ import annotations
 
@@ -12,30 +13,23 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from infer.loader.config import CheckpointError
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 5 saves the template
+
 
 class Tokenizer:
-    """Encode, decode, render the chat template, and know the end-of-sequence ids."""
+    """Encode, decode, render the chat template, and know the end-of-sequence ids.
 
-    def __init__(self, folder: Path, eos_token_ids: list[int] | None = None) -> None:
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: tokenizer.json not found")
-        try:
-            self._tok = HFTokenizer.from_file(str(path))
-        except Exception as err:  # tokenizers raises a plain Exception for a malformed file
-            raise CheckpointError(f"{path}: cannot parse tokenizer ({err})") from None
-        cfg_path = folder / "tokenizer_config.json"
-        self.config: dict[str, Any] = {}
-        if cfg_path.is_file():
-            try:
-                self.config = json.loads(cfg_path.read_text())
-            except json.JSONDecodeError as err:
-                raise CheckpointError(f"{cfg_path}: not valid JSON ({err})") from None
-            if not isinstance(self.config, dict):
-                raise CheckpointError(f"{cfg_path}: expected a JSON object")
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
-        self.chat_template: str | None = _pick_template(self.config.get("chat_template"))
+    ``config`` holds the ``tokenizer_config.json`` fields (special tokens, ``chat_template``).
+    """
+
+    def __init__(self, backend: HFTokenizer, config: dict[str, Any], eos_token_ids: list[int] | None = None,
+                 source: str = "tokenizer_config.json") -> None:
+        self._tok = backend
+        self.config = config
+        self.source = source
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template: str | None = _pick_template(config.get("chat_template"))
         ids = list(eos_token_ids or [])
         if self.eos_token is not None:
             eos_id = self._tok.token_to_id(self.eos_token)
@@ -43,6 +37,36 @@ class Tokenizer:
                 ids.append(eos_id)
         self.eos_token_ids = ids
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+
+    @classmethod
+    def from_folder(cls, folder: Path, eos_token_ids: list[int] | None = None) -> Tokenizer:
+        """``tokenizer.json`` + ``tokenizer_config.json``; the chat template from ``chat_template.jinja``
+        when present (transformers 5 keeps it there), else from ``tokenizer_config.json``."""
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: tokenizer.json not found")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a plain Exception for a malformed file
+            raise CheckpointError(f"{path}: cannot parse tokenizer ({err})") from None
+        cfg_path = folder / "tokenizer_config.json"
+        config: dict[str, Any] = {}
+        if cfg_path.is_file():
+            try:
+                config = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as err:
+                raise CheckpointError(f"{cfg_path}: not valid JSON ({err})") from None
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{cfg_path}: expected a JSON object")
+        template_path = folder / CHAT_TEMPLATE_FILE
+        if template_path.is_file():
+            config["chat_template"] = template_path.read_text()
+        return cls(backend, config, eos_token_ids, source=f"{folder} ({CHAT_TEMPLATE_FILE} or tokenizer_config.json)")
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The ``tokenizers`` object (``backend.to_str()`` is a ``tokenizer.json``)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:
@@ -59,7 +83,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json; use a plain prompt")
+            raise ValueError(f"this tokenizer has no chat_template (looked in {self.source}); use a plain prompt")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         try:
