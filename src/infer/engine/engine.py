@@ -6,6 +6,9 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from infer.cache import PagedKVCachePool, make_pool
 from infer.cache.protocol import CachePoolProtocol
@@ -15,7 +18,7 @@ from infer.core.request import Request
 from infer.engine.config import EngineConfig
 from infer.engine.continuous_runner import ContinuousRunner
 from infer.engine.scheduler import Runner, Scheduler
-from infer.loader import Tokenizer, load_model, load_tokenizer, resolve_device, resolve_dtype
+from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
 from infer.loader.config import ModelConfig
 from infer.sampling.params import SamplingParams
 
@@ -29,6 +32,49 @@ class RequestUpdate:
     finished: bool
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory free now: on CUDA the device's, on CPU the OS's MemAvailable (None where unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def kv_budget_tokens(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                     dtype: torch.dtype) -> tuple[int | None, str]:
+    """How many tokens' K/V fit in ``kv_memory_fraction`` of the free memory, and that as a sentence."""
+    free = free_memory_bytes(device)
+    if free is None:
+        return None, "free memory unknown"
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim
+    tokens = int(config.kv_memory_fraction * free) // (per_token * dtype.itemsize)
+    return tokens, (f"KV budget {config.kv_memory_fraction:.0%} of {free / 2**30:.1f} GiB free "
+                    f"= {tokens:,} tokens")
+
+
+def choose_max_seq_len(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                       dtype: torch.dtype) -> tuple[int, str]:
+    """The context length: as configured (at most the model's), else the model's own, lowered only
+    when one sequence (every slot, for the slotted cache) would not fit the KV budget."""
+    limit = model_config.max_position_embeddings
+    if config.max_seq_len is not None:
+        if config.max_seq_len > limit:
+            return limit, f"max_seq_len {config.max_seq_len} capped at the model's max_position_embeddings"
+        return config.max_seq_len, "max_seq_len as configured"
+    budget, budget_text = kv_budget_tokens(config, model_config, device, dtype)
+    if budget is not None and config.kv_cache_backend == "slotted":
+        budget //= config.max_batch_size
+    if budget is None or budget >= limit:
+        return limit, f"the model's max_position_embeddings; {budget_text}"
+    fitted = max(2 * config.block_size, budget // config.block_size * config.block_size)
+    return min(fitted, limit), f"{budget_text}, below the model's {limit}"
+
+
 class Engine:
     """Continuous-batching engine. Thread-safe entry points: ``add_request``, ``abort``, ``step``."""
 
@@ -36,13 +82,16 @@ class Engine:
         self.config = config
         say = progress or (lambda _msg: None)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype, dtype_reason = choose_dtype(config.dtype, self.device)
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
         self.model, self.model_config = load_model(config.model, self.dtype, str(self.device))
         self.tokenizer: Tokenizer = load_tokenizer(config.model, self.model_config)
-        limit = self.model_config.max_position_embeddings
-        self.max_seq_len = min(config.max_seq_len or min(limit, 4096), limit)
+        self.max_seq_len, context_reason = choose_max_seq_len(config, self.model_config, self.device, self.dtype)
         self.pool = self._make_pool(self.model_config)
+        # What was chosen and why, for the run summary (infer generate/chat print it).
+        self.summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({dtype_reason}); context "
+                        f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens")
+        say(self.summary)
         prefix_cache = None
         if config.prefix_caching:
             from infer.cache.prefix import PrefixCache
@@ -128,10 +177,18 @@ class Engine:
         return self.runner.kv_pools()
 
     def _make_pool(self, model_config: ModelConfig) -> CachePoolProtocol:
-        """A KV pool for a model (the target, or a draft model) with this engine's settings."""
+        """A KV pool for a model (the target, or a draft model) with this engine's settings: unless
+        ``num_kv_blocks`` says otherwise, ``max_batch_size`` full-length sequences as far as the KV
+        budget allows, and always at least one."""
         config = self.config
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None and config.kv_cache_backend == "paged":
+            budget, _ = kv_budget_tokens(config, model_config, self.device, self.dtype)
+            if budget is not None:
+                per_sequence = -(-self.max_seq_len // config.block_size)
+                num_blocks = max(per_sequence, min(config.max_batch_size * per_sequence, budget // config.block_size))
         return make_pool(config.kv_cache_backend, num_layers=model_config.num_hidden_layers,
                          num_kv_heads=model_config.num_key_value_heads, head_dim=model_config.head_dim,
                          max_seq_len=self.max_seq_len, max_batch_size=config.max_batch_size,
-                         block_size=config.block_size, num_blocks=config.num_kv_blocks, dtype=self.dtype,
+                         block_size=config.block_size, num_blocks=num_blocks, dtype=self.dtype,
                          device=self.device)
