@@ -47,8 +47,13 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 on_token: Callable[[Request, list[int]], None] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (batched); ``params`` is one for all or one per prompt."""
+                 on_token: Callable[[Request, list[int]], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (batched); ``params`` is one for all or one per prompt.
+
+        ``should_stop`` is asked after every engine step; once it says True, every unfinished
+        request is aborted (finish_reason "abort", KV freed) and the outputs so far are returned.
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -68,6 +73,11 @@ class LLM:
             for update in self.engine.step():
                 if on_token is not None and update.new_token_ids:
                     on_token(update.request, update.new_token_ids)
+            if should_stop is not None and should_stop():
+                for request in requests:
+                    if self.engine.abort(request.request_id) is None and not request.is_finished:
+                        request.finish("abort")  # never admitted: nothing to free
+                break
         return [RequestOutput.from_request(r) for r in requests]
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> RequestOutput:
