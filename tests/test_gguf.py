@@ -114,7 +114,7 @@ def store(array: np.ndarray, qtype: Any) -> tuple[np.ndarray, Any]:
 
 def write_gguf(folder: Path, out: Path, qtype: Any = None, *, arch: str | None = None, pre: str = "gpt2",
                tokenizer_model: str = "gpt2", extra_tensors: dict[str, tuple[np.ndarray, Any]] | None = None,
-               skip_keys: tuple[str, ...] = ()) -> Path:
+               skip_keys: tuple[str, ...] = (), add_bos: bool = False) -> Path:
     """The GGUF llama.cpp would write for the Hugging Face checkpoint ``folder``."""
     qtype = Q.F32 if qtype is None else qtype
     config = json.loads((folder / "config.json").read_text())
@@ -158,7 +158,7 @@ def write_gguf(folder: Path, out: Path, qtype: Any = None, *, arch: str | None =
     writer.add_eos_token_id(eos_ids[0])
     if len(eos_ids) > 1:
         writer.add_eot_token_id(eos_ids[1])
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(tok_config["chat_template"])
 
     for name, weight in load_file(str(folder / "model.safetensors")).items():
@@ -228,6 +228,37 @@ def test_generate_from_gguf_equals_folder(tiny_llama: Path, tmp_path: Path) -> N
     from_gguf = LLM(str(path), dtype="float32", device="cpu").generate(SAMPLE_TEXTS[:3], params)
     from_folder = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(SAMPLE_TEXTS[:3], params)
     assert [o.token_ids for o in from_gguf] == [o.token_ids for o in from_folder]
+
+
+@pytest.mark.parametrize(("pre", "add_bos"), [("gpt2", False), ("llama-bpe", True), ("qwen2", False)])
+def test_pre_tokenizers_and_bos_match_transformers(tiny_llama: Path, tmp_path: Path, pre: str,
+                                                   add_bos: bool) -> None:
+    """Each llama.cpp split (tokenizer.ggml.pre) and add_bos_token, against transformers' GGUF tokenizer."""
+    from transformers import AutoTokenizer
+
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf", pre=pre, add_bos=add_bos)
+    ours = load_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in SAMPLE_TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+    assert (ours.encode("x")[0] == ours.bos_token_id) == add_bos
+    assert ours.bos_token_id not in ours.encode("x", add_special_tokens=False)
+
+
+def test_smollm_pre_tokenizer_splits_every_digit(tiny_llama: Path, tmp_path: Path) -> None:
+    """llama.cpp's 'smollm' split isolates each digit before BPE (transformers' GGUF reader does not;
+    the real SmolLM2 vocabulary has no multi-digit tokens, so there both agree)."""
+    gpt2 = load_tokenizer(write_gguf(tiny_llama, tmp_path / "gpt2.gguf"))
+    smollm = load_tokenizer(write_gguf(tiny_llama, tmp_path / "smollm.gguf", pre="smollm"))
+    text = "fib(n - 1) + fib(n - 2) == 1000"
+
+    def digit_pieces(tokenizer: Any) -> list[str]:
+        return [p for p in (tokenizer.decode([i]) for i in tokenizer.encode(text)) if any(c.isdigit() for c in p)]
+
+    assert all(len(piece) == 1 for piece in digit_pieces(smollm)), digit_pieces(smollm)
+    assert any(len(piece) > 1 for piece in digit_pieces(gpt2))  # the control: " 1" is one GPT-2 piece here
+    assert smollm.decode(smollm.encode(text)) == text
+    assert smollm.encode("no digits here") == gpt2.encode("no digits here")
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"])
