@@ -3,6 +3,7 @@ plus the tokenizer config (special tokens, chat template)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,30 @@ class Tokenizer:
         return dict(self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text``; ValueError for text the tokenizer cannot take (a lone surrogate).
+
+        ``encode_batch`` releases the GIL while ``encode`` holds it (seconds for a long text, which
+        would stall a server's event loop even from a worker thread); the ids are the same.
+        """
+        try:
+            encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        except TypeError:  # tokenizers refuses str objects that are not valid Unicode
+            raise ValueError(_invalid_text(text)) from None
+        return list(encoding.ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: no token covers more text than that
+        (a byte-level entry has one character per byte, at least as many as its decoded text)."""
+        return max((len(token) for token in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def min_token_count(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` known without tokenizing.
+
+        A normaliser may shrink text before tokenizing (Unicode composition merges at most three
+        code points into one), hence the margin of 4.
+        """
+        return len(text) // (4 * self.max_token_chars)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
@@ -97,6 +121,15 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         # The template already writes any BOS, so no special tokens are added again (as transformers does).
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _invalid_text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start]
+        return f"the text is not valid Unicode: a lone surrogate U+{ord(bad):04X} at character {err.start}"
+    return "the text cannot be tokenized"
 
 
 def _token_text(value: Any) -> str | None:
