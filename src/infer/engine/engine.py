@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,8 +17,8 @@ from infer.core.detokenizer import IncrementalDetokenizer
 from infer.core.model_runner import ModelRunner
 from infer.core.request import Request
 from infer.engine.config import EngineConfig
-from infer.engine.continuous_runner import ContinuousRunner
-from infer.engine.scheduler import Runner, Scheduler
+from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
+from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
 from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
 from infer.loader.config import ModelConfig
 from infer.sampling.params import SamplingParams
@@ -115,10 +116,18 @@ class Engine:
         self.lock = threading.RLock()
 
     # -- requests --------------------------------------------------------------------------------
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Tokenize and validate a prompt; raises ValueError naming the problem."""
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     cache_salt: str | None = None) -> Request:
+        """Tokenize and validate a prompt; raises ValueError naming the problem.
+
+        ``cache_salt`` keeps the request's prompt blocks apart in the prefix cache: only requests
+        with the same salt (or none) share cached KV blocks.
+        """
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt={cache_salt!r} is invalid: must be a non-empty string or None")
         if isinstance(prompt, str):
             text: str | None = prompt
+            self._check_fits(prompt)
             ids = self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
@@ -132,24 +141,50 @@ class Engine:
                              "(max_seq_len), leaving no room to generate")
         rid = request_id or f"req-{next(self._ids)}"
         return Request(rid, ids, params, IncrementalDetokenizer(self.tokenizer, ids), self.tokenizer.eos_token_ids,
-                       self.max_seq_len, self.device, prompt=text)
+                       self.max_seq_len, self.device, prompt=text, cache_salt=cache_salt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        request = self.make_request(prompt, params, request_id)
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat prompt (the tokenizer's template); ValueError naming the problem."""
+        self._check_fits("".join(str(m.get("content") or "") for m in messages))
+        return self.tokenizer.encode_chat(messages)
+
+    def _check_fits(self, text: str) -> None:
+        """Refuse text that surely has too many tokens for the context, without tokenizing it all."""
+        if self.tokenizer.min_token_count(text) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(text)} characters: more than the {self.max_seq_len}-token context "
+                             "(max_seq_len) can hold")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> Request:
+        request = self.make_request(prompt, params, request_id, cache_salt)
         with self.lock:
             self.scheduler.add(request)
         return request
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str, error: str | None = None) -> Request | None:
+        """Stop a request and free its KV blocks: finish_reason "abort", or "error" with ``error``."""
         with self.lock:
-            return self.scheduler.abort(request_id)
+            return self.scheduler.abort(request_id, error)
+
+    def fail_all(self, reason: str) -> list[Request]:
+        """End every waiting and running request with finish_reason "error" and ``reason``, freeing
+        their KV blocks in every pool (a server's shutdown); returns them."""
+        with self.lock:
+            unfinished = [*self.scheduler.running, *self.scheduler.waiting]
+            for request in unfinished:
+                self.scheduler.abort(request.request_id, reason)
+            return unfinished
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:
-        """Schedule, run one batched pass (or speculative round), and apply stop rules in order."""
+        """Schedule, run one batched pass (or speculative round), and apply stop rules in order.
+
+        A request whose part of the step fails (its sampling, drafting or verification raises)
+        finishes with finish_reason "error"; the others' tokens are unaffected (see ``_run``).
+        """
         with self.lock:
             batch = self.scheduler.schedule()
             updates: dict[str, RequestUpdate] = {}
@@ -158,7 +193,10 @@ class Engine:
             self.scheduler.rejected.clear()
             if batch.empty:
                 return list(updates.values())
-            for request, out in self.runner.step(batch.prefill, batch.decode):
+            outputs, failed = self._run(batch)
+            for request in failed:
+                updates[request.request_id] = RequestUpdate(request, [], True)
+            for request, out in outputs:
                 update = updates.setdefault(request.request_id, RequestUpdate(request, [], False))
                 if update.finished:
                     continue  # a stop rule fired earlier in this round: the rest is discarded
@@ -167,6 +205,53 @@ class Engine:
                 update.finished = request.is_finished
             self.scheduler.retire()
             return list(updates.values())
+
+    def _run(self, batch: ScheduledBatch) -> tuple[StepResult, list[Request]]:
+        """Run ``batch``, isolating failures: returns the outputs and the requests that failed.
+
+        If the batched step raises, every request is rolled back to where it was (target cache,
+        drafter state, random generator) and each is stepped alone; those that fail again finish
+        with an error, the others go on as if the batch had succeeded. One request's bad values
+        therefore never fail another, whichever drafter runs. Costs nothing unless a step fails.
+        """
+        units: list[tuple[list[PrefillChunk], list[Request]]] = \
+            [([chunk], []) for chunk in batch.prefill] + [([], [request]) for request in batch.decode]
+        requests = [chunk.request for chunk in batch.prefill] + list(batch.decode)
+        saved = {request.request_id: self._checkpoint(request) for request in requests}
+        try:
+            return self.runner.step(batch.prefill, batch.decode), []
+        except Exception as err:
+            error = err
+        for request in requests:
+            self._restore(request, saved[request.request_id])
+        if len(units) == 1:
+            requests[0].finish("error", _describe(error))
+            return [], requests
+        outputs: StepResult = []
+        failed: list[Request] = []
+        for (prefill, decode), request in zip(units, requests, strict=True):
+            try:
+                outputs += self.runner.step(prefill, decode)
+            except Exception as err:
+                self._restore(request, saved[request.request_id])
+                request.finish("error", _describe(err))
+                failed.append(request)
+        return outputs, failed
+
+    @staticmethod
+    def _checkpoint(request: Request) -> tuple[int | None, int, torch.Tensor | None]:
+        rng = None if request.params.greedy else request.generator.get_state()
+        return request.slot, request.num_computed_tokens, rng
+
+    def _restore(self, request: Request, checkpoint: tuple[int | None, int, torch.Tensor | None]) -> None:
+        slot, computed, rng = checkpoint
+        if slot is None:  # the failed step allocated it: start over, prefix-cache lookup included
+            self.runner.release(request)
+            request.num_computed_tokens = computed
+        else:
+            self.runner.rollback(request, computed)
+        if rng is not None:
+            request.generator.set_state(rng)
 
     def run_until_done(self) -> None:
         while self.has_unfinished():
@@ -192,3 +277,7 @@ class Engine:
                          max_seq_len=self.max_seq_len, max_batch_size=config.max_batch_size,
                          block_size=config.block_size, num_blocks=num_blocks, dtype=self.dtype,
                          device=self.device)
+
+
+def _describe(err: Exception) -> str:
+    return f"the request failed in the engine: {type(err).__name__}: {err}"
