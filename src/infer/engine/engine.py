@@ -212,7 +212,11 @@ class Engine:
         If the batched step raises, every request is rolled back to where it was (target cache,
         drafter state, random generator) and each is stepped alone; those that fail again finish
         with an error, the others go on as if the batch had succeeded. One request's bad values
-        therefore never fail another, whichever drafter runs. Costs nothing unless a step fails.
+        therefore never fail another, whichever drafter runs. Costs nothing unless a step fails
+        (beyond saving sampled requests' generator states). Caveat: a drafter whose state was
+        dropped by the rollback may draft differently (Medusa's first round after it is a plain
+        step), so a seeded sampled request can draw other tokens than without the fault; greedy
+        output is unchanged and sampled output keeps exactly the target's distribution.
         """
         units: list[tuple[list[PrefillChunk], list[Request]]] = \
             [([chunk], []) for chunk in batch.prefill] + [([], [request]) for request in batch.decode]
