@@ -8,7 +8,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -26,11 +26,13 @@ from infer.server.protocol import ChatCompletionRequest, CompletionRequest, Samp
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def create_app(engine: Engine, served_model_name: str, api_key: str | None) -> FastAPI:
+def create_app(engine: Engine, served_model_name: str, api_key: str | None,
+               metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None = None) -> FastAPI:
     """An app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1/* when set.
 
     The engine thread starts with the app (lifespan startup) and stops with it; requests still
-    running at shutdown end with an error.
+    running at shutdown end with an error. ``metrics_exposition`` replaces what /metrics answers
+    (a Ray Serve replica answers with every replica's metrics, not only its own).
     """
     spec = engine.config.speculative
     metrics = ServerMetrics(max_draft=spec.max_length if spec is not None else 0)
@@ -79,7 +81,8 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None) -> F
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_text() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = metrics.render() if metrics_exposition is None else await metrics_exposition(metrics)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 

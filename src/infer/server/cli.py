@@ -14,6 +14,7 @@ from infer.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     import uvicorn
+    from fastapi import FastAPI
 
 _DEFAULTS = EngineConfig(model="")  # the engine's defaults are the flags' defaults
 
@@ -45,6 +46,20 @@ def add_subparser(subparsers: Any) -> None:
                    help="model id clients send and /v1/models lists (default: the model folder's name)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level ('info' logs every request)")
+    scale = p.add_argument_group("scaling out on Ray Serve (pip install -e .[ray]; see docs/scaling.md)")
+    scale.add_argument("--replicas", type=int, default=None,
+                       help="serve N engine replicas behind this host:port with Ray Serve (default: one process, "
+                            "no Ray)")
+    scale.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                       help="let Ray Serve keep MIN..MAX replicas, aiming at max-batch-size ongoing requests each")
+    scale.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster ('auto' for the local node's) instead of starting a private "
+                            "Ray instance that lives as long as the server")
+    scale.add_argument("--replica-cpus", type=float, default=1.0,
+                       help="CPUs Ray reserves for each replica (also its torch threads)")
+    scale.add_argument("--replica-gpus", type=float, default=None,
+                       help="GPUs Ray reserves for each replica, fractions allowed (default: 1 with --device "
+                            "cuda*, else 0)")
     p.set_defaults(func=run_serve)
 
 
@@ -66,11 +81,42 @@ def served_model_name(args: argparse.Namespace) -> str:
     return path.resolve().name if path.is_dir() else str(args.model)  # a hub id stays as given
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    config = engine_config_from_args(args)  # bad flags fail before the (slow) model load
+def say(message: str) -> None:
+    print(f"[infer] {message}", file=sys.stderr, flush=True)
 
-    def say(message: str) -> None:
-        print(f"[infer] {message}", file=sys.stderr, flush=True)
+
+def on_ray_serve(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for Ray Serve replicas rather than one in-process engine."""
+    return args.replicas is not None or args.autoscale is not None or args.ray_address is not None
+
+
+def build_app(args: argparse.Namespace, **app_options: Any) -> FastAPI:
+    """Load the engine the flags describe and wrap it in the HTTP app: what one ``infer serve``
+    process runs, and what each Ray Serve replica runs."""
+    from infer.engine.engine import Engine
+    from infer.server.app import create_app
+
+    config = engine_config_from_args(args)
+    engine = Engine(config, say)
+    spec = "" if config.speculative is None else \
+        f", speculation {config.speculative.method} (K={config.speculative.length}, {config.speculative.length_policy})"
+    say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
+        f"{engine.pool.free_kv_tokens()} KV tokens{spec}")
+    return create_app(engine, served_model_name(args), args.api_key, **app_options)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    engine_config_from_args(args)  # bad flags fail before the (slow) model load
+    if on_ray_serve(args):
+        try:
+            from ray import serve  # noqa: F401
+        except ImportError as err:
+            print(f"infer serve: error: --replicas, --autoscale and --ray-address run on Ray Serve, which is "
+                  f"not installed ({err}); install it with: pip install -e .[ray]", file=sys.stderr)
+            return 2
+        from infer.server.ray_serve import run_on_ray_serve
+
+        return run_on_ray_serve(args)
 
     from infer.server.background import bind_socket
 
@@ -82,16 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from infer.engine.engine import Engine
-    from infer.server.app import create_app
-
     name = served_model_name(args)
-    engine = Engine(config, say)
-    spec = "" if config.speculative is None else \
-        f", speculation {config.speculative.method} (K={config.speculative.length}, {config.speculative.length_policy})"
-    say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
-        f"{engine.pool.free_kv_tokens()} KV tokens{spec}")
-    app = create_app(engine, name, args.api_key)
+    app = build_app(args)
     host = f"[{args.host}]" if ":" in args.host else args.host
     port = sock.getsockname()[1]
     ready = f"serving {name!r} at http://{host}:{port}/v1" + (" (API key required)" if args.api_key else "")
