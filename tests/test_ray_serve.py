@@ -115,6 +115,48 @@ def test_session_affinity_router_keeps_a_session_on_one_replica() -> None:
     assert ranks(replicas[:1], "user-1") == [replicas[:1]]
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--replicas", "0"], "--replicas must be at least 1"),
+    (["--autoscale", "3:1"], "need 0 <= MIN <= MAX"),
+    (["--autoscale", "two"], "--autoscale wants MIN:MAX"),
+    (["--autoscale", "1:2", "--replicas", "5"], "--replicas 5 is outside --autoscale 1:2"),
+    (["--replicas", "2", "--replica-cpus", "0"], "--replica-cpus must be positive"),
+])
+def test_bad_scaling_flags_fail_before_ray_starts(tiny_llama: Path, capsys: pytest.CaptureFixture[str],
+                                                   flags: list[str], message: str) -> None:
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed")
+    from infer.cli import main
+
+    assert main(["serve", "--model", str(tiny_llama), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_flags_map_to_the_ray_serve_deployment(tiny_llama: Path) -> None:
+    """What Ray Serve is told for each flag (building a deployment starts nothing, but validates)."""
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed")
+    from infer.cli import build_parser
+    from infer.server.ray_serve import ScaleOut, deployment_options, infer_deployment
+
+    def options(*flags: str) -> dict[str, Any]:
+        args = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--max-batch-size", "4",
+                                          "--max-queue", "10", *flags])
+        scale = ScaleOut.from_args(args)
+        deployment = infer_deployment(args, scale, hub=None)  # Ray Serve accepts every option
+        assert deployment.max_ongoing_requests == 4 + 10 + 8  # a full engine still answers 429 itself
+        return deployment_options(args, scale)
+
+    fixed = options("--replicas", "3", "--replica-cpus", "2")
+    assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
+    assert "autoscaling_config" not in fixed and "request_router_config" not in fixed  # power of two choices
+    scaled = options("--autoscale", "1:4", "--prefix-caching", "--device", "cuda")
+    auto = scaled["autoscaling_config"]
+    assert (auto.min_replicas, auto.initial_replicas, auto.max_replicas) == (1, 1, 4)
+    assert auto.target_ongoing_requests == 4  # a full batch per replica
+    assert "num_replicas" not in scaled and scaled["ray_actor_options"]["num_gpus"] == 1.0
+    assert scaled["request_router_config"].request_router_class == "infer.server.ray_serve:SessionAffinityRouter"
+    assert options("--autoscale", "0:2", "--replicas", "2")["autoscaling_config"].initial_replicas == 2
+
+
 # -- a real `infer serve --replicas 2` ---------------------------------------------------------
 @dataclass
 class RayServer:

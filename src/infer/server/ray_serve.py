@@ -118,6 +118,7 @@ class SessionAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        # getattr: Ray Serve versions before the session header carry no session_id (all power of two then).
         session = getattr(pending_request.metadata, "session_id", "") if pending_request is not None else ""
         if not session or len(candidate_replicas) < 2:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
@@ -206,6 +207,9 @@ def infer_deployment(args: argparse.Namespace, scale: ScaleOut, hub: Any) -> Any
     """The Ray Serve deployment: each replica builds the engine and app from ``args``."""
 
     def build_replica_app() -> FastAPI:
+        import torch
+
+        torch.set_num_threads(max(1, int(scale.cpus)))  # the CPUs Ray reserved for this replica, no more
         replica = serve.get_replica_context().replica_id.unique_id
         publisher = MetricsPublisher(hub, replica)
         app = build_app(args, metrics_exposition=publisher.exposition)
