@@ -153,7 +153,7 @@ def test_flags_map_to_the_ray_serve_deployment(tiny_llama: Path) -> None:
     assert (auto.min_replicas, auto.initial_replicas, auto.max_replicas) == (1, 1, 4)
     assert auto.target_ongoing_requests == 4  # a full batch per replica
     assert "num_replicas" not in scaled and scaled["ray_actor_options"]["num_gpus"] == 1.0
-    assert scaled["request_router_config"].request_router_class == "infer.server.ray_serve:SessionAffinityRouter"
+    assert scaled["request_router_config"] == {"request_router_class": "infer.server.ray_serve:SessionAffinityRouter"}
     assert options("--autoscale", "0:2", "--replicas", "2")["autoscaling_config"].initial_replicas == 2
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import ray
 from fastapi import FastAPI
 from ray import serve
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.config import AutoscalingConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from ray.serve.schema import LoggingConfig
 
@@ -195,7 +195,7 @@ def deployment_options(args: argparse.Namespace, scale: ScaleOut) -> dict[str, A
                                                           initial_replicas=scale.replicas,
                                                           target_ongoing_requests=args.max_batch_size)
     if args.prefix_caching:
-        options["request_router_config"] = RequestRouterConfig(request_router_class=f"{__name__}:SessionAffinityRouter")
+        options["request_router_config"] = {"request_router_class": f"{__name__}:SessionAffinityRouter"}
     return options
 
 
