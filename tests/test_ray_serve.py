@@ -426,16 +426,21 @@ def test_shutdown_leaves_no_ray_processes(ray_server: RayServer) -> None:
 
 
 @pytest.mark.ray
-def test_prefix_caching_keeps_a_session_on_its_replica_and_options_reach_replicas(
+def test_prefix_caching_keeps_a_session_on_its_replica_and_flags_reach_replicas(
         tiny_llama: Path, tmp_path: Path) -> None:
-    server = start_ray_server(tiny_llama, tmp_path / "serve.log", "--prefix-caching", "--api-key", "secret")
+    server = start_ray_server(tiny_llama, tmp_path / "serve.log", "--prefix-caching", "--api-key", "secret",
+                              "--speculator", "ngram", "--spec-length", "3")
     try:
-        denied = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+        body = {"model": MODEL, "prompt": "a b c a b c a b c", "max_tokens": 12}
+        denied = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
         assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        speculated = httpx.post(f"{server.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S,
+                                headers={"Authorization": "Bearer secret"}).json()
+        assert speculated["speculative"]["num_rounds"] > 0, speculated  # the drafter flags reached the replica
         def client() -> AsyncOpenAI:
             return AsyncOpenAI(base_url=f"{server.url}/v1", api_key="secret", max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
-        seen = server.requests_by_replica()
+        seen = counts_reaching(server, 1)  # the request above, once its replica published it
         for session in ("alice", "bob", "carol"):  # six turns of one conversation each
             for turn in [Ask(i, chat=True, stream=i % 2 == 0, max_tokens=4, seed=None) for i in range(6)]:
                 (result,) = asyncio.run(ask_all(client(), [turn], headers={"x-session-id": session}))
