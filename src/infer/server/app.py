@@ -9,7 +9,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -73,11 +73,14 @@ def _generation_responses(model: type, auth: bool) -> dict[int | str, dict[str, 
 
 
 def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None = None) -> FastAPI:
     """An app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1/* when set.
 
     The engine thread starts with the app (lifespan startup) and stops with it; requests still
     running then end with an error. ``app.state.service.begin_drain`` starts a graceful shutdown.
+    ``metrics_exposition`` replaces what /metrics answers (a Ray Serve replica answers with every
+    replica's metrics, not only its own).
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: pass None to serve without a key")
@@ -141,7 +144,8 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
              responses={200: {"description": "Prometheus text exposition format",
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_text() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = metrics.render() if metrics_exposition is None else await metrics_exposition(metrics)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.openapi = functools.partial(_openapi_without_422, app)  # type: ignore[method-assign]
     return app

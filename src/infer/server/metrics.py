@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -205,3 +206,38 @@ class ServerMetrics:
         for metric in self.all():
             lines += metric.render()
         return "\n".join(lines) + "\n"
+
+
+_SAMPLE_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def merge_expositions(by_source: Mapping[str, str], label: str) -> str:
+    """One exposition from several of the same kind (e.g. one per replica): each metric family's
+    HELP and TYPE once, then every source's samples with ``label="<source>"`` added."""
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for source, text in by_source.items():
+        tag = _labels(((label, source),))[1:-1]  # 'label="source"', escaped
+        family = ""
+        for line in text.splitlines():
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    lines = headers.setdefault(family, [])
+                    if not any(h.split(" ", 2)[1] == parts[1] for h in lines):
+                        lines.append(line)
+                continue
+            match = _SAMPLE_NAME.match(line)
+            if match is None:
+                continue
+            name, rest = match.group(), line[match.end():]
+            if rest.startswith("{"):
+                rest = "{" + tag + ("" if rest.startswith("{}") else ",") + rest[1:]
+            else:
+                rest = "{" + tag + "}" + rest
+            samples.setdefault(family or name, []).append(name + rest)
+    out: list[str] = []
+    for family in dict.fromkeys([*headers, *samples]):
+        out += headers.get(family, []) + samples.get(family, [])
+    return "\n".join(out) + "\n"
