@@ -383,7 +383,7 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int | None, str
 
 
 async def open_streams(url: str, bodies: list[dict[str, Any]]) -> tuple[list[asyncio.Task[list[str]]], Any]:
-    """Start one SSE stream per body; returns once every one has its 200 headers (admitted)."""
+    """Start one SSE stream per body, in order; returns once every one has its 200 headers (admitted)."""
     client = httpx.AsyncClient(base_url=url, timeout=DEADLINE_S * 2)
     admitted = [asyncio.Event() for _ in bodies]
 
@@ -397,8 +397,10 @@ async def open_streams(url: str, bodies: list[dict[str, Any]]) -> tuple[list[asy
             ready.set()
             return [f"CUT: {err!r}"]
 
-    tasks = [asyncio.create_task(one(b, e)) for b, e in zip(bodies, admitted, strict=True)]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in admitted)), DEADLINE_S)
+    tasks = []
+    for body, ready in zip(bodies, admitted, strict=True):  # one at a time: the queue keeps the list's order
+        tasks.append(asyncio.create_task(one(body, ready)))
+        await asyncio.wait_for(ready.wait(), DEADLINE_S)
     return tasks, client
 
 
