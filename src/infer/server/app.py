@@ -65,8 +65,12 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def _generation_responses(model: type, auth: bool) -> dict[int | str, dict[str, Any]]:
-    stream = {"schema": {"type": "string", "description": "Server-sent events: `data: <chunk JSON>` lines, "
-                                                          "then `data: [DONE]`"}}
+    # Before OpenAPI 3.2 a text/event-stream schema describes one event (its `data`, `event`, ...).
+    event = {"type": "object", "required": ["data"], "description": "One server-sent event",
+             "properties": {"data": {"type": "string", "description": "A chunk (the JSON response's shape, with "
+                                     "`delta`s for chat), `{\"error\": ...}` if the request fails, or `[DONE]`"},
+                            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+    stream = {"schema": event}
     return {200: {"model": model, "description": "The completion (JSON), or with `stream: true` a stream of "
                                                  "server-sent events", "content": {"text/event-stream": stream}},
             **_errors(400, *((401,) if auth else ()), 413, 429, 500, 503)}
