@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infer.speculative.medusa import DEFAULT_TOP_K, DEFAULT_TREE_SIZE, MedusaHeads, default_heads_dir
+from infer.models.medusa_heads import DEFAULT_TOP_K, DEFAULT_TREE_SIZE, MedusaHeads
+from infer.speculative.medusa import default_heads_dir
 
 OBJECTIVES = ("distill", "ce")
 
@@ -149,10 +150,8 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
         autocast,
         configure_threads,
         pick_device,
-        publish_folder,
         run_loop,
         say,
-        staging_folder,
     )
     from infer.train.corpus import load_corpus
     from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus
@@ -232,9 +231,7 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
         "heldout_loss_per_head": final,
     }
     out = cfg.out if cfg.out is not None else default_heads_dir(cfg.target)
-    with staging_folder(out) as tmp:
-        medusa.to(torch.float32).write_files(tmp)
-        publish_folder(tmp, out)
+    medusa.to(torch.float32).save(out)
     top1 = ", ".join(f"{row[0]:.3f}" for row in rank_accuracy)
     say(f"saved {out} ({state.step} steps, {state.elapsed:.0f}s training, {time.perf_counter() - wall_start:.0f}s "
         f"total): held-out loss {sum(before) / cfg.heads:.4f} -> {sum(final) / cfg.heads:.4f}, top-1 accuracy "
