@@ -128,11 +128,13 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
     verdicts = [c["verdict"] for c in checks.values()]
     overall = FAIL if FAIL in verdicts else LOW_POWER if LOW_POWER in verdicts else PASS
     config = spec.config
+    speculative = config.speculative
+    assert speculative is not None  # the audited LLM always speculates
     return {
         "verdict": overall,
         "settings": {
-            "model": config.model, "speculator": config.speculator, "draft_model": config.draft_model,
-            "spec_length": config.spec_length, "spec_length_policy": config.spec_length_policy,
+            "model": config.model, "speculator": speculative.method, "draft_model": speculative.draft_model,
+            "spec_length": speculative.length, "spec_length_policy": speculative.length_policy,
             "dtype": str(spec.engine.dtype).removeprefix("torch."), "device": str(spec.engine.device),
             "sampling": {k: getattr(settings.sampling, k)
                          for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")},
@@ -190,7 +192,7 @@ class _Audit:
         self.plain, self.spec = plain, spec
         self.prompt_ids = prompt_ids
         self.say = say
-        self.model = plain.engine.target_model
+        self.model = plain.engine.model
         self.device = plain.engine.device
         self._runs: dict[tuple[str, bool], list[RequestOutput]] = {}
 
@@ -331,10 +333,11 @@ class _Audit:
         rounds = sum(o.metrics.num_rounds for o in spec)
         # Rounds that drafted at least one token (the rest were plain steps the policy chose).
         drafted_rounds = sum(o.metrics.proposed_per_position[0] for o in spec if o.metrics.proposed_per_position)
-        config = self.spec.config
-        chain_fixed = config.spec_length_policy == "fixed" and config.speculator != "medusa"
+        config = self.spec.config.speculative
+        assert config is not None  # the audited LLM always speculates
+        chain_fixed = config.length_policy == "fixed" and config.method != "medusa"
         proposed = sum(o.metrics.proposed_tokens for o in spec)
-        gamma = config.spec_length if chain_fixed else max(1, round(proposed / drafted_rounds)) if drafted_rounds else None
+        gamma = config.length if chain_fixed else max(1, round(proposed / drafted_rounds)) if drafted_rounds else None
         cost = _measured_cost_ratio(self.spec)
         alpha = stats["alpha"]
         # Equation (1), (1 - α^(γ+1)) / (1 - α), is Theorem 3.8 with a free drafter (c = 0).
