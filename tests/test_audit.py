@@ -290,7 +290,7 @@ def test_reference_logits_match_the_engine(small_target: Path) -> None:
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     context = list(PROMPTS[0])
     for token in out.token_ids:
-        logits = next_token_logits(llm.engine.target_model, [context], llm.engine.device)
+        logits = next_token_logits(llm.engine.model, [context], llm.engine.device)
         assert int(logits[0].argmax()) == token
         context.append(token)
 

@@ -36,7 +36,7 @@ from infer.models.layers import DecoderOnlyLM
 from infer.sampling.params import SamplingParams
 from infer.sampling.sampler import context_presence
 from infer.sampling.transforms import SamplingBatch, apply_repetition_penalty, probs_from_logits
-from infer.speculative.length_policy import expected_speedup
+from infer.speculative.budget import expected_speedup
 
 CHECKS = ("distribution", "greedy", "acceptance")
 PASS, FAIL, LOW_POWER, NEAR_TIE, SKIPPED, INFO = "PASS", "FAIL", "INSUFFICIENT POWER", "NEAR-TIE", "SKIPPED", "INFO"
