@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty)
     options = engine_options(args)
-    EngineConfig(**options)  # validate the flags before the (slow) model loads
+    EngineConfig.from_options(**options)  # validate the flags before the (slow) model loads
     extra: dict[str, Any] = {"prompts": load_prompts(args.prompts)} if args.prompts else {}
     settings = AuditSettings(engine=options, sampling=sampling, contexts=args.contexts, samples=args.samples,
                              max_tokens=args.max_tokens, checks=args.checks, alpha=args.alpha, power=args.power,
