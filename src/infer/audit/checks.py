@@ -380,10 +380,19 @@ def default_tie_tolerance(dtype: torch.dtype, logit_scale: float) -> float:
 
 
 def _measured_cost_ratio(llm: LLM) -> float | None:
-    """c = draft step / target step as the speculative runner measured it (None if it does not say)."""
-    costs = getattr(llm.engine.runner, "costs", None)
-    ratio = getattr(costs, "draft_target_ratio", None)
-    return ratio(1) if callable(ratio) else None
+    """c = one draft step / one target step at batch size 1, from the budget controller's fitted
+    costs (None for drafters without per-token steps, or before both costs were measured)."""
+    from infer.engine.speculative_runner import SpeculativeRunner
+
+    runner = llm.engine.runner
+    if not isinstance(runner, SpeculativeRunner):
+        return None
+    budget = runner.budget
+    if not (budget.cost_per_token and budget.target.ready and budget.draft.ready):
+        return None
+    intercept, slope = budget.target.coefficients()
+    plain = intercept + slope
+    return budget.draft.predict(1) / plain if plain > 0 else None
 
 
 def _one_token_cells(x2: np.ndarray, p: np.ndarray) -> ChiSquare:
