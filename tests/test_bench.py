@@ -70,14 +70,25 @@ def test_workloads_and_prompt_files(tmp_path: Path) -> None:
         load_prompts(empty)
 
 
-def test_demo_runs_on_given_models(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # The self-draft accepts everything, so the demo's table shows acceptance 1.00.
-    code = main(["demo", "--model", str(tiny_llama), "--draft-model", str(tiny_llama), "--num-prompts", "1",
-                 "--max-tokens", "12"])
+def test_demo_runs_on_given_models(tiny_llama: Path, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # The self-draft accepts everything, so the demo's tables show acceptance 1.00.
+    code = main(["demo", "--model", str(tiny_llama), "--draft-model", str(tiny_llama), "--max-tokens", "12",
+                 "--pair-target", str(tiny_llama), "--pair-draft", str(tiny_llama), "--num-prompts", "1",
+                 "--pair-max-tokens", "8"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "greedy text identical in every mode: True" in out
-    assert "draft model K=4" in out and "1.00" in out
+    assert out.count("greedy text identical in every mode: True") == 2  # the instruct model, then the pair
+    for task in ("chat", "edit code", "summarize", "all"):
+        assert f"\n{task} " in out
+    assert "n-gram K=4" in out and "draft model K=4" in out and "1.00" in out
+    assert "What are three tips for staying healthy?" in out
+
+    # A mode whose greedy text differed makes the demo fail.
+    from infer import demo
+
+    monkeypatch.setattr(demo, "_identical", lambda rows: False)
+    assert main(["demo", "--model", str(tiny_llama), "--max-tokens", "4", "--pair", "none"]) == 1
 
 
 def test_bench_serving_against_launched_servers(tiny_llama: Path, tiny_draft: Path, tmp_path: Path) -> None:

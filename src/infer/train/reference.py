@@ -38,6 +38,7 @@ from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
     configure_threads,
     count_params,
+    default_cache_dir,
     is_complete_model,
     pick_device,
     publish_folder,
@@ -129,12 +130,6 @@ REFERENCE_SIZES: dict[str, ReferenceSettings] = {
 
 def _digest(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/infer`` or ``~/.cache/infer``."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "infer"
 
 
 def reference_pair_dir(size: str) -> Path:
