@@ -67,6 +67,8 @@ def add_subparser(sub: Any) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="float32 (default) makes every mode's greedy text identical by construction")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: torch's); on a machine other programs keep busy, 1 can be faster")
     p.set_defaults(func=run_demo)
 
 
@@ -213,6 +215,10 @@ def pair_section(args: argparse.Namespace) -> bool:
 
 def run_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     ok = real_model_section(args)
     if args.pair != "none" or (args.pair_target and args.pair_draft):
         ok = pair_section(args) and ok

@@ -280,7 +280,10 @@ def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, pr
 def build_plan(settings: ReferenceSettings) -> str:
     """One line: each stage's step budget and the time it took on the 2-core machine it was sized on."""
     expected = settings.metadata.get("expected_s", {})
-    parts = [f"{stage} {steps} steps" + (f" (~{expected[stage] / 60:.0f} min)" if stage in expected else "")
+    def about(seconds: float) -> str:
+        return f"~{seconds:.0f} s" if seconds < 90 else f"~{seconds / 60:.0f} min"
+
+    parts = [f"{stage} {steps} steps" + (f" ({about(expected[stage])})" if stage in expected else "")
              for stage, steps in settings.total_steps().items()]
     total = sum(expected.values())
     tail = f"; about {total / 60:.0f} minutes on 2 idle CPU cores, longer on a busy machine" if total else ""
