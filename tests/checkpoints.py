@@ -324,7 +324,7 @@ def make_medusa_heads(target: Path, out: Path, *, num_heads: int = 3, tree_size:
                       seed: int = 0, jitter: float = 0.05) -> Path:
     """Untrained heads for ``target`` (residual blocks perturbed so the heads differ), saved to ``out``."""
     from infer.loader import load_model
-    from infer.speculative.medusa import MedusaHeads
+    from infer.models.medusa_heads import MedusaHeads
 
     model, _ = load_model(target, "float32", "cpu")
     heads = MedusaHeads.from_target(model.lm_head.weight.detach().clone(), num_heads, tree_size=tree_size,

@@ -10,7 +10,7 @@ import pytest
 from checkpoints import make_medusa_heads
 from infer.bench.workloads import code_prompts, edit_prompts, load_prompts
 from infer.cli import main
-from infer.speculative.length_policy import expected_speedup
+from infer.speculative.budget import expected_speedup
 
 
 def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_path: Path,

@@ -9,7 +9,7 @@ import torch
 
 from infer.cache import CacheFullError, PagedKVCachePool, SlottedKVCache, build_kv_batch
 from infer.cache.protocol import CachePoolProtocol
-from infer.engine.model_runner import ModelRunner
+from infer.core.model_runner import ModelRunner
 from infer.loader import load_model
 from infer.loader.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM

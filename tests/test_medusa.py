@@ -13,6 +13,7 @@ import math
 import random
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,25 +24,25 @@ import infer.engine.speculative_runner as speculative_runner
 import infer.speculative.tree as tree_module
 from checkpoints import make_medusa_heads
 from infer.cache import PagedKVCachePool, SlottedKVCache
-from infer.cache.protocol import CachePoolProtocol
+from infer.cache.protocol import CachePoolProtocol, copy_positions
+from infer.core.request import Request
 from infer.engine.llm import LLM
-from infer.engine.request import Request
 from infer.loader import load_model
 from infer.models.layers import cpu_packing_available, flex_available
+from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads
 from infer.sampling.params import SamplingParams
-from infer.speculative.medusa import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads, MedusaProposer
+from infer.speculative.budget import BudgetController, size_ladder
+from infer.speculative.medusa import MedusaProposer, medusa_tree
 from infer.speculative.proposer import Proposal
 from infer.speculative.tree import (
     CandidateTree,
     TreeMaskCache,
     build_tree,
-    chain_tree,
     default_rank_accuracy,
     tree_attention_mask,
     tree_depths,
     verify_tree,
 )
-from infer.speculative.tree_sizer import TreeSizer, size_ladder
 
 P_THRESHOLD = 1e-3
 PROMPTS = [
@@ -54,6 +55,11 @@ PROMPTS = [
 BACKENDS = {"paged": dict(kv_cache_backend="paged", block_size=4), "slotted": dict(kv_cache_backend="slotted")}
 
 
+def chain_tree(length: int) -> CandidateTree:
+    """The top-1 chain of ``length`` nodes (what a single-path drafter would propose)."""
+    return CandidateTree(tuple((0,) * d for d in range(1, length + 1)))
+
+
 @pytest.fixture(scope="module")
 def heads_dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Heads for tiny_llama with trees of 1 node, a small tree and the default size."""
@@ -64,7 +70,7 @@ def heads_dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 @pytest.fixture(scope="module")
 def plain_greedy(tiny_llama: Path) -> list[list[int]]:
-    llm = LLM(str(tiny_llama), device="cpu", kv_cache_backend="slotted")
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", kv_cache_backend="slotted")
     return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))]
 
 
@@ -253,7 +259,7 @@ def test_per_request_generators_reproduce() -> None:
 
 
 @pytest.mark.parametrize("backend", ["paged", "slotted"])
-def test_move_positions_copies_every_layer(backend: str) -> None:
+def test_copy_positions_copies_every_layer(backend: str) -> None:
     pool: CachePoolProtocol
     if backend == "paged":
         pool = PagedKVCachePool(3, 2, 4, num_blocks=8, block_size=4, max_seq_len=24, dtype=torch.float32, device="cpu")
@@ -268,7 +274,7 @@ def test_move_positions_copies_every_layer(backend: str) -> None:
                 rows = pool.storage_rows(s, 14)
                 store[rows] = sign * (torch.arange(14.0) + 100 * layer + 1000 * s).view(-1, 1, 1).expand(-1, 2, 4)
     before_other = [pool.k_layers[i][pool.storage_rows(other, 14)].clone() for i in range(3)]
-    pool.move_positions(slot, [9, 12, 13], [6, 7, 8])  # a path scattered through a tree, compacted
+    copy_positions(pool, [(slot, [9, 12, 13], [6, 7, 8])])  # a path scattered through a tree, compacted
     for layer in range(3):
         rows = pool.storage_rows(slot, 14)
         k = pool.k_layers[layer][rows][:, 0, 0] - 100 * layer - 1000 * slot
@@ -277,7 +283,7 @@ def test_move_positions_copies_every_layer(backend: str) -> None:
         assert torch.equal(k, expected) and torch.equal(v, expected)
         assert torch.equal(pool.k_layers[layer][pool.storage_rows(other, 14)], before_other[layer])
     with pytest.raises(ValueError):
-        pool.move_positions(slot, [14], [6])  # past the sequence
+        copy_positions(pool, [(slot, [14], [6])])  # past the sequence
 
 
 # =============================================================================== engine: greedy parity
@@ -294,13 +300,13 @@ def test_greedy_parity_with_plain_decoding(tiny_llama: Path, heads_dirs: dict[st
                                            plain_greedy: list[list[int]], tree: str, backend: str,
                                            sizing: str) -> None:
     fixed_size = MedusaConfig.from_file(heads_dirs[tree] / CONFIG_FILE).tree_size if sizing == "fixed" else None
-    llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs[tree]),
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs[tree]),
               max_batch_size=4, medusa_tree_size=fixed_size, **BACKENDS[backend])  # type: ignore[arg-type]
     outputs = llm.generate(PROMPTS, greedy())  # 5 prompts, batches of up to 4
     assert [o.token_ids for o in outputs] == plain_greedy
-    sizer = llm.engine.runner.proposer.sizer  # type: ignore[attr-defined]
+    sizer = llm.engine.runner.budget  # type: ignore[attr-defined]
     if sizing == "fixed":
-        assert sizer is None
+        assert not sizer.adaptive
     else:  # several sizes were verified, plain steps (size 0) among them, all without changing the output
         assert sum(n > 0 for n in sizer.counts) > 1 and sizer.counts[0] > 0
     m = outputs[0].metrics
@@ -313,7 +319,7 @@ def test_greedy_parity_with_plain_decoding(tiny_llama: Path, heads_dirs: dict[st
 def test_greedy_parity_with_flex_tree_attention(tiny_llama: Path, heads_dirs: dict[str, Path],
                                                 plain_greedy: list[list[int]],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import infer.engine.model_runner as model_runner
+    import infer.core.model_runner as model_runner
 
     made: list[tuple[int, ...]] = []
     real = model_runner.block_mask_from
@@ -323,13 +329,13 @@ def test_greedy_parity_with_flex_tree_attention(tiny_llama: Path, heads_dirs: di
         return real(mask)
 
     monkeypatch.setattr(model_runner, "block_mask_from", spy)
-    llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["small"]),
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["small"]),
               medusa_tree_size=5, tree_attention="flex", max_batch_size=4)
     outputs = llm.generate(PROMPTS[:4], greedy(max_tokens=12))
     assert [o.token_ids for o in outputs] == [tokens[:12] for tokens in plain_greedy[:4]]
     assert made and all(shape[2] > 1 for shape in made)  # only tree passes (several rows) used flex
     with pytest.raises(ValueError, match="tree_attention"):
-        LLM(str(tiny_llama), device="cpu", tree_attention="triton")
+        LLM(str(tiny_llama), dtype="float32", device="cpu", tree_attention="triton")
 
 
 def plant_oracle(llm: LLM, references: dict[tuple[int, ...], list[int]], seed: int = 0,
@@ -342,8 +348,8 @@ def plant_oracle(llm: LLM, references: dict[tuple[int, ...], list[int]], seed: i
     rng = random.Random(seed)
 
     @torch.inference_mode()
-    def propose(requests: list[Request], max_tokens: list[int]) -> Proposal:
-        proposal = real_propose(requests, max_tokens)
+    def propose(requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
+        proposal = real_propose(requests, budgets, hidden_states)
         assert proposal.parents is not None
         for b, request in enumerate(requests):
             n = proposal.num_tokens[b]
@@ -382,7 +388,7 @@ def moved(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_greedy_parity_with_deep_acceptance_through_the_tree(
         tiny_llama: Path, heads_dirs: dict[str, Path], plain_greedy: list[list[int]], backend: str,
         moved: list[int]) -> None:
-    llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
               max_batch_size=3, **BACKENDS[backend])  # type: ignore[arg-type]
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     plant_oracle(llm, {tuple(ids): out for ids, out in zip(prompt_ids, plain_greedy, strict=True)})
@@ -401,8 +407,8 @@ def test_greedy_parity_with_repetition_penalty_and_mixed_batch(tiny_llama: Path,
     params = [greedy(repetition_penalty=1.3), SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True),
               greedy(), greedy(repetition_penalty=1.3)]
     prompts = PROMPTS[:4]
-    plain = LLM(str(tiny_llama), device="cpu").generate(prompts, params)
-    medusa = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]))
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(prompts, params)
+    medusa = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]))
     prompt_ids = [medusa.tokenizer.encode(p) for p in prompts]
     plant_oracle(medusa, {tuple(ids): o.token_ids for ids, o in zip(prompt_ids, plain, strict=True)}, seed=1)
     out = medusa.generate(prompt_ids, params)
@@ -415,8 +421,8 @@ def test_greedy_parity_with_repetition_penalty_and_mixed_batch(tiny_llama: Path,
 def test_tree_shrinks_to_fit_the_context(tiny_llama: Path, heads_dirs: dict[str, Path], backend: str) -> None:
     """Near max_seq_len the tree (32 nodes) must shrink: verification writes every node."""
     params = greedy(max_tokens=100)
-    plain = LLM(str(tiny_llama), device="cpu", max_seq_len=30, **BACKENDS[backend]).generate(PROMPTS[:2], params)  # type: ignore[arg-type]
-    medusa = LLM(str(tiny_llama), device="cpu", max_seq_len=30, speculator="medusa",
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu", max_seq_len=30, **BACKENDS[backend]).generate(PROMPTS[:2], params)  # type: ignore[arg-type]
+    medusa = LLM(str(tiny_llama), dtype="float32", device="cpu", max_seq_len=30, speculator="medusa",
                  medusa_heads=str(heads_dirs["default"]), **BACKENDS[backend]).generate(PROMPTS[:2], params)  # type: ignore[arg-type]
     assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
     assert all(o.finish_reason == "length" and len(o.prompt_token_ids) + len(o.token_ids) == 30 for o in medusa)
@@ -431,7 +437,7 @@ def test_compacted_cache_gives_the_logits_of_a_fresh_forward(
         moved: list[int]) -> None:
     """After Medusa rounds that kept scattered paths, decoding from the cache gives the logits of a
     cache-free forward over the final sequence."""
-    llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
               **BACKENDS[backend])  # type: ignore[arg-type]
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
     plant_oracle(llm, {tuple(ids): out for ids, out in zip(prompt_ids, plain_greedy[:3], strict=True)}, corrupt=0.2)
@@ -466,7 +472,7 @@ def test_heads_round_trip_and_start_as_the_lm_head(tiny_llama: Path, tmp_path: P
     heads.save(tmp_path / "h")  # overwriting is atomic and leaves no temporary folders
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]
     loaded = MedusaHeads.load(out)
-    assert loaded.config.tree_size == 7 and loaded.config.tree().size == 7
+    assert loaded.config.tree_size == 7 and medusa_tree(loaded.config).size == 7
     with torch.no_grad():
         assert torch.equal(loaded(hidden), heads(hidden))
 
@@ -491,7 +497,7 @@ def test_cli_finds_heads_in_the_default_folder(tiny_llama: Path, tmp_path: Path,
     shutil.copytree(tiny_llama, target)
     make_medusa_heads(target, target / "medusa", tree_size=8)
     args = ["generate", "--model", str(target), "--prompt", "def f(x):", "--max-tokens", "12",
-            "--temperature", "0", "--ignore-eos", "--device", "cpu", "--json"]
+            "--temperature", "0", "--ignore-eos", "--dtype", "float32", "--device", "cpu", "--json"]
     assert main(args) == 0
     plain = capsys.readouterr().out
     assert main([*args, "--speculator", "medusa"]) == 0
@@ -528,13 +534,21 @@ def test_fused_heads_compute_what_the_heads_compute(shared: bool, dtype: torch.d
 # =============================================================================== tree sizing
 
 
-def play(sizer: TreeSizer, rounds: int, tokens_for: Callable[[int], float],
+def tree_sizer(max_nodes: int) -> BudgetController:
+    """The budget controller as the engine makes it for Medusa heads whose tree has ``max_nodes``."""
+    return BudgetController(max_nodes, adaptive=True, tree=True, cost_per_token=False)
+
+
+def play(sizer: BudgetController, rounds: int, tokens_for: Callable[[int], float],
          seconds_for: Callable[[int], float]) -> list[int]:
+    """One request; a round of size n emits tokens_for(n) and its target pass takes seconds_for(n)."""
     chosen = []
+    request: Any = SimpleNamespace(request_id="r")
     for _ in range(rounds):
-        n = sizer.choose()
+        n = sizer.budgets([request])[0]
         chosen.append(n)
-        sizer.observe(round(tokens_for(n)), seconds_for(n))
+        sizer.observe_target(1 + n, seconds_for(n))
+        sizer.record_tree_round(n, round(tokens_for(n)))
     return chosen
 
 
@@ -546,27 +560,27 @@ def expected_tokens(n: int, decay: float = 0.6) -> float:
 def test_size_ladder_starts_with_plain_and_ends_with_the_whole_tree() -> None:
     assert size_ladder(1) == [0, 1]
     assert size_ladder(32) == [0, 1, 2, 3, 4, 6, 9, 13, 19, 28, 32]
-    with pytest.raises(ValueError, match="max_nodes"):
-        TreeSizer(0)
+    with pytest.raises(ValueError, match="max_budget"):
+        tree_sizer(0)
 
 
 @pytest.mark.parametrize(("decay", "cost_per_node", "best"), [(0.9, 0.0, 32), (0.6, 0.02, 6), (0.6, 1.0, 0)])
 def test_tree_sizer_settles_on_the_fastest_size(decay: float, cost_per_node: float, best: int) -> None:
     # GPU-like (nodes free): the whole tree; CPU-like (each node costs 2% of a step): a few nodes;
     # useless heads (a node costs a whole step): plain decoding.
-    sizer = TreeSizer(32)
+    sizer = tree_sizer(32)
     tokens = {n: round(1000 * expected_tokens(n, decay)) for n in sizer.sizes}
     rates = {n: tokens[n] / (1 + cost_per_node * n) for n in sizer.sizes}
     assert max(rates, key=lambda n: rates[n]) == best  # the test's premise
     chosen = play(sizer, 200, lambda n: tokens[n], lambda n: 1 + cost_per_node * n)
-    assert sizer.best_size == best
+    assert sizer.best_tree_size == best
     assert sum(n == best for n in chosen[-100:]) >= 90  # exploits, probing now and then
     assert set(chosen[:22]) == set(sizer.sizes)  # every size was measured first
 
 
 def test_tree_sizer_follows_a_change_in_costs() -> None:
-    sizer = TreeSizer(16)
+    sizer = tree_sizer(16)
     play(sizer, 100, lambda n: 1000 * expected_tokens(n, 0.9), lambda n: 1.0)
-    assert sizer.best_size == 16
+    assert sizer.best_tree_size == 16
     play(sizer, 400, lambda n: 1000 * expected_tokens(n, 0.9), lambda n: 1 + n)  # nodes became dear
-    assert sizer.best_size == 0
+    assert sizer.best_tree_size == 0

@@ -12,8 +12,9 @@ import torch
 
 from infer.engine.llm import LLM
 from infer.loader import load_model
+from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE, MedusaHeads
 from infer.sampling.params import SamplingParams
-from infer.speculative.medusa import CONFIG_FILE, HEADS_FILE, MedusaHeads
+from infer.speculative.medusa import medusa_tree
 from infer.train.corpus import stdlib_root
 from infer.train.medusa import MedusaTrainConfig, add_medusa_parser, train_medusa
 
@@ -45,7 +46,7 @@ def test_training_lowers_the_heads_loss(tiny_llama: Path, corpus: Path, tmp_path
     after = load_model(tiny_llama, "float32", "cpu")[0].state_dict()
     assert all(torch.equal(target_before[k], after[k]) for k in after)
     heads = MedusaHeads.load(result.out)
-    assert heads.config.tree().size == heads.config.tree_size
+    assert medusa_tree(heads.config).size == heads.config.tree_size
 
 
 def test_training_is_reproducible_and_respects_a_time_budget(tiny_llama: Path, corpus: Path, tmp_path: Path) -> None:
@@ -77,7 +78,7 @@ def test_cli_trains_into_the_target_folder_and_generate_uses_it(tiny_llama: Path
     assert args.func(args) == 0
     assert (target / "medusa" / HEADS_FILE).is_file()
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    plain = LLM(str(target), device="cpu").generate(["def main():"], params)[0]
-    medusa = LLM(str(target), device="cpu", speculator="medusa").generate(["def main():"], params)[0]
+    plain = LLM(str(target), dtype="float32", device="cpu").generate(["def main():"], params)[0]
+    medusa = LLM(str(target), dtype="float32", device="cpu", speculator="medusa").generate(["def main():"], params)[0]
     assert medusa.token_ids == plain.token_ids
     assert medusa.metrics.num_rounds > 0

@@ -16,7 +16,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.cache.protocol import CachePoolProtocol
-from infer.engine.model_runner import ModelRunner
+from infer.core.model_runner import ModelRunner
 from infer.loader import load_model
 from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import Tokenizer

@@ -5,7 +5,12 @@ import random
 import pytest
 import torch
 
-from infer.speculative.ngram import NgramIndex, propose_ngram
+from infer.speculative.ngram import NgramIndex
+
+
+def propose_ngram(tokens: list[int] | torch.Tensor, min_n: int = 1, max_n: int = 4, max_proposal: int = 5) -> list[int]:
+    """The drafter's rule applied to a whole sequence at once: an index built from it in one go."""
+    return NgramIndex(tokens, min_n=min_n, max_n=max_n).propose(max_proposal)
 
 
 def _brute_force(tokens: list[int], min_n: int, max_n: int, max_proposal: int) -> list[int]:

@@ -12,7 +12,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from infer.speculative.rejection import VerificationResult, sample_from_probs, verify_drafts
+from infer.sampling.sampler import sample_from_probs
+from infer.speculative.rejection import VerificationResult, verify_drafts
 
 P_THRESHOLD = 1e-3
 V = 4

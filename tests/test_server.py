@@ -52,7 +52,7 @@ class Served:
 
 
 def make_engine(model: Path, **options: Any) -> Engine:
-    return Engine(EngineConfig(model=str(model), dtype="float32", device="cpu", **options))
+    return Engine(EngineConfig.from_options(model=str(model), dtype="float32", device="cpu", **options))
 
 
 @pytest.fixture(scope="module")
@@ -472,8 +472,9 @@ def test_serve_flags_map_to_engine_config(tiny_llama: Path) -> None:
     config = engine_config_from_args(args)
     assert (config.max_batch_size, config.block_size, config.num_kv_blocks, config.chunked_prefill,
             config.prefix_caching, config.max_queue) == (3, 8, 40, False, True, 5)
-    assert (config.speculator, config.spec_length, config.spec_length_policy, config.max_seq_len) == \
-        ("ngram", 4, "goodput", 256)
+    assert config.speculative is not None
+    assert (config.speculative.method, config.speculative.length, config.speculative.length_policy,
+            config.max_seq_len) == ("ngram", 4, "goodput", 256)
     assert served_model_name(args) == tiny_llama.name
     defaults = build_parser().parse_args(["serve", "--model", str(tiny_llama)])
     assert (defaults.host, defaults.port, defaults.chunked_prefill, defaults.api_key is None or

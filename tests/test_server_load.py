@@ -43,7 +43,8 @@ class Outcome:
 
 
 def make_engine(model: Path, **options: Any) -> Engine:
-    return Engine(EngineConfig(model=str(model), dtype="float32", device="cpu", max_batch_size=8, **options))
+    return Engine(EngineConfig.from_options(model=str(model), dtype="float32", device="cpu", max_batch_size=8,
+                                            **options))
 
 
 async def one_request(client: AsyncOpenAI, outcome: Outcome, prompt: str, chat: bool) -> Outcome:

@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints import make_tiny_checkpoint, small_vocab_tokenizer
 from infer import LLM, EngineConfig, RequestOutput, SamplingParams
-from infer.engine.request import Request
-from infer.speculative.length_policy import EntropyLength, FixedLength, GoodputLength, expected_speedup
+from infer.core.request import Request
+from infer.speculative.budget import BudgetController, EntropyStop, expected_speedup
 from infer.train.tokenizer import IM_END_ID
 
 PROMPTS = [
@@ -407,20 +407,20 @@ def fake_request(rid: str) -> Request:
 
 def test_goodput_length_choice() -> None:
     good, bad = fake_request("good"), fake_request("bad")
-    policy = GoodputLength(max_length=8)
+    policy = BudgetController(8, adaptive=True)
     policy.alpha.update(good=0.9, bad=0.05)
-    assert policy.lengths([good, bad], cost=0.05)[0] > 0
-    assert policy.lengths([bad], cost=0.5) == [0]
-    assert policy.lengths([good], cost=1.5) == [0]  # a draft dearer than the target never pays
+    assert policy.chain_lengths([good, bad], per_node=0.05)[0] > 0
+    assert policy.chain_lengths([bad], per_node=0.5) == [0]
+    assert policy.chain_lengths([good], per_node=1.5) == [0]  # a draft dearer than the target never pays
     # Cheaper drafts are worth more of them; α = 1 and a tiny cost use the whole budget.
-    assert policy.lengths([good], cost=0.01)[0] >= policy.lengths([good], cost=0.2)[0] > 0
+    assert policy.chain_lengths([good], per_node=0.01)[0] >= policy.chain_lengths([good], per_node=0.2)[0] > 0
     policy.alpha["good"] = 1.0
-    assert policy.lengths([good], cost=0.01) == [8]
+    assert policy.chain_lengths([good], per_node=0.01) == [8]
     # The acceptance estimate follows what verification reports.
     for _ in range(20):
         policy.update(bad, proposed=4, accepted=4)
     assert policy.alpha["bad"] > 0.9
-    assert policy.lengths([bad], cost=0.05)[0] > 0
+    assert policy.chain_lengths([bad], per_node=0.05)[0] > 0
     policy.update(bad, proposed=0, accepted=0)  # a round without drafts teaches nothing
     assert policy.alpha["bad"] > 0.9
     policy.release(bad)
@@ -428,38 +428,38 @@ def test_goodput_length_choice() -> None:
 
 
 def test_goodput_new_requests_start_from_recent_acceptance() -> None:
-    policy = GoodputLength(max_length=8)
+    policy = BudgetController(8, adaptive=True)
     first, second = fake_request("first"), fake_request("second")
-    assert policy.lengths([second], cost=0.45) == [1]  # the fixed prior (0.6) alone: one draft
+    assert policy.chain_lengths([second], per_node=0.45) == [1]  # the fixed prior (0.6) alone: one draft
     for _ in range(30):
         policy.update(first, proposed=4, accepted=4)
     policy.release(first)
     assert policy.recent_alpha > 0.9
-    assert policy.lengths([second], cost=0.45)[0] >= 3  # starts where the drafter has been doing well
+    assert policy.chain_lengths([second], per_node=0.45)[0] >= 3  # starts where the drafter has been doing well
     for _ in range(60):
         policy.update(second, proposed=4, accepted=0)
     assert policy.recent_alpha < 0.1
-    assert policy.lengths([fake_request("third")], cost=0.45) == [0]
+    assert policy.chain_lengths([fake_request("third")], per_node=0.45) == [0]
 
 
 def test_goodput_probes_while_at_zero() -> None:
     """A request stuck at K = 0 drafts two tokens every probe_every rounds to re-measure α and c."""
     bad = fake_request("bad")
-    policy = GoodputLength(max_length=8, probe_every=4)
+    policy = BudgetController(8, adaptive=True, probe_every=4)
     policy.alpha["bad"] = 0.05
-    assert [policy.lengths([bad], cost=0.5)[0] for _ in range(8)] == [0, 0, 0, 2, 0, 0, 0, 2]
+    assert [policy.chain_lengths([bad], per_node=0.5)[0] for _ in range(8)] == [0, 0, 0, 2, 0, 0, 0, 2]
 
 
 def test_entropy_length_stops_on_flat_drafts() -> None:
-    policy = EntropyLength(max_length=5, gamma_min=1, threshold=0.5)
+    policy = EntropyStop(gamma_min=1, threshold=0.5)
     flat, peaked = fake_request("flat"), fake_request("peaked")
     vocab = 512
     logits = torch.zeros(2, vocab)
     logits[1, 7] = 30.0
-    assert policy.lengths([flat, peaked], cost=0.3) == [5, 5]
+    assert BudgetController(5).budgets([flat, peaked]) == [5, 5]  # the entropy policy's budget: its maximum
     assert policy.keep_drafting([flat, peaked], logits, step=0).tolist() == [True, True]  # below gamma_min
     assert policy.keep_drafting([flat, peaked], logits, step=1).tolist() == [False, True]
-    assert FixedLength(3).lengths([flat, peaked], cost=9.9) == [3, 3]
+    assert BudgetController(3).budgets([flat, peaked]) == [3, 3]
 
 
 def test_goodput_stops_speculating_with_useless_drafter(tiny_llama: Path, tiny_draft: Path) -> None:
@@ -481,7 +481,7 @@ def steady_timings(llm: LLM, draft_step_s: float = 2e-4, first_draft_step_s: flo
     """Replace measured times with a fixed cost model: a target pass over n tokens takes 1 ms + 10 µs·n,
     a draft step ``draft_step_s`` (the first one ``first_draft_step_s``), so the test does not
     depend on the timing noise of a shared CPU."""
-    costs = llm.engine.runner.costs
+    costs = llm.engine.runner.budget  # type: ignore[attr-defined]
     observe_target, observe_draft = costs.observe_target, costs.observe_draft_step
     calls = [0]
 
@@ -556,20 +556,22 @@ def test_round_metrics_do_not_depend_on_batch_mates(tiny_llama: Path) -> None:
 
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="drafter"):
-        EngineConfig(model="m", use_speculative_decoding=True)
+        EngineConfig.from_options(model="m", use_speculative_decoding=True)
     with pytest.raises(ValueError, match="spec_length"):
-        EngineConfig(model="m", speculator="ngram", spec_length=0)
+        EngineConfig.from_options(model="m", speculator="ngram", spec_length=0)
     with pytest.raises(ValueError, match="speculator"):
-        EngineConfig(model="m", speculator="lookahead")
+        EngineConfig.from_options(model="m", speculator="lookahead")
     with pytest.raises(ValueError, match="spec_length_policy"):
-        EngineConfig(model="m", speculator="ngram", spec_length_policy="adaptive")
+        EngineConfig.from_options(model="m", speculator="ngram", spec_length_policy="adaptive")
     with pytest.raises(ValueError, match="draft_model"):
-        EngineConfig(model="m", speculator="draft")
-    implied = EngineConfig(model="m", draft_model="d")
-    assert implied.speculator == "draft" and implied.use_speculative_decoding
-    assert EngineConfig(model="m", speculator="ngram").use_speculative_decoding
-    assert not EngineConfig(model="m").use_speculative_decoding
-    assert EngineConfig(model="m", speculator="ngram", spec_length=3, spec_length_policy="goodput").max_draft_length == 6
+        EngineConfig.from_options(model="m", speculator="draft")
+    implied = EngineConfig.from_options(model="m", draft_model="d")
+    assert implied.speculative is not None and implied.speculative.method == "draft"
+    assert implied.use_speculative_decoding
+    assert EngineConfig.from_options(model="m", speculator="ngram").use_speculative_decoding
+    assert not EngineConfig.from_options(model="m").use_speculative_decoding
+    goodput = EngineConfig.from_options(model="m", speculator="ngram", spec_length=3, spec_length_policy="goodput")
+    assert goodput.speculative is not None and goodput.speculative.max_length == 6
 
 
 def test_llm_rejects_speculation_without_drafter(tiny_llama: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from infer.engine.llm import LLM
 from infer.sampling.params import SamplingParams
-from infer.speculative.length_policy import expected_speedup
+from infer.speculative.budget import expected_speedup
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from infer.speculative.length_policy import expected_speedup
+from infer.speculative.budget import expected_speedup
 
 
 def _fmt(value: Any, digits: int = 2, suffix: str = "") -> str:

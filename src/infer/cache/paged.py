@@ -7,12 +7,11 @@ sequences; ``truncate_to`` only drops this sequence's reference to blocks past t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
-from infer.cache.protocol import CacheFullError, copy_positions
+from infer.cache.protocol import CacheFullError, kv_storage, take_free
 
 
 class BlockEvictor(Protocol):
@@ -20,6 +19,8 @@ class BlockEvictor(Protocol):
 
     def num_evictable(self) -> int: ...
     def evict(self, num_blocks: int) -> None: ...
+    def block_idle(self, block: int) -> None:
+        """``block`` dropped to a single reference (called on every such drop)."""
 
 
 class PagedKVCachePool:
@@ -31,9 +32,8 @@ class PagedKVCachePool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_seq_len = max_seq_len
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k_layers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_layers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_layers, self.v_layers = kv_storage(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype,
+                                                  self.device)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._refcount = [0] * num_blocks
         self.block_tables: dict[int, list[int]] = {}
@@ -93,9 +93,7 @@ class PagedKVCachePool:
     def take_block(self) -> int:
         if not self._free_blocks and self.evictor is not None:
             self.evictor.evict(1)
-        if not self._free_blocks:
-            raise CacheFullError(f"all {self.num_blocks} KV blocks are in use")
-        block = self._free_blocks.pop()
+        block = take_free(self._free_blocks, f"{self.num_blocks} KV blocks")
         self._refcount[block] = 1
         return block
 
@@ -109,6 +107,8 @@ class PagedKVCachePool:
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
             self._free_blocks.append(block)
+        elif self._refcount[block] == 1 and self.evictor is not None:
+            self.evictor.block_idle(block)
         elif self._refcount[block] < 0:
             raise RuntimeError(f"KV block {block} released more often than taken")
 
@@ -130,15 +130,13 @@ class PagedKVCachePool:
             return table[0] * self.block_size if table else 0
         return None
 
-    def move_positions(self, slot: int, src_positions: Sequence[int], dst_positions: Sequence[int]) -> None:
-        """Copy every layer's K/V at ``src_positions`` of ``slot`` to ``dst_positions`` (tree compaction)."""
-        copy_positions(self, [(slot, src_positions, dst_positions)])
-
     def free_kv_tokens(self) -> int:
         return self.num_free_blocks() * self.block_size
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return num_tokens <= self.max_seq_len and math.ceil(num_tokens / self.block_size) <= self.num_free_blocks()
+    def kv_tokens_needed(self, slot: int | None, total_tokens: int) -> int:
+        total = min(self.max_seq_len, total_tokens)
+        held = 0 if slot is None else math.ceil(self._lens[slot] / self.block_size) * self.block_size
+        return max(0, math.ceil(total / self.block_size) * self.block_size - held)
 
     @property
     def num_active(self) -> int:

@@ -54,6 +54,22 @@ class KVBatch:
         self.v_layers[layer].index_copy_(0, self.write_index, values)
 
 
+def take_free(free: list[int], what: str) -> int:
+    """Pop an id (a slot, a block) from a pool's free list; CacheFullError naming ``what`` if empty."""
+    if not free:
+        raise CacheFullError(f"all {what} are in use")
+    return free.pop()
+
+
+def kv_storage(num_layers: int, rows: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Zeroed per-layer key and value tensors of ``rows`` token rows each, the storage of every pool."""
+    def layers() -> list[torch.Tensor]:
+        return [torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    return layers(), layers()
+
+
 class CachePoolProtocol(Protocol):
     """A pool of per-sequence KV caches. Slots are opaque ints handed out by ``allocate``."""
 
@@ -67,11 +83,13 @@ class CachePoolProtocol(Protocol):
     def seq_len(self, slot: int) -> int: ...
     def truncate_to(self, slot: int, new_len: int) -> None: ...
     def free_kv_tokens(self) -> int: ...
-    def can_allocate(self, num_tokens: int) -> bool: ...
     def storage_rows(self, slot: int, end: int) -> torch.Tensor: ...
     def contiguous_start(self, slot: int) -> int | None: ...
     def reserve(self, slot: int, new_len: int) -> None: ...
-    def move_positions(self, slot: int, src_positions: Sequence[int], dst_positions: Sequence[int]) -> None: ...
+    def kv_tokens_needed(self, slot: int | None, total_tokens: int) -> int:
+        """Tokens the pool must still supply for the sequence in ``slot`` (None: not yet allocated)
+        to grow to ``total_tokens`` (capped at max_seq_len): what admission reserves for it."""
+        ...
 
 
 def build_kv_batch(
@@ -155,7 +173,3 @@ def copy_positions(pool: CachePoolProtocol, moves: Sequence[tuple[int, Sequence[
     for store in (*pool.k_layers, *pool.v_layers):
         store.index_copy_(0, dest, store.index_select(0, source))
 
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies across all layers."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from infer.cache.protocol import CacheFullError, copy_positions
+from infer.cache.protocol import CacheFullError, kv_storage, take_free
 
 
 class SlottedKVCache:
@@ -17,16 +15,13 @@ class SlottedKVCache:
         self.device = torch.device(device)
         self.max_seq_len = max_seq_len
         self.num_slots = num_slots
-        shape = (num_slots * max_seq_len, num_kv_heads, head_dim)
-        self.k_layers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_layers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_layers, self.v_layers = kv_storage(num_layers, num_slots * max_seq_len, num_kv_heads, head_dim, dtype,
+                                                  self.device)
         self._free = list(range(num_slots - 1, -1, -1))
         self._lens: dict[int, int] = {}
 
     def allocate(self) -> int:
-        if not self._free:
-            raise CacheFullError(f"all {self.num_slots} KV cache slots are in use")
-        slot = self._free.pop()
+        slot = take_free(self._free, f"{self.num_slots} KV cache slots")
         self._lens[slot] = 0
         return slot
 
@@ -55,15 +50,11 @@ class SlottedKVCache:
     def contiguous_start(self, slot: int) -> int | None:
         return slot * self.max_seq_len
 
-    def move_positions(self, slot: int, src_positions: Sequence[int], dst_positions: Sequence[int]) -> None:
-        """Copy every layer's K/V at ``src_positions`` of ``slot`` to ``dst_positions`` (tree compaction)."""
-        copy_positions(self, [(slot, src_positions, dst_positions)])
-
     def free_kv_tokens(self) -> int:
         return len(self._free) * self.max_seq_len
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return bool(self._free) and num_tokens <= self.max_seq_len
+    def kv_tokens_needed(self, slot: int | None, total_tokens: int) -> int:
+        return 0 if slot is not None else self.max_seq_len  # a whole slot, taken once at allocation
 
     @property
     def num_active(self) -> int:

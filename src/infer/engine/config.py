@@ -2,65 +2,57 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
+from infer.cache import KV_BACKENDS
+
 SPECULATORS = ("draft", "ngram", "medusa")
 LENGTH_POLICIES = ("fixed", "entropy", "goodput")
-KV_BACKENDS = ("paged", "slotted")
 TREE_ATTENTION = ("sdpa", "flex")
 
 
 @dataclass
-class EngineConfig:
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    max_batch_size: int = 8
-    max_seq_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
-    kv_cache_backend: str = "paged"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: enough for max_batch_size full-length sequences
-    chunked_prefill: bool = True
-    max_prefill_tokens: int = 512  # per-step prompt-token budget when chunked prefill is on
-    prefix_caching: bool = False
-    max_queue: int = 256  # waiting requests beyond this are refused (the server answers 429)
-    # Speculative decoding
-    use_speculative_decoding: bool = False
-    speculator: str | None = None  # draft | ngram | medusa
+class SpeculativeConfig:
+    """Which drafter proposes tokens and how much each round speculates.
+
+    ``length_policy`` sets the budget controller (``infer.speculative.budget``): ``fixed`` drafts
+    ``length`` tokens a round; ``goodput`` picks 0..``max_length`` each round by measured cost and
+    acceptance; ``entropy`` drafts up to ``max_length`` and stops a chain once the draft model is
+    unsure (n-gram guesses carry no distribution, so there it drafts like ``fixed``). Medusa's tree
+    size is chosen by the same controller, up to the heads' tree, unless ``medusa_tree_size`` fixes
+    it; the length then only caps the tree's depth.
+    """
+
+    method: str  # draft | ngram | medusa
     draft_model: str | None = None
-    spec_length: int = 5
-    spec_length_policy: str = "fixed"
+    length: int = 5
+    length_policy: str = "fixed"
     gamma_min: int = 1
-    gamma_max: int | None = None  # None: spec_length (entropy) or 2 * spec_length (goodput)
+    gamma_max: int | None = None  # None: length (entropy) or 2 * length (goodput)
     entropy_threshold: float = 0.5  # normalised draft entropy above which the entropy policy stops drafting
     ngram_min: int = 1
     ngram_max: int = 4
     medusa_heads: str | None = None  # folder of trained Medusa heads (default: <model>/medusa)
-    # Tree nodes verified per round. None: up to the heads' configured tree, sized each round by
-    # measured tokens per second (speculative/tree_sizer.py); a number: exactly that tree, always.
+    # Tree nodes verified per round. None: up to the heads' configured tree, sized each round by the
+    # budget controller; a number: exactly that tree, always.
     medusa_tree_size: int | None = None
-    # Tree verification kernel: SDPA with the dense boolean mask, or FlexAttention with a block mask
-    # (compiled on CUDA; on CPU it runs eagerly and is only a slower reference).
-    tree_attention: str = "sdpa"
 
     def __post_init__(self) -> None:
-        if self.draft_model is not None and self.speculator is None:
-            self.speculator = "draft"  # a draft model alone implies draft-model speculation
-        if self.speculator is not None:
-            self.use_speculative_decoding = True
-        if self.use_speculative_decoding and self.speculator is None:
-            raise ValueError("speculative decoding needs a drafter: set draft_model, or speculator='ngram'")
-        if self.speculator is not None and self.speculator not in SPECULATORS:
-            raise ValueError(f"speculator={self.speculator!r} is invalid: use one of {', '.join(SPECULATORS)}")
-        if self.speculator == "draft" and self.draft_model is None:
+        if self.method not in SPECULATORS:
+            raise ValueError(f"speculator={self.method!r} is invalid: use one of {', '.join(SPECULATORS)}")
+        if self.method == "draft" and self.draft_model is None:
             raise ValueError("speculator='draft' needs draft_model (a path to the draft checkpoint)")
-        if self.spec_length < 1:
-            raise ValueError(f"spec_length={self.spec_length} is invalid: must be >= 1")
-        if self.spec_length_policy not in LENGTH_POLICIES:
-            raise ValueError(f"spec_length_policy={self.spec_length_policy!r} is invalid: use one of "
+        if self.length < 1:
+            raise ValueError(f"spec_length={self.length} is invalid: must be >= 1")
+        if self.length_policy not in LENGTH_POLICIES:
+            raise ValueError(f"spec_length_policy={self.length_policy!r} is invalid: use one of "
                              f"{', '.join(LENGTH_POLICIES)}")
+        if self.length_policy == "entropy" and self.method == "medusa":
+            raise ValueError("spec_length_policy='entropy' stops a drafted chain once the draft model is unsure; "
+                             "Medusa drafts a whole tree in one call: use fixed or goodput")
         if self.gamma_min < 0 or (self.gamma_max is not None and self.gamma_max < max(1, self.gamma_min)):
             raise ValueError(f"gamma_min={self.gamma_min}, gamma_max={self.gamma_max} are invalid: "
                              "need 0 <= gamma_min <= gamma_max, gamma_max >= 1")
@@ -69,6 +61,48 @@ class EngineConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max} are invalid: "
                              "need 1 <= ngram_min <= ngram_max")
+        if self.medusa_tree_size is not None and self.medusa_tree_size < 1:
+            raise ValueError(f"medusa_tree_size={self.medusa_tree_size} is invalid: must be >= 1")
+
+    @property
+    def max_length(self) -> int:
+        """The most tokens one round may draft in a chain (the bound every cache must leave room for)."""
+        if self.gamma_max is not None:
+            return self.gamma_max
+        return 2 * self.length if self.length_policy == "goodput" else self.length
+
+
+# The flat option names (CLI flags, ``LLM(...)`` keywords) of SpeculativeConfig's fields.
+SPECULATIVE_OPTIONS = {"speculator": "method", "draft_model": "draft_model", "spec_length": "length",
+                       "spec_length_policy": "length_policy", "gamma_min": "gamma_min", "gamma_max": "gamma_max",
+                       "entropy_threshold": "entropy_threshold", "ngram_min": "ngram_min", "ngram_max": "ngram_max",
+                       "medusa_heads": "medusa_heads", "medusa_tree_size": "medusa_tree_size"}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_batch_size: int = 8
+    # None: the model's max_position_embeddings, lowered if one sequence's KV would not fit the KV budget
+    max_seq_len: int | None = None
+    kv_cache_backend: str = "paged"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: max_batch_size full-length sequences, within the KV budget
+    # The default KV budget: this fraction of the memory free once the weights are loaded (GPU memory
+    # on CUDA, MemAvailable on CPU). It bounds max_seq_len and num_kv_blocks when they are not given.
+    kv_memory_fraction: float = 0.5
+    chunked_prefill: bool = True
+    max_prefill_tokens: int = 512  # per-step prompt-token budget when chunked prefill is on
+    prefix_caching: bool = False
+    max_queue: int = 256  # waiting requests beyond this are refused (the server answers 429)
+    speculative: SpeculativeConfig | None = None  # None: plain decoding
+    # Tree verification kernel: SDPA with the dense boolean mask, or FlexAttention with a block mask
+    # (compiled on CUDA; on CPU it runs eagerly and is only a slower reference).
+    tree_attention: str = "sdpa"
+
+    def __post_init__(self) -> None:
         if self.kv_cache_backend not in KV_BACKENDS:
             raise ValueError(f"kv_cache_backend={self.kv_cache_backend!r} is invalid: use paged or slotted")
         if self.prefix_caching and self.kv_cache_backend != "paged":
@@ -78,8 +112,6 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len={self.max_seq_len} is invalid: must be >= 2")
-        if self.medusa_tree_size is not None and self.medusa_tree_size < 1:
-            raise ValueError(f"medusa_tree_size={self.medusa_tree_size} is invalid: must be >= 1")
         if self.tree_attention not in TREE_ATTENTION:
             raise ValueError(f"tree_attention={self.tree_attention!r} is invalid: use sdpa or flex")
         if self.tree_attention == "flex":
@@ -88,12 +120,29 @@ class EngineConfig:
             if not flex_available():
                 raise ValueError(f"tree_attention='flex' needs torch.nn.attention.flex_attention (torch "
                                  f">= 2.5); this is torch {torch.__version__}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} is invalid: must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
 
     @property
-    def max_draft_length(self) -> int:
-        """The most tokens one round may draft (the bound every cache must leave room for)."""
-        if self.gamma_max is not None:
-            return self.gamma_max
-        return 2 * self.spec_length if self.spec_length_policy == "goodput" else self.spec_length
+    def use_speculative_decoding(self) -> bool:
+        return self.speculative is not None
+
+    @classmethod
+    def from_options(cls, use_speculative_decoding: bool = False, **options: Any) -> EngineConfig:
+        """An EngineConfig from flat options, the CLI flags' names (``speculator``, ``spec_length``, ...).
+
+        A draft model alone implies ``speculator='draft'``; without a speculator the speculative
+        options are ignored.
+        """
+        spec = {SPECULATIVE_OPTIONS[k]: options.pop(k) for k in list(options) if k in SPECULATIVE_OPTIONS}
+        if spec.get("draft_model") is not None and spec.get("method") is None:
+            spec["method"] = "draft"
+        if use_speculative_decoding and spec.get("method") is None:
+            raise ValueError("speculative decoding needs a drafter: set draft_model, or speculator='ngram'")
+        unknown = set(options) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
+        speculative = SpeculativeConfig(**spec) if spec.get("method") is not None else None
+        return cls(**options, speculative=speculative)

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from infer.cache.prefix import PrefixCache
 from infer.cache.protocol import CachePoolProtocol
-from infer.engine.model_runner import ModelRunner
-from infer.engine.request import Request, StepOutput
+from infer.core.model_runner import ModelRunner
+from infer.core.request import Request, StepOutput
 from infer.sampling.sampler import sample_next_tokens
 
 StepResult = list[tuple[Request, StepOutput]]
-# Receives the target's final hidden state [B, hidden] of the position whose logits just produced
-# each request's newest token (Medusa heads draft from it).
-HiddenListener = Callable[[list[Request], torch.Tensor], None]
 
 
 @dataclass
@@ -28,15 +23,13 @@ class PrefillChunk:
     num_tokens: int
 
 
-def kv_tokens_needed(pool: CachePoolProtocol, slot: int | None, total_tokens: int) -> int:
-    """Tokens ``pool`` must still supply for the sequence in ``slot`` (None: not yet allocated) to
-    reach ``total_tokens`` (capped at the pool's max_seq_len)."""
-    block = getattr(pool, "block_size", None)
-    if block is None:  # slotted: a whole slot, already taken once allocated
-        return 0 if slot is not None else pool.max_seq_len
-    total = min(pool.max_seq_len, total_tokens)
-    held = 0 if slot is None else math.ceil(pool.seq_len(slot) / block) * block
-    return max(0, math.ceil(total / block) * block - held)
+@dataclass
+class Sampled:
+    """One token for each of some requests, and the target's final hidden state [len(outputs), hidden]
+    at the position whose logits produced it (a drafter reading hidden states drafts from it)."""
+
+    outputs: StepResult
+    hidden: torch.Tensor | None
 
 
 class ContinuousRunner:
@@ -46,35 +39,38 @@ class ContinuousRunner:
         self.runner = runner
         self.pool = runner.pool
         self.prefix_cache = prefix_cache
-        self.hidden_listener: HiddenListener | None = None  # set by a speculative runner that needs it
 
     # -- the runner interface the scheduler uses -------------------------------------------------
     def step(self, prefill: list[PrefillChunk], decode: list[Request]) -> StepResult:
-        return self.prefill(prefill) + self.decode(decode)
+        return self.prefill(prefill).outputs + self.decode(decode).outputs
 
-    def free_slot(self, request: Request) -> None:
+    def release(self, request: Request) -> None:
+        """Free the request's KV slot."""
         if request.slot is not None:
             self.pool.free(request.slot)
             request.slot = None
 
-    def cleanup_request(self, request: Request) -> None:
-        """Forget per-request state (none here; the speculative runner keeps drafter state)."""
+    def rollback(self, request: Request, num_computed_tokens: int) -> None:
+        """Undo a failed step: the request's cache goes back to its first ``num_computed_tokens``."""
+        if request.slot is not None:
+            self.pool.truncate_to(request.slot, num_computed_tokens)
+        request.num_computed_tokens = num_computed_tokens
 
     def free_kv_tokens(self) -> int:
         return self.pool.free_kv_tokens()
 
+    def kv_pools(self) -> dict[str, CachePoolProtocol]:
+        return {"target": self.pool}
+
     def can_admit(self, request: Request, running: list[Request], extra: int = 0) -> bool:
         """Whether the pool can take ``request`` while still finishing every running request."""
-        def need(r: Request) -> int:
-            return kv_tokens_needed(self.pool, r.slot, r.max_total_tokens + extra)
-
-        return need(request) <= self.pool.free_kv_tokens() - sum(need(r) for r in running)
+        return self.runner.can_admit(request, running, lambda r: r.slot, extra)
 
     # -- prefill ---------------------------------------------------------------------------------
-    def prefill(self, chunks: list[PrefillChunk]) -> StepResult:
+    def prefill(self, chunks: list[PrefillChunk]) -> Sampled:
         """Feed prompt chunks; a request whose prompt is now complete gets its first token."""
         if not chunks:
-            return []
+            return Sampled([], None)
         for chunk in chunks:
             self.ensure_slot(chunk.request)
         slots = [c.request.slot for c in chunks]
@@ -84,40 +80,36 @@ class ContinuousRunner:
             chunk.request.num_computed_tokens += len(run)
         done = [i for i, c in enumerate(chunks) if not c.request.is_prefilling]
         if not done:
-            return []
+            return Sampled([], None)
         if self.prefix_cache is not None:
             for i in done:
                 request = chunks[i].request
-                self.prefix_cache.insert(request.slot, request.prompt_token_ids)  # type: ignore[arg-type]
+                self.prefix_cache.insert(request.slot, request.prompt_token_ids,  # type: ignore[arg-type]
+                                         request.cache_salt)
         last = self.runner.last_hidden(hidden, [len(r) for r in runs])[done]
-        requests = [chunks[i].request for i in done]
-        if self.hidden_listener is not None:
-            self.hidden_listener(requests, last)
-        return self._sample(requests, self.runner.logits(last))
+        return self._sample([chunks[i].request for i in done], last)
 
     def ensure_slot(self, request: Request) -> None:
         if request.slot is None:
             request.slot = self.pool.allocate()
             if self.prefix_cache is not None:
-                cached = self.prefix_cache.attach(request.slot, request.prompt_token_ids)
+                cached = self.prefix_cache.attach(request.slot, request.prompt_token_ids, request.cache_salt)
                 request.num_computed_tokens = cached
                 request.metrics.prefix_cached_tokens = cached
 
     # -- decode ----------------------------------------------------------------------------------
-    def decode(self, requests: list[Request]) -> StepResult:
+    def decode(self, requests: list[Request]) -> Sampled:
         """One plain decode step: feed each request's newest token, sample the next."""
         if not requests:
-            return []
+            return Sampled([], None)
         hidden = self.runner.forward([r.slot for r in requests], [[r.output_token_ids[-1]] for r in requests])  # type: ignore[misc]
         for r in requests:
             r.num_computed_tokens += 1
-        if self.hidden_listener is not None:
-            self.hidden_listener(requests, hidden[:, -1])
-        return self._sample(requests, self.runner.logits(hidden[:, -1]))
+        return self._sample(requests, hidden[:, -1])
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> StepResult:
+    def _sample(self, requests: list[Request], hidden: torch.Tensor) -> Sampled:
         tokens = sample_next_tokens(
-            logits,
+            self.runner.logits(hidden),
             [r.params for r in requests], [r.all_token_ids for r in requests], [r.generator for r in requests],
         ).tolist()
-        return [(r, StepOutput(t)) for r, t in zip(requests, tokens, strict=True)]
+        return Sampled([(r, StepOutput(t)) for r, t in zip(requests, tokens, strict=True)], hidden)

@@ -1,7 +1,7 @@
 """Continuous batching: each step retire, admit within KV capacity, and form prefill/decode work.
 
-The scheduler sees only the runner interface (``can_admit``, ``free_slot``, ``cleanup_request``);
-it never knows whether speculation is on.
+The scheduler sees only the runner interface (``can_admit``, ``release``); it never knows whether
+speculation is on.
 """
 
 from __future__ import annotations
@@ -10,15 +10,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from infer.cache.protocol import CachePoolProtocol
+from infer.core.request import Request, RequestStatus
 from infer.engine.continuous_runner import PrefillChunk, StepResult
-from infer.engine.request import Request, RequestStatus
 
 
 class Runner(Protocol):
     def step(self, prefill: list[PrefillChunk], decode: list[Request]) -> StepResult: ...
-    def free_slot(self, request: Request) -> None: ...
-    def cleanup_request(self, request: Request) -> None: ...
+    def release(self, request: Request) -> None: ...  # free everything held for a finished request
+    # undo a failed step: the request's caches go back to ``num_computed_tokens``, drafter state dropped
+    def rollback(self, request: Request, num_computed_tokens: int) -> None: ...
     def free_kv_tokens(self) -> int: ...
+    def kv_pools(self) -> dict[str, CachePoolProtocol]: ...
     def can_admit(self, request: Request, running: list[Request]) -> bool: ...
 
 
@@ -83,17 +86,17 @@ class Scheduler:
         return done
 
     def release(self, request: Request) -> None:
-        self.runner.free_slot(request)
-        self.runner.cleanup_request(request)
+        self.runner.release(request)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Stop a request now (client gone); its KV blocks are freed immediately."""
+    def abort(self, request_id: str, error: str | None = None) -> Request | None:
+        """Stop a request now; its KV blocks are freed immediately. It finishes with "abort"
+        (client gone), or with "error" and the message ``error``."""
         for queue in (self.waiting, self.running):
             for request in list(queue):
                 if request.request_id == request_id:
                     queue.remove(request)
                     if not request.is_finished:
-                        request.finish("abort")
+                        request.finish("abort" if error is None else "error", error)
                     self.release(request)
                     return request
         return None

@@ -13,57 +13,66 @@ consecutive positions before the rollback.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import torch
 
-from infer.cache.protocol import copy_positions
-from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
-from infer.engine.request import Request, StepOutput
-from infer.sampling.transforms import SamplingBatch, presence_with_drafts, probs_from_logits, token_presence
-from infer.speculative.cost_model import CostModel
-from infer.speculative.length_policy import LengthPolicy, make_length_policy
+from infer.cache.protocol import CachePoolProtocol, copy_positions
+from infer.core.request import Request, StepOutput
+from infer.core.timing import device_clock
+from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, Sampled, StepResult
+from infer.sampling.sampler import context_presence
+from infer.sampling.transforms import SamplingBatch, presence_with_drafts, probs_from_logits
+from infer.speculative.budget import BudgetController
 from infer.speculative.proposer import Proposal, Proposer
 from infer.speculative.rejection import verify_drafts
 from infer.speculative.tree import TreeMaskCache, tree_depths, verify_tree
 
-if TYPE_CHECKING:
-    from infer.engine.engine import Engine
-
 
 class SpeculativeRunner:
-    """Same interface as ``ContinuousRunner``; the scheduler cannot tell them apart."""
+    """Same interface as ``ContinuousRunner``; the scheduler cannot tell them apart.
 
-    def __init__(self, target: ContinuousRunner, proposer: Proposer, policy: LengthPolicy, max_draft: int) -> None:
+    The runner drives ``proposer`` only through the drafter contract (``infer.speculative.proposer``)
+    and asks ``budget`` how much every round drafts, feeding it the round's timings and outcome.
+    """
+
+    def __init__(self, target: ContinuousRunner, proposer: Proposer, budget: BudgetController) -> None:
         self.target = target
         self.proposer = proposer
-        self.policy = policy
-        self.max_draft = max_draft
-        # A tree verifies more tokens than it can accept: reserve room for all of them.
-        self.max_verify = max(max_draft, proposer.max_verify_nodes or 0)
+        self.budget = budget
+        # Verification writes g plus every node; a tree verifies more nodes than it can accept.
+        self.max_verify = max(budget.max_budget, proposer.info.max_nodes or 0)
         self.tree_masks = TreeMaskCache()
-        self.costs = CostModel(proposer.relative_cost_hint)
         self.device = target.pool.device
-        if proposer.wants_hidden:  # plain prefill/decode passes hand it the target's hidden state
-            target.hidden_listener = proposer.observe_hidden
+        # The target's last hidden state per request, for a drafter that reads it (Medusa).
+        self._hidden: dict[str, torch.Tensor] | None = {} if proposer.info.uses_hidden_states else None
 
     # -- runner interface ------------------------------------------------------------------------
     def step(self, prefill: list[PrefillChunk], decode: list[Request]) -> StepResult:
-        return self.target.prefill(prefill) + self.speculative_decode(decode)
+        return self._keep_hidden(self.target.prefill(prefill)) + self.speculative_decode(decode)
 
-    def free_slot(self, request: Request) -> None:
-        self.target.free_slot(request)
+    def release(self, request: Request) -> None:
+        self.target.release(request)
         self.proposer.release(request)
+        self.budget.release(request)
+        if self._hidden is not None:
+            self._hidden.pop(request.request_id, None)
 
-    def cleanup_request(self, request: Request) -> None:
-        self.policy.release(request)
+    def rollback(self, request: Request, num_computed_tokens: int) -> None:
+        # The drafter's state and the kept hidden state may be ahead of the rolled-back target:
+        # drop them; a drafter rebuilds a released request's state on its next round, and without a
+        # hidden state the request's next round is a plain step that provides one.
+        self.target.rollback(request, num_computed_tokens)
+        self.proposer.release(request)
+        if self._hidden is not None:
+            self._hidden.pop(request.request_id, None)
 
     def free_kv_tokens(self) -> int:
-        draft_free = self.proposer.free_kv_tokens()
-        target_free = self.target.free_kv_tokens()
-        return target_free if draft_free is None else min(target_free, draft_free)
+        return min(pool.free_kv_tokens() for pool in self.kv_pools().values())
+
+    def kv_pools(self) -> dict[str, CachePoolProtocol]:
+        pools = self.target.kv_pools()
+        if self.proposer.kv_pool is not None:
+            pools["draft"] = self.proposer.kv_pool
+        return pools
 
     def can_admit(self, request: Request, running: list[Request]) -> bool:
         # Verification writes up to max_verify + 1 positions past the kept length before rollback.
@@ -74,29 +83,27 @@ class SpeculativeRunner:
     def speculative_decode(self, requests: list[Request]) -> StepResult:
         if not requests:
             return []
-        lengths = [self._clamp(r, k) for r, k in
-                   zip(requests, self.policy.lengths(requests, self.costs.effective_cost(len(requests))), strict=True)]
-        start = self._now()
-        proposal = self.proposer.propose(requests, lengths) if any(lengths) else None
-        drafted = self._now()
+        budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests), strict=True)]
+        start = device_clock(self.device)
+        proposal = self.proposer.propose(requests, budgets, self._hidden_of(requests)) if any(budgets) else None
+        drafted = device_clock(self.device)
+        batch = len(requests)
         if proposal is None or not any(proposal.num_tokens):
             # Nothing worth drafting (or nothing found): a plain decode step, still one target pass.
-            result = self.target.decode(requests)
-            self.costs.observe_target(len(requests), self._now() - drafted)
+            result = self._keep_hidden(self.target.decode(requests))
+            self.budget.observe_target(batch, device_clock(self.device) - drafted)
+            zeros = [0] * batch
+            self.budget.observe_round(requests, zeros, zeros, zeros)
             for request in requests:
                 request.metrics.record_round(0, 0)
-        else:
-            steps = max(proposal.num_tokens)
-            # A drafter that times its own single-token steps (the draft model: its first step may
-            # also catch up a whole prompt) reports them; otherwise the whole drafting time is used.
-            step_seconds = getattr(self.proposer, "last_step_seconds", None)
-            if step_seconds is None and not hasattr(self.proposer, "last_step_seconds"):
-                step_seconds = (drafted - start) / steps
-            if step_seconds is not None:
-                self.costs.observe_draft_step(len(requests), step_seconds)
-            result = self.verify(requests, proposal)
-            self.costs.observe_target(len(requests) + sum(proposal.num_tokens), self._now() - drafted)
-        self.proposer.round_finished(len(result), self._now() - start)
+            return result
+        # A drafter that runs one step per token reports its clean per-step time (None: no clean
+        # sample this round); otherwise drafting is one call per round, timed here.
+        draft_seconds = proposal.step_seconds if self.proposer.info.cost_per_token else drafted - start
+        if draft_seconds is not None:
+            self.budget.observe_draft_step(batch, draft_seconds)
+        result = self.verify(requests, proposal)
+        self.budget.observe_target(batch + sum(proposal.num_tokens), device_clock(self.device) - drafted)
         return result
 
     def verify(self, requests: list[Request], proposal: Proposal) -> StepResult:
@@ -114,6 +121,8 @@ class SpeculativeRunner:
         )
         accepted = verdict.num_accepted.tolist()
         emitted = [row[: kept + 1] for row, kept in zip(verdict.output_tokens.tolist(), accepted, strict=True)]
+        # Row i's logits (p_{i+1}) gave the final token after i accepted drafts.
+        self._store_hidden(requests, hidden, accepted)
         return self._finish_round(requests, proposal.num_tokens, proposal.num_tokens, accepted, emitted)
 
     def verify_tree(self, requests: list[Request], proposal: Proposal) -> StepResult:
@@ -144,9 +153,7 @@ class SpeculativeRunner:
             if keep:
                 moves.append((slots[b], [src[k] for k in keep], [dst[k] for k in keep]))
         copy_positions(pool, moves)
-        if self.proposer.wants_hidden:
-            last = torch.tensor(verdict.last_rows, device=self.device)
-            self.proposer.observe_hidden(requests, hidden[torch.arange(batch, device=self.device), last])
+        self._store_hidden(requests, hidden, verdict.last_rows)
         depth_lists = depths.tolist()
         # Per-depth metrics: a tree of depth d "proposes" d positions, of which `kept` survive.
         tree_depth = [max(depth_lists[b][1: 1 + counts[b]], default=0) for b in range(batch)]
@@ -171,8 +178,8 @@ class SpeculativeRunner:
         batch, rows, vocab = logits.shape
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
         presence = None
-        if sampling.use_penalty:
-            base = token_presence([r.all_token_ids for r in requests], vocab, self.device)
+        base = context_presence(sampling, [r.all_token_ids for r in requests], vocab, self.device)
+        if base is not None:
             if ancestors is None:
                 presence = presence_with_drafts(base, nodes)
             else:
@@ -185,56 +192,48 @@ class SpeculativeRunner:
 
     def _finish_round(self, requests: list[Request], proposed: list[int], judged: list[int], kept: list[int],
                       emitted: list[list[int]]) -> StepResult:
-        """Roll the target cache back to g + the kept drafts, inform proposer/policy/metrics, emit."""
+        """Roll the target cache back to g + the kept drafts, inform proposer/budget/metrics, emit."""
         outputs: StepResult = []
         for b, request in enumerate(requests):
             # The target cache now holds g and the accepted drafts; the final token stays pending.
             request.num_computed_tokens += 1 + kept[b]
             self.target.pool.truncate_to(request.slot, request.num_computed_tokens)  # type: ignore[arg-type]
             self.proposer.accepted(request, proposed[b], kept[b])
-            self.policy.update(request, judged[b], kept[b])
             request.metrics.record_round(judged[b], kept[b])
             outputs.extend((request, StepOutput(t)) for t in emitted[b])
+        self.budget.observe_round(requests, proposed, judged, kept)
         return outputs
 
-    def _clamp(self, request: Request, k: int) -> int:
-        """Never draft past the context (overflow guard) or past the request's remaining budget."""
-        room_in_context = request.max_seq_len - request.num_tokens
-        room_in_budget = request.params.max_tokens - len(request.output_token_ids) - 1
-        return max(0, min(k, self.max_draft, room_in_context, room_in_budget))
+    def _clamp(self, request: Request, budget: int) -> int:
+        """Never verify past the context (overflow guard); a chain never drafts past the tokens the
+        request may still emit (a tree's depth is capped by its drafter); a drafter that reads hidden
+        states waits for the request's first one."""
+        if self._hidden is not None and request.request_id not in self._hidden:
+            return 0
+        if self.proposer.info.tree:
+            return min(budget, request.context_room)
+        return min(budget, request.context_room, request.tokens_left)
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    # -- hidden states for a drafter that reads them ---------------------------------------------
+    def _keep_hidden(self, sampled: Sampled) -> StepResult:
+        if sampled.hidden is not None:
+            self._store_hidden([request for request, _ in sampled.outputs], sampled.hidden)
+        return sampled.outputs
 
+    def _store_hidden(self, requests: list[Request], hidden: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Keep each request's hidden state: ``hidden`` [B, H], or [B, R, H] and the row per request
+        whose logits produced its newest token."""
+        if self._hidden is None:
+            return
+        if rows is not None:
+            hidden = hidden[torch.arange(len(requests), device=self.device), torch.tensor(rows, device=self.device)]
+        for request, row in zip(requests, hidden.detach().clone(), strict=True):  # a copy frees the pass
+            self._hidden[request.request_id] = row
 
-def build_speculative_runner(engine: Engine, target: ContinuousRunner, say: Callable[[str], None]) -> SpeculativeRunner:
-    """Make the proposer named by the engine config and wrap the target runner with it."""
-    config = engine.config
-    max_draft = config.max_draft_length
-    policy = make_length_policy(config.spec_length_policy, config.spec_length, max_draft, config.gamma_min,
-                                config.entropy_threshold)
-    proposer: Proposer
-    if config.speculator == "ngram":
-        from infer.speculative.ngram import NgramProposer
-
-        proposer = NgramProposer(config.ngram_min, config.ngram_max, engine.device)
-    elif config.speculator == "draft":
-        from infer.speculative.draft_model import load_draft_proposer
-
-        say(f"loading draft model {config.draft_model}")
-        proposer = load_draft_proposer(engine, max_draft)
-    elif config.speculator == "medusa":
-        from infer.speculative.medusa import load_medusa_proposer
-
-        say(f"loading Medusa heads for {config.model}")
-
-        proposer = load_medusa_proposer(engine, max_draft)
-    else:
-        raise ValueError(f"unknown speculator {config.speculator!r}")
-    runner = SpeculativeRunner(target, proposer, policy, max_draft)
-    keep_drafting = getattr(policy, "keep_drafting", None)
-    if hasattr(proposer, "continue_fn") and config.spec_length_policy == "entropy":
-        proposer.continue_fn = keep_drafting
-    return runner
+    def _hidden_of(self, requests: list[Request]) -> torch.Tensor | None:
+        """[B, H] for the drafter; a request without one (its budget is 0) gets a row of zeros."""
+        if self._hidden is None:
+            return None
+        rows = [self._hidden.get(r.request_id) for r in requests]
+        known = next(row for row in rows if row is not None)
+        return torch.stack([known.new_zeros(known.shape) if row is None else row for row in rows])

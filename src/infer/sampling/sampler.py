@@ -46,6 +46,20 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
     return out
 
 
+def sample_rows(probs: torch.Tensor, greedy: Sequence[bool],
+                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V]: the argmax for greedy rows (no randomness consumed), a
+    draw with the row's own generator for the others."""
+    tokens = probs.argmax(dim=-1)
+    sampled = [b for b, is_greedy in enumerate(greedy) if not is_greedy]
+    if len(sampled) == len(greedy):
+        return sample_from_probs(probs, generators)
+    if sampled:
+        idx = row_index(sampled, probs.device)
+        tokens[idx] = sample_from_probs(probs[idx], [generators[b] for b in sampled])
+    return tokens
+
+
 def context_presence(batch: SamplingBatch, contexts: Sequence[Sequence[int]], vocab_size: int,
                      device: torch.device) -> torch.Tensor | None:
     """The repetition-penalty context mask, built only when some row uses the penalty."""
@@ -61,11 +75,4 @@ def sample_next_tokens(
     """Next token for each row of ``logits`` [B, V]; greedy rows take the argmax and draw nothing."""
     batch = SamplingBatch.from_params(params, logits.device)
     presence = context_presence(batch, contexts, logits.shape[-1], logits.device)
-    probs = probs_from_logits(logits, batch, presence)
-    if batch.all_greedy:
-        return probs.argmax(dim=-1)
-    tokens = probs.argmax(dim=-1)
-    sampled_rows = [b for b, p in enumerate(params) if not p.greedy]
-    drawn = sample_from_probs(probs[sampled_rows], [generators[b] for b in sampled_rows])
-    tokens[sampled_rows] = drawn
-    return tokens
+    return sample_rows(probs_from_logits(logits, batch, presence), [p.greedy for p in params], generators)

@@ -1,18 +1,17 @@
 """Prompt-lookup (n-gram) drafting: propose the tokens that followed an earlier copy of the suffix.
 
-Rule (shared by :func:`propose_ngram` and :class:`NgramIndex`): take the longest ``n`` in
-``[min_n, max_n]`` for which the last ``n`` tokens also occur earlier, i.e. as an occurrence that
-is followed by at least one token; among those occurrences use the most recent one, and propose
-up to ``max_proposal`` tokens that followed it (fewer if the sequence ends first).
+Rule: take the longest ``n`` in ``[min_n, max_n]`` for which the last ``n`` tokens also occur
+earlier, i.e. as an occurrence that is followed by at least one token; among those occurrences use
+the most recent one, and propose up to ``max_proposal`` tokens that followed it (fewer if the
+sequence ends first).
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-import numpy as np
 import torch
 
-from infer.engine.request import Request
-from infer.speculative.proposer import Proposal, Proposer, pad_proposals
+from infer.core.request import Request
+from infer.speculative.proposer import DrafterInfo, Proposal, Proposer, pad_proposals
 
 
 def _check_args(min_n: int, max_n: int, max_proposal: int | None = None) -> None:
@@ -32,53 +31,8 @@ def _as_int_list(tokens: Iterable[int] | torch.Tensor) -> list[int]:
     return [int(t) for t in tokens]
 
 
-def propose_ngram(
-    tokens: Sequence[int] | torch.Tensor,
-    *,
-    min_n: int = 1,
-    max_n: int = 4,
-    max_proposal: int = 5,
-) -> list[int]:
-    """Return up to ``max_proposal`` draft tokens by n-gram lookup in ``tokens``; [] if no match.
-
-    Vectorised over positions with numpy: ``max_n`` comparison passes of length ``len(tokens)``.
-    """
-    _check_args(min_n, max_n, max_proposal)
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
-        arr = tokens.detach().cpu().numpy().astype(np.int64, copy=False)
-    else:
-        arr = np.asarray(tokens, dtype=np.int64)
-    length = arr.shape[0]
-    if length < 2:
-        return []
-
-    # Candidate occurrences end at j = 0..L-2 (each has a following token). match_len[j] counts how
-    # many trailing tokens agree: arr[j-k] == arr[L-1-k] for k = 0, 1, ... (capped at max_n).
-    ends = length - 1
-    alive = np.ones(ends, dtype=bool)
-    match_len = np.zeros(ends, dtype=np.int64)
-    for k in range(max_n):
-        if k >= ends:
-            break  # no end position j >= k is left, so nothing can extend further
-        eq = np.zeros(ends, dtype=bool)
-        eq[k:] = arr[: ends - k] == arr[length - 1 - k]
-        alive &= eq
-        if not alive.any():
-            break
-        match_len += alive
-
-    best = int(match_len.max())
-    if best < min_n:
-        return []
-    # Most recent occurrence of the longest matching suffix.
-    j = int(np.flatnonzero(match_len >= best)[-1])
-    return [int(t) for t in arr[j + 1 : j + 1 + max_proposal]]
-
-
 class NgramIndex:
-    """Incremental n-gram index for one request, same rule as :func:`propose_ngram`.
+    """Incremental n-gram index for one request, applying the rule above.
 
     Keeps, per n, a map from each n-gram to the end position of its most recent occurrence that
     is followed by a token. ``extend`` costs O(max_n - min_n + 1) per token and ``propose``
@@ -131,17 +85,16 @@ class NgramProposer(Proposer):
     sampling exact. With no match a request drafts nothing and the round is a plain decode step.
     """
 
-    name = "ngram"
-
     def __init__(self, min_n: int = 1, max_n: int = 4, device: torch.device | str = "cpu") -> None:
         _check_args(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
         self.device = torch.device(device)
+        self.info = DrafterInfo()
         self._indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, requests: list[Request], max_tokens: list[int]) -> Proposal:
+    def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
         guesses: list[list[int]] = []
-        for request, limit in zip(requests, max_tokens, strict=True):
+        for request, limit in zip(requests, budgets, strict=True):
             if limit <= 0:
                 guesses.append([])
                 continue

@@ -1,4 +1,33 @@
-"""The drafter interface: every way of guessing tokens (draft model, n-gram, Medusa) is a Proposer."""
+"""The drafter contract: every way of guessing tokens (draft model, n-gram, Medusa) is a ``Proposer``.
+
+The engine's speculative runner (``engine/speculative_runner.py``) drives a drafter through this
+interface and nothing else:
+
+* ``info`` (a :class:`DrafterInfo`, set in ``__init__``) declares what the drafter is: chains or
+  trees, the most nodes one round can verify, whether it needs the target's hidden states, whether
+  its cost grows with every drafted token, and a prior for that cost.
+* ``propose(requests, budgets, hidden_states) -> Proposal`` drafts for a batch. ``budgets[b]`` is
+  the most nodes request ``b`` may get this round (a chain's length or a tree's node count), as
+  decided by the runner's budget controller and already clamped so verification fits the
+  request's context (``Request.context_room``); a chain is also clamped to the tokens the request
+  may still emit (``Request.tokens_left``), by which a tree drafter caps its depth itself. 0 means
+  "do not draft for it". ``requests[b].all_token_ids`` ends with the last
+  accepted token. ``hidden_states`` is the target's last hidden state per request ([B, hidden],
+  the position whose logits produced the newest token) when ``info.uses_hidden_states``, else None.
+* ``accepted(request, num_proposed, num_accepted)`` after verification, so a stateful drafter can
+  roll back to what was kept.
+* ``release(request)`` once the request is gone: free everything held for it.
+* Capacity: ``kv_pool`` (its own KV pool, None if it has none) and ``can_admit`` (room to finish
+  one more request); the scheduler admits a request only if every pool can hold it.
+* Timing: the runner times every round and feeds its budget controller. A drafter with
+  ``info.cost_per_token`` (one step per drafted token) reports its own per-step time as
+  ``Proposal.step_seconds``, apart from set-up work such as catching its cache up (None: no clean
+  sample this round); for any other drafter the runner's timing of ``propose`` stands.
+
+Porting a drafter: subclass ``Proposer``, set ``self.info`` in ``__init__``, implement
+``propose`` (and ``accepted``/``release`` if it keeps per-request state), build it in
+``make_proposer`` in ``engine/drafters.py``. Nothing in this package imports the engine.
+"""
 
 from __future__ import annotations
 
@@ -7,75 +36,66 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.engine.request import Request
+from infer.cache.protocol import CachePoolProtocol
+from infer.core.request import Request
 
 
 @dataclass
 class Proposal:
     """Draft tokens for a batch of requests (row b has ``num_tokens[b]`` valid entries)."""
 
-    tokens: torch.Tensor  # [B, K] long, padded with 0 past num_tokens[b]
+    tokens: torch.Tensor  # [B, N] long, padded with 0 past num_tokens[b]
     num_tokens: list[int]
-    # Draft distributions q_i after the request's sampling transform, [B, K, V]; None when every
+    # Draft distributions q_i after the request's sampling transform, [B, N, V]; None when every
     # proposal is a deterministic guess (one-hot q), as for n-gram lookup.
     probs: torch.Tensor | None
     # A tree of guesses instead of a chain (Medusa): parents[b, i] is the index of node i's parent
     # node in the same row, -1 for the root (the last accepted token); parents come before their
     # children. None is a chain (node i's parent is i - 1), verified by the chain path.
     parents: torch.Tensor | None = None
+    # Seconds per sequential draft step measured by the drafter itself, when it can tell them
+    # apart from set-up work (the draft model's first step also catches its cache up); None: the
+    # runner's own timing of the whole call stands.
+    step_seconds: float | None = None
 
-    @property
-    def width(self) -> int:
-        return int(self.tokens.shape[1])
 
-    @property
-    def is_tree(self) -> bool:
-        return self.parents is not None
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What the runner and its budget controller need to know about a drafter."""
+
+    tree: bool = False  # proposals are trees (budgets count nodes; sized on a ladder of tree sizes)
+    max_nodes: int | None = None  # most nodes one round can verify, for a tree (a chain: its budget)
+    uses_hidden_states: bool = False  # propose() reads the target's last hidden state per request
+    # One sequential step per drafted token (a draft model), so drafting costs grow with the budget;
+    # False: one call per round whatever the budget (n-gram lookup, Medusa heads).
+    cost_per_token: bool = False
+    cost_hint: float = 0.0  # prior for one draft step's time over one target decode step
 
 
 class Proposer(ABC):
-    """Guesses up to ``max_tokens[b]`` next tokens for each request; learns what was accepted."""
+    """Guesses up to ``budgets[b]`` next tokens for each request; learns what was accepted."""
 
-    name: str = "proposer"
-    # Set by drafters that guess from the target's own last hidden state (Medusa): the runner then
-    # calls ``observe_hidden`` after every target pass that produced a token for a request.
-    wants_hidden: bool = False
-    # The most nodes one round may verify when that exceeds the draft length (a tree); the runner
-    # reserves KV room for them. None: a chain of at most max_draft tokens.
-    max_verify_nodes: int | None = None
+    info: DrafterInfo = DrafterInfo()
 
     @abstractmethod
-    def propose(self, requests: list[Request], max_tokens: list[int]) -> Proposal:
-        """Draft for every request. ``requests[b].all_token_ids`` ends with the last accepted token.
-
-        ``max_tokens[b]`` bounds the tokens one round can accept: a chain's length, a tree's depth.
-        """
+    def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
+        """Draft for every request (see the module docstring for the arguments)."""
 
     def accepted(self, request: Request, num_proposed: int, num_accepted: int) -> None:
-        """Called after verification so a stateful drafter can roll back to what was kept."""
-
-    def observe_hidden(self, requests: list[Request], hidden: torch.Tensor) -> None:
-        """The target's final hidden state [B, hidden] at the position whose logits produced each
-        request's newest token (called only when ``wants_hidden``)."""
-
-    def round_finished(self, num_tokens: int, seconds: float) -> None:
-        """A whole round (drafting, verification, rollback) emitted ``num_tokens`` in ``seconds``."""
+        """Verification kept ``num_accepted`` of the ``num_proposed`` drafts of ``request``."""
 
     def release(self, request: Request) -> None:
-        """The request is gone: free anything held for it (a draft KV slot)."""
-
-    def can_admit(self, request: Request, running: list[Request], extra: int) -> bool:
-        """Whether the drafter has room for one more request (a draft KV pool may not)."""
-        return True
-
-    def free_kv_tokens(self) -> int | None:
-        """Free tokens in the drafter's own KV pool, or None if it has none."""
-        return None
+        """The request is gone: free anything held for it (a draft KV slot, an index)."""
 
     @property
-    def relative_cost_hint(self) -> float:
-        """A prior for c (draft step time / target step time) until the runner has measured it."""
-        return 0.0
+    def kv_pool(self) -> CachePoolProtocol | None:
+        """The drafter's own KV pool (a draft model's), or None."""
+        return None
+
+    def can_admit(self, request: Request, running: list[Request], extra: int) -> bool:
+        """Whether the drafter can finish ``request`` besides every running one; ``extra`` tokens
+        per request of room beyond ``max_total_tokens`` are kept for a round's overrun."""
+        return True
 
 
 def pad_proposals(guesses: list[list[int]], device: torch.device) -> Proposal:

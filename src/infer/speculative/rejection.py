@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.sampling.sampler import row_index as _row_index
-from infer.sampling.sampler import sample_from_probs
+from infer.sampling.sampler import sample_rows
 
 
 @dataclass
@@ -39,20 +39,20 @@ class VerificationResult:
 
 def _draw_uniforms(
     num_draft_host: list[int],
-    sample_rows: list[int],
+    sampled: list[int],
     generators: Sequence[torch.Generator | None],
     k: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """Uniforms [B, K] for the accept test; rows not in ``sample_rows`` stay 0 and draw nothing."""
+    """Uniforms [B, K] for the accept test; rows not in ``sampled`` stay 0 and draw nothing."""
     u = torch.zeros(len(num_draft_host), k, device=device)
-    if k == 0 or not sample_rows:
+    if k == 0 or not sampled:
         return u
-    shared = [b for b in sample_rows if generators[b] is None]
+    shared = [b for b in sampled if generators[b] is None]
     if shared:
         # The global RNG has no per-request reproducibility anyway, so one batched draw is fine.
         u[_row_index(shared, device)] = torch.rand(len(shared), k, device=device)
-    own = [b for b in sample_rows if generators[b] is not None]
+    own = [b for b in sampled if generators[b] is not None]
     if own:
         # Draw exactly num_draft[b] uniforms so a request's random stream depends only on its own
         # draft count, not on the batch-wide padding K.
@@ -67,14 +67,9 @@ def _draw_uniforms(
     return u
 
 
-def _check_inputs(
-    draft_tokens: torch.Tensor,
-    num_draft: torch.Tensor,
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    greedy: torch.Tensor,
-    generators: Sequence[torch.Generator | None],
-) -> None:
+def _check_inputs(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target_probs: torch.Tensor,
+                  draft_probs: torch.Tensor | None, greedy: torch.Tensor,
+                  generators: Sequence[torch.Generator | None]) -> None:
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must be [B, K], got shape {tuple(draft_tokens.shape)}")
     batch, k = draft_tokens.shape
@@ -129,7 +124,7 @@ def verify_drafts(
     greedy_host, num_draft_host = torch.stack([greedy.long(), num_draft]).tolist()
     if any(n < 0 or n > k for n in num_draft_host):
         raise ValueError(f"num_draft entries must lie in [0, {k}], got {num_draft_host}")
-    sample_rows = [b for b in range(batch) if not greedy_host[b]]
+    sampled = [b for b in range(batch) if not greedy_host[b]]
 
     # Padding past num_draft may be any id; clamp so the gathers below stay in range.
     safe_drafts = drafts.clamp(0, vocab - 1)
@@ -144,7 +139,7 @@ def verify_drafts(
     else:
         q_tok = draft_probs.to(device).gather(2, safe_drafts.unsqueeze(2)).squeeze(2).float()
 
-    u = _draw_uniforms(num_draft_host, sample_rows, generators, k, device)
+    u = _draw_uniforms(num_draft_host, sampled, generators, k, device)
     # u < p/q written multiplicatively so q == 0 cannot divide by zero.
     stochastic_ok = u * q_tok < p_tok
     greedy_ok = target_draft.argmax(dim=2) == safe_drafts
@@ -164,15 +159,11 @@ def verify_drafts(
         mass = residual.sum(dim=1, keepdim=True)
         # Zero residual mass means p == q where rejection has probability 0; fall back to p.
         residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), stop_p)
-        rejected = num_accepted < num_draft
-        final_dist = torch.where(rejected[:, None], residual, stop_p)
+        # Greedy rows keep p: their answer is its argmax, whatever was rejected.
+        resample = (num_accepted < num_draft) & ~greedy
+        final_dist = torch.where(resample[:, None], residual, stop_p)
 
-    final = stop_p.argmax(dim=1)  # the greedy answer; sampled rows are overwritten below
-    if len(sample_rows) == batch:
-        final = sample_from_probs(final_dist, generators)
-    elif sample_rows:
-        idx = _row_index(sample_rows, device)
-        final[idx] = sample_from_probs(final_dist[idx], [generators[b] for b in sample_rows])
+    final = sample_rows(final_dist, [bool(g) for g in greedy_host], generators)
 
     positions = torch.arange(k + 1, device=device)[None, :]
     padded = torch.cat([drafts, drafts.new_full((batch, 1), -1)], dim=1)

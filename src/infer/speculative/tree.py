@@ -33,7 +33,7 @@ from functools import cached_property
 
 import torch
 
-from infer.sampling.sampler import row_index, sample_from_probs
+from infer.sampling.sampler import sample_rows
 
 # ---------------------------------------------------------------------------------------------- shape
 
@@ -143,11 +143,6 @@ def build_tree(rank_accuracy: Sequence[Sequence[float]], num_nodes: int) -> Cand
             s = score * acc[depth][0]
             heapq.heappush(frontier, (-s, counter, path + (0,), s))
     return CandidateTree(tuple(paths))
-
-
-def chain_tree(length: int) -> CandidateTree:
-    """The top-1 chain of ``length`` nodes (what a single-path drafter would propose)."""
-    return CandidateTree(tuple((0,) * d for d in range(1, length + 1)))
 
 
 # --------------------------------------------------------------------------- mask and positions
@@ -288,20 +283,20 @@ def verify_tree(
     paths: list[list[int]] = []
     last_rows: list[int] = []
     rejected_at_last: list[list[int]] = []
-    sample_rows = [b for b in range(batch) if not greedy_host[b]]
+    sampled = [b for b in range(batch) if not greedy_host[b]]
     uniforms: dict[int, list[float]] = {}
-    shared = [b for b in sample_rows if generators[b] is None and counts[b] > 0]
+    shared = [b for b in sampled if generators[b] is None and counts[b] > 0]
     if shared:
         draws = torch.rand(len(shared), n, dtype=torch.float64).tolist()
         uniforms.update(zip(shared, draws, strict=True))
-    for b in sample_rows:
+    for b in sampled:
         gen = generators[b]
         if gen is not None and counts[b] > 0:
             # Exactly num_nodes[b] uniforms per round: the stream depends on this request alone.
             uniforms[b] = torch.rand(counts[b], generator=gen, device=gen.device, dtype=torch.float64).tolist()
 
     best_host, best_depth_host = [0] * batch, [0] * batch
-    if len(sample_rows) < batch and n > 0:
+    if len(sampled) < batch and n > 0:
         argmax = target_probs.argmax(dim=2)  # [B, N+1]
         ok = (tokens == argmax.gather(1, parent_row)) & valid  # node matches its parent's argmax
         full = mask.to(device) if mask is not None else tree_attention_mask(parents, counts)
@@ -355,11 +350,9 @@ def verify_tree(
 
     final_rows = torch.tensor(last_rows, device=device)
     final_p = target_probs[torch.arange(batch, device=device), final_rows].float()  # [B, V]
-    final = final_p.argmax(dim=1)
-    if sample_rows:
-        dist = residual_after_rejections(final_p, rejected_at_last)
-        idx = row_index(sample_rows, device)
-        final[idx] = sample_from_probs(dist[idx], [generators[b] for b in sample_rows])
+    # Greedy rows rejected nothing at their last row, so their residual is p and they take its argmax.
+    final = sample_rows(residual_after_rejections(final_p, rejected_at_last), [bool(g) for g in greedy_host],
+                        generators)
     final_host = final.tolist()
     out_tokens = [[host_tokens[b][i] for i in paths[b]] + [final_host[b]] for b in range(batch)]
     return TreeVerdict(paths=paths, tokens=out_tokens, last_rows=last_rows)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from infer.fileio import publish_folder, staging_folder
 from infer.loader import load_model, load_tokenizer, resolve_model_path
 from infer.loader.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
@@ -41,9 +42,7 @@ from infer.train.common import (
     count_params,
     is_complete_model,
     model_config,
-    publish_folder,
     say,
-    staging_folder,
     write_json,
     write_model_files,
 )

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infer.speculative.medusa import DEFAULT_TOP_K, DEFAULT_TREE_SIZE, MedusaHeads
+from infer.models.medusa_heads import DEFAULT_TOP_K, DEFAULT_TREE_SIZE, MedusaHeads
 from infer.train.teacher import drafters_dir
 
 OBJECTIVES = ("distill", "ce")
@@ -282,10 +282,8 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
         LoopState,
         configure_threads,
         pick_device,
-        publish_folder,
         run_loop,
         say,
-        staging_folder,
     )
 
     wall_start = time.perf_counter()
@@ -338,9 +336,7 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
         "heldout_loss_per_head": final,
     }
     out = cfg.out if cfg.out is not None else drafters_dir(str(cfg.target)) / "medusa"
-    with staging_folder(out) as tmp:
-        medusa.to(torch.float32).write_files(tmp)
-        publish_folder(tmp, out)
+    medusa.to(torch.float32).save(out)
     top1 = ", ".join(f"{row[0]:.3f}" for row in rank_accuracy)
     say(f"saved {out} ({state.step} steps, {state.elapsed:.0f}s training, {time.perf_counter() - wall_start:.0f}s "
         f"total): held-out loss {sum(before) / cfg.heads:.4f} -> {sum(final) / cfg.heads:.4f}, top-1 accuracy "

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from infer.fileio import publish_folder, staging_folder
 from infer.loader.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
@@ -41,10 +42,8 @@ from infer.train.common import (
     make_optimizer,
     model_config,
     pick_device,
-    publish_folder,
     run_loop,
     say,
-    staging_folder,
     uses_bf16,
     write_json,
     write_model_files,

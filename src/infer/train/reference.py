@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from infer.fileio import publish_folder
 from infer.loader import load_model
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
@@ -41,7 +42,6 @@ from infer.train.common import (
     default_cache_dir,
     is_complete_model,
     pick_device,
-    publish_folder,
     say,
     write_json,
 )
@@ -154,7 +154,7 @@ def has_current_heads(folder: Path, settings: ReferenceSettings) -> bool:
     """The target's Medusa heads exist and follow this recipe (trivially true for a recipe without)."""
     if not settings.medusa:
         return True
-    from infer.speculative.medusa import CONFIG_FILE, HEADS_FILE
+    from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE
 
     heads = folder / "target" / "medusa"
     return ((heads / HEADS_FILE).is_file() and (heads / CONFIG_FILE).is_file()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.core.detokenizer import IncrementalDetokenizer
 from infer.sampling.params import SamplingParams
 
 
@@ -109,9 +109,11 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer, eos_token_ids: list[int], max_seq_len: int,
-                 device: torch.device, prompt: str | None = None) -> None:
+                 device: torch.device, prompt: str | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
+        # Prefix-cache isolation: requests share cached KV blocks only when their salts are equal.
+        self.cache_salt = cache_salt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.output_token_ids: list[int] = []
@@ -149,6 +151,16 @@ class Request:
     @property
     def text(self) -> str:
         return self.detokenizer.text
+
+    @property
+    def context_room(self) -> int:
+        """Positions left in the context after the pending token: what one verification pass may add."""
+        return max(0, self.max_seq_len - self.num_tokens)
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens this request may still emit after the pending one (drafts past them are discarded)."""
+        return max(0, self.params.max_tokens - len(self.output_token_ids) - 1)
 
     @property
     def max_total_tokens(self) -> int:

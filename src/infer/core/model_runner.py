@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from infer.cache.protocol import CachePoolProtocol, build_kv_batch
+from infer.core.request import Request
 from infer.models.layers import DecoderOnlyLM, block_mask_from
 
 
@@ -60,3 +61,12 @@ class ModelRunner:
         """Hidden state of each row's last real token, [B, hidden]."""
         index = torch.tensor([n - 1 for n in lengths], device=hidden.device)
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), index]
+
+    def can_admit(self, request: Request, running: list[Request], slot_of: Callable[[Request], int | None],
+                  extra: int = 0) -> bool:
+        """Whether the pool can grow ``request`` and every running request to their most tokens plus
+        ``extra`` (``slot_of`` names each request's sequence in this pool, None before it has one)."""
+        def need(r: Request) -> int:
+            return self.pool.kv_tokens_needed(slot_of(r), r.max_total_tokens + extra)
+
+        return need(request) <= self.pool.free_kv_tokens() - sum(need(r) for r in running)

@@ -1,0 +1,85 @@
+"""Building the speculative runner: the drafter named by the config, and the budget controller for it.
+
+The engine hands over explicit pieces (the target model and its config, tokenizer, device, dtype,
+and how to make a KV pool for a model); drafters never see the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from infer.cache.protocol import CachePoolProtocol
+from infer.core.model_runner import ModelRunner
+from infer.engine.config import SpeculativeConfig
+from infer.engine.continuous_runner import ContinuousRunner
+from infer.engine.speculative_runner import SpeculativeRunner
+from infer.loader import Tokenizer, load_model, load_tokenizer
+from infer.loader.config import ModelConfig
+from infer.models.layers import DecoderOnlyLM, count_weights
+from infer.speculative.budget import BudgetController, EntropyStop
+from infer.speculative.proposer import Proposer
+
+
+@dataclass
+class TargetModel:
+    """What a drafter may need to know about the target."""
+
+    path: str
+    model: DecoderOnlyLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    make_pool: Callable[[ModelConfig], CachePoolProtocol]  # a KV pool like the target's, for another model
+
+
+def make_speculative_runner(spec: SpeculativeConfig, target_runner: ContinuousRunner, target: TargetModel,
+                            say: Callable[[str], None]) -> SpeculativeRunner:
+    proposer = make_proposer(spec, target, say)
+    return SpeculativeRunner(target_runner, proposer, make_budget(spec, proposer))
+
+
+def make_proposer(spec: SpeculativeConfig, target: TargetModel, say: Callable[[str], None]) -> Proposer:
+    """The drafter ``spec.method`` names."""
+    if spec.method == "ngram":
+        from infer.speculative.ngram import NgramProposer
+
+        return NgramProposer(spec.ngram_min, spec.ngram_max, target.device)
+    if spec.method == "draft":
+        from infer.speculative.draft_model import DraftModelProposer, check_compatible
+
+        assert spec.draft_model is not None
+        say(f"loading draft model {spec.draft_model}")
+        model, config = load_model(spec.draft_model, target.dtype, str(target.device))
+        check_compatible(spec.draft_model, target.path, config.vocab_size, target.config.vocab_size,
+                         load_tokenizer(spec.draft_model, config), target.tokenizer)
+        # Same backend and sequence length as the target; its own (smaller) per-token footprint.
+        stop = EntropyStop(spec.gamma_min, spec.entropy_threshold) if spec.length_policy == "entropy" else None
+        return DraftModelProposer(ModelRunner(model, target.make_pool(config)),
+                                  count_weights(model) / max(1, count_weights(target.model)), stop)
+    if spec.method == "medusa":
+        from infer.speculative.medusa import MedusaProposer, load_medusa_heads, medusa_tree
+
+        say(f"loading Medusa heads for {target.path}")
+        heads = load_medusa_heads(spec.medusa_heads, target.path, target.config, target.dtype, target.device)
+        tree = medusa_tree(heads.config, spec.medusa_tree_size)
+        cost_hint = count_weights(heads) / max(1, count_weights(target.model))
+        return MedusaProposer(heads, tree, target.device, cost_hint, max_depth=spec.max_length)
+    raise ValueError(f"unknown speculator {spec.method!r}")
+
+
+def make_budget(spec: SpeculativeConfig, proposer: Proposer) -> BudgetController:
+    """The budget controller for this drafter: a tree is sized by measurement unless its size is
+    fixed; a chain drafts ``length`` (fixed), up to ``max_length`` (entropy: the draft loop stops
+    early), or what goodput picks in 0..``max_length``."""
+    info = proposer.info
+    if info.tree:
+        assert info.max_nodes is not None
+        return BudgetController(info.max_nodes, adaptive=spec.medusa_tree_size is None, tree=True,
+                                cost_per_token=info.cost_per_token, prior_cost=info.cost_hint)
+    max_budget = spec.length if spec.length_policy == "fixed" else spec.max_length
+    return BudgetController(max_budget, adaptive=spec.length_policy == "goodput", cost_per_token=info.cost_per_token,
+                            prior_cost=info.cost_hint)

@@ -1,0 +1,283 @@
+"""How much each speculative round drafts: one controller, one model of cost and acceptance.
+
+A *budget* is, per request, the most draft nodes a round may verify: a chain's length (draft
+model, n-gram) or a tree's node count (Medusa). ``BudgetController`` decides it every round for
+every drafter. Fixed, it returns a constant. Adaptive, it picks the budget ``n`` that maximises the
+expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
+
+* **Cost** ``T``, in plain decode steps, from the runner's timings: a target pass over ``m`` tokens
+  takes about ``a + b·m`` (a least-squares fit that forgets), a draft call about ``D(B)`` for a
+  batch of ``B``. A drafter that runs one step per drafted token (a draft model) pays ``D`` per
+  node, one that drafts a round in one call (n-gram, Medusa) pays it once, so
+  ``T(B, n) = 1 + overhead·[n > 0] + per_node·n``. For a draft model ``per_node`` is Leviathan et
+  al.'s ``c`` grown by the batch, ``(D + b·B) / (a + b·B)``, which tends to 1 as the batch fills:
+  under load speculation stops paying.
+* **Acceptance** ``E_b(n)``, the tokens a round emits for request ``b``. For a chain it is
+  Theorem 3.8's ``1 + α + ... + α^n`` with ``α`` the request's per-draft acceptance (a moving
+  average starting from the drafter's recent one). For a tree, whose extra width a single ``α``
+  does not describe, it is measured: the mean tokens per request and round at each size on a
+  ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times first and a
+  neighbour of the best every ``probe_every`` rounds. A chain settled on ``n = 0`` drafts two
+  tokens every ``probe_every`` plain rounds, so a request whose text turns predictable can win
+  speculation back.
+
+Every budget gives the same output (verification is exact), so this only changes the speed.
+
+``EntropyStop`` (EGAG) is a stopping rule inside a chain drafter's own loop: it ends a request's
+chain early when the draft distribution turns flat.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from infer.core.request import Request
+
+
+def expected_speedup(alpha: float, k: int, cost: float) -> float:
+    """Leviathan et al. Theorem 3.8: (1 - α^(K+1)) / ((1 - α)(cK + 1)); K = 0 is plain decoding (1.0)."""
+    if k == 0:
+        return 1.0
+    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (cost * k + 1)
+
+
+def size_ladder(max_nodes: int) -> list[int]:
+    """0, 1, 2, 3, 4, 6, 9, 13, 19, ... (about x1.5 apart), ending with ``max_nodes`` itself."""
+    sizes, n = [0], 1
+    while n < max_nodes:
+        sizes.append(n)
+        n = max(n + 1, int(n * 1.5))
+    sizes.append(max_nodes)
+    return sizes
+
+
+class LinearFit:
+    """Exponentially forgetting least squares for ``time ≈ a + b * x``."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n = d * self.n + 1
+        self.sx, self.sy = d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    @property
+    def ready(self) -> bool:
+        return self.n > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mean_x**2
+        slope = 0.0
+        if var > 1e-9 * max(1.0, mean_x**2):
+            slope = max(0.0, (self.sxy / self.n - mean_x * mean_y) / var)
+        return max(mean_y - slope * mean_x, 1e-9), slope
+
+    def predict(self, x: float) -> float:
+        a, b = self.coefficients()
+        return a + b * x
+
+
+class BudgetController:
+    """Each round's budget per request; learns from the runner's timings and verification results.
+
+    Args:
+        max_budget: the constant budget when not ``adaptive``; otherwise the largest one tried.
+        adaptive: choose by expected tokens per second (see the module docstring).
+        tree: budgets are tree sizes (measured acceptance on a ladder) rather than chain lengths.
+        cost_per_token: drafting costs one step per node (a draft model) rather than one call per round.
+        prior_cost: one draft step (or call) over one target decode step, until measured.
+    """
+
+    def __init__(self, max_budget: int, *, adaptive: bool = False, tree: bool = False, cost_per_token: bool = True,
+                 prior_cost: float = 0.0, prior_alpha: float = 0.6, ema: float = 0.3, probe_every: int = 16,
+                 warmup_rounds: int = 2, tree_ema: float = 0.2) -> None:
+        if max_budget < 1:
+            raise ValueError(f"max_budget={max_budget} must be >= 1")
+        self.max_budget = max_budget
+        self.adaptive = adaptive
+        self.tree = tree
+        self.cost_per_token = cost_per_token
+        self.prior_cost = prior_cost
+        self.probe_every = probe_every
+        # Cost: target passes by tokens in the pass; draft steps by batch size. Draft steps are
+        # sampled less often once a chain settles on 0 (only probes draft), so that fit forgets
+        # faster: one slow early sample must not keep drafting dear for long.
+        self.target = LinearFit()
+        self.draft = LinearFit(decay=0.7)
+        # Chain acceptance: per-request α, and where new requests start.
+        self.ema = ema
+        self.alpha: dict[str, float] = {}
+        self.recent_alpha = prior_alpha
+        self._plain_rounds: dict[str, int] = {}
+        # Tree acceptance: tokens per request and round at each ladder size (unused for chains).
+        self.sizes = size_ladder(max_budget) if tree else list(range(max_budget + 1))
+        self.warmup_rounds = warmup_rounds
+        self.tree_ema = tree_ema
+        self.tokens = [0.0] * len(self.sizes)
+        self.counts = [0] * len(self.sizes)
+        self._arm = len(self.sizes) - 1
+        self._probe_up = True
+        self._last_cost = self.round_cost(1)  # the prior, until a round is costed
+
+    # -- the decision ----------------------------------------------------------------------------
+    def budgets(self, requests: list[Request]) -> list[int]:
+        """Budget per request for the next round (the runner clamps it to each request's room)."""
+        if not self.adaptive:
+            return [self.max_budget] * len(requests)
+        per_node, overhead = self._last_cost = self.round_cost(len(requests))
+        if self.tree:
+            return [self.tree_size(per_node, overhead)] * len(requests)
+        return self.chain_lengths(requests, per_node, overhead)
+
+    def round_cost(self, batch_size: int) -> tuple[float, float]:
+        """``(per_node, overhead)``: a round with ``n`` nodes per request costs ``1 + overhead·[n > 0]
+        + per_node·n`` plain decode steps of this batch."""
+        if not self.target.ready:
+            return (self.prior_cost, 0.0) if self.cost_per_token else (0.0, self.prior_cost)
+        a, b = self.target.coefficients()
+        plain = a + b * batch_size
+        draft = self.draft.predict(batch_size) if self.draft.ready else self.prior_cost * plain
+        if self.cost_per_token:
+            return (draft + b * batch_size) / plain, 0.0
+        return b * batch_size / plain, draft / plain
+
+    def chain_lengths(self, requests: list[Request], per_node: float, overhead: float = 0.0) -> list[int]:
+        """Chain length per request: one K for the batch (drafting runs as many steps as the longest
+        chain and the pass is padded to it, so a round costs what its longest chain costs)."""
+        alphas = [self.alpha.get(r.request_id, self.recent_alpha) for r in requests]
+        best = max(range(self.max_budget + 1),
+                   key=lambda k: sum(expected_speedup(a, k, 0.0) for a in alphas) / _cost(k, per_node, overhead))
+        if best > 0:
+            return [best] * len(requests)
+        out = []
+        for request in requests:
+            waited = self._plain_rounds.get(request.request_id, 0) + 1
+            self._plain_rounds[request.request_id] = waited
+            probe = 0
+            if waited >= self.probe_every:
+                # Two drafts, so the draft model's single-token step gets timed too (the first
+                # step of a round also catches the draft cache up and is not a clean sample).
+                probe, self._plain_rounds[request.request_id] = min(2, self.max_budget), 0
+            out.append(probe)
+        return out
+
+    def tree_size(self, per_node: float, overhead: float = 0.0) -> int:
+        """The tree size of the next round: untried sizes first (largest first: the heads' own tree
+        is the prior favourite), then the best, and every ``probe_every`` rounds a neighbour of it."""
+        untried = [i for i, n in enumerate(self.counts) if n < self.warmup_rounds]
+        if untried:
+            self._arm = untried[-1]
+        elif self.rounds % self.probe_every == self.probe_every - 1:
+            step = 1 if self._probe_up else -1
+            self._probe_up = not self._probe_up
+            self._arm = min(max(self._best_arm(per_node, overhead) + step, 0), len(self.sizes) - 1)
+        else:
+            self._arm = self._best_arm(per_node, overhead)
+        return self.sizes[self._arm]
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def best_tree_size(self) -> int:
+        """The size the last round's costs make best (what the controller plays between probes)."""
+        return self.sizes[self._best_arm(*self._last_cost)]
+
+    def _best_arm(self, per_node: float, overhead: float) -> int:
+        measured = [i for i, n in enumerate(self.counts) if n]
+        if not measured:
+            return len(self.sizes) - 1
+        return max(measured, key=lambda i: self.tokens[i] / _cost(self.sizes[i], per_node, overhead))
+
+    # -- learning --------------------------------------------------------------------------------
+    def observe_target(self, num_tokens: int, seconds: float) -> None:
+        """A target pass over ``num_tokens`` tokens (all requests together) took ``seconds``."""
+        self.target.observe(num_tokens, seconds)
+
+    def observe_draft_step(self, batch_size: int, seconds: float) -> None:
+        """One draft step (or call, for a drafter that drafts a round at once) for a batch."""
+        self.draft.observe(batch_size, seconds)
+
+    def observe_round(self, requests: list[Request], verified: list[int], judged: list[int],
+                      accepted: list[int]) -> None:
+        """Per request: nodes verified, draft positions judged (a chain's length, a tree's depth) and
+        drafts accepted. A request that verified nothing had a plain decode step."""
+        if self.tree:
+            by_size: dict[int, list[int]] = {}
+            for nodes, kept in zip(verified, accepted, strict=True):
+                by_size.setdefault(nodes, []).append(kept + 1)
+            for nodes, emitted in by_size.items():
+                if nodes in self.sizes:  # a tree clamped to a size off the ladder teaches nothing
+                    self.record_tree_round(nodes, sum(emitted) / len(emitted))
+            return
+        for request, proposed, kept in zip(requests, judged, accepted, strict=True):
+            self.update(request, proposed, kept)
+
+    def record_tree_round(self, size: int, tokens: float) -> None:
+        """A round verifying ``size`` nodes per request emitted ``tokens`` per request."""
+        arm = self.sizes.index(size)
+        if self.counts[arm] == 0:
+            self.tokens[arm] = float(tokens)
+        else:
+            self.tokens[arm] += self.tree_ema * (tokens - self.tokens[arm])
+        self.counts[arm] += 1
+
+    def update(self, request: Request, proposed: int, accepted: int) -> None:
+        """Learn a chain request's α from one verified round."""
+        if proposed == 0:
+            return
+        # Per-token acceptance of this round: accepted drafts over drafts actually judged (the
+        # first rejection ends a round, so later drafts were never tested).
+        judged = accepted + (1 if accepted < proposed else 0)
+        observed = accepted / judged
+        prev = self.alpha.get(request.request_id, self.recent_alpha)
+        self.alpha[request.request_id] = (1 - self.ema) * prev + self.ema * observed
+        self.recent_alpha = (1 - self.ema / 4) * self.recent_alpha + self.ema / 4 * observed
+
+    def release(self, request: Request) -> None:
+        self.alpha.pop(request.request_id, None)
+        self._plain_rounds.pop(request.request_id, None)
+
+
+def _cost(nodes: int, per_node: float, overhead: float) -> float:
+    return 1.0 + (overhead if nodes else 0.0) + per_node * nodes
+
+
+class EntropyStop:
+    """Entropy-adaptive draft length (EGAG): a chain stops once the draft model is unsure.
+
+    After at least ``gamma_min`` drafts, a row stops when the EMA-smoothed normalised entropy of
+    its draft distribution, H(q)/log|V|, exceeds ``threshold``: a flat q rarely survives
+    verification, so further drafts would be wasted work. Only a drafter that drafts a chain from
+    a distribution has a loop to stop; n-gram guesses are one-hot (entropy 0, never stopped) and
+    Medusa drafts a whole tree in one call, so the engine refuses it there.
+    """
+
+    def __init__(self, gamma_min: int, threshold: float, ema_beta: float = 0.5) -> None:
+        self.gamma_min = max(1, gamma_min)
+        self.threshold = threshold
+        self.beta = ema_beta
+        self._ema: dict[str, float] = {}
+
+    def keep_drafting(self, requests: list[Request], draft_logits: torch.Tensor, step: int) -> torch.Tensor:
+        """Which rows draft another token after ``step`` drafts, from their raw draft logits."""
+        log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1) / math.log(draft_logits.shape[-1])
+        keep = []
+        for request, h in zip(requests, entropy.tolist(), strict=True):
+            prev = self._ema.get(request.request_id, h)
+            smoothed = self.beta * prev + (1 - self.beta) * h
+            self._ema[request.request_id] = smoothed
+            keep.append(step < self.gamma_min or smoothed <= self.threshold)
+        return torch.tensor(keep, dtype=torch.bool)
+
+    def release(self, request: Request) -> None:
+        self._ema.pop(request.request_id, None)
