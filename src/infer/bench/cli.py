@@ -34,6 +34,11 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--out", default="bench-out", help="folder for generation.json, generation.md and plots")
+    gen.add_argument("--profile", action="store_true",
+                     help="instead of the comparison, profile infer's decode steps and a (K+1)-token verification "
+                          "pass (K = the largest --spec-length) on the first prompt: top operators by self CPU "
+                          "time, operator calls per token, Chrome traces in --out")
+    gen.add_argument("--profile-steps", type=int, default=32, help="decode steps and verification passes profiled")
     gen.set_defaults(func=_run_generation)
 
     try:
@@ -49,6 +54,8 @@ def _run_generation(args: argparse.Namespace) -> int:
     from infer.bench.workloads import load_prompts, workload_prompts
 
     prompts = load_prompts(args.prompts) if args.prompts else workload_prompts(args.workload, args.num_prompts)
+    if args.profile:
+        return _run_profile(args, prompts[0])
     medusa = args.medusa_heads
     if medusa is None and (Path(args.model) / "medusa" / "medusa_config.json").is_file():
         medusa = str(Path(args.model) / "medusa")
@@ -64,4 +71,20 @@ def _run_generation(args: argparse.Namespace) -> int:
     paths = write_generation_report(report, args.out)
     print(generation_table(report))
     print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _run_profile(args: argparse.Namespace, prompt: str) -> int:
+    from infer.bench.profile import profile_engine
+    from infer.engine.llm import LLM
+
+    if args.profile_steps < 1:
+        raise SystemExit(f"--profile-steps {args.profile_steps} is invalid: must be >= 1")
+    say = lambda msg: print(f"[profile] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"loading {args.model} ({args.dtype}, {args.device})")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1)
+    phases = profile_engine(llm.engine, prompt, max(args.spec_length) + 1, args.profile_steps, args.out, say)
+    for phase in phases:
+        print("\n".join(phase.lines()) + "\n")
+    print(f"wrote {Path(args.out) / 'profile.json'}")
     return 0
