@@ -23,7 +23,7 @@ from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 
 from infer.engine.engine import Engine
-from infer.engine.model_runner import ModelRunner
+from infer.core.model_runner import ModelRunner
 from infer.sampling.params import SamplingParams
 
 # Operators that carry the weight matmuls, whichever kernel the model's linears ended up on.
