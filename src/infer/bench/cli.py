@@ -39,7 +39,18 @@ def add_subparser(sub: Any) -> None:
                           "pass (K = the largest --spec-length) on the first prompt: top operators by self CPU "
                           "time, operator calls per token, Chrome traces in --out")
     gen.add_argument("--profile-steps", type=int, default=32, help="decode steps and verification passes profiled")
+    gen.add_argument("--peer", choices=["llama.cpp"], default=None,
+                     help="add rows for another engine on the same prompts, interleaved with infer's "
+                          "(llama.cpp: llama-cpp-python, pip install 'infer[bench]')")
+    gen.add_argument("--peer-gguf", default=None, help="the GGUF file of the same model the peer runs")
     gen.set_defaults(func=_run_generation)
+
+    export = kinds.add_parser("export-gguf", help="write a Hugging Face folder's weights as a BF16 GGUF (llama), "
+                                                  "metadata and tokenizer copied from a GGUF of the same model")
+    export.add_argument("--model", required=True, help="Hugging Face model folder (safetensors)")
+    export.add_argument("--like", required=True, help="a GGUF of the same model (e.g. the quantized file it came from)")
+    export.add_argument("--out", required=True, help="the .gguf file to write")
+    export.set_defaults(func=_run_export_gguf)
 
     try:
         from infer.bench.serving import add_serving_parser
@@ -66,6 +77,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
         medusa_tree_sizes=args.medusa_tree_size, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed,
+        peer=args.peer, peer_gguf=args.peer_gguf,
     )
     report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     paths = write_generation_report(report, args.out)
@@ -87,4 +99,11 @@ def _run_profile(args: argparse.Namespace, prompt: str) -> int:
     for phase in phases:
         print("\n".join(phase.lines()) + "\n")
     print(f"wrote {Path(args.out) / 'profile.json'}")
+    return 0
+
+
+def _run_export_gguf(args: argparse.Namespace) -> int:
+    from infer.bench.peer import export_bf16_gguf
+
+    print(f"wrote {export_bf16_gguf(args.model, args.like, args.out)}")
     return 0
