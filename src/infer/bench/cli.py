@@ -52,6 +52,16 @@ def add_subparser(sub: Any) -> None:
     export.add_argument("--out", required=True, help="the .gguf file to write")
     export.set_defaults(func=_run_export_gguf)
 
+    comp = kinds.add_parser("compile", help="measure torch.compile against infer's eager decode and verification "
+                                            "passes: compile time, then interleaved ms per step (CPU)")
+    comp.add_argument("--model", required=True)
+    comp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    comp.add_argument("--verify-width", type=int, default=6)
+    comp.add_argument("--steps", type=int, default=8, help="steps per timed block")
+    comp.add_argument("--repeats", type=int, default=5)
+    comp.add_argument("--out", default="bench-out", help="folder for compile.json")
+    comp.set_defaults(func=_run_compile_eval)
+
     try:
         from infer.bench.serving import add_serving_parser
     except ModuleNotFoundError:
@@ -106,4 +116,21 @@ def _run_export_gguf(args: argparse.Namespace) -> int:
     from infer.bench.peer import export_bf16_gguf
 
     print(f"wrote {export_bf16_gguf(args.model, args.like, args.out)}")
+    return 0
+
+
+def _run_compile_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from infer.bench.compile_eval import compile_table, run_compile_eval
+    from infer.bench.workloads import code_prompts
+
+    say = lambda msg: print(f"[compile] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    report = run_compile_eval(args.model, args.dtype, code_prompts(1)[0], args.verify_width, args.steps,
+                              args.repeats, say)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compile.json").write_text(json.dumps(report, indent=2))
+    print(compile_table(report))
+    print(f"wrote {out / 'compile.json'}")
     return 0

@@ -151,7 +151,7 @@ def weight_bytes_per_token(model: nn.Module) -> int:
         elif isinstance(module, nn.Embedding):
             seen.add(module.weight.data_ptr())
     tied_head = getattr(model, "lm_head", None)
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         ptr = param.data_ptr()
         is_head = isinstance(tied_head, nn.Linear) and param is tied_head.weight
         if ptr in seen and not is_head:

@@ -18,12 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 
-from infer.engine.engine import Engine
 from infer.core.model_runner import ModelRunner
+from infer.engine.engine import Engine
 from infer.sampling.params import SamplingParams
 
 # Operators that carry the weight matmuls, whichever kernel the model's linears ended up on.
@@ -99,7 +98,7 @@ def summarise(prof: Any, name: str, units: int, wall_s: float, trace: Path, top:
     )
 
 
-def _profiled(run: Callable[[], None], units: int) -> tuple[Any, float]:
+def _profiled(run: Callable[[], object], units: int) -> tuple[Any, float]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(units):
@@ -121,7 +120,7 @@ def profile_engine(engine: Engine, prompt: str, verify_width: int, steps: int, o
     for _ in range(warmup):
         engine.step()
     say(f"profiling {steps} decode steps")
-    prof, wall = _profiled(lambda: engine.step(), steps)
+    prof, wall = _profiled(engine.step, steps)
     decode_trace = out / "profile-decode.trace.json"
     prof.export_chrome_trace(str(decode_trace))
     phases = [summarise(prof, "decode step (engine.step, 1 token)", steps, wall, decode_trace)]
