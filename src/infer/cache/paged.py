@@ -19,6 +19,8 @@ class BlockEvictor(Protocol):
 
     def num_evictable(self) -> int: ...
     def evict(self, num_blocks: int) -> None: ...
+    def block_idle(self, block: int) -> None:
+        """``block`` dropped to a single reference (called on every such drop)."""
 
 
 class PagedKVCachePool:
@@ -105,6 +107,8 @@ class PagedKVCachePool:
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
             self._free_blocks.append(block)
+        elif self._refcount[block] == 1 and self.evictor is not None:
+            self.evictor.block_idle(block)
         elif self._refcount[block] < 0:
             raise RuntimeError(f"KV block {block} released more often than taken")
 

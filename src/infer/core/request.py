@@ -109,9 +109,11 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  detokenizer: IncrementalDetokenizer, eos_token_ids: list[int], max_seq_len: int,
-                 device: torch.device, prompt: str | None = None) -> None:
+                 device: torch.device, prompt: str | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
+        # Prefix-cache isolation: requests share cached KV blocks only when their salts are equal.
+        self.cache_salt = cache_salt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.output_token_ids: list[int] = []

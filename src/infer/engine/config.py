@@ -85,10 +85,14 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     max_batch_size: int = 8
-    max_seq_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
+    # None: the model's max_position_embeddings, lowered if one sequence's KV would not fit the KV budget
+    max_seq_len: int | None = None
     kv_cache_backend: str = "paged"
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: enough for max_batch_size full-length sequences
+    num_kv_blocks: int | None = None  # None: max_batch_size full-length sequences, within the KV budget
+    # The default KV budget: this fraction of the memory free once the weights are loaded (GPU memory
+    # on CUDA, MemAvailable on CPU). It bounds max_seq_len and num_kv_blocks when they are not given.
+    kv_memory_fraction: float = 0.5
     chunked_prefill: bool = True
     max_prefill_tokens: int = 512  # per-step prompt-token budget when chunked prefill is on
     prefix_caching: bool = False
@@ -116,6 +120,8 @@ class EngineConfig:
             if not flex_available():
                 raise ValueError(f"tree_attention='flex' needs torch.nn.attention.flex_attention (torch "
                                  f">= 2.5); this is torch {torch.__version__}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} is invalid: must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
 

@@ -50,6 +50,12 @@ class ContinuousRunner:
             self.pool.free(request.slot)
             request.slot = None
 
+    def rollback(self, request: Request, num_computed_tokens: int) -> None:
+        """Undo a failed step: the request's cache goes back to its first ``num_computed_tokens``."""
+        if request.slot is not None:
+            self.pool.truncate_to(request.slot, num_computed_tokens)
+        request.num_computed_tokens = num_computed_tokens
+
     def free_kv_tokens(self) -> int:
         return self.pool.free_kv_tokens()
 
@@ -78,7 +84,8 @@ class ContinuousRunner:
         if self.prefix_cache is not None:
             for i in done:
                 request = chunks[i].request
-                self.prefix_cache.insert(request.slot, request.prompt_token_ids)  # type: ignore[arg-type]
+                self.prefix_cache.insert(request.slot, request.prompt_token_ids,  # type: ignore[arg-type]
+                                         request.cache_salt)
         last = self.runner.last_hidden(hidden, [len(r) for r in runs])[done]
         return self._sample([chunks[i].request for i in done], last)
 
@@ -86,7 +93,7 @@ class ContinuousRunner:
         if request.slot is None:
             request.slot = self.pool.allocate()
             if self.prefix_cache is not None:
-                cached = self.prefix_cache.attach(request.slot, request.prompt_token_ids)
+                cached = self.prefix_cache.attach(request.slot, request.prompt_token_ids, request.cache_salt)
                 request.num_computed_tokens = cached
                 request.metrics.prefix_cached_tokens = cached
 

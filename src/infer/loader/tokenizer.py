@@ -1,7 +1,9 @@
-"""Tokenizer from ``tokenizer.json`` (the ``tokenizers`` library) plus the HF tokenizer config."""
+"""The tokenizer: a ``tokenizers`` object (from ``tokenizer.json``, or built from a GGUF's vocabulary)
+plus the tokenizer config (special tokens, chat template)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -12,30 +14,23 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from infer.loader.config import CheckpointError
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 5 saves the template
+
 
 class Tokenizer:
-    """Encode, decode, render the chat template, and know the end-of-sequence ids."""
+    """Encode, decode, render the chat template, and know the end-of-sequence ids.
 
-    def __init__(self, folder: Path, eos_token_ids: list[int] | None = None) -> None:
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: tokenizer.json not found")
-        try:
-            self._tok = HFTokenizer.from_file(str(path))
-        except Exception as err:  # tokenizers raises a plain Exception for a malformed file
-            raise CheckpointError(f"{path}: cannot parse tokenizer ({err})") from None
-        cfg_path = folder / "tokenizer_config.json"
-        self.config: dict[str, Any] = {}
-        if cfg_path.is_file():
-            try:
-                self.config = json.loads(cfg_path.read_text())
-            except json.JSONDecodeError as err:
-                raise CheckpointError(f"{cfg_path}: not valid JSON ({err})") from None
-            if not isinstance(self.config, dict):
-                raise CheckpointError(f"{cfg_path}: expected a JSON object")
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
-        self.chat_template: str | None = _pick_template(self.config.get("chat_template"))
+    ``config`` holds the ``tokenizer_config.json`` fields (special tokens, ``chat_template``).
+    """
+
+    def __init__(self, backend: HFTokenizer, config: dict[str, Any], eos_token_ids: list[int] | None = None,
+                 source: str = "tokenizer_config.json") -> None:
+        self._tok = backend
+        self.config = config
+        self.source = source
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template: str | None = _pick_template(config.get("chat_template"))
         ids = list(eos_token_ids or [])
         if self.eos_token is not None:
             eos_id = self._tok.token_to_id(self.eos_token)
@@ -43,6 +38,36 @@ class Tokenizer:
                 ids.append(eos_id)
         self.eos_token_ids = ids
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+
+    @classmethod
+    def from_folder(cls, folder: Path, eos_token_ids: list[int] | None = None) -> Tokenizer:
+        """``tokenizer.json`` + ``tokenizer_config.json``; the chat template from ``chat_template.jinja``
+        when present (transformers 5 keeps it there), else from ``tokenizer_config.json``."""
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path}: tokenizer.json not found")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a plain Exception for a malformed file
+            raise CheckpointError(f"{path}: cannot parse tokenizer ({err})") from None
+        cfg_path = folder / "tokenizer_config.json"
+        config: dict[str, Any] = {}
+        if cfg_path.is_file():
+            try:
+                config = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as err:
+                raise CheckpointError(f"{cfg_path}: not valid JSON ({err})") from None
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{cfg_path}: expected a JSON object")
+        template_path = folder / CHAT_TEMPLATE_FILE
+        if template_path.is_file():
+            config["chat_template"] = template_path.read_text()
+        return cls(backend, config, eos_token_ids, source=f"{folder} ({CHAT_TEMPLATE_FILE} or tokenizer_config.json)")
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The ``tokenizers`` object (``backend.to_str()`` is a ``tokenizer.json``)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:
@@ -52,14 +77,37 @@ class Tokenizer:
         return dict(self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text``; ValueError for text the tokenizer cannot take (a lone surrogate).
+
+        ``encode_batch`` releases the GIL while ``encode`` holds it (seconds for a long text, which
+        would stall a server's event loop even from a worker thread); the ids are the same.
+        """
+        try:
+            encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        except TypeError:  # tokenizers refuses str objects that are not valid Unicode
+            raise ValueError(_invalid_text(text)) from None
+        return list(encoding.ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: no token covers more text than that
+        (a byte-level entry has one character per byte, at least as many as its decoded text)."""
+        return max((len(token) for token in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def min_token_count(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` known without tokenizing.
+
+        A normaliser may shrink text before tokenizing (Unicode composition merges at most three
+        code points into one), hence the margin of 4.
+        """
+        return len(text) // (4 * self.max_token_chars)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json; use a plain prompt")
+            raise ValueError(f"this tokenizer has no chat_template (looked in {self.source}); use a plain prompt")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         try:
@@ -73,6 +121,15 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         # The template already writes any BOS, so no special tokens are added again (as transformers does).
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _invalid_text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start]
+        return f"the text is not valid Unicode: a lone surrogate U+{ord(bad):04X} at character {err.start}"
+    return "the text cannot be tokenized"
 
 
 def _token_text(value: Any) -> str | None:

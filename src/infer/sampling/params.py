@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# A temperature below this is greedy decoding: dividing logits by a smaller number overflows the
+# float32 sampling transform (1e-45 is a float32 denormal, logits / 1e-45 = inf -> NaN
+# probabilities), and the distribution is one-hot to float32 precision long before that.
+GREEDY_TEMPERATURE = 1e-5
+FLOAT32_MAX = 3.4028234663852886e38
+# The repetition penalty divides or multiplies logits: outside these bounds a penalised logit
+# divided by a temperature just above GREEDY_TEMPERATURE can leave float32's range.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
 class SamplingParams:
     """How one request turns target logits into tokens.
 
-    ``temperature == 0`` means greedy decoding. Every transform (penalty, temperature, top-k,
+    ``temperature == 0`` (or any temperature below ``GREEDY_TEMPERATURE``) means greedy decoding. Every transform (penalty, temperature, top-k,
     top-p, min-p) maps logits to a probability distribution; speculative decoding applies the very
     same transform to draft and target so rejection sampling compares like with like.
     """
@@ -32,21 +44,31 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
                  "must be an integer >= 1")
-        _require(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        _require(_is_number(self.temperature) and 0.0 <= self.temperature <= FLOAT32_MAX, "temperature",
+                 self.temperature, f"must be a finite number >= 0 (below {GREEDY_TEMPERATURE:g} means greedy)")
         _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                  "must be an integer >= 0 (0 disables it)")
-        _require(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _require(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
-        _require(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _require(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _require(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _require(_is_number(self.repetition_penalty)
+                 and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                 "repetition_penalty", self.repetition_penalty,
+                 f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables it)")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                  "must be a list of non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  self.stop_token_ids, "must be a list of non-negative token ids")
-        _require(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer or None")
+        _require(self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
+                 "seed", self.seed, "must be None or a 64-bit integer")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _is_number(value: object) -> bool:
+    """A real, finite number (bool excluded; NaN and infinities fail)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _require(ok: bool, name: str, value: object, rule: str) -> None:

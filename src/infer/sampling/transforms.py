@@ -14,6 +14,10 @@ import torch
 
 from infer.sampling.params import SamplingParams
 
+# top_k above any vocabulary keeps every token; capping it keeps an int64 tensor from overflowing
+# (top_k=2**70 is a valid "keep everything"); _top_k clamps to the real vocabulary.
+_TOP_K_CAP = 2**31 - 1
+
 
 @dataclass
 class SamplingBatch:
@@ -38,7 +42,7 @@ class SamplingBatch:
         return cls(
             temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
                                      dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_k=torch.tensor([min(p.top_k, _TOP_K_CAP) for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             repetition_penalty=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,

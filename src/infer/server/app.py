@@ -4,36 +4,96 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer.engine.engine import Engine
 from infer.server.engine_loop import EngineService, Progress, Subscription
-from infer.server.errors import APIError, bad_request, error_body, install_error_handlers, server_error
+from infer.server.errors import (
+    APIError,
+    ErrorResponse,
+    bad_request,
+    error_body,
+    install_error_handlers,
+    server_error,
+    shutting_down,
+    too_large,
+)
 from infer.server.metrics import ServerMetrics
-from infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, check_model
+from infer.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    check_model,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Larger bodies get a 413 before they are read. 1 MiB (nginx's default too) is far more than a
+# prompt that fits a 4096-token context; raise it with --max-request-bytes for longer contexts.
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request: the error's `param` names the offending field",
+    401: "Missing or invalid API key (`Authorization: Bearer <key>`)",
+    404: "No such model",
+    413: "Request body larger than the server's limit",
+    429: "The request queue is full; retry later",
+    500: "The request failed in the engine",
+    503: "The server is shutting down (draining) or its engine is not running",
+}
 
 
-def create_app(engine: Engine, served_model_name: str, api_key: str | None) -> FastAPI:
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {s: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[s]} for s in statuses}
+
+
+def _generation_responses(model: type, auth: bool) -> dict[int | str, dict[str, Any]]:
+    # Before OpenAPI 3.2 a text/event-stream schema describes one event (its `data`, `event`, ...).
+    event = {"type": "object", "required": ["data"], "description": "One server-sent event",
+             "properties": {"data": {"type": "string", "description": "A chunk (the JSON response's shape, with "
+                                     "`delta`s for chat), `{\"error\": ...}` if the request fails, or `[DONE]`"},
+                            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+    stream = {"schema": event}
+    return {200: {"model": model, "description": "The completion (JSON), or with `stream: true` a stream of "
+                                                 "server-sent events", "content": {"text/event-stream": stream}},
+            **_errors(400, *((401,) if auth else ()), 413, 429, 500, 503)}
+
+
+def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None = None) -> FastAPI:
     """An app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1/* when set.
 
     The engine thread starts with the app (lifespan startup) and stops with it; requests still
-    running at shutdown end with an error.
+    running then end with an error. ``app.state.service.begin_drain`` starts a graceful shutdown.
+    ``metrics_exposition`` replaces what /metrics answers (a Ray Serve replica answers with every
+    replica's metrics, not only its own).
     """
+    if api_key is not None and not api_key:
+        raise ValueError("api_key is empty: pass None to serve without a key")
     spec = engine.config.speculative
-    metrics = ServerMetrics(max_draft=spec.max_length if spec is not None else 0)
+    metrics = ServerMetrics(max_draft=spec.max_length if spec is not None else 0, model_name=served_model_name)
+    block_size = getattr(engine.pool, "block_size", None)
+    if block_size is not None:
+        metrics.cache_config.set(1, (("block_size", str(block_size)),
+                                     ("num_gpu_blocks", str(getattr(engine.pool, "num_blocks", 0)))))
     service = EngineService(engine, metrics)
 
     @asynccontextmanager
@@ -49,39 +109,64 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None) -> F
     app.state.service = service
     app.state.metrics = metrics
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    if api_key is not None:  # outermost: an unauthenticated body is never read
         app.add_middleware(BearerAuth, api_key=api_key)
     api = _Api(engine, service, served_model_name)
+    auth = api_key is not None
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse, auth))
     async def completions(body: CompletionRequest, http: Request) -> Response:
         return await api.completions(body, http)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=_generation_responses(ChatCompletionResponse, auth))
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         return await api.chat(body, http)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=_errors(*((401,) if auth else ())))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [api.model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(404, *((401,) if auth else ())))
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != served_model_name:
             raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
         return api.model_card()
 
-    @app.get("/health", response_model=None)
+    @app.get("/health", response_model=None,
+             responses={200: {"model": Health, "description": "Serving"},
+                        503: {"model": Health, "description": "Draining for shutdown, or the engine is not running"}})
     async def health() -> Response:
+        if service.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if not service.alive:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_text() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = metrics.render() if metrics_exposition is None else await metrics_exposition(metrics)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    app.openapi = functools.partial(_openapi_without_422, app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema minus the 422 it documents for every body: this server answers invalid
+    bodies with 400 (see errors.py), and a schema-driven client or fuzzer must see the real codes."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class _Api:
@@ -92,8 +177,9 @@ class _Api:
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
+        # "root" is the served name, never the checkpoint's path on this machine.
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "infer",
-                "root": self.engine.config.model, "max_model_len": self.engine.max_seq_len}
+                "root": self.model_name, "max_model_len": self.engine.max_seq_len}
 
     # -- endpoints --------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
@@ -102,7 +188,7 @@ class _Api:
         prompt = body.single_prompt()
         params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        sub = await self.service.submit(prompt, params, rid, prompt_param="prompt")
+        sub = await self.service.submit(prompt, params, rid, prompt_param="prompt", cache_salt=body.cache_salt)
         stream = _Stream("text_completion", rid, self.model_name, body, chat=False,
                          holdback=_holdback(params.stop))
         return await self._respond(sub, body, http, stream)
@@ -111,13 +197,14 @@ class _Api:
         check_model(body.model, self.model_name)
         body.check_supported()
         messages = body.template_messages()
+        self.service.check_admitting()  # before spending a worker thread on the template and tokenizer
         try:
-            ids = await asyncio.to_thread(self.engine.tokenizer.encode_chat, messages)
+            ids = await asyncio.to_thread(self.engine.encode_chat, messages)
         except ValueError as err:
             raise bad_request(str(err), param="messages") from None
         params = body.sampling_params(max(1, self.engine.max_seq_len - len(ids)))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await self.service.submit(ids, params, rid, prompt_param="messages")
+        sub = await self.service.submit(ids, params, rid, prompt_param="messages", cache_salt=body.cache_salt)
         stream = _Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
                          holdback=_holdback(params.stop))
         return await self._respond(sub, body, http, stream)
@@ -132,7 +219,8 @@ class _Api:
         if final is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         if final.finish_reason not in ("stop", "length"):
-            raise server_error(final.error or f"the request ended with finish_reason={final.finish_reason!r}")
+            message = final.error or f"the request ended with finish_reason={final.finish_reason!r}"
+            raise shutting_down(message) if final.shutdown else server_error(message)
         return JSONResponse(stream.whole(final))
 
 
@@ -197,7 +285,8 @@ class _Stream:
                 progress = await sub.next()
                 if progress.finished and progress.finish_reason not in ("stop", "length"):
                     message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
-                    yield _sse(error_body(message, "server_error", None, "internal_error"))
+                    code = "server_shutting_down" if progress.shutdown else "internal_error"
+                    yield _sse(error_body(message, "server_error", None, code))
                     break
                 text = progress.text
                 visible = text if progress.finished else text[: max(0, len(text) - self.holdback)]
@@ -271,18 +360,64 @@ class EventStreamResponse(StreamingResponse):
 
 
 class BearerAuth:
-    """ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (health and metrics stay open)."""
+    """ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (health and metrics stay open).
+
+    The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
+    """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, credentials = given.strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(credentials.strip(), self.expected):
                 reason = "missing API key" if not given else "invalid API key"
                 error = APIError(401, f"{reason}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodySizeLimit:
+    """ASGI middleware: a body over ``max_bytes`` gets a 413 at once, unread when its
+    Content-Length says so, otherwise as soon as the bytes received pass the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await too_large(self.max_bytes).response()(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:  # read the (small) body here, so a chunked upload is cut off at the limit too
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await too_large(self.max_bytes).response()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()  # then the client's disconnect, for the handlers that watch it
+
+        await self.app(scope, replay, send)

@@ -5,23 +5,80 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from types import TracebackType
-from typing import Any
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+if TYPE_CHECKING:
+    from infer.server.engine_loop import EngineService
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound (not yet listening) TCP socket; port 0 picks a free port. Raises OSError if taken."""
+
+def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening TCP socket; port 0 picks a free port. Raises OSError if the port is taken.
+
+    It listens at once, not when uvicorn starts: with SO_REUSEADDR two processes can both bind a
+    port nobody listens on yet, so a bound-only socket would not claim the port (the second server
+    would load its model and only then fail).
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(backlog)
     except OSError:
         sock.close()
         raise
     return sock
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server with a graceful drain on SIGTERM/SIGINT (``infer serve``).
+
+    uvicorn's own handling stops accepting at once, gives connections a timeout, then cancels
+    streams mid-token, and re-raises the signal at exit (status 143). Here the first signal starts
+    ``EngineService.begin_drain`` (new requests get 503, admitted ones may finish within
+    ``shutdown_timeout`` seconds, the rest end with an error event), and the server exits normally
+    once drained. A second signal aborts what is left at once; a third exits without waiting.
+    The signal handler only counts; the work happens on the event loop in ``on_tick`` (every 0.1 s).
+    """
+
+    def __init__(self, config: uvicorn.Config, service: EngineService, shutdown_timeout: float,
+                 on_ready: Callable[[], None] = lambda: None, say: Callable[[str], None] = lambda _m: None) -> None:
+        super().__init__(config)
+        self.service = service
+        self.shutdown_timeout = shutdown_timeout
+        self.on_ready = on_ready
+        self.say = say
+        self.signals = 0
+        self.acted_on = 0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.signals += 1
+        if self.signals >= 3:
+            self.force_exit = self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            self.on_ready()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.signals > self.acted_on:
+            if self.acted_on == 0:
+                self.say(f"draining: no new requests; running ones get {self.shutdown_timeout:g}s to finish "
+                         "(signal again to abort them now)")
+                self.service.begin_drain(self.shutdown_timeout)
+            if self.signals >= 2 and self.acted_on < 2:
+                self.say("aborting the requests still running")
+                self.service.abort_now()
+                self.config.timeout_graceful_shutdown = 1  # only for their final events to go out
+            self.acted_on = self.signals
+        if self.service.draining and (self.service.drained.is_set() or not self.service.alive):
+            return True
+        return await super().on_tick(counter)
 
 
 class BackgroundServer:

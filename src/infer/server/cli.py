@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import socket
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from infer.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    import uvicorn
+    from fastapi import FastAPI
 
 _DEFAULTS = EngineConfig(model="")  # the engine's defaults are the flags' defaults
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # app.DEFAULT_MAX_REQUEST_BYTES (not imported: keeps `infer --help` fast)
 
 
 def add_subparser(subparsers: Any) -> None:
@@ -39,12 +40,33 @@ def add_subparser(subparsers: Any) -> None:
     p.add_argument("--prefix-caching", action="store_true", help="reuse KV blocks of shared prompt prefixes")
     p.add_argument("--max-queue", type=int, default=_DEFAULTS.max_queue,
                    help="waiting requests beyond this get HTTP 429")
-    p.add_argument("--api-key", default=os.environ.get("INFER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $INFER_API_KEY, else none)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $INFER_API_KEY, else none; "
+                        "prefer the variable: a flag is visible to every user in ps)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get HTTP 413 without being read")
+    p.add_argument("--shutdown-timeout", type=float, default=20.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted "
+                        "(keep it below the orchestrator's grace period, 30 s in Kubernetes); a second "
+                        "signal aborts them at once")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the model folder's name)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level ('info' logs every request)")
+    scale = p.add_argument_group("scaling out on Ray Serve (pip install -e .[ray]; see docs/scaling.md)")
+    scale.add_argument("--replicas", type=int, default=None,
+                       help="serve N engine replicas behind this host:port with Ray Serve (default: one process, "
+                            "no Ray)")
+    scale.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                       help="let Ray Serve keep MIN..MAX replicas, aiming at max-batch-size ongoing requests each")
+    scale.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster ('auto' for the local node's) instead of starting a private "
+                            "Ray instance that lives as long as the server")
+    scale.add_argument("--replica-cpus", type=float, default=1.0,
+                       help="CPUs Ray reserves for each replica (also its torch threads)")
+    scale.add_argument("--replica-gpus", type=float, default=None,
+                       help="GPUs Ray reserves for each replica, fractions allowed (default: 1 with --device "
+                            "cuda*, else 0)")
     p.set_defaults(func=run_serve)
 
 
@@ -66,49 +88,114 @@ def served_model_name(args: argparse.Namespace) -> str:
     return path.resolve().name if path.is_dir() else str(args.model)  # a hub id stays as given
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    config = engine_config_from_args(args)  # bad flags fail before the (slow) model load
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """The API key: --api-key, else $INFER_API_KEY, else None. An empty key is refused (ValueError):
+    it would silently turn authentication off."""
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ValueError("--api-key is empty; give a key, or leave the flag out to serve without one")
+        return str(args.api_key)
+    key = os.environ.get("INFER_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("INFER_API_KEY is set but empty; give a key, or unset it to serve without one")
+    return key
 
-    def say(message: str) -> None:
-        print(f"[infer] {message}", file=sys.stderr, flush=True)
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False
+
+
+def say(message: str) -> None:
+    print(f"[infer] {message}", file=sys.stderr, flush=True)
+
+
+def on_ray_serve(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for Ray Serve replicas rather than one in-process engine."""
+    return args.replicas is not None or args.autoscale is not None or args.ray_address is not None
+
+
+def build_app(args: argparse.Namespace, **app_options: Any) -> FastAPI:
+    """Load the engine the flags describe and wrap it in the HTTP app: what one ``infer serve``
+    process runs, and what each Ray Serve replica runs. ``args.api_key`` is the resolved key."""
+    from infer.engine.engine import Engine
+    from infer.server.app import create_app
+
+    config = engine_config_from_args(args)
+    engine = Engine(config, say)
+    spec = "" if config.speculative is None else \
+        f", speculation {config.speculative.method} (K={config.speculative.length}, {config.speculative.length_policy})"
+    say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
+        f"{engine.pool.free_kv_tokens()} KV tokens{spec}")
+    return create_app(engine, served_model_name(args), args.api_key, max_request_bytes=args.max_request_bytes,
+                      **app_options)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    def fail(message: str) -> int:
+        print(f"infer serve: error: {message}", file=sys.stderr)
+        return 2
+
+    try:  # bad flags fail before the (slow) model load
+        engine_config_from_args(args)
+        args.api_key = api_key_from(args)  # resolved here: replicas on other machines lack our environment
+    except ValueError as err:
+        return fail(str(err))
+    if args.max_request_bytes < 1 or args.shutdown_timeout < 0:
+        return fail("--max-request-bytes must be >= 1 and --shutdown-timeout >= 0")
+    if args.api_key is None and not is_loopback(args.host):
+        say(f"WARNING: serving on {args.host} WITHOUT an API key: anyone who can reach this port can use the "
+            "model. Set INFER_API_KEY (or --api-key) to require one.")
+
+    if on_ray_serve(args):
+        try:
+            from ray import serve  # noqa: F401
+        except ImportError as err:
+            return fail(f"--replicas, --autoscale and --ray-address run on Ray Serve, which is not installed "
+                        f"({err}); install it with: pip install -e .[ray]")
+        from infer.server.ray_serve import run_on_ray_serve
+
+        return run_on_ray_serve(args)
 
     from infer.server.background import bind_socket
 
     try:  # claim the port first: a busy port should not cost a model load
         sock = bind_socket(args.host, args.port)
     except OSError as err:
-        print(f"infer serve: error: cannot listen on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
-        return 2
+        return fail(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}")
 
+    try:
+        return _serve(args, sock)
+    except KeyboardInterrupt:  # Ctrl-C before the server took over the signals (model loading)
+        say("interrupted")
+        return 130
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
-    from infer.engine.engine import Engine
-    from infer.server.app import create_app
+    from infer.server.background import DrainingServer
+    from infer.server.engine_loop import kv_pools, kv_usage
 
     name = served_model_name(args)
-    engine = Engine(config, say)
-    spec = "" if config.speculative is None else \
-        f", speculation {config.speculative.method} (K={config.speculative.length}, {config.speculative.length_policy})"
-    say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
-        f"{engine.pool.free_kv_tokens()} KV tokens{spec}")
-    app = create_app(engine, name, args.api_key)
+    app = build_app(args)
+    engine = app.state.engine
     host = f"[{args.host}]" if ":" in args.host else args.host
     port = sock.getsockname()[1]
     ready = f"serving {name!r} at http://{host}:{port}/v1" + (" (API key required)" if args.api_key else "")
-    server = _ready_server(uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=30), on_ready=lambda: say(ready))
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5),
+                            app.state.service, args.shutdown_timeout, on_ready=lambda: say(ready), say=say)
     server.run(sockets=[sock])
+    service = app.state.service
+    if service.draining:
+        in_use = ", ".join(f"{pool_name} {kv_usage(pool):.0%}" for pool_name, pool in kv_pools(engine))
+        say(f"shut down: {service.drain_finished} requests finished while draining, {service.drain_aborted} "
+            f"aborted; KV cache in use: {in_use}")
     return 0
-
-
-def _ready_server(config: uvicorn.Config, on_ready: Callable[[], None]) -> uvicorn.Server:
-    """A uvicorn.Server that calls ``on_ready`` once it accepts connections."""
-    import uvicorn
-
-    class ReadyServer(uvicorn.Server):
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets=sockets)
-            if self.started and not self.should_exit:
-                on_ready()
-
-    return ReadyServer(config)

@@ -11,8 +11,13 @@ Handlers live on the asyncio event loop; the engine lives on this thread. They m
 * ``Subscription.close`` (client gone, handler done) queues an abort that the engine thread applies
   before its next step, freeing the request's KV blocks in every pool (target and draft).
 
-An exception from ``Engine.step`` fails the requests of that batch (finish_reason "error", KV
-freed) and the loop keeps serving; on shutdown every unfinished request is failed the same way.
+A request whose own work fails in a step ends with an error inside ``Engine.step`` (the others
+go on); an exception from ``Engine.step`` itself fails every unfinished request (finish_reason
+"error", KV freed) and the loop keeps serving.
+
+Graceful shutdown (``begin_drain``): new requests get 503 while running and queued ones finish;
+at the deadline (or on ``abort_now``) the rest end with an error that says the server is shutting
+down, their KV blocks are freed, and ``drained`` is set.
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ from infer.core.request import Request
 from infer.engine.engine import Engine, RequestUpdate
 from infer.engine.scheduler import QueueFullError
 from infer.sampling.params import SamplingParams
-from infer.server.errors import APIError, bad_request
+from infer.server.errors import APIError, bad_request, shutting_down
 from infer.server.metrics import ServerMetrics
 
 log = logging.getLogger("infer.server")
+SHUTDOWN_MESSAGE = "the server is shutting down: the request was aborted before it finished"
 
 
 @dataclass(frozen=True)
@@ -61,13 +67,14 @@ class Progress:
     finish_reason: str | None
     error: str | None
     spec: SpecStats | None
+    shutdown: bool = False  # ended by the server's shutdown (HTTP 503), not by a failure of its own
 
     @classmethod
-    def of(cls, request: Request, speculative: bool) -> Progress:
+    def of(cls, request: Request, speculative: bool, shutdown: bool = False) -> Progress:
         m = request.metrics
         spec = SpecStats(m.num_rounds, m.proposed_tokens, m.accepted_tokens) if speculative else None
         return cls(request.text, len(request.prompt_token_ids), len(request.output_token_ids), request.is_finished,
-                   request.finish_reason, request.error, spec)
+                   request.finish_reason, request.error, spec, shutdown)
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -133,6 +140,12 @@ class EngineService:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._crashed: BaseException | None = None
+        # Graceful shutdown: set from the event loop thread, acted on by the engine thread.
+        self._drain_deadline: float | None = None
+        self._abort_now = False
+        self.drained = threading.Event()
+        self.drain_finished = 0  # requests that completed during the drain
+        self.drain_aborted = 0  # requests ended at the drain deadline
         # Engine-thread bookkeeping for latency and speculation metrics.
         self._last_emit: dict[str, float] = {}
         self._spec_seen: dict[str, tuple[int, int, int]] = {}
@@ -164,17 +177,42 @@ class EngineService:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Stop admitting (503); requests already admitted may finish within ``timeout_s`` seconds,
+        then the rest are aborted. ``drained`` is set once nothing is left (idempotent)."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + max(0.0, timeout_s)
+        self._wake.set()
+
+    def abort_now(self) -> None:
+        """End the drain at once: every unfinished request is aborted on the engine thread."""
+        self.begin_drain(0.0)
+        self._abort_now = True
+        self._wake.set()
+
     # -- requests (event loop thread) -------------------------------------------------------------
-    async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                     prompt_param: str = "prompt") -> Subscription:
-        """Admit a request to the engine's queue; 400 if the engine refuses it, 429 if the queue is full."""
+    def check_admitting(self) -> None:
+        """503 unless new requests are taken (not draining, engine thread running)."""
+        if self.draining:
+            raise shutting_down("the server is shutting down and takes no new requests; retry on another replica")
         if not self.alive:
             raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+
+    async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                     prompt_param: str = "prompt", cache_salt: str | None = None) -> Subscription:
+        """Admit a request to the engine's queue; 400 if the engine refuses it, 429 if the queue is
+        full, 503 while draining. Tokenization runs on a worker thread."""
+        self.check_admitting()
         loop = asyncio.get_running_loop()
         sub = Subscription(self, request_id, loop)
         with self._subs_lock:
             self._subs[request_id] = sub
-        add = loop.run_in_executor(None, functools.partial(self.engine.add_request, prompt, params, request_id))
+        add = loop.run_in_executor(None, functools.partial(self.engine.add_request, prompt, params, request_id,
+                                                           cache_salt))
         try:
             request = await asyncio.shield(add)
         except asyncio.CancelledError:
@@ -214,6 +252,7 @@ class EngineService:
             while not self._stopping.is_set():
                 self._wake.clear()
                 self._apply_aborts()
+                self._drain_step()
                 if not self.engine.has_unfinished():
                     self._publish_gauges()
                     self._wake.wait(self.idle_wait_s)
@@ -224,8 +263,18 @@ class EngineService:
             self._crashed = err
             log.exception("the engine thread crashed")
         finally:
-            self._fail_all("the server is shutting down" if self._crashed is None else
-                           f"the engine thread crashed: {self._crashed!r}")
+            if self._crashed is None:
+                self._fail_all(SHUTDOWN_MESSAGE, shutdown=True)
+            else:
+                self._fail_all(f"the engine thread crashed: {self._crashed!r}")
+
+    def _drain_step(self) -> None:
+        if self._drain_deadline is None or self.drained.is_set():
+            return
+        if self._abort_now or time.monotonic() >= self._drain_deadline:
+            self.drain_aborted += self._fail_all(SHUTDOWN_MESSAGE, shutdown=True)
+        if not self.engine.has_unfinished() and not self._aborts:
+            self.drained.set()
 
     def _step(self) -> None:
         try:
@@ -233,9 +282,9 @@ class EngineService:
                 updates = self.engine.step()
                 snapshots = [(u, Progress.of(u.request, self.speculative)) for u in updates]
                 self._publish_gauges()
-        except Exception as err:
-            log.exception("engine step failed; failing the requests of this batch")
-            self._fail_batch(f"engine error: {type(err).__name__}: {err}")
+        except Exception as err:  # a failure outside any one request's work: the engine state is suspect
+            log.exception("engine step failed; failing every unfinished request")
+            self._fail_all(f"engine error: {type(err).__name__}: {err}")
             return
         now = time.perf_counter()
         for update, progress in snapshots:
@@ -275,6 +324,8 @@ class EngineService:
 
     def _finished(self, request: Request) -> None:
         self.metrics.requests.inc(labels=(("finish_reason", request.finish_reason or "error"),))
+        if self.draining and request.finish_reason in ("stop", "length"):
+            self.drain_finished += 1
         m = request.metrics
         if m.finish_time is not None:
             self.metrics.e2e.observe(m.finish_time - m.arrival_time)
@@ -287,42 +338,22 @@ class EngineService:
         if sub is not None:
             sub.push(progress)
 
-    def _fail_batch(self, message: str) -> None:
-        """Fail the requests the failed step was working on (or, if none ran, the waiting ones)."""
-        with self.engine.lock:
-            scheduler = self.engine.scheduler
-            victims = list(scheduler.running) or list(scheduler.waiting)
-            for request in victims:
-                self._fail(request, message)
-            self._publish_gauges()
-        self._sweep(message)
-
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, shutdown: bool = False) -> int:
+        """End every unfinished request with an error (KV freed) and tell its subscriber; returns how many."""
         try:
-            with self.engine.lock:
-                scheduler = self.engine.scheduler
-                for request in [*scheduler.running, *scheduler.waiting]:
-                    self._fail(request, message)
-                self._publish_gauges()
+            failed = self.engine.fail_all(message)
         except Exception:
             log.exception("failing the remaining requests failed")
-        self._sweep(message)
+            failed = []
+        for request in failed:
+            self._finished(request)
+            self._deliver(request.request_id, Progress.of(request, self.speculative, shutdown))
+        with contextlib.suppress(Exception):
+            self._publish_gauges()
+        self._sweep(message, shutdown)
+        return len(failed)
 
-    def _fail(self, request: Request, message: str) -> None:
-        if not request.is_finished:
-            request.finish("error", message)
-        try:
-            self.engine.abort(request.request_id)  # frees its KV in every pool
-        except Exception:
-            log.exception("releasing %s failed", request.request_id)
-        scheduler = self.engine.scheduler
-        for queue in (scheduler.running, scheduler.waiting):  # never step a failed request again
-            if request in queue:
-                queue.remove(request)
-        self._finished(request)
-        self._deliver(request.request_id, Progress.of(request, self.speculative))
-
-    def _sweep(self, message: str) -> None:
+    def _sweep(self, message: str, shutdown: bool = False) -> None:
         """Give every subscriber whose request ended without a final progress (lost step) an error."""
         with self._subs_lock:
             subs = list(self._subs.values())
@@ -333,21 +364,31 @@ class EngineService:
             if self._stopping.is_set() or request.is_finished:
                 if not request.is_finished:
                     request.finish("error", message)
-                sub.push(Progress.of(request, self.speculative))
+                sub.push(Progress.of(request, self.speculative, shutdown))
 
     def _publish_gauges(self) -> None:
         scheduler = self.engine.scheduler
-        self.metrics.running.set(len(scheduler.running))
-        self.metrics.waiting.set(len(scheduler.waiting))
+        self.metrics.set_queue(len(scheduler.running), len(scheduler.waiting))
+        usage = 0.0
         for name, pool in kv_pools(self.engine):
             labels = (("pool", name),)
             with contextlib.suppress(Exception):
                 self.metrics.kv_free_tokens.set(pool.free_kv_tokens(), labels)
+                usage = max(usage, kv_usage(pool))
                 total = getattr(pool, "num_blocks", None)
                 free_blocks = getattr(pool, "num_free_blocks", None)
                 if total is not None and free_blocks is not None:
                     self.metrics.kv_blocks_total.set(total, labels)
                     self.metrics.kv_blocks_in_use.set(total - free_blocks(), labels)
+        self.metrics.set_kv_usage(usage)
+
+
+def kv_usage(pool: Any) -> float:
+    """Fraction of ``pool`` in use, 0 to 1 (idle prefix-cached blocks count as free: they are evictable)."""
+    if getattr(pool, "num_blocks", None):
+        return 1.0 - pool.num_free_blocks() / pool.num_blocks
+    capacity = pool.num_slots * pool.max_seq_len  # slotted: whole slots
+    return 1.0 - pool.free_kv_tokens() / capacity
 
 
 def kv_pools(engine: Engine) -> list[tuple[str, Any]]:

@@ -5,35 +5,60 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("infer.server")
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (as OpenAI's API answers)."""
+
+    error: ErrorDetail
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a message quoting client input (a lone surrogate included)
+    always encodes, where Starlette's UTF-8 rendering would raise and turn a 400 into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": "1"}}.get(self.status)
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": "1"}}.get(self.status, {})
+        return SafeJSONResponse(self.body(), status_code=self.status, headers={**headers, **self.headers})
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -53,6 +78,15 @@ def from_sampling_error(err: ValueError) -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
+
+
+def shutting_down(message: str = "the server is shutting down") -> APIError:
+    return APIError(503, message, type="server_error", code="server_shutting_down")
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes (the server's --max-request-bytes)",
+                    code="request_too_large", headers={"Connection": "close"})
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -100,7 +134,8 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), type=kind, code=code).response()
+        # Keep the exception's headers: a 405 must say which methods are allowed (Allow).
+        return APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers).response()
 
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error", exc_info=exc)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -129,9 +130,17 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
-    """Every metric ``GET /metrics`` exposes."""
+    """Every metric ``GET /metrics`` exposes.
 
-    def __init__(self, max_draft: int = 0) -> None:
+    Besides infer's own metrics, the three gauges Kubernetes inference gateways (the Gateway API
+    Inference Extension's endpoint picker, llm-d, KServe) route by, under the vLLM names their
+    model-server protocol documents: ``vllm:num_requests_waiting``, ``vllm:num_requests_running``
+    and ``vllm:kv_cache_usage_perc`` (also as ``vllm:gpu_cache_usage_perc``, the name older
+    gateway releases scrape), plus ``vllm:cache_config_info`` with the block size.
+    """
+
+    def __init__(self, max_draft: int = 0, model_name: str = "") -> None:
+        self.model_labels: Labels = (("model_name", model_name),)
         self.requests = Counter("infer_requests_total", "Finished requests by finish reason.",
                                 [(("finish_reason", r),) for r in FINISH_REASONS])
         self.rejected = Counter("infer_requests_rejected_total", "Requests refused before admission (queue full).")
@@ -157,12 +166,30 @@ class ServerMetrics:
                                         "Draft tokens accepted in one verification round.",
                                         list(range(0, max(1, max_draft) + 1)))
         self.spec_acceptance.set(0.0)
+        self.gateway_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for admission (gateway protocol).")
+        self.gateway_running = Gauge("vllm:num_requests_running", "Requests in the running batch (gateway protocol).")
+        self.gateway_kv_usage = Gauge("vllm:kv_cache_usage_perc",
+                                      "KV cache usage, 0 to 1: the fullest pool (target, or draft when fuller).")
+        self.gateway_gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc",
+                                             "Same as vllm:kv_cache_usage_perc (the name older gateways read).")
+        self.cache_config = Gauge("vllm:cache_config_info", "KV cache configuration (labels); value 1.")
 
     def all(self) -> list[_Metric]:
         return [self.requests, self.rejected, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
                 self.e2e, self.running, self.waiting, self.kv_free_tokens, self.kv_blocks_in_use,
                 self.kv_blocks_total, self.spec_rounds, self.spec_proposed, self.spec_accepted,
-                self.spec_acceptance, self.spec_per_round]
+                self.spec_acceptance, self.spec_per_round, self.gateway_waiting, self.gateway_running,
+                self.gateway_kv_usage, self.gateway_gpu_cache_usage, self.cache_config]
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.gateway_running.set(running, self.model_labels)
+        self.gateway_waiting.set(waiting, self.model_labels)
+
+    def set_kv_usage(self, fraction: float) -> None:
+        self.gateway_kv_usage.set(fraction, self.model_labels)
+        self.gateway_gpu_cache_usage.set(fraction, self.model_labels)
 
     def record_round(self, proposed: int, accepted: int, rounds: int) -> None:
         if rounds <= 0:
@@ -179,3 +206,38 @@ class ServerMetrics:
         for metric in self.all():
             lines += metric.render()
         return "\n".join(lines) + "\n"
+
+
+_SAMPLE_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def merge_expositions(by_source: Mapping[str, str], label: str) -> str:
+    """One exposition from several of the same kind (e.g. one per replica): each metric family's
+    HELP and TYPE once, then every source's samples with ``label="<source>"`` added."""
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for source, text in by_source.items():
+        tag = _labels(((label, source),))[1:-1]  # 'label="source"', escaped
+        family = ""
+        for line in text.splitlines():
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    lines = headers.setdefault(family, [])
+                    if not any(h.split(" ", 2)[1] == parts[1] for h in lines):
+                        lines.append(line)
+                continue
+            match = _SAMPLE_NAME.match(line)
+            if match is None:
+                continue
+            name, rest = match.group(), line[match.end():]
+            if rest.startswith("{"):
+                rest = "{" + tag + ("" if rest.startswith("{}") else ",") + rest[1:]
+            else:
+                rest = "{" + tag + "}" + rest
+            samples.setdefault(family or name, []).append(name + rest)
+    out: list[str] = []
+    for family in dict.fromkeys([*headers, *samples]):
+        out += headers.get(family, []) + samples.get(family, [])
+    return "\n".join(out) + "\n"

@@ -44,6 +44,9 @@ class SamplingRequest(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, description=(
+        "extension (as vLLM): with prefix caching, only requests with the same salt share cached prompt "
+        "blocks, so tenants with different salts never reuse each other's KV cache"))
 
     @property
     def include_usage(self) -> bool:
@@ -59,8 +62,6 @@ class SamplingRequest(_Body):
             if value not in (None, 0, 0.0):
                 raise bad_request(f"{name}={value} is not supported (only 0); use repetition_penalty instead",
                                   param=name, code="unsupported_parameter")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise bad_request(f"seed={self.seed} is out of range (a 64-bit integer)", param="seed")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
 
@@ -175,6 +176,87 @@ class ChatCompletionRequest(SamplingRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- response bodies (they document /openapi.json; app.py builds the same shapes) -----------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculativeStats(BaseModel):
+    """Extension: how speculation went for this request (only when the server speculates)."""
+
+    acceptance_rate: float | None
+    mean_accepted_tokens: float | None
+    num_rounds: int
+    proposed_tokens: int
+    accepted_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    """``stream: false``; with ``stream: true`` the answer is ``text/event-stream`` chunks of this
+    shape (``text`` the new piece), ``data: {"error": ...}`` if the request fails, then ``data: [DONE]``."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+    speculative: SpeculativeStats | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """``stream: false``; with ``stream: true`` the answer is ``text/event-stream`` chunks
+    (``chat.completion.chunk`` with a ``delta``), ``data: {"error": ...}`` if the request fails,
+    then ``data: [DONE]``."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None
+    speculative: SpeculativeStats | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
 
 
 def check_model(requested: str | None, served: str) -> None:

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from infer.loader import resolve_device
 from infer.loader.config import ModelConfig
+from infer.loader.save import write_model_files as write_hf_model_files
 from infer.models.layers import DecoderOnlyLM
 from infer.train.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -218,20 +218,9 @@ def lr_factor(step: int, progress: float, warmup_steps: int, min_lr_ratio: float
 # ---------------------------------------------------------------- output folder
 
 
-def hf_dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-
-
 def write_model_files(folder: Path, model: DecoderOnlyLM, config: ModelConfig, dtype: torch.dtype) -> None:
-    """config.json, generation_config.json and model.safetensors (HF names; a tied head is omitted)."""
-    config.torch_dtype = hf_dtype_name(dtype)
-    (folder / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
-    eos: int | list[int] = config.eos_token_ids[0] if len(config.eos_token_ids) == 1 else config.eos_token_ids
-    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": eos, "pad_token_id": PAD_ID}
-    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    state = {name: t.detach().to("cpu", dtype).contiguous() for name, t in model.hf_state_dict().items()
-             if torch.is_tensor(t)}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    """The Hugging Face model files of a trained model (PAD is the training tokenizer's)."""
+    write_hf_model_files(folder, model, config, dtype, pad_token_id=PAD_ID)
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -1,0 +1,357 @@
+"""Read GGUF files (llama.cpp's format) with the ``gguf`` library: config, weights, tokenizer.
+
+Quantized weights are dequantized once, at load, into the dtype the engine runs in; the model
+then is an ordinary float model (no quantized kernels). The mapping follows llama.cpp's own
+converter (``convert_hf_to_gguf.py``) backwards:
+
+* config: ``<arch>.block_count``, ``.embedding_length``, ``.attention.head_count`` ... become the
+  ``config.json`` fields; a file without ``output.weight`` has tied embeddings;
+* tensors: ``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight`` and so on. For the
+  ``llama`` architecture the converter reorders each head's q/k rows so that GGML's RoPE, which
+  rotates adjacent pairs, computes what Hugging Face's rotate-half RoPE computes; the rows are put
+  back here. ``qwen2``/``qwen3`` files use GGML's rotate-half RoPE and are stored as they are;
+* tokenizer: ``tokenizer.ggml.tokens``/``merges``/``token_type`` become a byte-level BPE
+  ``tokenizers`` object, split the way ``tokenizer.ggml.pre`` says llama.cpp splits text.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from infer.loader.config import SUPPORTED_MODEL_TYPES, CheckpointError, ModelConfig
+
+# Tensor storage types infer dequantizes (with gguf.quants). Others (the IQ and ternary families,
+# MXFP4, integer tensors) are refused by name rather than guessed at.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# GGUF tensor-name parts -> Hugging Face module names (per layer, then global).
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+ROPE_FREQS_TENSOR = "rope_freqs.weight"  # Llama 3.1-style precomputed RoPE frequency divisors
+
+# How llama.cpp splits text before BPE, by ``tokenizer.ggml.pre`` (grouped as llama.cpp groups them).
+_GPT2 = "gpt2"  # the GPT-2 regex (what tokenizers' ByteLevel pre-tokenizer applies)
+_DIGITS_GPT2 = "digits+gpt2"  # every digit on its own, then the GPT-2 regex
+_LLAMA3 = "llama3"
+_QWEN2 = "qwen2"
+PRE_TOKENIZER_STYLES = {
+    "default": _GPT2, "gpt-2": _GPT2, "gpt2": _GPT2, "phi-2": _GPT2, "mpt": _GPT2, "olmo": _GPT2,
+    "smollm": _DIGITS_GPT2, "starcoder": _DIGITS_GPT2, "refact": _DIGITS_GPT2, "command-r": _DIGITS_GPT2,
+    "codeshell": _DIGITS_GPT2, "exaone": _DIGITS_GPT2,
+    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "falcon3": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
+}
+_SPLIT_REGEX = {
+    _LLAMA3: (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    _QWEN2: (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+# llama.cpp token types (tokenizer.ggml.token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class GGUFFile:
+    """One GGUF file, parsed once: metadata and memory-mapped tensors."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            import gguf
+        except ModuleNotFoundError:
+            raise CheckpointError(f"{path}: reading GGUF files needs the gguf package: pip install gguf") from None
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as err:  # the reader raises ValueError, struct errors, ... for a bad file
+            raise CheckpointError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+        arch = self.get("general.architecture")
+        if not isinstance(arch, str):
+            raise CheckpointError(f"{path}: no general.architecture in the GGUF metadata")
+        self.architecture = arch
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.path}: required GGUF metadata {key!r} is missing")
+        return value
+
+    def arch_key(self, suffix: str) -> str:
+        return f"{self.architecture}.{suffix}"
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, _mtime_ns: int, _size: int) -> GGUFFile:
+    return GGUFFile(Path(path))
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """Parse ``path`` (cached: loading the model and then its tokenizer reads the file once)."""
+    stat = path.stat()
+    return _open_cached(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+def gguf_config(f: GGUFFile) -> ModelConfig:
+    """The model configuration the metadata describes, checked like a ``config.json``."""
+    if f.architecture not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"{f.path}: GGUF architecture {f.architecture!r} is not supported; infer reads "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    heads = int(f.require(f.arch_key("attention.head_count")))
+    hidden = int(f.require(f.arch_key("embedding_length")))
+    kv_heads = _one_per_model(f, "attention.head_count_kv", heads)
+    head_dim = int(f.get(f.arch_key("attention.key_length"), hidden // heads))
+    rotary = f.get(f.arch_key("rope.dimension_count"))
+    if rotary is not None and int(rotary) != head_dim:
+        raise CheckpointError(f"{f.path}: RoPE on {rotary} of {head_dim} head dimensions (partial rotary) "
+                              "is not supported")
+    tokens = f.get("tokenizer.ggml.tokens")
+    raw: dict[str, Any] = {
+        "model_type": f.architecture,
+        "vocab_size": f.get(f.arch_key("vocab_size")) or (len(tokens) if tokens else None),
+        "hidden_size": hidden,
+        "intermediate_size": _one_per_model(f, "feed_forward_length", None),
+        "num_hidden_layers": f.require(f.arch_key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": f.require(f.arch_key("context_length")),
+        "rms_norm_eps": f.require(f.arch_key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": f.get(f.arch_key("rope.freq_base"), 10000.0),
+        "rope_scaling": _rope_scaling(f),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in f.tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in f.tensors,
+        "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _eos_ids(f),
+        "torch_dtype": "float32",
+    }
+    if raw["vocab_size"] is None:
+        raise CheckpointError(f"{f.path}: neither {f.arch_key('vocab_size')} nor tokenizer.ggml.tokens "
+                              "gives the vocabulary size")
+    return ModelConfig.from_dict({k: v for k, v in raw.items() if v is not None}, str(f.path))
+
+
+def _one_per_model(f: GGUFFile, suffix: str, default: int | None) -> int | None:
+    """A per-model integer that some files store per layer: accepted when every layer agrees."""
+    value = f.get(f.arch_key(suffix), default)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise CheckpointError(f"{f.path}: {f.arch_key(suffix)} differs between layers ({sorted(set(value))}); "
+                                  "infer needs the same value in every layer")
+        value = value[0]
+    return None if value is None else int(value)
+
+
+def _rope_scaling(f: GGUFFile) -> dict[str, Any] | None:
+    kind = f.get(f.arch_key("rope.scaling.type"), "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(f.require(f.arch_key("rope.scaling.factor")))}
+    raise CheckpointError(f"{f.path}: RoPE scaling {kind!r} is not supported (none, linear, and Llama 3's "
+                          f"{ROPE_FREQS_TENSOR} tensor are)")
+
+
+def _eos_ids(f: GGUFFile) -> list[int]:
+    """EOS, plus end-of-turn / end-of-message ids (chat models stop on those)."""
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = f.get(key)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+# ----------------------------------------------------------------------------------------- weights
+
+
+@dataclass
+class GGUFWeights:
+    state: dict[str, torch.Tensor]  # Hugging Face names, unfused
+    rope_freq_divisors: torch.Tensor | None  # from rope_freqs.weight: inv_freq is divided by these
+
+
+def gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> GGUFWeights:
+    """Every tensor dequantized into ``dtype`` on ``device`` under its Hugging Face name."""
+    state: dict[str, torch.Tensor] = {}
+    divisors = None
+    for name, tensor in f.tensors.items():
+        if name == ROPE_FREQS_TENSOR:
+            divisors = dequantize(f, tensor)
+            continue
+        hf_name = hf_tensor_name(name)
+        if hf_name is None:
+            raise CheckpointError(f"{f.path}: unexpected tensor {name!r} for a {config.model_type} model")
+        weight = dequantize(f, tensor)
+        if config.model_type == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            weight = undo_rope_row_order(weight, heads)
+        state[hf_name] = weight.to(dtype).to(device)
+    return GGUFWeights(state, divisors)
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    match = _LAYER_NAME.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+
+
+def dequantize(f: GGUFFile, tensor: Any) -> torch.Tensor:
+    """One tensor as float32 in PyTorch's layout (GGUF lists dimensions fastest-first)."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    if qtype.name not in SUPPORTED_TENSOR_TYPES:
+        raise CheckpointError(f"{f.path}: tensor {tensor.name!r} is stored as {qtype.name}, which infer does not "
+                              f"dequantize (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
+    array = quants.dequantize(tensor.data, qtype)
+    if not array.flags.writeable:  # an F32 tensor comes back as a view of the read-only file mapping
+        array = array.copy()
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+
+
+def undo_rope_row_order(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reverse llama.cpp's q/k row reordering for GGML's adjacent-pair RoPE.
+
+    Within each head the converter interleaves the first and second halves of the rows
+    (row ``i`` of half ``h`` goes to ``2 i + h``); reading them back de-interleaves. Works for a
+    weight ``[rows, in]`` and a bias ``[rows]`` alike.
+    """
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+# --------------------------------------------------------------------------------------- tokenizer
+
+
+def gguf_tokenizer(f: GGUFFile) -> tuple[HFTokenizer, dict[str, Any]]:
+    """A ``tokenizers`` object plus the ``tokenizer_config.json`` fields (special tokens, chat template)."""
+    kind = f.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        what = "SentencePiece" if kind == "llama" else "this"
+        raise CheckpointError(f"{f.path}: tokenizer model {kind!r} is not supported ({what} tokenizer); infer "
+                              "builds byte-level BPE tokenizers (tokenizer.ggml.model 'gpt2') from GGUF files")
+    tokens: list[str] = list(f.require("tokenizer.ggml.tokens"))
+    merges: list[str] = list(f.require("tokenizer.ggml.merges"))
+    types: list[int] = list(f.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    pre = f.get("tokenizer.ggml.pre", "default")
+    style = PRE_TOKENIZER_STYLES.get(pre)
+    if style is None:
+        raise CheckpointError(f"{f.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; infer knows "
+                              f"{', '.join(sorted(PRE_TOKENIZER_STYLES))}")
+
+    # Vocabulary entries are spelled in GPT-2's byte alphabet; added tokens may be stored as plain text.
+    alphabet = byte_alphabet()
+    letters = set(alphabet.values())
+    vocab: dict[str, int] = {}
+    for index, (token, kind_id) in enumerate(zip(tokens, types, strict=True)):
+        spelled = token
+        if kind_id not in (_CONTROL, _USER_DEFINED) and not set(token) <= letters:
+            spelled = "".join(alphabet[b] for b in token.encode("utf-8"))
+        vocab.setdefault(spelled, index)
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=style == _LLAMA3, fuse_unk=False)  # type: ignore[arg-type]
+    tok = HFTokenizer(model)
+    tok.pre_tokenizer = _pre_tokenizer(style)
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_end|>) are special; user-defined ones (<think>) are matched whole but kept
+    # in decoded text. Both are already in the vocabulary, so they keep the file's ids.
+    added = {index: kind_id for index, kind_id in enumerate(types) if kind_id in (_CONTROL, _USER_DEFINED)}
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, k in added.items() if k == _CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i, k in added.items() if k == _USER_DEFINED])
+    for index in added:
+        if tok.token_to_id(tokens[index]) != index:  # a duplicate spelling would renumber the vocabulary
+            raise CheckpointError(f"{f.path}: added token {tokens[index]!r} would get id "
+                                  f"{tok.token_to_id(tokens[index])}, the file says {index}")
+
+    def token_at(key: str) -> str | None:
+        index = f.get(f"tokenizer.ggml.{key}")
+        return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
+
+    bos, eos = token_at("bos_token_id"), token_at("eos_token_id")
+    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False))
+    template = [*([f"{bos}:0"] if add_bos and bos else []), "$A:0", *([f"{eos}:0"] if add_eos and eos else [])]
+    specials = [(t, vocab[t]) for t in {bos, eos} if t is not None and t in vocab]
+    tok.post_processor = processors.TemplateProcessing(single=" ".join(template), special_tokens=specials)
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": token_at("unknown_token_id"),
+        "pad_token": token_at("padding_token_id"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(f.get(f.arch_key("context_length"), 2048)),
+    }
+    chat_template = f.get("tokenizer.chat_template")
+    if isinstance(chat_template, str):
+        config["chat_template"] = chat_template
+    return tok, {k: v for k, v in config.items() if v is not None}
+
+
+def _pre_tokenizer(style: str) -> pre_tokenizers.PreTokenizer:
+    if style == _GPT2:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if style == _DIGITS_GPT2:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLIT_REGEX[style]), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+@functools.cache
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
