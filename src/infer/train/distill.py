@@ -225,8 +225,9 @@ def load_frozen_target(cfg: Any, device: torch.device) -> FrozenTarget:
         raise FileNotFoundError(f"{cfg.target}: not a complete model folder (config.json, model.safetensors, "
                                 "tokenizer.json)")
     targs = target_training_args(cfg.target)
+    # Unpacked: distillation and Medusa training read the target's LM head weight.
     target, tcfg = load_model(cfg.target, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                              device=str(device))
+                              device=str(device), pack=False)
     target.requires_grad_(False)
     tokenizer = Tokenizer.from_file(str(cfg.target / "tokenizer.json"))
     eos_id = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else tokenizer.token_to_id("<|end_of_text|>")
