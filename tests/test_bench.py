@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpoints import make_medusa_heads
 from infer.bench.workloads import code_prompts, edit_prompts, load_prompts
@@ -70,14 +71,25 @@ def test_workloads_and_prompt_files(tmp_path: Path) -> None:
         load_prompts(empty)
 
 
-def test_demo_runs_on_given_models(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # The self-draft accepts everything, so the demo's table shows acceptance 1.00.
-    code = main(["demo", "--model", str(tiny_llama), "--draft-model", str(tiny_llama), "--num-prompts", "1",
-                 "--max-tokens", "12"])
+def test_demo_runs_on_given_models(tiny_llama: Path, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # The self-draft accepts everything, so the demo's tables show acceptance 1.00.
+    code = main(["demo", "--model", str(tiny_llama), "--draft-model", str(tiny_llama), "--max-tokens", "12",
+                 "--pair-target", str(tiny_llama), "--pair-draft", str(tiny_llama), "--num-prompts", "1",
+                 "--pair-max-tokens", "8"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "greedy text identical in every mode: True" in out
-    assert "draft model K=4" in out and "1.00" in out
+    assert out.count("greedy text identical in every mode: True") == 2  # the instruct model, then the pair
+    for task in ("chat", "edit code", "summarize", "all"):
+        assert f"\n{task} " in out
+    assert "n-gram K=4" in out and "draft model K=4" in out and "1.00" in out
+    assert "What are three tips for staying healthy?" in out
+
+    # A mode whose greedy text differed makes the demo fail.
+    from infer import demo
+
+    monkeypatch.setattr(demo, "_identical", lambda rows: False)
+    assert main(["demo", "--model", str(tiny_llama), "--max-tokens", "4", "--pair", "none"]) == 1
 
 
 def test_bench_serving_against_launched_servers(tiny_llama: Path, tiny_draft: Path, tmp_path: Path) -> None:
@@ -92,3 +104,74 @@ def test_bench_serving_against_launched_servers(tiny_llama: Path, tiny_draft: Pa
             assert level["output_tokens"] == 6 * level["requests"]
             assert level["ttft_ms"]["p50"] > 0
     assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000
+
+
+def test_bench_generation_profile(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "profile"
+    code = main(["bench", "generation", "--model", str(tiny_llama), "--num-prompts", "1", "--profile",
+                 "--profile-steps", "3", "--spec-length", "5", "--out", str(out)])
+    assert code == 0
+    phases = json.loads((out / "profile.json").read_text())
+    assert [p["units"] for p in phases] == [3, 3]
+    decode, verify = phases
+    assert decode["name"].startswith("decode step") and verify["name"].startswith("verification pass (6 tokens")
+    for phase in phases:
+        # Every layer's projections are operator calls from Python; nested calls only add to that.
+        assert phase["op_calls"] >= 4 * 2 and phase["op_calls_all_levels"] >= phase["op_calls"]
+        assert phase["matmul_ms"] > 0 and phase["wall_ms"] > 0
+        assert phase["top_ops"] and all(op["calls"] > 0 for op in phase["top_ops"])
+        trace = json.loads(Path(phase["trace"]).read_text())
+        assert trace["traceEvents"]
+    printed = capsys.readouterr().out
+    assert "operator calls per unit" in printed and "trace:" in printed
+
+
+def _tiny_gguf_template(path: Path, model_dir: Path) -> Path:
+    """A GGUF with the metadata llama.cpp's converter writes (no tensors): what the export copies."""
+    gguf = pytest.importorskip("gguf")
+    config = json.loads((model_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "c"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_export_bf16_gguf_writes_the_folder_weights(tiny_llama: Path, tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import load_file
+
+    from infer.bench.peer import gguf_weight_bytes_per_token, rope_pairs_row_order
+
+    template = _tiny_gguf_template(tmp_path / "like.gguf", tiny_llama)
+    out = tmp_path / "bf16.gguf"
+    assert main(["bench", "export-gguf", "--model", str(tiny_llama), "--like", str(template), "--out", str(out)]) == 0
+    reader = gguf.GGUFReader(str(out))
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_BF16)
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "c"]
+    tensors = {t.name: t for t in reader.tensors}
+    weights = {k: v for path in tiny_llama.glob("*.safetensors") for k, v in load_file(path).items()}
+    config = json.loads((tiny_llama / "config.json").read_text())
+    assert len(tensors) == len(weights)
+    q = tensors["blk.0.attn_q.weight"]
+    assert q.tensor_type == gguf.GGMLQuantizationType.BF16
+    stored = torch.from_numpy(q.data.copy()).view(torch.bfloat16).reshape(weights["model.layers.0.self_attn.q_proj.weight"].shape)
+    expected = rope_pairs_row_order(weights["model.layers.0.self_attn.q_proj.weight"], config["num_attention_heads"])
+    assert torch.equal(stored, expected.to(torch.bfloat16))
+    # The reordering pairs row i of each head with row i + head_dim / 2: a permutation, not a copy.
+    ranks = torch.arange(float(expected.shape[0])).unsqueeze(1)
+    reordered = rope_pairs_row_order(ranks, config["num_attention_heads"]).flatten().tolist()
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    assert sorted(reordered) == list(range(expected.shape[0])) and reordered[:2] == [0, head_dim // 2]
+    norm = tensors["blk.0.attn_norm.weight"]
+    assert norm.tensor_type == gguf.GGMLQuantizationType.F32
+    assert torch.equal(torch.from_numpy(norm.data.copy()), weights["model.layers.0.input_layernorm.weight"].float())
+    assert gguf_weight_bytes_per_token(out) < out.stat().st_size

@@ -257,3 +257,41 @@ def test_writing_anywhere_but_the_end_is_refused(llama: tuple[DecoderOnlyLM, Mod
     assert pool.seq_len(slot) == 6
     build_kv_batch(pool, [slot], [6], [1])  # the end is fine
     assert pool.seq_len(slot) == 7
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_batch_masks_only_when_some_query_cannot_see_everything(llama: tuple[DecoderOnlyLM, ModelConfig],
+                                                                    backend: str) -> None:
+    model, config = llama
+    pool = make_pool(backend, config)
+    a, b = pool.allocate(), pool.allocate()
+    for slot, n in ((a, 5), (b, 5)):
+        build_kv_batch(pool, [slot], [0], [n])
+    # One new token per sequence, equal lengths: every query sees the whole context, no mask.
+    assert build_kv_batch(pool, [a], [5], [1]).mask is None
+    assert build_kv_batch(pool, [a, b], [6, 5], [1, 2]).mask is not None  # ragged and wider than 1
+    pool.truncate_to(a, 6)
+    pool.truncate_to(b, 6)
+    kv = build_kv_batch(pool, [a, b], [6, 6], [1, 1])
+    assert kv.mask is None and kv.attention_mask(3) is None
+    # Unequal lengths: the shorter row must not see the longer row's extra positions.
+    kv = build_kv_batch(pool, [a, b], [7, 7], [1, 2])
+    assert kv.mask is not None and kv.context_len == 9
+    assert kv.mask[0, 0, 0].tolist() == [True] * 8 + [False]
+    folded = kv.attention_mask(3)
+    assert folded is not None and torch.equal(folded, kv.mask.repeat(1, 1, 3, 1))
+    assert kv.attention_mask(3) is folded  # made once per forward, shared by every layer
+
+
+def test_single_sequence_rows_are_contiguous_ranges(llama: tuple[DecoderOnlyLM, ModelConfig]) -> None:
+    model, config = llama
+    pool = make_pool("paged", config)
+    slot = pool.allocate()
+    kv = build_kv_batch(pool, [slot], [0], [6])
+    assert kv.read_start == 0 and kv.read_index is None and kv.write_index.tolist() == list(range(6))
+    # A sequence whose blocks are not consecutive reads through its row table instead.
+    other = pool.allocate()
+    build_kv_batch(pool, [other], [0], [BLOCK])
+    kv = build_kv_batch(pool, [slot], [6], [BLOCK])
+    assert kv.read_start is None and kv.read_index is not None
+    assert kv.write_index.tolist() == pool.storage_rows(slot, 6 + BLOCK)[6:].tolist()

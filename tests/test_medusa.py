@@ -461,7 +461,7 @@ def test_compacted_cache_gives_the_logits_of_a_fresh_forward(
 
 
 def test_heads_round_trip_and_start_as_the_lm_head(tiny_llama: Path, tmp_path: Path) -> None:
-    model, _ = load_model(tiny_llama, "float32", "cpu")
+    model, _ = load_model(tiny_llama, "float32", "cpu", pack=False)
     heads = MedusaHeads.from_target(model.lm_head.weight.detach().clone(), 2, tree_size=7)
     hidden = torch.randn(3, model.config.hidden_size)
     with torch.no_grad():  # zero-initialised residual blocks: every head is the target's LM head

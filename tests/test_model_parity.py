@@ -176,3 +176,86 @@ def test_half_precision_gqa_attention_folds_query_heads_exactly(width: int) -> N
     reference = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.repeat_interleave(3, 1).float(), v.repeat_interleave(3, 1).float(), attn_mask=mask)
     torch.testing.assert_close(_sdpa(q, k, v, mask, False).float(), reference, rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------- the fast paths compute the reference math
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_bit_identical_to_the_reference_formula(dtype: torch.dtype) -> None:
+    # RMSNorm takes sum / dim instead of mean (cheaper on CPU); transformers' formula must come out
+    # bit for bit, in half precision too (where F.rms_norm would not: it applies the weight before rounding).
+    from infer.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
+    for rows in (1, 7):
+        x = (torch.randn(2, rows, 576, generator=gen) * 3).to(dtype)
+        x32 = x.float()
+        reference = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        assert torch.equal(norm(x), reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_bit_identical_to_rotate_half(dtype: torch.dtype) -> None:
+    from infer.models.layers import apply_rope, rope_cos_sin
+
+    gen = torch.Generator().manual_seed(0)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float()
+    positions = torch.tensor([[0, 5, 17, 300], [2, 3, 4, 4000]])
+    x = torch.randn(2, 4, 12, 64, generator=gen).to(dtype)
+    cos, sin = rope_cos_sin(inv_freq, positions, dtype)
+    # The reference (transformers' Llama): cat((freqs, freqs)) tables and rotate_half.
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    ref_cos, ref_sin = emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
+    rotated = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+    assert torch.equal(apply_rope(x, cos, sin), x * ref_cos + rotated * ref_sin)
+    # q and k rotated together from one strided view equal each rotated on its own.
+    qkv = torch.randn(2, 4, 15, 64, generator=gen).to(dtype)
+    together = apply_rope(qkv[:, :, :12], cos, sin)
+    assert torch.equal(together[:, :, :9], apply_rope(qkv[:, :, :9].contiguous(), cos, sin))
+    assert torch.equal(together[:, :, 9:], apply_rope(qkv[:, :, 9:12].contiguous(), cos, sin))
+
+
+def test_decode_step_without_mask_equals_the_masked_pass() -> None:
+    # A one-token step of one sequence attends without a mask; that must be exactly the masked result.
+    from infer.models.layers import _sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, 6, 1, 16, generator=gen).to(dtype)
+        k, v = (torch.randn(1, 2, 11, 16, generator=gen).to(dtype) for _ in range(2))
+        ones = torch.ones(1, 1, 1, 11, dtype=torch.bool)
+        assert torch.equal(_sdpa(q, k, v, None, False), _sdpa(q, k, v, ones, False))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_cached_decode_matches_cpu(tiny_qwen3: Path, tiny_llama: Path, dtype: str) -> None:
+    # The same fast paths on CUDA (no packing there): prefill, mask-free decode steps and a
+    # 6-token verification pass agree with the CPU float32 run.
+    for checkpoint in (tiny_llama, tiny_qwen3):
+        reference, config = load_model(checkpoint, "float32", "cpu")
+        model, _ = load_model(checkpoint, dtype, "cuda")
+        ids = _random_ids(30, 5, config.vocab_size)[0].tolist()
+        outputs = []
+        for m, device in ((reference, "cpu"), (model, "cuda")):
+            pool = PagedKVCachePool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                                    num_blocks=16, block_size=4, max_seq_len=64,
+                                    dtype=next(m.parameters()).dtype, device=device)
+            runner = ModelRunner(m, pool)
+            slot = pool.allocate()
+            rows = [runner.logits(runner.forward([slot], [ids[:18]]))[0]]
+            rows += [runner.logits(runner.forward([slot], [[t]]))[0] for t in ids[18:24]]
+            rows.append(runner.logits(runner.forward([slot], [ids[24:30]]))[0])
+            outputs.append(torch.cat(rows).cpu())
+        if dtype == "float32":
+            torch.testing.assert_close(outputs[1], outputs[0], atol=ATOL, rtol=0)
+        else:  # bfloat16 rounds every layer's output: close, and the same next token almost everywhere
+            torch.testing.assert_close(outputs[1], outputs[0], atol=0.25, rtol=0.05)
+            agree = (outputs[1].argmax(-1) == outputs[0].argmax(-1)).float().mean().item()
+            assert agree >= 0.9, f"bfloat16 on CUDA picks the CPU float32 argmax in only {agree:.0%} of rows"

@@ -388,6 +388,40 @@ def test_reference_pair_interrupted_build_resumes(corpus_dir: Path, tmp_path: Pa
     assert metrics["build_wall_time_s"] >= metrics["target_build_s"] + metrics["draft_build_s"]
 
 
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {f"{path.relative_to(folder)}:{name}": t for path in sorted(folder.rglob("*.safetensors"))
+            for name, t in load_file(str(path)).items()}
+
+
+def test_reference_pair_is_identical_across_builds(corpus_dir: Path, tmp_path: Path) -> None:
+    """Step budgets make the pair a function of the recipe and seed: two builds give equal tensors."""
+    settings = dataclasses.replace(tiny_reference(corpus_dir, steps=3),
+                                   medusa=dict(heads=2, max_steps=2, eval_windows=2, batch_size=2))
+    first = build_reference_pair(out=tmp_path / "a", settings=settings, progress=False)[0].parent
+    second = build_reference_pair(out=tmp_path / "b", settings=settings, progress=False)[0].parent
+    a, b = _tensors(first), _tensors(second)
+    assert len(a) > 10 and any(k.startswith("target/medusa/") for k in a) and any(k.startswith("draft/") for k in a)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    for sub in ("target", "draft"):
+        assert json.loads((first / sub / "train_log.json").read_text())["steps"] == 3
+    # A different seed gives a different pair (the comparison above can fail).
+    reseeded = dataclasses.replace(settings, pretrain={**settings.pretrain, "seed": 1})
+    other = _tensors(build_reference_pair(out=tmp_path / "c", settings=reseeded, progress=False)[0].parent)
+    name = "target/model.safetensors:model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(other[name], a[name])
+
+
+def test_reference_recipe_must_be_in_steps(corpus_dir: Path) -> None:
+    base = tiny_reference(corpus_dir)
+    with pytest.raises(ValueError, match="pretrain: give max_steps"):
+        dataclasses.replace(base, pretrain={**base.pretrain, "max_steps": None, "time_budget": 60.0})
+    with pytest.raises(ValueError, match="medusa: give max_steps"):
+        dataclasses.replace(base, medusa=dict(heads=2, max_steps=5, time_budget=1.0))
+
+
 def test_reference_pair_default_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert reference_pair_dir("small") == tmp_path / "infer" / "reference-pair-small"
@@ -412,8 +446,9 @@ def test_reference_sizes_are_sane() -> None:
                                      num_kv_heads=dis["num_kv_heads"], intermediate_size=dis["intermediate_size"],
                                      max_position_embeddings=1024, tie_word_embeddings=True), 0)
         nt, nd = sum(p.numel() for p in t.parameters()), sum(p.numel() for p in d.parameters())
+        assert set(settings.total_steps()) == {"pretrain", "distill", "medusa"}
         if size == "small":
             assert 8e6 <= nt <= 12.5e6 and 0.4e6 <= nd <= 1.0e6, (nt, nd)
-            assert pre["time_budget"] + dis["time_budget"] <= 320
+            assert sum(settings.metadata["expected_s"].values()) <= 420  # the demo's build stays minutes
         else:
             assert nt >= 40e6 and nt >= 10 * nd, (nt, nd)

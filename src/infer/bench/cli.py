@@ -34,7 +34,33 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--out", default="bench-out", help="folder for generation.json, generation.md and plots")
+    gen.add_argument("--profile", action="store_true",
+                     help="instead of the comparison, profile infer's decode steps and a (K+1)-token verification "
+                          "pass (K = the largest --spec-length) on the first prompt: top operators by self CPU "
+                          "time, operator calls per token, Chrome traces in --out")
+    gen.add_argument("--profile-steps", type=int, default=32, help="decode steps and verification passes profiled")
+    gen.add_argument("--peer", choices=["llama.cpp"], default=None,
+                     help="add rows for another engine on the same prompts, interleaved with infer's "
+                          "(llama.cpp: llama-cpp-python, pip install 'infer[bench]')")
+    gen.add_argument("--peer-gguf", default=None, help="the GGUF file of the same model the peer runs")
     gen.set_defaults(func=_run_generation)
+
+    export = kinds.add_parser("export-gguf", help="write a Hugging Face folder's weights as a BF16 GGUF (llama), "
+                                                  "metadata and tokenizer copied from a GGUF of the same model")
+    export.add_argument("--model", required=True, help="Hugging Face model folder (safetensors)")
+    export.add_argument("--like", required=True, help="a GGUF of the same model (e.g. the quantized file it came from)")
+    export.add_argument("--out", required=True, help="the .gguf file to write")
+    export.set_defaults(func=_run_export_gguf)
+
+    comp = kinds.add_parser("compile", help="measure torch.compile against infer's eager decode and verification "
+                                            "passes: compile time, then interleaved ms per step (CPU)")
+    comp.add_argument("--model", required=True)
+    comp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    comp.add_argument("--verify-width", type=int, default=6)
+    comp.add_argument("--steps", type=int, default=8, help="steps per timed block")
+    comp.add_argument("--repeats", type=int, default=5)
+    comp.add_argument("--out", default="bench-out", help="folder for compile.json")
+    comp.set_defaults(func=_run_compile_eval)
 
     try:
         from infer.bench.serving import add_serving_parser
@@ -49,6 +75,8 @@ def _run_generation(args: argparse.Namespace) -> int:
     from infer.bench.workloads import load_prompts, workload_prompts
 
     prompts = load_prompts(args.prompts) if args.prompts else workload_prompts(args.workload, args.num_prompts)
+    if args.profile:
+        return _run_profile(args, prompts[0])
     medusa = args.medusa_heads
     if medusa is None and (Path(args.model) / "medusa" / "medusa_config.json").is_file():
         medusa = str(Path(args.model) / "medusa")
@@ -59,9 +87,50 @@ def _run_generation(args: argparse.Namespace) -> int:
         policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
         medusa_tree_sizes=args.medusa_tree_size, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed,
+        peer=args.peer, peer_gguf=args.peer_gguf,
     )
     report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     paths = write_generation_report(report, args.out)
     print(generation_table(report))
     print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _run_profile(args: argparse.Namespace, prompt: str) -> int:
+    from infer.bench.profile import profile_engine
+    from infer.engine.llm import LLM
+
+    if args.profile_steps < 1:
+        raise SystemExit(f"--profile-steps {args.profile_steps} is invalid: must be >= 1")
+    say = lambda msg: print(f"[profile] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"loading {args.model} ({args.dtype}, {args.device})")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1)
+    phases = profile_engine(llm.engine, prompt, max(args.spec_length) + 1, args.profile_steps, args.out, say)
+    for phase in phases:
+        print("\n".join(phase.lines()) + "\n")
+    print(f"wrote {Path(args.out) / 'profile.json'}")
+    return 0
+
+
+def _run_export_gguf(args: argparse.Namespace) -> int:
+    from infer.bench.peer import export_bf16_gguf
+
+    print(f"wrote {export_bf16_gguf(args.model, args.like, args.out)}")
+    return 0
+
+
+def _run_compile_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from infer.bench.compile_eval import compile_table, run_compile_eval
+    from infer.bench.workloads import code_prompts
+
+    say = lambda msg: print(f"[compile] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    report = run_compile_eval(args.model, args.dtype, code_prompts(1)[0], args.verify_width, args.steps,
+                              args.repeats, say)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compile.json").write_text(json.dumps(report, indent=2))
+    print(compile_table(report))
+    print(f"wrote {out / 'compile.json'}")
     return 0

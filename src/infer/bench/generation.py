@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from infer.bench.peer import gguf_weight_bytes_per_token, memory_bandwidth, weight_bytes_per_token
 from infer.engine.llm import LLM
 from infer.sampling.params import SamplingParams
 from infer.speculative.budget import expected_speedup
@@ -40,12 +41,14 @@ class BenchSettings:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    peer: str | None = None  # "llama.cpp": add llama-cpp-python rows on peer_gguf
+    peer_gguf: str | None = None
 
 
 @dataclass
 class ModeResult:
     mode: str
-    engine: str  # infer | transformers
+    engine: str  # infer | transformers | llama.cpp
     tokens_per_s: float
     samples: list[float]
     spec_length: int | None = None
@@ -57,6 +60,9 @@ class ModeResult:
     speedup_vs_plain: float | None = None
     speedup_vs_transformers: float | None = None
     predicted_speedup: float | None = None
+    speedup_vs_peer: float | None = None  # tokens/s over llama.cpp's plain row, same prompts, same run
+    decode_tokens_per_s: float | None = None  # median over prompts, prefill excluded
+    bandwidth_fraction: float | None = None  # plain rows: decode weight bytes/s over measured memory bandwidth
     texts: list[str] = field(default_factory=list)
 
 
@@ -97,7 +103,7 @@ class _Mode:
     reported: bool = True
 
 
-def _infer_runner(settings: BenchSettings, model: str, **options: Any) -> RunFn:
+def _infer_runner(settings: BenchSettings, model: str, **options: Any) -> tuple[RunFn, LLM]:
     # One request at a time: a batch of one needs only one sequence's KV cache.
     llm = LLM(model, dtype=settings.dtype, device=settings.device, max_batch_size=1, **options)
 
@@ -106,7 +112,43 @@ def _infer_runner(settings: BenchSettings, model: str, **options: Any) -> RunFn:
         out = llm.generate([prompt], _params(settings, seed))[0]
         return len(out.token_ids) / (time.perf_counter() - start), out
 
-    return run
+    return run, llm
+
+
+@dataclass
+class PeerOutput:
+    """What a peer engine's run produced (the fields the report reads from infer's outputs)."""
+
+    text: str
+    token_ids: list[int]
+    decode_tokens_per_s: float | None
+
+
+def _peer_modes(settings: BenchSettings, llm: LLM, say: Callable[[str], None]) -> list[_Mode]:
+    """llama.cpp plain (and prompt lookup, next to infer's n-gram row) on the same prompt token ids."""
+    from infer.bench.peer import LlamaCppRunner
+
+    if settings.peer != "llama.cpp":
+        raise ValueError(f"unknown peer {settings.peer!r}: the one supported is llama.cpp")
+    if not settings.peer_gguf:
+        raise ValueError("--peer llama.cpp needs --peer-gguf: a GGUF file of the same model")
+    tokenizer = llm.tokenizer
+    prompt_ids = {p: tokenizer.encode(p) for p in settings.prompts}
+    context = max(len(ids) for ids in prompt_ids.values()) + settings.max_tokens + 8
+    variants: list[tuple[str, int | None]] = [("llama.cpp", None)]
+    if settings.ngram:
+        variants.append((f"llama.cpp + prompt lookup K={max(settings.spec_lengths)}", max(settings.spec_lengths)))
+    modes = []
+    for name, lookup in variants:
+        say(f"[{name}] loading {settings.peer_gguf}")
+        runner = LlamaCppRunner(settings.peer_gguf, settings.max_tokens, context, lookup)
+
+        def run(prompt: str, seed: int, runner: LlamaCppRunner = runner) -> tuple[float, Any]:
+            rate, decode, ids = runner.run(prompt_ids[prompt])
+            return rate, PeerOutput(tokenizer.decode(ids), ids, decode)
+
+        modes.append(_Mode(ModeResult(name, "llama.cpp", 0.0, [], spec_length=lookup), run))
+    return modes
 
 
 def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -116,15 +158,19 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     torch.manual_seed(settings.seed)
     modes: list[_Mode] = []
 
+    llms: list[LLM] = []
+
     def infer_mode(name: str, reported: bool = True, **options: Any) -> ModeResult:
         say(f"[{name}] loading")
-        run = _infer_runner(settings, options.pop("model", settings.model), **options)
+        run, llm = _infer_runner(settings, options.pop("model", settings.model), **options)
+        llms.append(llm)
         result = ModeResult(name, "infer", 0.0, [], spec_length=options.get("spec_length"),
                             policy=options.get("spec_length_policy"))
         modes.append(_Mode(result, run, reported=reported))
         return result
 
     plain = infer_mode("infer plain")
+    plain_llm = llms[0]
     draft_alone = None
     if settings.draft_model is not None:
         # Not a row: the draft model decoding on its own gives the cost ratio c (draft step / target step).
@@ -149,11 +195,16 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         say("[transformers] loading")
         for name, run, spec_length in transformers_runners(settings):
             modes.append(_Mode(ModeResult(name, "transformers", 0.0, [], spec_length=spec_length), run))
+    if settings.peer:
+        modes += _peer_modes(settings, plain_llm, say)
 
     say(f"warming up {len(modes)} modes")
     for mode in modes:
         mode.run(settings.prompts[0], settings.seed)
+    bandwidths: list[float] = []
     for rep in range(settings.repeats):
+        if settings.device == "cpu":
+            bandwidths.append(memory_bandwidth())  # in the same rounds as the rows it bounds
         order = modes[rep % len(modes):] + modes[: rep % len(modes)]
         for i, prompt in enumerate(settings.prompts):
             for mode in order:
@@ -168,6 +219,12 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         r = mode.result
         r.tokens_per_s = statistics.median(r.samples)
         r.texts = [o.text for o in mode.outputs[: len(settings.prompts)]]
+        if r.engine == "infer":
+            decode_rates = [o.metrics.decode_tokens_per_s for o in mode.outputs]
+        else:
+            decode_rates = [getattr(o, "decode_tokens_per_s", None) for o in mode.outputs]
+        measured = [d for d in decode_rates if d]
+        r.decode_tokens_per_s = statistics.median(measured) if measured else None
         if r.engine == "infer" and r.mode != "infer plain":
             for key, value in speculation_stats(mode.outputs).items():
                 setattr(r, key, value)
@@ -197,11 +254,26 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     greedy_identical = None
     if settings.temperature == 0.0:
         greedy_identical = all(r.texts == plain.texts for r in results if r.engine == "infer")
+    memory: dict[str, Any] | None = None
+    if bandwidths:
+        memory = {"bandwidth_gb_s": statistics.median(bandwidths) / 1e9, "samples_gb_s": [b / 1e9 for b in bandwidths],
+                  "infer_weight_bytes_per_token": weight_bytes_per_token(plain_llm.engine.model)}
+        if settings.peer_gguf:
+            memory["peer_weight_bytes_per_token"] = gguf_weight_bytes_per_token(settings.peer_gguf)
+        for r in results:
+            if r.spec_length is None and r.decode_tokens_per_s and r.engine != "transformers":
+                per_token = memory["infer_weight_bytes_per_token" if r.engine == "infer" else "peer_weight_bytes_per_token"]
+                r.bandwidth_fraction = r.decode_tokens_per_s * per_token / statistics.median(bandwidths)
+    peer_plain = next((r for r in results if r.mode == "llama.cpp"), None)
+    if peer_plain is not None:
+        for r in results:
+            r.speedup_vs_peer = r.tokens_per_s / peer_plain.tokens_per_s
     return {
         "settings": {k: v for k, v in asdict(settings).items() if k != "prompts"} | {"num_prompts": len(settings.prompts)},
         "environment": environment(settings.device),
         "cost_ratio_c": cost,
         "greedy_outputs_identical": greedy_identical,
+        "memory": memory,
         "results": [{k: v for k, v in asdict(r).items() if k != "texts"} for r in results],
         "sample_output": plain.texts[0] if plain.texts else "",
     }

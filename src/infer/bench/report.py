@@ -14,19 +14,36 @@ def _fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
 
 
 def generation_table(report: dict[str, Any]) -> str:
-    rows = ["| mode | tok/s | vs infer plain | vs transformers | α | accepted/pass | Thm 3.8 predicted | measured / predicted |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    peer = any(r.get("speedup_vs_peer") is not None for r in report["results"])
+    memory = report.get("memory")
+    columns = ["mode", "tok/s", "vs infer plain", "vs transformers"]
+    columns += ["vs llama.cpp"] if peer else []
+    columns += ["α", "accepted/pass", "Thm 3.8 predicted", "measured / predicted"]
+    columns += ["decode tok/s", "of bandwidth limit"] if memory else []
+    rows = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for r in report["results"]:
         ratio = (r["speedup_vs_plain"] / r["predicted_speedup"]) if r.get("predicted_speedup") else None
-        rows.append(f"| {r['mode']} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup_vs_plain'], 2, '×')} | "
-                    f"{_fmt(r['speedup_vs_transformers'], 2, '×')} | {_fmt(r['alpha'])} | "
-                    f"{_fmt(r['mean_accepted_tokens'])} | {_fmt(r['predicted_speedup'], 2, '×')} | {_fmt(ratio, 0 if ratio is None else 2)} |")
+        cells = [r["mode"], f"{r['tokens_per_s']:.1f}", _fmt(r["speedup_vs_plain"], 2, "×"),
+                 _fmt(r["speedup_vs_transformers"], 2, "×")]
+        cells += [_fmt(r.get("speedup_vs_peer"), 2, "×")] if peer else []
+        cells += [_fmt(r["alpha"]), _fmt(r["mean_accepted_tokens"]), _fmt(r["predicted_speedup"], 2, "×"),
+                  _fmt(ratio, 0 if ratio is None else 2)]
+        if memory:
+            fraction = r.get("bandwidth_fraction")
+            cells += [_fmt(r.get("decode_tokens_per_s"), 1), "–" if fraction is None else f"{100 * fraction:.0f}%"]
+        rows.append("| " + " | ".join(cells) + " |")
     s = report["settings"]
     head = (f"workload `{s['workload']}`, {s['num_prompts']} prompts × {s['repeats']} repeats, {s['max_tokens']} new tokens, "
-            f"temperature {s['temperature']}, {s['dtype']} on {report['environment'].get('gpu') or report['environment']['cpu']}; "
-            f"measured cost ratio c = {_fmt(report['cost_ratio_c'], 3)}")
+            f"temperature {s['temperature']}, {s['dtype']} on {report['environment'].get('gpu') or report['environment']['cpu']} "
+            f"({report['environment']['threads']} threads); measured cost ratio c = {_fmt(report['cost_ratio_c'], 3)}")
     if report.get("greedy_outputs_identical") is not None:
         head += f"; greedy outputs identical across infer modes: {report['greedy_outputs_identical']}"
+    if memory:
+        head += (f"; memory bandwidth {memory['bandwidth_gb_s']:.1f} GB/s (median of "
+                 f"{len(memory['samples_gb_s'])}, a 512 MB reduction), weights read per token: infer "
+                 f"{memory['infer_weight_bytes_per_token'] / 1e6:.0f} MB")
+        if memory.get("peer_weight_bytes_per_token"):
+            head += f", llama.cpp {memory['peer_weight_bytes_per_token'] / 1e6:.0f} MB"
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 

@@ -9,7 +9,7 @@ matter of moving a length (``truncate_to``) and makes the two backends interchan
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -30,22 +30,38 @@ class KVBatch:
     read_index: torch.Tensor | None  # [B, L] storage rows of positions 0..L-1; None with read_start
     read_start: int | None  # B == 1 and rows contiguous: context is rows[read_start : read_start + L]
     context_len: int  # L
-    mask: torch.Tensor  # [B, 1, T, L] bool, True = may attend
+    # [B, 1, T, L] bool, True = may attend; None when every query may see the whole context (a
+    # decode step of one sequence, or of sequences of equal length), so attention needs no mask.
+    mask: torch.Tensor | None
     block_mask: Any = None  # the same mask as a FlexAttention BlockMask, when the runner asks for flex
+    _folded_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def attention_mask(self, groups: int = 1) -> torch.Tensor | None:
+        """``mask`` with each query row repeated ``groups`` times ([B, 1, groups * T, L]), for
+        attention that folds a KV head's query heads into the query length; made once per forward
+        and shared by every layer."""
+        if self.mask is None or groups == 1:
+            return self.mask
+        folded = self._folded_masks.get(groups)
+        if folded is None:
+            folded = self._folded_masks[groups] = self.mask.repeat(1, 1, groups, 1)
+        return folded
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the whole context, ``[B, kv_heads, L, head_dim]``."""
+        """Keys and values of the whole context, ``[B, kv_heads, L, head_dim]`` (views when the
+        rows are contiguous)."""
         k_store, v_store = self.k_layers[layer], self.v_layers[layer]
         if self.read_start is not None:
-            keys = k_store.narrow(0, self.read_start, self.context_len).unsqueeze(0)
-            values = v_store.narrow(0, self.read_start, self.context_len).unsqueeze(0)
+            keys = k_store[self.read_start: self.read_start + self.context_len].unsqueeze(0)
+            values = v_store[self.read_start: self.read_start + self.context_len].unsqueeze(0)
         else:
             assert self.read_index is not None
             keys, values = k_store[self.read_index], v_store[self.read_index]
         return keys.transpose(1, 2), values.transpose(1, 2)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store new ``[B, T, kv_heads, head_dim]`` keys/values at their rows (padding skipped)."""
+        """Store new ``[B, T, kv_heads, head_dim]`` keys/values at their rows (padding skipped), in
+        place; strided views (heads sliced out of a fused projection) are read where they lie."""
         if self.token_valid is not None:
             keys, values = keys[self.token_valid], values[self.token_valid]
         else:
@@ -115,31 +131,36 @@ def build_kv_batch(
         pool.reserve(slot, start + n)
     ends = [s + n for s, n in zip(starts, lengths, strict=True)]
     context = max(ends)
-    rows = [pool.storage_rows(slot, end) for slot, end in zip(slots, ends, strict=True)]
-    write_index = torch.cat([r[s:] for r, s in zip(rows, starts, strict=True)])
     uniform = all(n == width for n in lengths)
-    token_valid = None
-    if not uniform:
-        token_valid = torch.arange(width, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)
     read_start = pool.contiguous_start(slots[0]) if batch == 1 else None
     read_index = None
-    if read_start is None:
+    if read_start is not None:  # one sequence in consecutive rows: no row tables to build
+        write_index = torch.arange(read_start + starts[0], read_start + ends[0], device=device)
+    else:
+        rows = [pool.storage_rows(slot, end) for slot, end in zip(slots, ends, strict=True)]
+        write_index = torch.cat([r[s:] for r, s in zip(rows, starts, strict=True)])
         read_index = torch.zeros(batch, context, dtype=torch.long, device=device)
         for b, r in enumerate(rows):
             read_index[b, : r.numel()] = r
-    start_t = torch.tensor(starts, device=device).unsqueeze(1)
-    query_pos = start_t + torch.arange(width, device=device).unsqueeze(0)  # [B, T]
-    key_pos = torch.arange(context, device=device)
-    mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # causal, [B, T, L]
-    mask &= key_pos.view(1, 1, -1) < torch.tensor(ends, device=device).view(-1, 1, 1)
-    if tree_mask is not None:
-        in_new = (key_pos.view(1, -1) >= start_t)  # [B, L]
-        rel = (key_pos.view(1, -1) - start_t).clamp(min=0, max=width - 1)  # [B, L]
-        tree_vis = tree_mask.gather(2, rel.unsqueeze(1).expand(-1, width, -1))  # [B, T, L]
-        mask &= ~in_new.unsqueeze(1) | tree_vis
+    token_valid = None
+    if not uniform:
+        token_valid = torch.arange(width, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)
+    mask = None
+    if width > 1 or tree_mask is not None or any(e != context for e in ends):
+        start_t = torch.tensor(starts, device=device).unsqueeze(1)
+        query_pos = start_t + torch.arange(width, device=device).unsqueeze(0)  # [B, T]
+        key_pos = torch.arange(context, device=device)
+        causal = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [B, T, L]
+        causal &= key_pos.view(1, 1, -1) < torch.tensor(ends, device=device).view(-1, 1, 1)
+        if tree_mask is not None:
+            in_new = (key_pos.view(1, -1) >= start_t)  # [B, L]
+            rel = (key_pos.view(1, -1) - start_t).clamp(min=0, max=width - 1)  # [B, L]
+            tree_vis = tree_mask.gather(2, rel.unsqueeze(1).expand(-1, width, -1))  # [B, T, L]
+            causal &= ~in_new.unsqueeze(1) | tree_vis
+        mask = causal.unsqueeze(1)
     return KVBatch(
         k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write_index, token_valid=token_valid,
-        read_index=read_index, read_start=read_start, context_len=context, mask=mask.unsqueeze(1),
+        read_index=read_index, read_start=read_start, context_len=context, mask=mask,
     )
 
 

@@ -40,15 +40,18 @@ class ModelRunner:
             lengths = [runs.shape[1]] * runs.shape[0]
         else:
             lengths = [len(r) for r in runs]
-            ids = torch.zeros(len(runs), max(lengths), dtype=torch.long)
-            for b, run in enumerate(runs):
-                ids[b, : len(run)] = torch.as_tensor(run, dtype=torch.long)
-            ids = ids.to(self.device, non_blocking=True)
+            width = max(lengths)
+            padded = runs if all(n == width for n in lengths) else [list(r) + [0] * (width - len(r)) for r in runs]
+            ids = torch.tensor(padded, dtype=torch.long).to(self.device, non_blocking=True)
         width = ids.shape[1]
         if positions is None:
-            positions = torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device)
+            if len(starts) == 1:
+                positions = torch.arange(starts[0], starts[0] + width, device=self.device).unsqueeze(0)
+            else:
+                positions = torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device)
         kv = build_kv_batch(self.pool, slots, starts, lengths, tree_mask)
         if tree_mask is not None and self.tree_attention == "flex":
+            assert kv.mask is not None  # a tree pass always has one
             kv.block_mask = block_mask_from(kv.mask)
         return self.model(ids, positions, kv)
 

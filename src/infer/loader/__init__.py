@@ -102,7 +102,8 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
 
     ``fuse`` merges q/k/v and gate/up projections for faster inference; pass False to get the
     Hugging Face module layout (training, saving). ``pack`` pre-packs the fused weights for oneDNN
-    (``DecoderOnlyLM.pack_for_cpu``); the default does so for bfloat16 on CPU where torch supports it.
+    (``DecoderOnlyLM.pack_for_cpu``); the default does so for bfloat16 and float32 on CPU where torch
+    supports it.
     """
     # Imported here: the model modules import loader.config, so a top-level import would be circular.
     from infer.models import MODEL_REGISTRY
@@ -156,7 +157,7 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     if fuse:
         model.fuse_projections()
     if pack is None:
-        pack = fuse and dev.type == "cpu" and torch_dtype == torch.bfloat16 and cpu_packing_available()
+        pack = fuse and dev.type == "cpu" and cpu_packing_available(torch_dtype)
     if pack:
         model.pack_for_cpu()
     return model.eval(), config

@@ -28,11 +28,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the reference implementation, then cast back.
+        # Normalise in float32 like the reference implementation, then cast back. The mean of
+        # squares is sum / dim: bit-identical to ``mean`` (which is exactly that) at a fraction of
+        # its CPU cost, and F.rms_norm is no faster here (on CPU it decomposes into the same steps)
+        # and not exact in half precision (it applies the weight before rounding).
         dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        inv_rms = x32.pow(2).sum(-1, keepdim=True).div_(x.shape[-1]).add_(self.eps).rsqrt_()
+        return self.weight * (x32 * inv_rms).to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -61,20 +64,21 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[B, T, head_dim]`` for explicit (possibly non-contiguous) positions."""
+    """cos/sin tables ``[B, T, 1, head_dim]`` for explicit (possibly non-contiguous) positions, made
+    once per forward and shared by every layer. The first half of ``sin`` is negated: that is the
+    sign ``rotate_half`` gives the first half of its output, so ``apply_rope`` only swaps halves."""
     freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    sin = emb.sin()
+    sin[..., : freqs.shape[-1]].neg_()
+    return emb.cos().to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, heads, head_dim]; cos/sin: [B, T, head_dim]."""
-    return x * cos.unsqueeze(2) + _rotate_half(x) * sin.unsqueeze(2)
+    """x: [B, T, heads, head_dim]; cos/sin from ``rope_cos_sin``. Computes the reference
+    ``x * cos + rotate_half(x) * sin`` bit for bit (negating a factor does not change a product's
+    rounding) with one roll instead of rotate_half's slices, negation and concatenation."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
@@ -100,46 +104,58 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch | None) -> torch.Tensor:
         batch, width, _ = x.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(
-                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
-                dim=-1)
+            # Heads stay views of the one projection output: q and k are rotated together, and
+            # k and v are written to the cache straight from their rows (no split copies).
+            qkv = self.qkv_proj(x).view(batch, width, heads + 2 * kv_heads, self.head_dim)
+            if self.q_norm is None:
+                qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
+                q, k = qk[:, :, :heads], qk[:, :, heads:]
+            else:
+                q, k = qkv[:, :, :heads], qkv[:, :, heads: heads + kv_heads]
+            v = qkv[:, :, heads + kv_heads:]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(batch, width, self.num_heads, self.head_dim)
-        k = k.view(batch, width, self.num_kv_heads, self.head_dim)
-        v = v.view(batch, width, self.num_kv_heads, self.head_dim)
+            q = self.q_proj(x).view(batch, width, heads, self.head_dim)
+            k = self.k_proj(x).view(batch, width, kv_heads, self.head_dim)
+            v = self.v_proj(x).view(batch, width, kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        elif self.qkv_proj is None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:  # whole sequence at once (training, reference): plain causal attention
-            keys, values, mask, causal = k.transpose(1, 2), v.transpose(1, 2), None, True
+            out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True)
         else:
             kv.write(self.layer_idx, k, v)
             keys, values = kv.gather(self.layer_idx)
-            mask, causal = kv.mask, False
-        if kv is not None and kv.block_mask is not None:
-            out = flex_attention_with(kv.block_mask, q.transpose(1, 2), keys, values)
-        else:
-            out = _sdpa(q.transpose(1, 2), keys, values, mask, causal)
+            if kv.block_mask is not None:
+                out = flex_attention_with(kv.block_mask, q.transpose(1, 2), keys, values)
+            else:
+                groups = heads // kv_heads
+                out = _sdpa(q.transpose(1, 2), keys, values, kv.attention_mask(1), False,
+                            kv.attention_mask(groups) if groups > 1 else None)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+          folded_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [B, heads, T, D] over k/v [B, kv_heads, L, D]; ``mask`` [B, 1, T, L] or None
+    (everything visible). ``folded_mask`` is the mask with every row repeated per query head of a
+    KV head ([B, 1, groups * T, L]), when the caller already has it."""
     groups = q.shape[1] // k.shape[1]
-    if groups > 1 and mask is not None and q.dtype != torch.float32:
-        # GQA with a mask in half precision: fold each KV head's query heads into the query length,
-        # so attention runs once per KV head over groups * T rows. Same products; on CPU a decode
-        # step's bfloat16 attention gets ~6x faster (the kernel splits work by query rows, and one
-        # row per head is its worst case). float32 keeps enable_gqa: exact-parity tests use it.
+    if groups > 1 and not causal and q.dtype != torch.float32:
+        # GQA in half precision: fold each KV head's query heads into the query length, so attention
+        # runs once per KV head over groups * T rows. Same products; on CPU a decode step's bfloat16
+        # attention gets ~6x faster (the kernel splits work by query rows, and one row per head is
+        # its worst case). float32 keeps enable_gqa: exact-parity tests use it.
         batch, heads, width, dim = q.shape
+        if folded_mask is None and mask is not None:
+            folded_mask = mask.repeat(1, 1, groups, 1)
         folded = q.reshape(batch, k.shape[1], groups * width, dim)
-        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(1, 1, groups, 1))
-        return out.view(batch, heads, width, dim)
-    if q.shape[1] != k.shape[1]:
+        return F.scaled_dot_product_attention(folded, k, v, attn_mask=folded_mask).view(batch, heads, width, dim)
+    if groups > 1:
         if _SDPA_HAS_GQA:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
-        groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
@@ -214,34 +230,44 @@ def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+# Packing hint (the row count oneDNN lays the weight out for). bfloat16 is blocked for any hint;
+# float32 with a hint of 1 keeps the plain layout and an AVX2 kernel that runs ~2x slower than the
+# blocked AVX-512 one at 1 row and 3x at 6 rows (measured with ONEDNN_VERBOSE on the 2-core EPYC).
+_PACK_HINT = {torch.bfloat16: 1, torch.float32: 16}
+
+
 @functools.cache
-def cpu_packing_available() -> bool:
-    """Whether this torch build can pre-pack bfloat16 weights for oneDNN and gets the same products.
+def cpu_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this torch build can pre-pack ``dtype`` weights for oneDNN and gets the same products.
 
     The two operators are the ones torch.compile's CPU backend uses for frozen linears; they are
     internal, so they are probed once (present, and matching ``F.linear`` on a small case) rather
     than trusted.
     """
     ops = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise")):
+    if dtype not in _PACK_HINT or not (torch.backends.mkldnn.is_available()
+                                       and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
     try:
         gen = torch.Generator().manual_seed(0)
-        weight = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
-        x = torch.randn(2, 3, 32, generator=gen).to(torch.bfloat16)
-        packed = ops._linear_pointwise(x, ops._reorder_linear_weight(weight, 1), None, "none", [], "")
-        return bool(torch.allclose(packed.float(), F.linear(x, weight).float(), rtol=1e-2, atol=1e-2))
+        weight = torch.randn(48, 32, generator=gen).to(dtype)
+        x = torch.randn(2, 3, 32, generator=gen).to(dtype)
+        packed = ops._linear_pointwise(x, ops._reorder_linear_weight(weight, _PACK_HINT[dtype]), None, "none", [], "")
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        return bool(torch.allclose(packed.float(), F.linear(x, weight).float(), rtol=tol, atol=tol))
     except (RuntimeError, NotImplementedError):
         return False
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` for CPU bfloat16 inference with the weight pre-packed in oneDNN's blocked layout.
+    """``nn.Linear`` for CPU inference (bfloat16 or float32) with the weight pre-packed in oneDNN's
+    blocked layout.
 
     Decoding multiplies a handful of rows by each weight; with the weight laid out for the CPU's
-    bfloat16 instructions once, those products run 1.5-4x faster than ``F.linear`` re-laying it out
-    on every call (measured on the project's 2-core AMD EPYC). The packed tensor is opaque: it
+    vector instructions once, those products run 1.5-4x faster in bfloat16 than ``F.linear``
+    re-laying it out on every call. In float32 ``F.linear`` goes to MKL, whose sgemm takes the slow
+    generic path on AMD CPUs (about 2x slower at 1 row and up to 3x at the 6 rows of a verification
+    pass than oneDNN's AVX-512 kernel on the project's 2-core EPYC). The packed tensor is opaque: it
     cannot be saved, trained or moved, so only ``DecoderOnlyLM.pack_for_cpu`` creates these.
     """
 
@@ -249,7 +275,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_numel = linear.weight.numel()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        weight = linear.weight.detach()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT[weight.dtype])
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -331,7 +358,7 @@ class DecoderOnlyLM(nn.Module):
         self.fused = True
 
     def pack_for_cpu(self) -> None:
-        """Replace every projection and the LM head by a ``PackedLinear`` (fused, bfloat16, CPU only)."""
+        """Replace every projection and the LM head by a ``PackedLinear`` (fused, bfloat16 or float32, CPU only)."""
         if not self.fused:
             raise RuntimeError("pack_for_cpu needs the fused inference layout (fuse_projections first)")
         for layer in self.model.layers:

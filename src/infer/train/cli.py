@@ -1,11 +1,13 @@
-"""``infer train``: pretrain, distill, reference-pair.
+"""``infer train``: pretrain, cache, distill, medusa, reference-pair.
 
     infer train pretrain --out DIR [--corpus PATH ...] [--vocab-size N] [--hidden-size N] [--layers N] ...
-    infer train distill --target DIR --out DIR [--hidden-size N] [--layers N] ... [--temperature T]
+    infer train cache --target MODEL [--out DIR] [--prompts N] [--top-k K] ...   (a real target's distributions)
+    infer train distill --target MODEL [--out DIR] [--layers N] ... [--teacher-cache DIR|auto]
+    infer train medusa --target MODEL [--heads N] ... [--teacher-cache DIR|auto]
     infer train reference-pair [--size small|large] [--out DIR] [--force]
 
-Flags left out take the defaults of ``PretrainConfig`` / ``DistillConfig``. With ``--time-budget``
-and no ``--max-steps`` the run is limited by time only.
+Flags left out take the defaults of ``PretrainConfig`` / ``TeacherCacheConfig`` / ``DistillConfig``.
+With ``--time-budget`` and no ``--max-steps`` the run is limited by time only.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from typing import Any
 # Flag -> config field (flags whose names differ from the field).
 _RENAMES = {"layers": "num_layers", "heads": "num_heads", "kv_heads": "num_kv_heads",
             "tie_embeddings": "tie_word_embeddings"}
-_NOT_CONFIG = {"func", "command", "train_command", "quiet"}
+_NOT_CONFIG = {"func", "command", "train_command", "quiet", "force"}
 
 
 def add_subparser(sub: Any) -> None:
-    parser = sub.add_parser("train", help="train models: pretrain, distill, medusa, reference-pair",
+    parser = sub.add_parser("train", help="train models: pretrain, cache, distill, medusa, reference-pair",
                             description=__doc__.splitlines()[0] if __doc__ else None)
     tsub = parser.add_subparsers(dest="train_command", required=True,
-                                 metavar="{pretrain,distill,medusa,reference-pair}")
+                                 metavar="{pretrain,cache,distill,medusa,reference-pair}")
 
     p = tsub.add_parser("pretrain", help="train a BPE tokenizer and a small Llama from scratch on a corpus")
     p.add_argument("--corpus", nargs="+", action="extend", default=None, metavar="PATH",
@@ -38,11 +40,52 @@ def add_subparser(sub: Any) -> None:
     _run_flags(p)
     p.set_defaults(func=_run_pretrain)
 
-    d = tsub.add_parser("distill", help="distil a small draft model from a trained target (KL on its logits)")
-    d.add_argument("--target", required=True, help="trained target model folder")
-    d.add_argument("--out", required=True, help="output draft model folder")
+    c = tsub.add_parser("cache", help="run a target once over text and cache its top-k distributions "
+                                      "(and hidden states) for training drafters")
+    c.add_argument("--target", required=True, help="model folder, .gguf file or built-in model name")
+    c.add_argument("--out", default=None, help="cache folder (default: ~/.cache/infer/teacher/<model>-<hash>)")
+    c.add_argument("--source", default=None, choices=["auto", "self", "corpus"],
+                   help="self: the target's answers to varied prompts; corpus: text files; auto (default): "
+                        "corpus for a model infer trained, else self")
+    c.add_argument("--corpus", nargs="+", action="extend", default=None, metavar="PATH")
+    c.add_argument("--max-train-chars", type=int, default=None)
+    c.add_argument("--prompts", dest="num_prompts", type=int, default=None, help="self: prompts answered (256)")
+    c.add_argument("--max-new-tokens", type=int, default=None, help="self: longest answer (160)")
+    c.add_argument("--gen-temperature", type=float, default=None, help="self: sampling temperature (0.7)")
+    c.add_argument("--gen-batch-size", type=int, default=None, help="self: answers generated together (16)")
+    c.add_argument("--gen-dtype", default=None, help="self: dtype for generating (auto)")
+    c.add_argument("--seq-len", type=int, default=None, help="tokens per cached window (256)")
+    c.add_argument("--top-k", type=int, default=None, help="tokens kept per position (32)")
+    c.add_argument("--hidden-states", action=argparse.BooleanOptionalAction, default=None,
+                   help="store the final hidden states, which Medusa heads train on (default: yes)")
+    c.add_argument("--max-windows", type=int, default=None, help="at most this many training windows (1024)")
+    c.add_argument("--held-out-fraction", type=float, default=None,
+                   help="share of the text held out for evaluation (0.05)")
+    c.add_argument("--batch-size", type=int, default=None, help="windows per target forward (4)")
+    c.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="the target's dtype for the cached distributions (float32)")
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--device", default=None, help="cpu, cuda or auto (default)")
+    c.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available cores)")
+    c.add_argument("--force", action="store_true", help="rebuild even if a complete cache exists")
+    c.add_argument("--quiet", action="store_true", help="no progress output")
+    c.set_defaults(func=_run_cache)
+
+    d = tsub.add_parser("distill", help="distil a small draft model from a target (KL on its distributions)")
+    d.add_argument("--target", required=True, help="target: model folder, .gguf file or built-in model name")
+    d.add_argument("--out", default=None, help="output draft model folder (default: TARGET/draft; for a "
+                                               "single-file model ~/.cache/infer/drafters/<model>/draft, "
+                                               "where `infer demo` finds it)")
     d.add_argument("--corpus", nargs="+", action="extend", default=None, metavar="PATH",
-                   help="default: the corpus the target was trained on")
+                   help="run the target live on these texts (default for infer's own models: their corpus)")
+    d.add_argument("--teacher-cache", default=None, metavar="DIR|auto",
+                   help="train from a teacher cache (`infer train cache`); auto: build or reuse the default one "
+                        "(the default for a model infer did not train)")
+    d.add_argument("--reuse-target-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the target's embeddings and tied head (frozen) and start from its layers "
+                        "(default: yes when training from a teacher cache)")
+    d.add_argument("--exact-eval-windows", type=int, default=None,
+                   help="held-out windows on which the live target measures the final alpha (8)")
     _model_flags(d, "draft")
     d.add_argument("--max-train-chars", type=int, default=None)
     d.add_argument("--temperature", type=float, default=None, help="distillation temperature T (default 1)")
@@ -116,6 +159,20 @@ def _run_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_cache(args: argparse.Namespace) -> int:
+    from infer.train.teacher import MANIFEST_FILE, TeacherCacheConfig, build_teacher_cache, read_manifest
+
+    folder = build_teacher_cache(TeacherCacheConfig(**_config_kwargs(args)), progress=not args.quiet,
+                                 force=args.force)
+    manifest = read_manifest(folder, MANIFEST_FILE)
+    print(json.dumps({"out": str(folder), "source": manifest.get("source"), "windows": manifest.get("windows"),
+                      "seq_len": manifest.get("seq_len"), "top_k": manifest.get("top_k"),
+                      "answer_tokens": manifest.get("answer_tokens"), "source_stats": manifest.get("source_stats"),
+                      "forward_tokens_per_s": manifest.get("forward_tokens_per_s"),
+                      "wall_time_s": manifest.get("wall_time_s")}))
+    return 0
+
+
 def _run_distill(args: argparse.Namespace) -> int:
     from infer.train.distill import DistillConfig, distill
 
@@ -123,7 +180,8 @@ def _run_distill(args: argparse.Namespace) -> int:
     h = result.heldout
     print(json.dumps({"out": str(result.path), "params": result.num_params, "steps": result.steps,
                       "tokens": result.tokens, "train_time_s": round(result.train_time, 1),
-                      "heldout_kl": h.get("kl"), "alpha": h.get("alpha"), "greedy_agreement": h.get("agreement")}))
+                      "heldout_kl": h.get("kl"), "alpha": h.get("alpha"),
+                      "greedy_agreement": h.get("agreement_exact", h.get("agreement"))}))
     return 0
 
 

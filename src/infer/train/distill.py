@@ -6,6 +6,11 @@ plus ``ce_weight`` times the ordinary cross-entropy on the corpus tokens. The ta
 runs under ``torch.inference_mode``. The draft shares the target's tokenizer (files copied), vocab
 and EOS, so the engine can pair them.
 
+For a model infer did not train (a real checkpoint) the target is not run during training at
+all: its distributions come from a teacher cache (``infer.train.teacher``: by default the target's
+own answers to varied prompts, computed once), and the draft reuses the target's token embeddings,
+which its tied LM head shares, frozen (see ``DistillConfig.reuse_target_embeddings``).
+
 ``pair_metrics`` measures what matters for speculation on held-out text: the expected acceptance
 rate at temperature 1, ``alpha = E[sum_x min(p(x), q(x))]``, and greedy agreement
 (``argmax q == argmax p``).
@@ -19,14 +24,14 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from infer.fileio import publish_folder, staging_folder
-from infer.loader import load_model
+from infer.loader import load_model, load_tokenizer, resolve_model_path
 from infer.loader.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
@@ -42,7 +47,7 @@ from infer.train.common import (
     write_model_files,
 )
 from infer.train.corpus import load_corpus
-from infer.train.data import TOKENS_FILE, tokenize_corpus
+from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus
 from infer.train.pretrain import (
     TOKENIZER_FILES,
     TrainingRun,
@@ -50,9 +55,13 @@ from infer.train.pretrain import (
     _jsonable,
     check_precision,
     environment,
+    pick_eval_windows,
     prepare_run,
     save_dtype,
 )
+
+if TYPE_CHECKING:
+    from infer.train.teacher import TeacherCache, TeacherWindows
 
 
 @dataclass
@@ -61,7 +70,8 @@ class DistillConfig:
     "as the target was trained" (read from its training_args.json; stdlib and 256 otherwise)."""
 
     target: Path
-    out: Path
+    # None becomes <target>/draft, or for a single-file model ~/.cache/infer/drafters/<model>/draft.
+    out: Path = None  # type: ignore[assignment]
     corpus: list[str] | None = None
     max_train_chars: int | None = None
     held_out_fraction: float | None = None
@@ -80,6 +90,17 @@ class DistillConfig:
     grad_clip: float = 1.0
     init_std: float = 0.02
     init_from_target: bool = False  # start the draft's embeddings from the target's (top principal directions)
+    # Reuse the target's token embeddings (and so its tied LM head), frozen, at the target's width, and
+    # start the draft's layers as copies of the target's first layers. A real target's vocabulary is
+    # large (SmolLM2: 49,152 x 576 = 28M weights, a fifth of the model): learning a copy of it is most
+    # of the cost of training a draft and most of its error. The draft then has the target's layer shape
+    # (hidden_size / heads / intermediate_size are ignored). None: on when training from a teacher cache.
+    reuse_target_embeddings: bool | None = None
+    # A teacher cache folder (``infer train cache``), or "auto": build or reuse the default one for the
+    # target. None: "auto" for a model infer did not train when no corpus is given; otherwise the live
+    # target runs on corpus windows (infer's own small models).
+    teacher_cache: str | None = None
+    exact_eval_windows: int = 8  # held-out windows on which the live target measures the final alpha exactly
     temperature: float = 1.0
     ce_weight: float = 0.0  # weight of plain cross-entropy on the corpus tokens, added to the KL term
     max_steps: int | None = 1000
@@ -97,13 +118,23 @@ class DistillConfig:
     resume: bool = False
 
     def __post_init__(self) -> None:
+        from infer.train.teacher import drafters_dir
+
         self.target = Path(self.target).expanduser()
-        self.out = Path(self.out).expanduser()
+        self.out = Path(self.out).expanduser() if self.out is not None else drafters_dir(str(self.target)) / "draft"
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} must be > 0")
         if self.ce_weight < 0:
             raise ValueError(f"ce_weight={self.ce_weight} must be >= 0")
         check_precision(self.precision, self.save_dtype)
+
+    def uses_cache(self) -> bool:
+        from infer.train.teacher import trains_from_cache
+
+        return trains_from_cache(self.teacher_cache, self.corpus, str(self.target))
+
+    def reuses_embeddings(self) -> bool:
+        return self.uses_cache() if self.reuse_target_embeddings is None else self.reuse_target_embeddings
 
 
 def distill_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -140,8 +171,11 @@ def init_embeddings_from_target(draft: DecoderOnlyLM, target: DecoderOnlyLM, std
 
 @torch.inference_mode()
 def pair_metrics(target: DecoderOnlyLM, draft: DecoderOnlyLM, windows: torch.Tensor, device: torch.device,
-                 batch_size: int = 16, precision: str = "auto") -> dict[str, float]:
-    """Held-out KL(p||q), alpha = E[sum min(p, q)], greedy agreement and both CE losses, all at T=1."""
+                 batch_size: int = 16, precision: str = "auto", mask: torch.Tensor | None = None) -> dict[str, float]:
+    """Held-out KL(p||q), alpha = E[sum min(p, q)], greedy agreement and both CE losses, all at T=1.
+
+    ``mask`` [N, W - 1] (bool) counts only the positions where it is set (a chat model's answers, say).
+    """
     target.eval()
     draft.eval()
     sums = {"kl": 0.0, "alpha": 0.0, "agreement": 0.0, "target_loss": 0.0, "draft_loss": 0.0}
@@ -154,6 +188,9 @@ def pair_metrics(target: DecoderOnlyLM, draft: DecoderOnlyLM, windows: torch.Ten
             zd = draft.compute_logits(draft(x))
         zt = zt.float().reshape(-1, zt.shape[-1])
         zd = zd.float().reshape(-1, zd.shape[-1])
+        if mask is not None:
+            keep = mask[start:start + batch_size].to(device).reshape(-1)
+            zt, zd, y = zt[keep], zd[keep], y[keep]
         logp, logq = F.log_softmax(zt, -1), F.log_softmax(zd, -1)
         p, q = logp.exp(), logq.exp()
         sums["kl"] += float((p * (logp - logq)).sum())
@@ -188,8 +225,9 @@ def load_frozen_target(cfg: Any, device: torch.device) -> FrozenTarget:
         raise FileNotFoundError(f"{cfg.target}: not a complete model folder (config.json, model.safetensors, "
                                 "tokenizer.json)")
     targs = target_training_args(cfg.target)
+    # Unpacked: distillation and Medusa training read the target's LM head weight.
     target, tcfg = load_model(cfg.target, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                              device=str(device))
+                              device=str(device), pack=False)
     target.requires_grad_(False)
     tokenizer = Tokenizer.from_file(str(cfg.target / "tokenizer.json"))
     eos_id = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else tokenizer.token_to_id("<|end_of_text|>")
@@ -218,8 +256,75 @@ def target_training_args(target: Path) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
+def draft_config(cfg: DistillConfig, tcfg: ModelConfig, reuse: bool, eos_id: int) -> ModelConfig:
+    """The draft's Llama config: the target's vocabulary, EOS, RoPE base and context; its own depth;
+    the target's layer shape when it reuses the target's embeddings, else the configured one."""
+    shape = dict(hidden_size=tcfg.hidden_size, num_heads=tcfg.num_attention_heads,
+                 num_kv_heads=tcfg.num_key_value_heads, intermediate_size=tcfg.intermediate_size) if reuse else \
+        dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+             intermediate_size=cfg.intermediate_size)
+    dcfg = model_config(vocab_size=tcfg.vocab_size, num_layers=cfg.num_layers,
+                        max_position_embeddings=tcfg.max_position_embeddings,
+                        tie_word_embeddings=tcfg.tie_word_embeddings if reuse else cfg.tie_word_embeddings,
+                        rope_theta=tcfg.rope_theta,
+                        eos_token_ids=list(tcfg.eos_token_ids) or [eos_id], bos_token_id=tcfg.bos_token_id, **shape)
+    if reuse:
+        dcfg.head_dim, dcfg.rms_norm_eps = tcfg.head_dim, tcfg.rms_norm_eps
+    return dcfg
+
+
+@torch.no_grad()
+def reuse_target_weights(draft: DecoderOnlyLM, target: DecoderOnlyLM) -> None:
+    """Copy the target's token embeddings and LM head (frozen: tied or not, the head stays the target's), its first layers
+    and its final norm into a draft of the same layer shape: the target's early exit, which training
+    then teaches to finish the target's thought. (Measured on SmolLM2-135M's own answers: held-out KL
+    15.8 for layers 0-1, 16.7 for 28-29, 18.5 for 0 and 15, 51 for 0 and 29, 81 for random layers.)"""
+    draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    draft.model.embed_tokens.weight.requires_grad_(False)
+    if not draft.config.tie_word_embeddings:  # an untied target's head is reused as it is, frozen too
+        draft.lm_head.weight.copy_(target.lm_head.weight)
+        draft.lm_head.weight.requires_grad_(False)
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    for layer, source in zip(draft.model.layers, target.model.layers, strict=False):
+        layer.load_state_dict(source.state_dict())
+
+
+def save_tokenizer_files(target: str | os.PathLike[str], folder: Path) -> None:
+    """The target's tokenizer files into ``folder``, so the draft loads with the same vocabulary and EOS:
+    copied from a model folder, or written from what the loader read (a GGUF file, say)."""
+    source = resolve_model_path(target)
+    if source.is_dir():
+        for name in (*TOKENIZER_FILES, "chat_template.jinja", "special_tokens_map.json"):
+            if (source / name).is_file():
+                shutil.copy2(source / name, folder / name)
+        return
+    tokenizer = load_tokenizer(target)
+    tokenizer._tok.save(str(folder / "tokenizer.json"))
+    write_json(folder / "tokenizer_config.json", tokenizer.config)
+
+
+def _publish_draft(cfg: DistillConfig, run: TrainingRun, draft: DecoderOnlyLM, dcfg: ModelConfig,
+                   device: torch.device, args: dict[str, Any], wall_start: float,
+                   final: dict[str, float]) -> None:
+    work = cfg.out / CHECKPOINT_DIR
+    with staging_folder(cfg.out) as tmp:
+        write_model_files(tmp, draft, dcfg, save_dtype(cfg, device))
+        save_tokenizer_files(cfg.target, tmp)
+        if (work / TOKENS_FILE).is_file():
+            os.replace(work / TOKENS_FILE, tmp / TOKENS_FILE)
+        write_json(tmp / TRAINING_ARGS_FILE, {"kind": "distill", **_jsonable(asdict(cfg)), **args,
+                                              "model_config": dcfg.to_hf_dict(), **environment(device)})
+        run.write_log(tmp, wall_start, final)
+        publish_folder(tmp, cfg.out)
+
+
 def distill(cfg: DistillConfig, progress: bool = True) -> TrainResult:
     """Train a draft for ``cfg.target`` and publish it at ``cfg.out``; see the module docstring."""
+    return _distill_from_cache(cfg, progress) if cfg.uses_cache() else _distill_live(cfg, progress)
+
+
+def _distill_live(cfg: DistillConfig, progress: bool) -> TrainResult:
+    """Run the target on every batch of corpus windows (infer's own small targets)."""
     wall_start = time.perf_counter()
     device, resuming = prepare_run(cfg, progress)
     out = cfg.out
@@ -243,26 +348,25 @@ def distill(cfg: DistillConfig, progress: bool = True) -> TrainResult:
     say(f"corpus: {corpus.source}: {data.num_train_tokens:,} train / {data.num_heldout_tokens:,} held-out "
         f"tokens ({time.perf_counter() - t0:.1f}s)", progress)
 
-    dcfg = model_config(vocab_size=tcfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-                        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                        intermediate_size=cfg.intermediate_size,
-                        max_position_embeddings=tcfg.max_position_embeddings,
-                        tie_word_embeddings=cfg.tie_word_embeddings, rope_theta=tcfg.rope_theta,
-                        eos_token_ids=list(tcfg.eos_token_ids) or [eos_id], bos_token_id=tcfg.bos_token_id)
+    reuse = cfg.reuses_embeddings()
+    dcfg = draft_config(cfg, tcfg, reuse, eos_id)
     draft = build_model(dcfg, cfg.seed, cfg.init_std)
-    if cfg.init_from_target:
+    if reuse:
+        reuse_target_weights(draft, load_model(cfg.target, dtype=torch.float32, device="cpu", fuse=False)[0])
+    elif cfg.init_from_target:
         init_embeddings_from_target(draft, target, cfg.init_std)
     draft = draft.to(device)
     num_params = count_params(draft)
     target_params = count_params(target)
-    say(f"draft: llama {num_params / 1e6:.2f}M params ({cfg.num_layers} layers, hidden {cfg.hidden_size}) "
+    say(f"draft: llama {num_params / 1e6:.2f}M params ({cfg.num_layers} layers, hidden {dcfg.hidden_size}) "
         f"for a {target_params / 1e6:.2f}M target on {device}, {torch.get_num_threads()} threads", progress)
 
     identity = {"kind": "distill", "model": dcfg.to_hf_dict(), "data": data.key, "seq_len": seq_len,
                 "batch_size": cfg.batch_size, "seed": cfg.seed, "target": str(cfg.target.resolve()),
-                "temperature": cfg.temperature, "ce_weight": cfg.ce_weight}
-    run = TrainingRun(cfg, draft, data, seq_len, cfg.seed + 1, identity, device, resuming, progress)
-    sampler, windows = run.sampler, run.windows
+                "temperature": cfg.temperature, "ce_weight": cfg.ce_weight, "reuse": reuse}
+    sampler = WindowSampler(data.train, seq_len, cfg.batch_size, cfg.seed + 1)
+    windows = pick_eval_windows(data, seq_len, cfg.eval_windows)
+    run = TrainingRun(cfg, draft, sampler, cfg.batch_size * seq_len, identity, device, resuming, progress)
 
     def step_fn() -> tuple[torch.Tensor, dict[str, float]]:
         batch = sampler.sample().to(device, non_blocking=True)
@@ -285,7 +389,7 @@ def distill(cfg: DistillConfig, progress: bool = True) -> TrainResult:
         m = pair_metrics(target, draft, windows[:16], device, cfg.batch_size, cfg.precision)
         return {"kl": m["kl"], "alpha": m["alpha"], "agreement": m["agreement"]}
 
-    state = run.train(step_fn, eval_fn, "distill")
+    state = run.train(step_fn, eval_fn if windows.shape[0] else None, "distill")
     final: dict[str, float] = {}
     if windows.shape[0]:
         final = pair_metrics(target, draft, windows, device, cfg.batch_size, cfg.precision)
@@ -293,20 +397,121 @@ def distill(cfg: DistillConfig, progress: bool = True) -> TrainResult:
             f"alpha {final['alpha']:.4f}, greedy agreement {final['agreement']:.4f}, "
             f"draft loss {final['draft_loss']:.4f} vs target {final['target_loss']:.4f}", progress)
 
-    with staging_folder(out) as tmp:
-        write_model_files(tmp, draft, dcfg, save_dtype(cfg, device))
-        for name in TOKENIZER_FILES:
-            shutil.copy2(cfg.target / name, tmp / name)
-        if (work / TOKENS_FILE).is_file():
-            os.replace(work / TOKENS_FILE, tmp / TOKENS_FILE)
-        args = {"kind": "distill", **_jsonable(asdict(cfg)), "resolved": {
-                    "corpus": corpus_paths, "max_train_chars": max_chars, "held_out_fraction": held_frac,
-                    "seq_len": seq_len, "data_seed": data_seed},
-                "model_config": dcfg.to_hf_dict(), "num_params": num_params, "target_params": target_params,
-                "corpus_source": corpus.source, **environment(device)}
-        write_json(tmp / TRAINING_ARGS_FILE, args)
-        run.write_log(tmp, wall_start, final)
-        publish_folder(tmp, out)
+    args = {"resolved": {"corpus": corpus_paths, "max_train_chars": max_chars, "held_out_fraction": held_frac,
+                         "seq_len": seq_len, "data_seed": data_seed},
+            "num_params": num_params, "target_params": target_params, "corpus_source": corpus.source}
+    _publish_draft(cfg, run, draft, dcfg, device, args, wall_start, final)
     say(f"saved {out} ({state.step} steps, {state.tokens:,} tokens, {state.elapsed:.0f}s training)", progress)
     return TrainResult(path=out, config=dcfg, num_params=num_params, steps=state.step, tokens=state.tokens,
                        train_time=state.elapsed, wall_time=time.perf_counter() - wall_start, heldout=final)
+
+
+def teacher_cache_for(cfg: Any, device: torch.device, progress: bool) -> Path:
+    """The teacher cache folder ``cfg.teacher_cache`` names, or for "auto"/None the default one for
+    ``cfg.target`` (built first if missing: the expensive, once-only part)."""
+    from infer.train.teacher import TeacherCacheConfig, build_teacher_cache
+
+    if cfg.teacher_cache not in (None, "auto"):
+        return Path(cfg.teacher_cache).expanduser()
+    settings = TeacherCacheConfig(target=str(cfg.target), seed=cfg.seed, device=str(device), threads=cfg.threads)
+    return build_teacher_cache(settings, progress=progress)
+
+
+def cache_pair_metrics(draft: DecoderOnlyLM, windows: TeacherWindows, device: torch.device, batch_size: int,
+                       precision: str, limit: int | None = None) -> dict[str, float]:
+    """Held-out metrics of a draft against the cached teacher (answer positions only): KL and alpha
+    over the top-k plus the rest (alpha a lower bound), and exact greedy agreement."""
+    from infer.train.teacher import coarse_metrics
+
+    draft.eval()
+    sums: dict[str, float] = {}
+    with torch.inference_mode():
+        for batch in windows.batches(batch_size, limit):
+            batch = batch.to(device)
+            with autocast(device, precision):
+                logits = draft.compute_logits(draft(batch.tokens))
+            for k, v in coarse_metrics(logits.float(), batch).items():
+                sums[k] = sums.get(k, 0.0) + v
+    count = max(sums.pop("count", 0.0), 1.0)
+    return {k: v / count for k, v in sums.items()}
+
+
+def _distill_from_cache(cfg: DistillConfig, progress: bool) -> TrainResult:
+    """Train on a teacher cache: the target is not run during training (real targets)."""
+    from infer.train.teacher import CacheSampler, TeacherCache, coarse_kl
+
+    if cfg.temperature != 1.0:
+        raise ValueError("a teacher cache holds the target's distributions at temperature 1: use temperature=1")
+    wall_start = time.perf_counter()
+    device, resuming = prepare_run(cfg, progress)
+    cache_dir = teacher_cache_for(cfg, device, progress)
+    cache = TeacherCache(cache_dir)
+    tcfg, seq_len = cache.target_config, cache.seq_len
+    say(f"teacher cache {cache_dir}: {cache.train.num_windows} train / {cache.heldout.num_windows} held-out "
+        f"windows of {seq_len} tokens ({cache.manifest['description']})", progress)
+
+    reuse = cfg.reuses_embeddings()
+    dcfg = draft_config(cfg, tcfg, reuse, tcfg.eos_token_ids[0] if tcfg.eos_token_ids else 0)
+    draft = build_model(dcfg, cfg.seed, cfg.init_std)
+    target_params = 0
+    if reuse or cfg.init_from_target:
+        target, _ = load_model(cfg.target, dtype=torch.float32, device="cpu", fuse=False)
+        target_params = count_params(target)
+        if reuse:
+            reuse_target_weights(draft, target)
+        else:
+            init_embeddings_from_target(draft, target, cfg.init_std)
+        del target
+    draft = draft.to(device)
+    num_params = count_params(draft)
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    say(f"draft: llama {num_params / 1e6:.2f}M params, {trainable / 1e6:.2f}M trained ({cfg.num_layers} layers, "
+        f"hidden {dcfg.hidden_size}{', the target embeddings and tied head reused, frozen' if reuse else ''}) "
+        f"on {device}, {torch.get_num_threads()} threads", progress)
+
+    identity = {"kind": "distill-cache", "model": dcfg.to_hf_dict(), "cache": cache.manifest["settings_hash"],
+                "batch_size": cfg.batch_size, "seed": cfg.seed, "ce_weight": cfg.ce_weight, "reuse": reuse}
+    sampler = CacheSampler(cache.train.num_windows, cfg.batch_size, cfg.seed + 1)
+    run = TrainingRun(cfg, draft, sampler, cfg.batch_size * seq_len, identity, device, resuming, progress)
+
+    def step_fn() -> tuple[torch.Tensor, dict[str, float]]:
+        batch = cache.train.batch(sampler.sample()).to(device)
+        with autocast(device, cfg.precision):
+            logits = draft.compute_logits(draft(batch.tokens))
+        loss = coarse_kl(logits.float(), batch).mean()
+        extras = {"kl": float(loss.detach())}
+        if cfg.ce_weight > 0:
+            ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), batch.tokens[:, 1:].flatten())
+            loss = loss + cfg.ce_weight * ce
+            extras["ce"] = float(ce.detach())
+        return loss, extras
+
+    def eval_fn() -> dict[str, float]:
+        return cache_pair_metrics(draft, cache.heldout, device, cfg.batch_size, cfg.precision, limit=16)
+
+    state = run.train(step_fn, eval_fn, "distill")
+    final = cache_pair_metrics(draft, cache.heldout, device, cfg.batch_size, cfg.precision,
+                               limit=cfg.eval_windows)
+    final.update(exact_heldout_metrics(cfg, draft, cache, device))
+    say("held-out answers vs the cached target: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()), progress)
+
+    args = {"teacher_cache": str(cache_dir), "teacher": {k: cache.manifest.get(k) for k in (
+                "settings_hash", "description", "source", "seq_len", "top_k", "windows")},
+            "num_params": num_params, "trainable_params": trainable, "target_params": target_params,
+            "reuse_target_embeddings": reuse}
+    _publish_draft(cfg, run, draft, dcfg, device, args, wall_start, final)
+    say(f"saved {cfg.out} ({state.step} steps, {state.tokens:,} tokens, {state.elapsed:.0f}s training)", progress)
+    return TrainResult(path=cfg.out, config=dcfg, num_params=num_params, steps=state.step, tokens=state.tokens,
+                       train_time=state.elapsed, wall_time=time.perf_counter() - wall_start, heldout=final)
+
+
+def exact_heldout_metrics(cfg: DistillConfig, draft: DecoderOnlyLM, cache: TeacherCache,
+                          device: torch.device) -> dict[str, float]:
+    """alpha, KL and greedy agreement against the live target (full distributions, not the cached
+    top-k) on ``cfg.exact_eval_windows`` held-out windows, answer positions only."""
+    if cfg.exact_eval_windows <= 0:
+        return {}
+    held = cache.heldout.batch(slice(0, cfg.exact_eval_windows))
+    target, _ = load_model(cfg.target, dtype=torch.float32, device=str(device))
+    m = pair_metrics(target, draft, held.tokens, device, 4, cfg.precision, mask=held.answer[:, :-1])
+    return {"alpha": m["alpha"], "kl_exact": m["kl"], "agreement_exact": m["agreement"]}

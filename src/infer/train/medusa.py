@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.models.medusa_heads import DEFAULT_TOP_K, DEFAULT_TREE_SIZE, MedusaHeads
-from infer.speculative.medusa import default_heads_dir
+from infer.train.teacher import drafters_dir
 
 OBJECTIVES = ("distill", "ce")
 
@@ -43,7 +43,13 @@ class MedusaTrainConfig:
     out: Path | None = None  # default: <target>/medusa
     objective: str = "distill"
     num_layers: int = 1  # residual blocks per head
-    train_projection: bool = True  # False: keep each head's vocabulary projection at the target's lm_head
+    # False: every head keeps the target's LM head as its vocabulary projection, so drafting applies one
+    # shared V x H matrix instead of K copies (a fifth of SmolLM2's weights each). None: False when
+    # training from a teacher cache (real targets), True otherwise.
+    train_projection: bool | None = None
+    # A teacher cache folder (``infer train cache``, with hidden states), or "auto". None: "auto" for a
+    # model infer did not train when no corpus is given; otherwise the live target runs on corpus windows.
+    teacher_cache: str | None = None
     tree_size: int = DEFAULT_TREE_SIZE
     top_k: int = DEFAULT_TOP_K
     corpus: list[str] | None = None
@@ -80,6 +86,14 @@ class MedusaTrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.seq_len is not None and self.seq_len < self.heads + 2:
             raise ValueError(f"seq_len={self.seq_len} must be >= heads + 2 = {self.heads + 2}")
+
+    def uses_cache(self) -> bool:
+        from infer.train.teacher import trains_from_cache
+
+        return trains_from_cache(self.teacher_cache, self.corpus, str(self.target))
+
+    def trains_projection(self) -> bool:
+        return not self.uses_cache() if self.train_projection is None else self.train_projection
 
 
 @dataclass
@@ -142,70 +156,162 @@ def evaluate_heads(target: Any, heads: MedusaHeads, windows: torch.Tensor, objec
     return losses, [[float(h) / max(1, counts[k]) for h in hits[k]] for k in range(num_heads)]
 
 
-def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainResult:
-    """Train ``cfg.heads`` Medusa heads for the frozen ``cfg.target`` and publish them; see the module doc."""
-    from infer.train.common import (
-        LoopSettings,
-        LoopState,
-        autocast,
-        configure_threads,
-        pick_device,
-        run_loop,
-        say,
-    )
-    from infer.train.corpus import load_corpus
-    from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus
-    from infer.train.distill import load_frozen_target
-    from infer.train.pretrain import pick_eval_windows
+class _LiveTarget:
+    """Batches of corpus windows run through the target at every step (infer's own small targets)."""
 
-    wall_start = time.perf_counter()
-    device = pick_device(cfg.device)
-    configure_threads(device, cfg.threads)
-    frozen = load_frozen_target(cfg, device)
-    target, tcfg, tokenizer, eos_id = frozen.model, frozen.config, frozen.tokenizer, frozen.eos_id
-    corpus_paths, max_chars, held_frac = frozen.corpus_paths, frozen.max_train_chars, frozen.held_out_fraction
-    seq_len, data_seed = frozen.seq_len, frozen.data_seed
-    seq_len = min(seq_len, tcfg.max_position_embeddings - 1)
-    corpus = load_corpus(corpus_paths, held_out_fraction=held_frac)
-    t0 = time.perf_counter()
-    data = tokenize_corpus(tokenizer, corpus, eos_id, max_train_chars=max_chars, seed=data_seed,
-                           cache=[cfg.target / TOKENS_FILE])
-    say(f"corpus: {corpus.source}: {data.num_train_tokens:,} train / {data.num_heldout_tokens:,} held-out "
-        f"tokens ({time.perf_counter() - t0:.1f}s)", progress)
+    def __init__(self, cfg: MedusaTrainConfig, device: torch.device, progress: bool) -> None:
+        from infer.train.common import say
+        from infer.train.corpus import load_corpus
+        from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus
+        from infer.train.distill import load_frozen_target
+        from infer.train.pretrain import pick_eval_windows
 
-    torch.manual_seed(cfg.seed)
-    medusa = MedusaHeads.from_target(target.lm_head.weight.detach().float().clone(), cfg.heads, cfg.num_layers,
-                                     tree_size=cfg.tree_size, top_k=cfg.top_k, target=str(cfg.target))
-    medusa.to(device)
-    for head in medusa.heads:
-        head.lm_head.requires_grad_(cfg.train_projection)  # type: ignore[union-attr]
-    trainable = [p for p in medusa.parameters() if p.requires_grad]
-    say(f"{cfg.heads} Medusa heads, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters, "
-        f"for a {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M target on {device}", progress)
+        self.cfg, self.device = cfg, device
+        frozen = load_frozen_target(cfg, device)
+        self.target, tcfg = frozen.model, frozen.config
+        seq_len = min(frozen.seq_len, tcfg.max_position_embeddings - 1)
+        corpus = load_corpus(frozen.corpus_paths, held_out_fraction=frozen.held_out_fraction)
+        t0 = time.perf_counter()
+        data = tokenize_corpus(frozen.tokenizer, corpus, frozen.eos_id, max_train_chars=frozen.max_train_chars,
+                               seed=frozen.data_seed, cache=[cfg.target / TOKENS_FILE])
+        say(f"corpus: {corpus.source}: {data.num_train_tokens:,} train / {data.num_heldout_tokens:,} held-out "
+            f"tokens ({time.perf_counter() - t0:.1f}s)", progress)
+        self.sampler = WindowSampler(data.train, seq_len, cfg.batch_size, cfg.seed + 1)
+        self.windows = pick_eval_windows(data, seq_len, cfg.eval_windows)
+        if self.sampler.window < cfg.heads + 2 or self.windows.shape[0] == 0:
+            raise ValueError(f"the corpus is too small ({data.num_train_tokens} training tokens) for {cfg.heads} heads")
+        self.lm_head = self.target.lm_head.weight.detach().float().clone()
+        self.target_params = sum(p.numel() for p in self.target.parameters())
+        self.tokens_per_step = cfg.batch_size * self.sampler.window
+        self.resolved = {"corpus": frozen.corpus_paths, "max_train_chars": frozen.max_train_chars,
+                         "held_out_fraction": frozen.held_out_fraction, "seq_len": seq_len,
+                         "data_seed": frozen.data_seed, "corpus_source": corpus.source}
 
-    sampler = WindowSampler(data.train, seq_len, cfg.batch_size, cfg.seed + 1)
-    windows = pick_eval_windows(data, seq_len, cfg.eval_windows)
-    if sampler.window < cfg.heads + 2 or windows.shape[0] == 0:
-        raise ValueError(f"the corpus is too small ({data.num_train_tokens} training tokens) for {cfg.heads} heads")
-    eval_batch = max(1, cfg.batch_size)
-    before, _ = evaluate_heads(target, medusa, windows, cfg.objective, eval_batch, device)
-    say(f"held-out loss before training: {sum(before) / cfg.heads:.4f}", progress)
+    def losses(self, medusa: MedusaHeads) -> list[torch.Tensor]:
+        from infer.train.common import autocast
 
-    def step_fn() -> tuple[torch.Tensor, dict[str, float]]:
-        ids = sampler.sample().to(device, non_blocking=True)
+        cfg, device = self.cfg, self.device
+        ids = self.sampler.sample().to(device, non_blocking=True)
         with torch.inference_mode(), autocast(device, cfg.precision):
-            hidden = target(ids).float()
-            teacher = torch.softmax(target.compute_logits(hidden).float(), dim=-1) \
+            hidden = self.target(ids).float()
+            teacher = torch.softmax(self.target.compute_logits(hidden).float(), dim=-1) \
                 if cfg.objective == "distill" else None
         hidden = hidden.clone()  # normal tensors, usable by autograd
         teacher = None if teacher is None else teacher.clone()
         with autocast(device, cfg.precision):
             logits = [medusa.head_logits(k, hidden) for k in range(cfg.heads)]
-        losses = [head_loss(logits[k].float(), k, ids, teacher) for k in range(cfg.heads)]
+        return [head_loss(logits[k].float(), k, ids, teacher) for k in range(cfg.heads)]
+
+    def evaluate(self, medusa: MedusaHeads) -> tuple[list[float], list[list[float]]]:
+        return evaluate_heads(self.target, medusa, self.windows, self.cfg.objective, max(1, self.cfg.batch_size),
+                              self.device)
+
+
+class _CachedTarget:
+    """Batches of a teacher cache: the target's final hidden states and top-k distributions, stored
+    once (real targets), so a step costs only the heads."""
+
+    def __init__(self, cfg: MedusaTrainConfig, device: torch.device, progress: bool) -> None:
+        from infer.loader import load_model
+        from infer.train.common import say
+        from infer.train.distill import teacher_cache_for
+        from infer.train.teacher import CacheSampler, TeacherCache
+
+        if cfg.objective != "distill":
+            raise ValueError("a teacher cache trains the heads on the target's distributions: use objective=distill")
+        self.cfg, self.device = cfg, device
+        folder = teacher_cache_for(cfg, device, progress)
+        self.cache = TeacherCache(folder, hidden=True)
+        if self.cache.seq_len < cfg.heads + 2:
+            raise ValueError(f"the cache's windows ({self.cache.seq_len} tokens) are too short for {cfg.heads} heads")
+        say(f"teacher cache {folder}: {self.cache.train.num_windows} train / {self.cache.heldout.num_windows} "
+            f"held-out windows of {self.cache.seq_len} tokens ({self.cache.manifest['description']})", progress)
+        target, _ = load_model(cfg.target, dtype=torch.float32, device="cpu", fuse=False)
+        self.lm_head = target.lm_head.weight.detach().clone()
+        self.target_params = sum(p.numel() for p in target.parameters())
+        del target
+        self.sampler = CacheSampler(self.cache.train.num_windows, cfg.batch_size, cfg.seed + 1)
+        self.tokens_per_step = cfg.batch_size * self.cache.seq_len
+        self.resolved = {"teacher_cache": str(folder), "seq_len": self.cache.seq_len,
+                         "teacher": {k: self.cache.manifest.get(k) for k in (
+                             "settings_hash", "description", "source", "top_k", "windows")}}
+
+    def _head_logits(self, medusa: MedusaHeads, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head k at every position whose guess (the token at t + k + 2) the window still holds a teacher for."""
+        from infer.train.common import autocast
+
+        with autocast(self.device, self.cfg.precision):
+            return medusa.head_logits(k, hidden[:, :hidden.shape[1] - (k + 1)]).float()
+
+    def losses(self, medusa: MedusaHeads) -> list[torch.Tensor]:
+        from infer.train.teacher import coarse_kl
+
+        batch = self.cache.train.batch(self.sampler.sample()).to(self.device)
+        assert batch.hidden is not None
+        return [coarse_kl(self._head_logits(medusa, k, batch.hidden), batch, offset=k + 1).mean()
+                for k in range(self.cfg.heads)]
+
+    @torch.no_grad()
+    def evaluate(self, medusa: MedusaHeads) -> tuple[list[float], list[list[float]]]:
+        """Per-head held-out KL (top-k + rest) and rank accuracy against the target's argmax, on answers."""
+        from infer.train.teacher import coarse_kl
+
+        heads, top_k = self.cfg.heads, medusa.config.top_k
+        kl_sum, counts = [0.0] * heads, [0.0] * heads
+        hits = torch.zeros(heads, top_k, dtype=torch.float64)
+        medusa.eval()
+        for batch in self.cache.heldout.batches(max(1, self.cfg.batch_size), self.cfg.eval_windows):
+            batch = batch.to(self.device)
+            assert batch.hidden is not None
+            for k in range(heads):
+                logits = self._head_logits(medusa, k, batch.hidden)
+                keep = batch.answer[:, k + 1: k + 1 + logits.shape[1]]
+                kl_sum[k] += float(coarse_kl(logits, batch, offset=k + 1)[keep].sum())
+                truth = batch.topk_ids[:, k + 1: k + 1 + logits.shape[1], :1]
+                hit = logits.topk(top_k, dim=-1).indices == truth
+                hits[k] += hit[keep].double().sum(0).cpu()
+                counts[k] += float(keep.sum())
+        return ([kl_sum[k] / max(counts[k], 1.0) for k in range(heads)],
+                [[float(h) / max(counts[k], 1.0) for h in hits[k]] for k in range(heads)])
+
+
+def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainResult:
+    """Train ``cfg.heads`` Medusa heads for the frozen ``cfg.target`` and publish them; see the module doc."""
+    from infer.train.common import (
+        LoopSettings,
+        LoopState,
+        configure_threads,
+        pick_device,
+        run_loop,
+        say,
+    )
+
+    wall_start = time.perf_counter()
+    device = pick_device(cfg.device)
+    configure_threads(device, cfg.threads)
+    data = _CachedTarget(cfg, device, progress) if cfg.uses_cache() else _LiveTarget(cfg, device, progress)
+
+    torch.manual_seed(cfg.seed)
+    medusa = MedusaHeads.from_target(data.lm_head, cfg.heads, cfg.num_layers, tree_size=cfg.tree_size,
+                                     top_k=cfg.top_k, target=str(cfg.target))
+    medusa.to(device)
+    train_projection = cfg.trains_projection()
+    for head in medusa.heads:
+        head.lm_head.requires_grad_(train_projection)  # type: ignore[union-attr]
+    trainable = [p for p in medusa.parameters() if p.requires_grad]
+    say(f"{cfg.heads} Medusa heads, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters "
+        f"({'own' if train_projection else 'the target LM head as their shared, frozen'} vocabulary projection"
+        f"{'s' if train_projection else ''}), for a {data.target_params / 1e6:.2f}M target on {device}", progress)
+
+    before, _ = data.evaluate(medusa)
+    say(f"held-out loss before training: {sum(before) / cfg.heads:.4f}", progress)
+
+    def step_fn() -> tuple[torch.Tensor, dict[str, float]]:
+        losses = data.losses(medusa)
         return torch.stack(losses).mean(), {f"head{k}": float(loss.detach()) for k, loss in enumerate(losses)}
 
     def eval_fn() -> dict[str, float]:
-        losses, accuracy = evaluate_heads(target, medusa, windows, cfg.objective, eval_batch, device)
+        losses, accuracy = data.evaluate(medusa)
         return {"loss": sum(losses) / cfg.heads, **{f"top1_head{k}": row[0] for k, row in enumerate(accuracy)}}
 
     eval_every = cfg.eval_every
@@ -215,22 +321,21 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
                             min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps,
                             weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, eval_every=eval_every or None,
                             log_every=max(1, cfg.log_every), checkpoint_every=0,
-                            tokens_per_step=cfg.batch_size * (sampler.window))
+                            tokens_per_step=data.tokens_per_step)
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     state = run_loop(model=medusa, optimizer=optimizer, settings=settings, step_fn=step_fn, eval_fn=eval_fn,
                      state=LoopState(), save_checkpoint=None, progress=progress, desc="medusa")
 
-    final, rank_accuracy = evaluate_heads(target, medusa, windows, cfg.objective, eval_batch, device)
+    final, rank_accuracy = data.evaluate(medusa)
     medusa.config.rank_accuracy = rank_accuracy
     medusa.config.training = {
         **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-        "resolved": {"corpus": corpus_paths, "max_train_chars": max_chars, "held_out_fraction": held_frac,
-                     "seq_len": seq_len, "data_seed": data_seed, "corpus_source": corpus.source},
+        "resolved": {**data.resolved, "train_projection": train_projection},
         "steps": state.step, "tokens": state.tokens, "train_time_s": round(state.elapsed, 1),
         "heldout_loss_before": sum(before) / cfg.heads, "heldout_loss_after": sum(final) / cfg.heads,
         "heldout_loss_per_head": final,
     }
-    out = cfg.out if cfg.out is not None else default_heads_dir(cfg.target)
+    out = cfg.out if cfg.out is not None else drafters_dir(str(cfg.target)) / "medusa"
     medusa.to(torch.float32).save(out)
     top1 = ", ".join(f"{row[0]:.3f}" for row in rank_accuracy)
     say(f"saved {out} ({state.step} steps, {state.elapsed:.0f}s training, {time.perf_counter() - wall_start:.0f}s "
@@ -245,7 +350,7 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
 # ------------------------------------------------------------------------------------------- CLI
 
 _RENAMES = {"layers": "num_layers"}
-_NOT_CONFIG = {"func", "quiet", "freeze_projection"}
+_NOT_CONFIG = {"func", "quiet", "freeze_projection", "train_projection"}
 
 
 def add_medusa_parser(train_subparsers: Any) -> argparse.ArgumentParser:
@@ -253,9 +358,10 @@ def add_medusa_parser(train_subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = train_subparsers.add_parser(
         "medusa", help="train Medusa heads for a frozen target (used by --speculator medusa)",
         description="Train Medusa heads on a frozen target; they are saved to TARGET/medusa by default.")
-    p.add_argument("--target", required=True, help="trained target model folder")
+    p.add_argument("--target", required=True, help="target: model folder, .gguf file or built-in model name")
     p.add_argument("--heads", type=int, default=None, help="number of heads = tokens guessed ahead (default 4)")
-    p.add_argument("--out", default=None, help="heads folder (default: TARGET/medusa)")
+    p.add_argument("--out", default=None, help="heads folder (default: TARGET/medusa; for a single-file model "
+                                                  "~/.cache/infer/drafters/<model>/medusa)")
     p.add_argument("--objective", default=None, choices=OBJECTIVES,
                    help="distill: the target's own predictions (default); ce: the corpus's future tokens")
     p.add_argument("--layers", type=int, default=None, help="residual blocks per head (default 1)")
@@ -263,8 +369,13 @@ def add_medusa_parser(train_subparsers: Any) -> argparse.ArgumentParser:
                    help="keep each head's vocabulary projection equal to the target's LM head")
     p.add_argument("--tree-size", type=int, default=None, help=f"candidate tree nodes per round (default {DEFAULT_TREE_SIZE})")
     p.add_argument("--top-k", type=int, default=None, help=f"most candidates per head in the tree (default {DEFAULT_TOP_K})")
+    p.add_argument("--train-projection", action="store_true",
+                   help="give each head its own trainable copy of the LM head (default for infer's own models)")
     p.add_argument("--corpus", nargs="+", action="extend", default=None, metavar="PATH",
-                   help="default: the corpus the target was trained on")
+                   help="run the target live on these texts (default for infer's own models: their corpus)")
+    p.add_argument("--teacher-cache", default=None, metavar="DIR|auto",
+                   help="train from a teacher cache with hidden states (`infer train cache`); auto: build or reuse "
+                        "the default one (the default for a model infer did not train)")
     p.add_argument("--max-train-chars", type=int, default=None)
     g = p.add_argument_group("training")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per training window (default: the target's)")
@@ -291,8 +402,10 @@ def config_from_args(args: argparse.Namespace) -> MedusaTrainConfig:
     kwargs = {k: v for k, v in kwargs.items() if k in fields}
     if "time_budget" in kwargs and "max_steps" not in kwargs:
         kwargs["max_steps"] = None  # time-limited only
-    if args.freeze_projection:
-        kwargs["train_projection"] = False
+    if args.freeze_projection and args.train_projection:
+        raise ValueError("--freeze-projection and --train-projection contradict each other")
+    if args.freeze_projection or args.train_projection:
+        kwargs["train_projection"] = bool(args.train_projection)
     return MedusaTrainConfig(**kwargs)
 
 

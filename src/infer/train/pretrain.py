@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -184,17 +184,26 @@ def prepare_run(cfg: Any, progress: bool) -> tuple[torch.device, bool]:
     return device, resuming
 
 
+class Sampler(Protocol):
+    """Draws the next training batch (as the step function reads it); its state is checkpointed."""
+
+    def sample(self) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class TrainingRun:
     """What pretraining and distillation set up alike around the model they train: the optimiser,
-    the window sampler, held-out windows, resumable checkpoints, the loop, and the run's log."""
+    resumable checkpoints (with the batch sampler's state), the loop, and the run's log."""
 
-    def __init__(self, cfg: Any, model: DecoderOnlyLM, data: TokenData, seq_len: int, sampler_seed: int,
+    def __init__(self, cfg: Any, model: DecoderOnlyLM, sampler: Sampler, tokens_per_step: int,
                  identity: dict[str, Any], device: torch.device, resuming: bool, progress: bool) -> None:
         self.cfg, self.model, self.device, self.progress = cfg, model, device, progress
-        self.settings = loop_settings(cfg, cfg.batch_size * seq_len)
+        self.settings = loop_settings(cfg, tokens_per_step)
         self.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
-        self.sampler = WindowSampler(data.train, seq_len, cfg.batch_size, sampler_seed)
-        self.windows = pick_eval_windows(data, seq_len, cfg.eval_windows)
+        self.sampler = sampler
         self.checkpointer = Checkpointer(cfg.out, identity)
         self.state = LoopState()
         if resuming:
@@ -207,10 +216,10 @@ class TrainingRun:
         self.checkpointer.save(self.model, self.optimizer, self.sampler.state_dict(), state)
 
     def train(self, step_fn: Callable[[], tuple[torch.Tensor, dict[str, float]]],
-              eval_fn: Callable[[], dict[str, float]], desc: str) -> LoopState:
+              eval_fn: Callable[[], dict[str, float]] | None, desc: str) -> LoopState:
         cfg = self.cfg
         self.state = run_loop(model=self.model, optimizer=self.optimizer, settings=self.settings, step_fn=step_fn,
-                              eval_fn=eval_fn if self.windows.shape[0] else None, state=self.state,
+                              eval_fn=eval_fn, state=self.state,
                               save_checkpoint=self.save_checkpoint if cfg.checkpoint_every > 0 else None,
                               progress=self.progress, tuner=ThreadTuner.for_device(self.device, cfg.threads),
                               desc=desc)
@@ -254,8 +263,9 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> TrainResult:
         f"vocab {mcfg.vocab_size}) on {device}, {torch.get_num_threads()} threads", progress)
     identity = {"kind": "pretrain", "model": mcfg.to_hf_dict(), "data": data.key, "seq_len": cfg.seq_len,
                 "batch_size": cfg.batch_size, "seed": cfg.seed}
-    run = TrainingRun(cfg, model, data, cfg.seq_len, cfg.seed, identity, device, resuming, progress)
-    sampler, windows = run.sampler, run.windows
+    sampler = WindowSampler(data.train, cfg.seq_len, cfg.batch_size, cfg.seed)
+    windows = pick_eval_windows(data, cfg.seq_len, cfg.eval_windows)
+    run = TrainingRun(cfg, model, sampler, cfg.batch_size * cfg.seq_len, identity, device, resuming, progress)
 
     def step_fn() -> tuple[torch.Tensor, dict[str, float]]:
         batch = sampler.sample().to(device, non_blocking=True)
@@ -267,7 +277,7 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> TrainResult:
     def eval_fn() -> dict[str, float]:
         return {"loss": heldout_loss(model, windows[:16], device, cfg.batch_size, cfg.precision)}
 
-    state = run.train(step_fn, eval_fn, "pretrain")
+    state = run.train(step_fn, eval_fn if windows.shape[0] else None, "pretrain")
     final: dict[str, float] = {}
     if windows.shape[0]:
         final["loss"] = heldout_loss(model, windows, device, cfg.batch_size, cfg.precision)

@@ -39,6 +39,7 @@ from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
     configure_threads,
     count_params,
+    default_cache_dir,
     is_complete_model,
     pick_device,
     say,
@@ -50,12 +51,17 @@ from infer.train.pretrain import PretrainConfig, pretrain
 
 MARKER_FILE = "reference_pair.json"
 METRICS_FILE = "metrics.json"
-SETTINGS_FORMAT = 1  # bump when the build procedure changes in a way the settings do not show
+SETTINGS_FORMAT = 2  # bump when the build procedure changes in a way the settings do not show
+STAGES = ("pretrain", "distill", "medusa")
 
 
 @dataclass(frozen=True)
 class ReferenceSettings:
-    """Fixed recipe for one pair size: PretrainConfig / DistillConfig fields (minus paths)."""
+    """Fixed recipe for one pair size: PretrainConfig / DistillConfig / MedusaTrainConfig fields (minus paths).
+
+    Every stage is budgeted in optimiser steps, never in seconds: a seed then gives the same pair
+    on a fast machine and on a busy one, only sooner or later.
+    """
 
     pretrain: dict[str, Any]
     distill: dict[str, Any]
@@ -63,6 +69,20 @@ class ReferenceSettings:
     eval_windows: int = 128  # held-out windows (of the target's seq_len) for the final alpha / agreement
     description: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for stage in STAGES:
+            recipe = getattr(self, stage)
+            if not recipe and stage == "medusa":
+                continue
+            steps = recipe.get("max_steps")
+            if not isinstance(steps, int) or steps < 1 or recipe.get("time_budget") is not None:
+                raise ValueError(f"reference recipe {stage}: give max_steps (a positive number of steps) and no "
+                                 f"time_budget, so the pair does not depend on the machine's speed "
+                                 f"(got max_steps={steps!r}, time_budget={recipe.get('time_budget')!r})")
+
+    def total_steps(self) -> dict[str, int]:
+        return {stage: int(getattr(self, stage)["max_steps"]) for stage in STAGES if getattr(self, stage)}
 
     def settings_hash(self) -> str:
         """The target and draft recipe: a change rebuilds the whole pair."""
@@ -77,42 +97,39 @@ class ReferenceSettings:
         return asdict(self)
 
 
-# Measured on 2 CPU cores (AMD EPYC): see metrics.json of a build. ``large`` trains under bfloat16
-# autocast even on CPU: on this avx512_bf16 machine that is 2.5x the tokens/s of float32 for its 40M target.
+# Step budgets, so a seed gives the same pair on any machine; the expected times were measured on
+# 2 CPU cores (AMD EPYC) and are only shown to the user. ``large`` trains under bfloat16 autocast
+# even on CPU: on this avx512_bf16 machine that is 2.5x the tokens/s of float32 for its 40M target.
 REFERENCE_SIZES: dict[str, ReferenceSettings] = {
     "small": ReferenceSettings(
-        description="~10M target, ~0.7M draft; under 6 minutes on 2 CPU cores",
+        description="~10M target, ~0.7M draft, 4 Medusa heads",
         pretrain=dict(vocab_size=2048, hidden_size=320, num_layers=8, num_heads=5, num_kv_heads=1,
                       intermediate_size=864, seq_len=256, batch_size=8, lr=3e-3, warmup_steps=30,
-                      max_train_chars=4_000_000, max_steps=None, time_budget=200.0, eval_every=0,
+                      max_train_chars=4_000_000, max_steps=240, time_budget=None, eval_every=0,
                       eval_windows=16, checkpoint_every=60.0),
         distill=dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384,
-                     batch_size=8, lr=4e-3, warmup_steps=30, max_steps=None, time_budget=100.0, eval_every=0,
+                     batch_size=8, lr=4e-3, warmup_steps=30, max_steps=240, time_budget=None, eval_every=0,
                      eval_windows=16, checkpoint_every=60.0),
-        medusa=dict(heads=4, max_steps=None, time_budget=30.0, eval_windows=16),
+        medusa=dict(heads=4, max_steps=80, time_budget=None, eval_windows=16),
+        metadata={"expected_s": {"pretrain": 240.0, "distill": 90.0, "medusa": 30.0}},
     ),
     "large": ReferenceSettings(
-        description=">= 40M target whose forward costs >= 10x the draft's; up to an hour on CPU",
+        description=">= 40M target whose forward costs >= 10x the draft's",
         pretrain=dict(vocab_size=8192, hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=2,
                       intermediate_size=1536, seq_len=512, batch_size=16, lr=1.5e-3, warmup_steps=100,
-                      max_train_chars=None, max_steps=None, time_budget=2400.0, eval_every=200,
+                      max_train_chars=None, max_steps=220, time_budget=None, eval_every=50,
                       eval_windows=32, checkpoint_every=300.0, precision="bfloat16"),
         distill=dict(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=768,
-                     batch_size=16, lr=3e-3, warmup_steps=100, max_steps=None, time_budget=900.0, eval_every=200,
+                     batch_size=16, lr=3e-3, warmup_steps=100, max_steps=200, time_budget=None, eval_every=100,
                      eval_windows=32, checkpoint_every=300.0, precision="bfloat16"),
-        medusa=dict(heads=4, max_steps=None, time_budget=300.0, eval_windows=32, precision="bfloat16"),
+        medusa=dict(heads=4, max_steps=60, time_budget=None, eval_windows=32, precision="bfloat16"),
+        metadata={"expected_s": {"pretrain": 2400.0, "distill": 900.0, "medusa": 300.0}},
     ),
 }
 
 
 def _digest(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/infer`` or ``~/.cache/infer``."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "infer"
 
 
 def reference_pair_dir(size: str) -> Path:
@@ -218,6 +235,7 @@ def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, pr
     work.mkdir(parents=True, exist_ok=True)
     write_json(partial_marker, {"settings_hash": digest, "medusa_hash": settings.medusa_hash(), "size": size})
     say(f"building reference pair ({size}, settings {digest}) in {work}", progress)
+    say(build_plan(settings), progress)
 
     target_dir, draft_dir = work / "target", work / "draft"
     pre = {**settings.pretrain, "out": target_dir, "resume": True}
@@ -257,6 +275,19 @@ def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, pr
         f"alpha {metrics['alpha']:.3f}, greedy agreement {metrics['greedy_agreement']:.3f}, "
         f"target {metrics['target_params'] / 1e6:.2f}M / draft {metrics['draft_params'] / 1e6:.2f}M params",
         progress)
+
+
+def build_plan(settings: ReferenceSettings) -> str:
+    """One line: each stage's step budget and the time it took on the 2-core machine it was sized on."""
+    expected = settings.metadata.get("expected_s", {})
+    def about(seconds: float) -> str:
+        return f"~{seconds:.0f} s" if seconds < 90 else f"~{seconds / 60:.0f} min"
+
+    parts = [f"{stage} {steps} steps" + (f" ({about(expected[stage])})" if stage in expected else "")
+             for stage, steps in settings.total_steps().items()]
+    total = sum(expected.values())
+    tail = f"; about {total / 60:.0f} minutes on 2 idle CPU cores, longer on a busy machine" if total else ""
+    return "plan: " + ", ".join(parts) + tail + " (each bar shows its own remaining time)"
 
 
 def _logged_wall_time(model_dir: Path) -> float:
