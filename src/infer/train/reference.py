@@ -243,21 +243,25 @@ def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, pr
     if device is not None:
         pre["device"] = dis["device"] = device
     # Stage times: measured now, or read from a stage finished by an earlier (interrupted) build.
+    # CPU seconds say how long a stage takes on an idle machine better than wall time on a busy one.
     stage_s: dict[str, float] = {}
+    cpu_s: dict[str, float] = {}
     reused: list[str] = []
     for stage, folder_done, run in (("target", target_dir, lambda: pretrain(PretrainConfig(**pre), progress=progress)),
                                     ("draft", draft_dir, lambda: distill(DistillConfig(**dis), progress=progress))):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if is_complete_model(folder_done):
             stage_s[stage] = _logged_wall_time(folder_done)
             reused.append(stage)
         else:
             run()
             stage_s[stage] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+            cpu_s[stage] = time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
     if settings.medusa and not (target_dir / "medusa" / "medusa_config.json").is_file():
         _train_heads(target_dir, settings, device, progress)
     stage_s["medusa"] = time.perf_counter() - t0
+    cpu_s["medusa"] = time.process_time() - c0
 
     t0 = time.perf_counter()
     metrics = evaluate_pair(target_dir, draft_dir, settings.eval_windows, pre.get("device", "auto"),
@@ -265,7 +269,8 @@ def _build(folder: Path, size: str, settings: ReferenceSettings, force: bool, pr
     stage_s["evaluation"] = time.perf_counter() - t0
     metrics.update({"size": size, "settings_hash": digest, "build_wall_time_s": round(sum(stage_s.values()), 1),
                     "target_build_s": round(stage_s["target"], 1), "draft_build_s": round(stage_s["draft"], 1),
-                    "medusa_build_s": round(stage_s["medusa"], 1), "resumed": bool(reused)})
+                    "medusa_build_s": round(stage_s["medusa"], 1), "resumed": bool(reused),
+                    "cpu_s": {stage: round(v, 1) for stage, v in cpu_s.items()}})
     write_json(work / METRICS_FILE, metrics)
     partial_marker.unlink()
     write_json(work / MARKER_FILE, {"settings_hash": digest, "medusa_hash": settings.medusa_hash(), "size": size,

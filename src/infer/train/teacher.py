@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from infer.loader import ModelConfig, load_model, load_tokenizer, resolve_model_path
+from infer.loader import ModelConfig, load_config, load_model, load_tokenizer, resolve_model_path
 from infer.train.common import configure_threads, default_cache_dir, pick_device, say, write_json
 
 MANIFEST_FILE = "teacher_cache.json"
@@ -55,6 +55,7 @@ GENERATIONS_FILE = "generations.jsonl"
 CACHE_FORMAT = 1
 SOURCES = ("auto", "self", "corpus")
 SPLITS = ("train", "heldout")
+GENERATION_CONTEXT = 2048  # longest prompt + answer generated for self-distillation
 
 
 @dataclass
@@ -216,29 +217,29 @@ def self_generated(cfg: TeacherCacheConfig, folder: Path, progress: bool) -> Str
                 done.append((list(record["prompt"]), list(record["output"])))
             except (json.JSONDecodeError, KeyError, TypeError):
                 break  # a torn last line: regenerate from there
-    done = done[:len(prompts)]
-    stats: dict[str, Any] = {"prompts": len(prompts), "reused": len(done)}
-    if len(done) < len(prompts):
+    tokenizer = load_tokenizer(cfg.target)
+    chat = bool(tokenizer.chat_template)
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": p}]) if chat else tokenizer.encode(p + "\n")
+               for p in prompts]
+    # A prompt the model's context cannot hold with room for an answer is left out (a small model's).
+    context = min(GENERATION_CONTEXT, load_config(cfg.target).max_position_embeddings)
+    encoded = [ids for ids in encoded if len(ids) + cfg.max_new_tokens <= context]
+    done = done[:len(encoded)]
+    stats: dict[str, Any] = {"prompts": len(prompts), "too_long": len(prompts) - len(encoded), "reused": len(done),
+                             "chat_template": chat}
+    if len(done) < len(encoded):
         llm = LLM(cfg.target, dtype=cfg.gen_dtype, device=cfg.device, max_batch_size=cfg.gen_batch_size,
-                  max_seq_len=2048)
-        tok = llm.tokenizer
-        chat = bool(tok.chat_template)
-        encoded = [tok.encode_chat([{"role": "user", "content": p}]) if chat else tok.encode(p + "\n")
-                   for p in prompts]
-        # A prompt the model's context cannot hold with room for an answer is left out (a small model's).
-        encoded = [ids for ids in encoded if len(ids) + cfg.max_new_tokens <= llm.engine.max_seq_len]
-        stats["too_long"] = len(prompts) - len(encoded)
-        prompts = prompts[:len(encoded)]  # only the count matters from here
-        say(f"self-distillation data: {len(prompts) - len(done)} answers of up to {cfg.max_new_tokens} tokens "
+                  max_seq_len=context)
+        say(f"self-distillation data: {len(encoded) - len(done)} answers of up to {cfg.max_new_tokens} tokens "
             f"from {cfg.target} ({llm.engine.dtype}, batch {cfg.gen_batch_size}, "
             f"{'its chat template' if chat else 'plain prompts: no chat template'})", progress)
-        budget = (len(prompts) - len(done)) * cfg.max_new_tokens
+        budget = (len(encoded) - len(done)) * cfg.max_new_tokens
         bar = tqdm(total=budget, desc="generate", unit="tok", disable=not progress, dynamic_ncols=True)
         start, made = time.perf_counter(), 0
         with open(path, "a") as handle:
             chunk = 2 * cfg.gen_batch_size
-            while len(done) < len(prompts):
-                ids = list(range(len(done), min(len(prompts), len(done) + chunk)))
+            while len(done) < len(encoded):
+                ids = list(range(len(done), min(len(encoded), len(done) + chunk)))
                 params = [SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.gen_temperature,
                                          top_p=cfg.gen_top_p, seed=cfg.seed * 1_000_003 + i) for i in ids]
                 outputs = llm.generate([encoded[i] for i in ids], params,
@@ -253,10 +254,10 @@ def self_generated(cfg: TeacherCacheConfig, folder: Path, progress: bool) -> Str
         bar.close()
         seconds = time.perf_counter() - start
         stats.update({"generated_tokens": made, "generation_s": round(seconds, 1),
-                      "generation_tokens_per_s": round(made / max(seconds, 1e-9), 1), "chat_template": chat})
+                      "generation_tokens_per_s": round(made / max(seconds, 1e-9), 1)})
         del llm
     streams = _split_sequences(done, cfg.held_out_fraction, cfg.seq_len,
-                               f"self-distillation: {cfg.target}'s answers to {len(prompts)} varied prompts")
+                               f"self-distillation: {cfg.target}'s answers to {len(done)} varied prompts")
     streams.stats = stats
     return streams
 
