@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from checkpoints import (  # noqa: E402
     make_tiny_checkpoint,
     shared_tokenizer,
 )
+from infer.train.corpus import stdlib_root  # noqa: E402
 from infer.train.tokenizer import EOS_ID, IM_END_ID, save_tokenizer  # noqa: E402
 
 
@@ -71,6 +73,15 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2 (q/k/v projection biases, non-zero)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=3)
+
+
+@pytest.fixture(scope="session")
+def stdlib_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small fixed corpus folder: three stdlib modules (a file-level train/held-out split needs two files)."""
+    root = tmp_path_factory.mktemp("stdlib_corpus")
+    for name in ("textwrap.py", "heapq.py", "string.py"):
+        shutil.copy(stdlib_root() / name, root / name)
+    return root
 
 
 @pytest.fixture(scope="session")

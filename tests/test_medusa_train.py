@@ -15,23 +15,13 @@ from infer.loader import load_model
 from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE, MedusaHeads
 from infer.sampling.params import SamplingParams
 from infer.speculative.medusa import medusa_tree
-from infer.train.corpus import stdlib_root
 from infer.train.medusa import MedusaTrainConfig, add_medusa_parser, train_medusa
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small fixed corpus: two stdlib modules (a file-level train/held-out split needs two files)."""
-    root = tmp_path_factory.mktemp("medusa_corpus")
-    for name in ("textwrap.py", "heapq.py", "string.py"):
-        shutil.copy(stdlib_root() / name, root / name)
-    return root
-
-
 @pytest.mark.parametrize("objective", ["distill", "ce"])
-def test_training_lowers_the_heads_loss(tiny_llama: Path, corpus: Path, tmp_path: Path, objective: str) -> None:
+def test_training_lowers_the_heads_loss(tiny_llama: Path, stdlib_corpus: Path, tmp_path: Path, objective: str) -> None:
     target_before = {k: v.clone() for k, v in load_model(tiny_llama, "float32", "cpu")[0].state_dict().items()}
-    cfg = MedusaTrainConfig(tiny_llama, heads=2, out=tmp_path / "heads", corpus=[str(corpus)], objective=objective,
+    cfg = MedusaTrainConfig(tiny_llama, heads=2, out=tmp_path / "heads", corpus=[str(stdlib_corpus)], objective=objective,
                             max_steps=40, batch_size=4, seq_len=32, lr=3e-3, seed=0, device="cpu", threads=1)
     result = train_medusa(cfg, progress=False)
     assert result.steps == 40
@@ -49,9 +39,9 @@ def test_training_lowers_the_heads_loss(tiny_llama: Path, corpus: Path, tmp_path
     assert medusa_tree(heads.config).size == heads.config.tree_size
 
 
-def test_training_is_reproducible_and_respects_a_time_budget(tiny_llama: Path, corpus: Path, tmp_path: Path) -> None:
+def test_training_is_reproducible_and_respects_a_time_budget(tiny_llama: Path, stdlib_corpus: Path, tmp_path: Path) -> None:
     def config(out: str, **kw: object) -> MedusaTrainConfig:
-        base: dict[str, object] = dict(heads=1, corpus=[str(corpus)], batch_size=2, seq_len=16, seed=3,
+        base: dict[str, object] = dict(heads=1, corpus=[str(stdlib_corpus)], batch_size=2, seq_len=16, seed=3,
                                        device="cpu", threads=1, log_every=1, max_steps=5)
         return MedusaTrainConfig(tiny_llama, out=tmp_path / out, **{**base, **kw})  # type: ignore[arg-type]
 
@@ -66,13 +56,13 @@ def test_training_is_reproducible_and_respects_a_time_budget(tiny_llama: Path, c
         config("e", objective="typical")
 
 
-def test_cli_trains_into_the_target_folder_and_generate_uses_it(tiny_llama: Path, corpus: Path,
+def test_cli_trains_into_the_target_folder_and_generate_uses_it(tiny_llama: Path, stdlib_corpus: Path,
                                                                 tmp_path: Path) -> None:
     target = tmp_path / "target"
     shutil.copytree(tiny_llama, target)
     parser = argparse.ArgumentParser(prog="infer train")
     add_medusa_parser(parser.add_subparsers(dest="what", required=True))
-    args = parser.parse_args(["medusa", "--target", str(target), "--heads", "2", "--corpus", str(corpus),
+    args = parser.parse_args(["medusa", "--target", str(target), "--heads", "2", "--corpus", str(stdlib_corpus),
                               "--max-steps", "5", "--batch-size", "2", "--seq-len", "16", "--tree-size", "6",
                               "--device", "cpu", "--threads", "1", "--quiet"])
     assert args.func(args) == 0

@@ -42,14 +42,6 @@ WIDTH = 32
 TRAIN_WINDOWS, HELDOUT_WINDOWS, PER_SHARD = 120, 8, 50
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("teacher_corpus")
-    for name in ("textwrap.py", "heapq.py", "bisect.py"):
-        shutil.copy(stdlib_root() / name, root / name)
-    return root
-
-
 def cache_config(target: Path, out: Path, corpus: Path, **overrides: Any) -> TeacherCacheConfig:
     settings: dict[str, Any] = dict(target=str(target), out=out, source="corpus", corpus=[str(corpus)],
                                     seq_len=WIDTH, top_k=TOP_K, max_windows=TRAIN_WINDOWS,
@@ -60,9 +52,9 @@ def cache_config(target: Path, out: Path, corpus: Path, **overrides: Any) -> Tea
 
 
 @pytest.fixture(scope="module")
-def corpus_cache(tiny_llama_tied: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def corpus_cache(tiny_llama_tied: Path, stdlib_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("teacher") / "cache"
-    return build_teacher_cache(cache_config(tiny_llama_tied, out, corpus), progress=False)
+    return build_teacher_cache(cache_config(tiny_llama_tied, out, stdlib_corpus), progress=False)
 
 
 def test_cache_round_trip(corpus_cache: Path, tiny_llama_tied: Path) -> None:
@@ -93,7 +85,7 @@ def test_cache_round_trip(corpus_cache: Path, tiny_llama_tied: Path) -> None:
     assert train.tensors["answer"].bool().all()  # a corpus: every position counts (not only answers)
 
 
-def test_cache_is_reused_and_an_interrupted_build_continues(corpus_cache: Path, tiny_llama_tied: Path, corpus: Path,
+def test_cache_is_reused_and_an_interrupted_build_continues(corpus_cache: Path, tiny_llama_tied: Path, stdlib_corpus: Path,
                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     original = teacher_module.teacher_outputs
@@ -103,7 +95,7 @@ def test_cache_is_reused_and_an_interrupted_build_continues(corpus_cache: Path, 
         return original(model, ids, top_k, hidden_states)
 
     monkeypatch.setattr(teacher_module, "teacher_outputs", counting)
-    settings = cache_config(tiny_llama_tied, corpus_cache, corpus)
+    settings = cache_config(tiny_llama_tied, corpus_cache, stdlib_corpus)
     assert build_teacher_cache(settings, progress=False) == corpus_cache and calls == []
 
     # An interrupted build: the manifest not yet written, one shard missing. Only that shard is redone.
@@ -113,7 +105,7 @@ def test_cache_is_reused_and_an_interrupted_build_continues(corpus_cache: Path, 
     (folder / MANIFEST_FILE).unlink()
     (folder / BUILDING_FILE).write_text(json.dumps({"settings_hash": manifest["settings_hash"]}))
     (folder / "train-00001.safetensors").unlink()
-    build_teacher_cache(cache_config(tiny_llama_tied, folder, corpus), progress=False)
+    build_teacher_cache(cache_config(tiny_llama_tied, folder, stdlib_corpus), progress=False)
     assert sum(calls) == PER_SHARD and not (folder / BUILDING_FILE).exists()
     rebuilt, original_cache = TeacherCache(folder), TeacherCache(corpus_cache)
     for name, tensor in original_cache.train.tensors.items():
@@ -121,7 +113,7 @@ def test_cache_is_reused_and_an_interrupted_build_continues(corpus_cache: Path, 
 
     # Other settings rebuild from scratch.
     calls.clear()
-    build_teacher_cache(cache_config(tiny_llama_tied, folder, corpus, top_k=4), progress=False)
+    build_teacher_cache(cache_config(tiny_llama_tied, folder, stdlib_corpus, top_k=4), progress=False)
     assert sum(calls) == TRAIN_WINDOWS + HELDOUT_WINDOWS
     assert TeacherCache(folder).train.tensors["topk_ids"].shape[-1] == 4
 
@@ -211,10 +203,10 @@ def test_self_distillation_data_is_the_targets_own_answers(tiny_llama_tied: Path
     assert cache.splits["heldout"].num_windows >= 1 and sum(answer) > 0
 
 
-def test_which_targets_train_from_a_cache(tiny_llama_tied: Path, corpus: Path, tmp_path: Path) -> None:
+def test_which_targets_train_from_a_cache(tiny_llama_tied: Path, stdlib_corpus: Path, tmp_path: Path) -> None:
     target = str(tiny_llama_tied)
     assert trains_from_cache(None, None, target)  # a checkpoint infer did not train: self-distillation
-    assert not trains_from_cache(None, [str(corpus)], target)  # a corpus given: the live target runs on it
+    assert not trains_from_cache(None, [str(stdlib_corpus)], target)  # a corpus given: the live target runs on it
     infer_trained = tmp_path / "toy"
     shutil.copytree(tiny_llama_tied, infer_trained)
     (infer_trained / "training_args.json").write_text(json.dumps({"kind": "pretrain"}))
@@ -223,4 +215,4 @@ def test_which_targets_train_from_a_cache(tiny_llama_tied: Path, corpus: Path, t
     assert MedusaTrainConfig(tiny_llama_tied).trains_projection() is False
     assert MedusaTrainConfig(infer_trained).trains_projection() is True
     with pytest.raises(ValueError, match="top_k"):
-        build_teacher_cache(cache_config(tiny_llama_tied, tmp_path / "big", corpus, top_k=10_000), progress=False)
+        build_teacher_cache(cache_config(tiny_llama_tied, tmp_path / "big", stdlib_corpus, top_k=10_000), progress=False)
