@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,18 +97,27 @@ def _stats(outputs: list[RequestOutput], seconds: float) -> tuple[int, float, fl
             (accepted + rounds) / rounds if rounds else None)
 
 
-def _run_mode(model: str, mode: str, options: dict[str, Any], prompts: list[list[int]] | list[str],
-              params: SamplingParams, args: argparse.Namespace) -> Row:
-    """Load ``model`` with a drafter, warm up, then time each prompt on its own."""
-    _say(f"{mode}: loading and generating")
-    llm = LLM(model, dtype=args.dtype, device=args.device, **options)
-    llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    row = Row(mode)
-    for prompt in prompts:
-        start = time.perf_counter()
-        row.outputs.append(llm.generate([prompt], params)[0])
-        row.seconds.append(time.perf_counter() - start)
-    return row
+def _run_modes(model: str, modes: list[tuple[str, dict[str, Any]]], prompts: Sequence[str | list[int]],
+               params: SamplingParams, args: argparse.Namespace) -> list[Row]:
+    """Load ``model`` once per mode (with its drafter) and warm each up, then time every prompt in
+    every mode back to back, the order of the modes rotating per prompt: a shared machine's speed
+    drifts by tens of percent over minutes, and interleaving spreads the drift over all modes."""
+    llms = []
+    for name, options in modes:
+        _say(f"loading: {name}")
+        llm = LLM(model, dtype=args.dtype, device=args.device, **options)
+        llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+        llms.append(llm)
+    timed: list[dict[int, tuple[RequestOutput, float]]] = [{} for _ in modes]
+    for i, prompt in enumerate(prompts):
+        _say(f"prompt {i + 1}/{len(prompts)}: every mode")
+        for j in range(len(modes)):
+            m = (i + j) % len(modes)
+            start = time.perf_counter()
+            out = llms[m].generate([prompt], params)[0]
+            timed[m][i] = (out, time.perf_counter() - start)
+    return [Row(name, [timed[m][i][0] for i in range(len(prompts))], [timed[m][i][1] for i in range(len(prompts))])
+            for m, (name, _) in enumerate(modes)]
 
 
 def _print_table(rows: list[Row], names: list[str] | None) -> None:
@@ -162,7 +172,7 @@ def real_model_section(args: argparse.Namespace) -> bool:
         modes.append(("Medusa", {"speculator": "medusa", "medusa_heads": heads}))
     if draft is not None:
         modes.append((f"draft model K={k}", {"draft_model": draft, "spec_length": k}))
-    rows = [_run_mode(args.model, name, options, prompts, params, args) for name, options in modes]
+    rows = _run_modes(args.model, modes, prompts, params, args)
 
     print(f"\n{args.model}: {len(TASKS)} tasks{' with its chat template' if chat else ''}, greedy, up to "
           f"{args.max_tokens} tokens each, {args.dtype} on {args.device}\n")
@@ -200,7 +210,7 @@ def pair_section(args: argparse.Namespace) -> bool:
         ("draft model (goodput)", {"draft_model": draft, "spec_length": k, "spec_length_policy": "goodput"}),
         (f"n-gram K={k}", {"speculator": "ngram", "spec_length": k}),
     ]
-    rows = [_run_mode(target, name, options, prompts, params, args) for name, options in modes]
+    rows = _run_modes(target, modes, prompts, params, args)
     print(f"\nthe trained pair: target {target}\n                  draft  {draft}\n{len(prompts)} held-out code "
           f"prompts, {args.pair_max_tokens} greedy tokens each, {args.dtype} on {args.device}\n")
     _print_table(rows, None)
