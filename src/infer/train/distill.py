@@ -300,7 +300,7 @@ def save_tokenizer_files(target: str | os.PathLike[str], folder: Path) -> None:
                 shutil.copy2(source / name, folder / name)
         return
     tokenizer = load_tokenizer(target)
-    tokenizer._tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.json").write_text(tokenizer.backend.to_str(pretty=True))
     write_json(folder / "tokenizer_config.json", tokenizer.config)
 
 

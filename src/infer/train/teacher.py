@@ -275,7 +275,7 @@ def corpus_text(cfg: TeacherCacheConfig) -> Streams:
     corpus = load_corpus(cfg.corpus if cfg.corpus is not None else targs.get("corpus"),
                          held_out_fraction=targs.get("held_out_fraction", cfg.held_out_fraction))
     tokenizer = load_tokenizer(cfg.target)
-    backend: HFTokenizer = tokenizer._tok
+    backend: HFTokenizer = tokenizer.backend
     eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
     max_chars = cfg.max_train_chars if cfg.max_train_chars is not None else targs.get("max_train_chars")
     data = tokenize_corpus(backend, corpus, eos, max_train_chars=max_chars, seed=int(targs.get("seed", cfg.seed)))
