@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import infer.speculative.tree as tree_module
-from checkpoints import make_small_vocab_checkpoint
 from infer import LLM, EngineConfig, RequestOutput, SamplingParams
 from infer.cli import build_parser, main
 from infer.core.request import Request
@@ -28,11 +27,9 @@ from infer.speculative.proposer import Proposal
 from infer.speculative.suffix import SuffixProposer
 from infer.speculative.suffix_trie import ROOT, SuffixStore, SuffixTrie
 from test_exactness import (
-    LOGIT_SCALE,
     P_CONTROL,
     P_THRESHOLD,
     PROMPT,
-    V,
     first_token_chisquare,
     grouped_chisquare,
     reference,
@@ -498,12 +495,6 @@ CONFIGS: dict[str, dict[str, float | int]] = {
     "temperature_0.7_top_k_3": {"temperature": 0.7, "top_k": 3},
     "repetition_penalty_1.5": {"temperature": 1.0, "repetition_penalty": 1.5},
 }
-
-
-@pytest.fixture(scope="module")
-def small_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_small_vocab_checkpoint(tmp_path_factory.mktemp("suffix_small_target"), V, num_layers=2, seed=11,
-                                       logit_scale=LOGIT_SCALE)
 
 
 def run_engine(small_target: Path, params: dict[str, Any], n: int = NUM_SAMPLES,
