@@ -51,7 +51,7 @@ def test_bench_generation_medusa_rows(tiny_llama: Path, tmp_path: Path) -> None:
     heads = make_medusa_heads(tiny_llama, tmp_path / "heads", tree_size=6)
     out = tmp_path / "report"
     code = main(["bench", "generation", "--model", str(tiny_llama), "--num-prompts", "1", "--max-tokens", "8",
-                 "--repeats", "1", "--no-ngram", "--no-transformers", "--medusa-heads", str(heads),
+                 "--repeats", "1", "--no-ngram", "--no-suffix", "--no-transformers", "--medusa-heads", str(heads),
                  "--medusa-tree-size", "2", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "generation.json").read_text())
