@@ -26,14 +26,10 @@ from infer.core.request import Request
 from infer.speculative.proposer import Proposal
 from infer.speculative.suffix import SuffixProposer
 from infer.speculative.suffix_trie import ROOT, SuffixStore, SuffixTrie
-from test_exactness import (
-    P_CONTROL,
-    P_THRESHOLD,
-    PROMPT,
-    first_token_chisquare,
-    grouped_chisquare,
-    reference,
-)
+from test_exactness import P_CONTROL, PROMPT, assert_follows_reference, grouped_chisquare, reference
+from test_medusa import BACKENDS
+from test_medusa import PROMPTS as MEDUSA_PROMPTS
+from test_medusa_exactness import CONFIGS, NUM_SAMPLES
 
 # =============================================================================== the trie
 
@@ -287,15 +283,7 @@ def test_the_budget_grows_with_the_match_and_the_depth_follows_the_policy() -> N
 
 # =============================================================================== engine: greedy parity
 
-PROMPTS = [
-    "def parse(self, text):\n    return",
-    "import os\nimport sys\n\n",
-    "class Stack:\n    def push(self, item):",
-    "The quick brown fox",
-    "for i in range(10):\n    print(",
-    "a",
-]
-BACKENDS = {"paged": dict(kv_cache_backend="paged", block_size=4), "slotted": dict(kv_cache_backend="slotted")}
+PROMPTS = [*MEDUSA_PROMPTS, "a"]  # 6 prompts: batches of up to 4 leave a second wave
 
 
 def greedy(max_tokens: int = 32, **kw: Any) -> SamplingParams:
@@ -489,12 +477,6 @@ def test_cli_flags_reach_the_engine(tiny_llama: Path, capsys: pytest.CaptureFixt
 
 # =============================================================================== sampling exactness
 
-NUM_SAMPLES = 4000
-CONFIGS: dict[str, dict[str, float | int]] = {
-    "temperature_1": {"temperature": 1.0},
-    "temperature_0.7_top_k_3": {"temperature": 0.7, "top_k": 3},
-    "repetition_penalty_1.5": {"temperature": 1.0, "repetition_penalty": 1.5},
-}
 
 
 def run_engine(small_target: Path, params: dict[str, Any], n: int = NUM_SAMPLES,
@@ -518,12 +500,7 @@ def test_suffix_samples_follow_target_distribution(small_target: Path, config: s
     assert proposed > NUM_SAMPLES // 2 and 0 < accepted < proposed  # both verdicts were exercised
     assert siblings  # real trees, not only chains
 
-    first = first_token_chisquare(samples, ref)
-    assert first.impossible == 0 and first.pvalue > P_THRESHOLD, f"x1: chi2={first.statistic:.1f}"
-    joint = grouped_chisquare(samples, ref)
-    assert joint.impossible == 0, f"{joint.impossible} samples fell on zero-probability (x2, x3) cells"
-    assert joint.dof >= 20
-    assert joint.pvalue > P_THRESHOLD, f"(x2, x3 | x1): chi2={joint.statistic:.1f}, dof={joint.dof}"
+    assert_follows_reference(samples, ref)
 
 
 def test_negative_control_broken_residual_is_detected(small_target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
