@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from checkpoints import make_medusa_heads
-from infer.bench.workloads import code_prompts, edit_prompts, load_prompts
+from infer import LLM, SamplingParams
+from infer.bench.workloads import (
+    REPETITIVE_INSTRUCTION,
+    code_prompts,
+    edit_prompts,
+    load_prompts,
+    repetitive_prompts,
+)
 from infer.cli import main
 from infer.speculative.budget import expected_speedup
 
@@ -44,7 +51,7 @@ def test_bench_generation_medusa_rows(tiny_llama: Path, tmp_path: Path) -> None:
     heads = make_medusa_heads(tiny_llama, tmp_path / "heads", tree_size=6)
     out = tmp_path / "report"
     code = main(["bench", "generation", "--model", str(tiny_llama), "--num-prompts", "1", "--max-tokens", "8",
-                 "--repeats", "1", "--no-ngram", "--no-transformers", "--medusa-heads", str(heads),
+                 "--repeats", "1", "--no-ngram", "--no-suffix", "--no-transformers", "--medusa-heads", str(heads),
                  "--medusa-tree-size", "2", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "generation.json").read_text())
@@ -52,6 +59,47 @@ def test_bench_generation_medusa_rows(tiny_llama: Path, tmp_path: Path) -> None:
     assert set(modes) == {"infer plain", "infer + Medusa", "infer + Medusa (2-node tree)"}
     assert report["greedy_outputs_identical"] is True
     assert all(modes[m]["mean_accepted_tokens"] >= 1.0 for m in ("infer + Medusa", "infer + Medusa (2-node tree)"))
+
+
+def test_bench_generation_repetitive_workload(tiny_llama: Path, tmp_path: Path) -> None:
+    reports = {}
+    for repeats in (1, 3):
+        out = tmp_path / f"report{repeats}"
+        code = main(["bench", "generation", "--model", str(tiny_llama), "--workload", "repetitive", "--chat",
+                     "--warmup", "2", "--num-prompts", "1", "--repeats", str(repeats), "--max-tokens", "16",
+                     "--spec-length", "3", "--no-transformers", "--out", str(out)])
+        assert code == 0
+        reports[repeats] = json.loads((out / "generation.json").read_text())
+    report = reports[3]
+    modes = {r["mode"]: r for r in report["results"]}
+    assert set(modes) == {"infer plain", "infer + n-gram K=3", "infer + suffix K=3"}
+    assert report["greedy_outputs_identical"] is True
+    settings = report["settings"]
+    assert settings["stop_at_eos"] and settings["chat"]
+    assert (settings["num_prompts"], settings["num_warmup_prompts"]) == (1, 2)
+    assert len(modes["infer + suffix K=3"]["samples"]) == 3
+    assert "learnt from 2 other requests first" in (out / "generation.md").read_text()
+    # Every timed repeat drafted from the warm-up requests alone (never from the bench's own warm-up
+    # generation of the timed prompt, nor from an earlier repeat): as an engine that served only them.
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_batch_size=1, speculator="suffix", spec_length=3)
+    chats = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in repetitive_prompts(3)]
+    for warmup in chats[1:]:  # the timed prompt comes first, then the warm-up ones
+        llm.generate([warmup], SamplingParams(max_tokens=16, temperature=0.0))
+    expected = llm.generate([chats[0]], SamplingParams(max_tokens=16, temperature=0.0))[0].metrics
+    for results in (reports[1]["results"], report["results"]):
+        suffix = {r["mode"]: r for r in results}["infer + suffix K=3"]
+        assert suffix["mean_accepted_tokens"] == pytest.approx(expected.mean_accepted_tokens)
+
+
+def test_repetitive_prompts_apply_one_instruction_to_different_functions() -> None:
+    prompts = repetitive_prompts(6)
+    assert len(set(prompts)) == 6
+    assert repetitive_prompts(9)[:6] == prompts  # more prompts only append
+    for prompt in prompts:
+        assert prompt.startswith(REPETITIVE_INSTRUCTION)
+        code = prompt.split("```python\n", 1)[1].rsplit("```", 1)[0]
+        compile(code, "<function>", "exec")  # a whole function, dedented
+        assert code.startswith("def ") and "->" not in code.splitlines()[0]
 
 
 def test_workloads_and_prompt_files(tmp_path: Path) -> None:
@@ -175,3 +223,15 @@ def test_export_bf16_gguf_writes_the_folder_weights(tiny_llama: Path, tmp_path: 
     assert norm.tensor_type == gguf.GGMLQuantizationType.F32
     assert torch.equal(torch.from_numpy(norm.data.copy()), weights["model.layers.0.input_layernorm.weight"].float())
     assert gguf_weight_bytes_per_token(out) < out.stat().st_size
+
+
+def test_bench_serving_repetitive_workload_with_suffix(tiny_llama: Path, tmp_path: Path) -> None:
+    code = main(["bench", "serving", "--model", str(tiny_llama), "--speculator", "suffix", "--workload", "repetitive",
+                 "--chat", "--warmup", "1", "--concurrency", "2", "--requests-per-level", "2", "--max-tokens", "6",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "serving.json").read_text())
+    assert [run["label"] for run in report["runs"]] == ["speculation off", "suffix K=4"]
+    for run in report["runs"]:
+        (level,) = run["levels"]
+        assert level["errors"] == 0 and level["requests"] == 2 and level["output_tokens"] > 0

@@ -156,6 +156,17 @@ def first_token_chisquare(samples: np.ndarray, ref: Reference) -> ChiSquare:
     return chisquare_cells(np.bincount(samples[:, 0], minlength=V), ref.p1)
 
 
+def assert_follows_reference(samples: np.ndarray, ref: Reference) -> None:
+    """x1 and (x2, x3 | x1) both fit the exact distributions, and no sample is impossible."""
+    first = first_token_chisquare(samples, ref)
+    assert first.impossible == 0
+    assert first.pvalue > P_THRESHOLD, f"x1: chi2={first.statistic:.1f}, dof={first.dof}"
+    joint = grouped_chisquare(samples, ref)
+    assert joint.impossible == 0, f"{joint.impossible} samples fell on zero-probability (x2, x3) cells"
+    assert joint.dof >= 20  # enough cells for the test to mean something
+    assert joint.pvalue > P_THRESHOLD, f"(x2, x3 | x1): chi2={joint.statistic:.1f}, dof={joint.dof}"
+
+
 def test_pooled_chisquare_helper() -> None:
     """The statistic helper itself: exact fit gives 0, impossible cells are counted, pooling works."""
     probs = np.array([0.5, 0.3, 0.2, 0.0])
@@ -210,14 +221,7 @@ def test_speculative_samples_follow_target_distribution(engines: dict[str, LLM],
     assert run.proposed > NUM_SAMPLES // 4, f"only {run.proposed} drafts proposed"
     assert 0 < run.accepted < run.proposed
 
-    first = first_token_chisquare(run.samples, ref)
-    assert first.impossible == 0
-    assert first.pvalue > P_THRESHOLD, f"x1: chi2={first.statistic:.1f}, dof={first.dof}"
-
-    joint = grouped_chisquare(run.samples, ref)
-    assert joint.impossible == 0, f"{joint.impossible} samples fell on zero-probability (x2, x3) cells"
-    assert joint.dof >= 20  # enough cells for the test to mean something
-    assert joint.pvalue > P_THRESHOLD, f"(x2, x3 | x1): chi2={joint.statistic:.1f}, dof={joint.dof}"
+    assert_follows_reference(run.samples, ref)
 
 
 def test_negative_control_wrong_reference_is_rejected(engines: dict[str, LLM], small_target: Path,

@@ -68,6 +68,7 @@ def drafter_options(drafter: str, tiny_draft: Path, medusa_heads: Path) -> dict[
     # sampled request draws the same random numbers in every run.
     return {"plain": {}, "draft": {"draft_model": str(tiny_draft), "spec_length": 3},
             "ngram": {"speculator": "ngram", "spec_length": 3},
+            "suffix": {"speculator": "suffix", "spec_length": 3},
             "medusa": {"speculator": "medusa", "medusa_heads": str(medusa_heads), "medusa_tree_size": 8}}[drafter]
 
 
@@ -107,7 +108,8 @@ FAULTS: list[str] = []  # the injected drafter faults raised in the running test
 
 @pytest.mark.parametrize(("drafter", "fault"), [
     ("plain", "sampling"), ("draft", "sampling"), ("draft", "drafting"), ("ngram", "sampling"),
-    ("ngram", "drafting"), ("medusa", "sampling"), ("medusa", "drafting")])
+    ("ngram", "drafting"), ("medusa", "sampling"), ("medusa", "drafting"), ("suffix", "sampling"),
+    ("suffix", "drafting")])
 def test_fault_in_one_request_fails_only_that_request(tiny_llama: Path, tiny_draft: Path, medusa_heads: Path,
                                                       drafter: str, fault: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,10 +136,11 @@ def test_fault_in_one_request_fails_only_that_request(tiny_llama: Path, tiny_dra
     assert free_kv(engine) == initial  # every pool, the draft model's included
     monkeypatch.undo()
     # The innocents' tokens are those of a run without the bad request (the engine keeps serving).
-    # Medusa's drafter state is dropped by the rollback, so its next round is a plain step: the
-    # seeded sampled request then draws differently (still exactly the target's distribution).
+    # Medusa's drafter state is dropped by the rollback, so its next round is a plain step, and suffix
+    # decoding drafts the second run from what the first one wrote: the seeded sampled request then
+    # draws differently (still exactly the target's distribution).
     expected = run_innocents(engine)
-    checked = 1 if drafter == "medusa" else 2
+    checked = 1 if drafter in ("medusa", "suffix") else 2
     assert [r.output_token_ids for r in innocents][:checked] == expected[:checked]
     assert free_kv(engine) == initial
 

@@ -34,7 +34,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-decoding", action="store_true",
                         help="enable speculation (needs --draft-model or --speculator)")
     parser.add_argument("--draft-model", default=None, help="draft model folder (implies --speculator draft)")
-    parser.add_argument("--speculator", default=None, choices=["draft", "ngram", "medusa"])
+    parser.add_argument("--speculator", default=None, choices=["draft", "ngram", "medusa", "suffix"])
     parser.add_argument("--spec-length", type=int, default=5, help="tokens drafted per round (K)")
     parser.add_argument("--spec-length-policy", default="fixed", choices=["fixed", "entropy", "goodput"])
     parser.add_argument("--medusa-heads", default=None, help="Medusa heads folder (default: <model>/medusa)")
@@ -43,6 +43,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "up to the heads' tree, by measured tokens/s)")
     parser.add_argument("--tree-attention", default="sdpa", choices=["sdpa", "flex"],
                         help="Medusa tree verification: SDPA with a dense mask, or FlexAttention (for CUDA)")
+    parser.add_argument("--suffix-tree-size", type=int, default=24,
+                        help="suffix decoding: most tree nodes verified per round (the depth is --spec-length)")
+    parser.add_argument("--suffix-max-tokens", type=int, default=65536,
+                        help="suffix decoding: tokens of finished requests kept to draft from (oldest evicted)")
+    parser.add_argument("--suffix-max-requests", type=int, default=1024,
+                        help="suffix decoding: finished requests kept to draft from (oldest evicted)")
+    parser.add_argument("--suffix-scope", default="salt", choices=["salt", "request"],
+                        help="suffix decoding: draft from earlier requests with the same cache_salt, or from "
+                        "the request alone")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="context length (default: the model's own, lowered only if its KV cache does not fit)")
     parser.add_argument("--kv-memory-fraction", type=float, default=0.5,
@@ -58,7 +67,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 max_seq_len=args.max_seq_len, kv_cache_backend=args.kv_cache_backend,
                 kv_memory_fraction=args.kv_memory_fraction,
                 medusa_heads=args.medusa_heads, medusa_tree_size=args.medusa_tree_size,
-                tree_attention=args.tree_attention)
+                tree_attention=args.tree_attention, suffix_tree_size=args.suffix_tree_size,
+                suffix_max_tokens=args.suffix_max_tokens, suffix_max_requests=args.suffix_max_requests,
+                suffix_scope=args.suffix_scope)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:

@@ -16,14 +16,19 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--model", required=True)
     gen.add_argument("--draft-model", default=None)
     gen.add_argument("--prompts", default=None, help="prompt file (JSON list, JSONL with 'prompt', or text split by ---)")
-    gen.add_argument("--workload", default="code", choices=["code", "edit", "sample"],
-                     help="built-in prompts: code continuation, input-grounded edit, or code at temperature 1")
+    gen.add_argument("--workload", default="code", choices=["code", "edit", "sample", "repetitive"],
+                     help="built-in prompts: code continuation, input-grounded edit, code at temperature 1, or one "
+                     "instruction over many functions (answers end at EOS)")
+    gen.add_argument("--warmup", type=int, default=8,
+                     help="repetitive workload: similar requests suffix decoding learns from before the timed ones")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message in the chat template")
     gen.add_argument("--num-prompts", type=int, default=4)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=None, help="default 0 (1 for --workload sample)")
     gen.add_argument("--spec-length", type=int, nargs="+", default=[3, 5])
     gen.add_argument("--policies", nargs="*", default=["entropy", "goodput"], choices=["entropy", "goodput"])
     gen.add_argument("--no-ngram", action="store_true")
+    gen.add_argument("--no-suffix", action="store_true", help="skip the suffix decoding row")
     gen.add_argument("--medusa-heads", default=None,
                      help="Medusa heads folder for an extra row (default: <model>/medusa when it exists)")
     gen.add_argument("--medusa-tree-size", type=int, nargs="*", default=[], metavar="N",
@@ -72,9 +77,18 @@ def add_subparser(sub: Any) -> None:
 def _run_generation(args: argparse.Namespace) -> int:
     from infer.bench.generation import BenchSettings, run_generation_bench
     from infer.bench.report import generation_table, write_generation_report
-    from infer.bench.workloads import load_prompts, workload_prompts
+    from infer.bench.workloads import load_prompts, repetitive_prompts, workload_prompts
 
-    prompts = load_prompts(args.prompts) if args.prompts else workload_prompts(args.workload, args.num_prompts)
+    repetitive = args.workload == "repetitive" and not args.prompts
+    warmup: list[str] = []
+    if args.prompts:
+        prompts = load_prompts(args.prompts)
+    elif repetitive:
+        # Timed prompts first: they stay the same whatever the number of warm-up requests.
+        prompts = repetitive_prompts(args.num_prompts + args.warmup)
+        prompts, warmup = prompts[: args.num_prompts], prompts[args.num_prompts:]
+    else:
+        prompts = workload_prompts(args.workload, args.num_prompts)
     if args.profile:
         return _run_profile(args, prompts[0])
     medusa = args.medusa_heads
@@ -85,9 +99,9 @@ def _run_generation(args: argparse.Namespace) -> int:
         model=args.model, draft_model=args.draft_model, prompts=prompts, workload=args.workload,
         max_tokens=args.max_tokens, temperature=temperature, spec_lengths=args.spec_length,
         policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
-        medusa_tree_sizes=args.medusa_tree_size, hf=not args.no_transformers,
+        medusa_tree_sizes=args.medusa_tree_size, suffix=not args.no_suffix, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed,
-        peer=args.peer, peer_gguf=args.peer_gguf,
+        peer=args.peer, peer_gguf=args.peer_gguf, chat=args.chat, stop_at_eos=repetitive, warmup_prompts=warmup,
     )
     report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     paths = write_generation_report(report, args.out)

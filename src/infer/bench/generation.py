@@ -1,12 +1,16 @@
 """Single-request generation benchmark (W1): infer plain / speculative vs transformers, same prompts.
 
 Every mode generates exactly ``max_tokens`` tokens per prompt (EOS ignored) so tokens/s compare
-like with like. Throughput is end to end (prefill included), the median over prompts × repeats
-after one warm-up generation per mode.
+like with like; with ``stop_at_eos`` (the repetitive workload: answers end) each stops at EOS, and
+greedy modes still generate the same tokens. Throughput is end to end (prefill included), the
+median over prompts × repeats after one warm-up generation per mode. Suffix decoding, which learns
+from earlier requests, then forgets that generation, serves ``warmup_prompts`` (similar requests,
+none of them timed), and starts every timed generation from exactly what it learnt there.
 """
 
 from __future__ import annotations
 
+import copy
 import platform
 import statistics
 import sys
@@ -19,8 +23,10 @@ import torch
 
 from infer.bench.peer import gguf_weight_bytes_per_token, memory_bandwidth, weight_bytes_per_token
 from infer.engine.llm import LLM
+from infer.engine.speculative_runner import SpeculativeRunner
 from infer.sampling.params import SamplingParams
 from infer.speculative.budget import expected_speedup
+from infer.speculative.suffix import SuffixProposer
 
 
 @dataclass
@@ -36,6 +42,7 @@ class BenchSettings:
     ngram: bool = True
     medusa_heads: str | None = None  # a Medusa heads folder: adds an "infer + Medusa" row
     medusa_tree_sizes: list[int] = field(default_factory=list)  # plus one row per fixed tree size
+    suffix: bool = False  # an "infer + suffix" row (suffix decoding)
     hf: bool = True
     repeats: int = 3
     dtype: str = "float32"
@@ -43,6 +50,11 @@ class BenchSettings:
     seed: int = 0
     peer: str | None = None  # "llama.cpp": add llama-cpp-python rows on peer_gguf
     peer_gguf: str | None = None
+    chat: bool = False  # each prompt is a user message rendered with the model's chat template
+    stop_at_eos: bool = False
+    # Requests suffix decoding learns from before the timed ones (which each start from exactly what
+    # it learnt here: a timed request never drafts from another, nor from an earlier repeat of itself).
+    warmup_prompts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -63,12 +75,13 @@ class ModeResult:
     speedup_vs_peer: float | None = None  # tokens/s over llama.cpp's plain row, same prompts, same run
     decode_tokens_per_s: float | None = None  # median over prompts, prefill excluded
     bandwidth_fraction: float | None = None  # plain rows: decode weight bytes/s over measured memory bandwidth
+    tree_nodes_per_round: float | None = None  # drafters that propose trees and count their nodes
     texts: list[str] = field(default_factory=list)
 
 
 def _params(settings: BenchSettings, seed: int) -> SamplingParams:
-    return SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature, ignore_eos=True,
-                          seed=seed)
+    return SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature,
+                          ignore_eos=not settings.stop_at_eos, seed=seed)
 
 
 def speculation_stats(outputs: list[Any]) -> dict[str, Any]:
@@ -91,8 +104,25 @@ def speculation_stats(outputs: list[Any]) -> dict[str, Any]:
     }
 
 
-# One timed generation: (tokens per second, the infer RequestOutput or None for transformers).
-RunFn = Callable[[str, int], tuple[float, Any]]
+# One timed generation of a prompt (text, or token ids when it went through the chat template):
+# (tokens per second, the infer RequestOutput or None for transformers).
+RunFn = Callable[[str | list[int], int], tuple[float, Any]]
+
+
+class _History:
+    """What suffix decoding has learnt from earlier requests, saved once and restored at will."""
+
+    def __init__(self, llm: LLM) -> None:
+        runner = llm.engine.runner
+        assert isinstance(runner, SpeculativeRunner) and isinstance(runner.proposer, SuffixProposer)
+        self.proposer = runner.proposer
+        self.saved = copy.deepcopy(self.proposer.store)  # nothing learnt yet
+
+    def save(self) -> None:
+        self.saved = copy.deepcopy(self.proposer.store)
+
+    def restore(self) -> None:
+        self.proposer.store = copy.deepcopy(self.saved)
 
 
 @dataclass
@@ -101,18 +131,30 @@ class _Mode:
     run: RunFn
     outputs: list[Any] = field(default_factory=list)
     reported: bool = True
+    llm: LLM | None = None
+    history: _History | None = None  # for a drafter that learns from earlier requests
 
 
 def _infer_runner(settings: BenchSettings, model: str, **options: Any) -> tuple[RunFn, LLM]:
     # One request at a time: a batch of one needs only one sequence's KV cache.
     llm = LLM(model, dtype=settings.dtype, device=settings.device, max_batch_size=1, **options)
 
-    def run(prompt: str, seed: int) -> tuple[float, Any]:
+    def run(prompt: str | list[int], seed: int) -> tuple[float, Any]:
         start = time.perf_counter()
         out = llm.generate([prompt], _params(settings, seed))[0]
         return len(out.token_ids) / (time.perf_counter() - start), out
 
     return run, llm
+
+
+def _prepare(settings: BenchSettings, prompts: list[str]) -> list[str | list[int]]:
+    """The prompts as every mode receives them: text, or chat-template token ids with ``chat``."""
+    if not settings.chat:
+        return list(prompts)
+    from infer.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(settings.model)
+    return [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
 
 
 @dataclass
@@ -134,6 +176,9 @@ def _peer_modes(settings: BenchSettings, llm: LLM, say: Callable[[str], None]) -
         raise ValueError("--peer llama.cpp needs --peer-gguf: a GGUF file of the same model")
     tokenizer = llm.tokenizer
     prompt_ids = {p: tokenizer.encode(p) for p in settings.prompts}
+    if settings.chat:
+        prompt_ids = {p: ids for p, ids in zip(settings.prompts, _prepare(settings, settings.prompts), strict=True)
+                      if isinstance(ids, list)}
     context = max(len(ids) for ids in prompt_ids.values()) + settings.max_tokens + 8
     variants: list[tuple[str, int | None]] = [("llama.cpp", None)]
     if settings.ngram:
@@ -143,8 +188,8 @@ def _peer_modes(settings: BenchSettings, llm: LLM, say: Callable[[str], None]) -
         say(f"[{name}] loading {settings.peer_gguf}")
         runner = LlamaCppRunner(settings.peer_gguf, settings.max_tokens, context, lookup)
 
-        def run(prompt: str, seed: int, runner: LlamaCppRunner = runner) -> tuple[float, Any]:
-            rate, decode, ids = runner.run(prompt_ids[prompt])
+        def run(prompt: str | list[int], seed: int, runner: LlamaCppRunner = runner) -> tuple[float, Any]:
+            rate, decode, ids = runner.run(prompt if isinstance(prompt, list) else prompt_ids[prompt])
             return rate, PeerOutput(tokenizer.decode(ids), ids, decode)
 
         modes.append(_Mode(ModeResult(name, "llama.cpp", 0.0, [], spec_length=lookup), run))
@@ -166,7 +211,8 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         llms.append(llm)
         result = ModeResult(name, "infer", 0.0, [], spec_length=options.get("spec_length"),
                             policy=options.get("spec_length_policy"))
-        modes.append(_Mode(result, run, reported=reported))
+        history = _History(llm) if options.get("speculator") == "suffix" else None
+        modes.append(_Mode(result, run, reported=reported, llm=llm, history=history))
         return result
 
     plain = infer_mode("infer plain")
@@ -189,6 +235,9 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         for size in settings.medusa_tree_sizes:
             infer_mode(f"infer + Medusa ({size}-node tree)", speculator="medusa", medusa_heads=settings.medusa_heads,
                        spec_length=max(settings.spec_lengths), medusa_tree_size=size)
+    if settings.suffix:
+        infer_mode(f"infer + suffix K={max(settings.spec_lengths)}", speculator="suffix",
+                   spec_length=max(settings.spec_lengths))
     if settings.hf:
         from infer.bench.hf_baseline import transformers_runners
 
@@ -198,16 +247,29 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     if settings.peer:
         modes += _peer_modes(settings, plain_llm, say)
 
-    say(f"warming up {len(modes)} modes")
+    prompts = _prepare(settings, settings.prompts)
+    history = _prepare(settings, settings.warmup_prompts)
+    say(f"warming up {len(modes)} modes" + (f", then {len(history)} warm-up requests for suffix decoding"
+                                             if history and any(m.history for m in modes) else ""))
     for mode in modes:
-        mode.run(settings.prompts[0], settings.seed)
+        mode.run(prompts[0], settings.seed)
+        if mode.history is not None:
+            # Forget the warm-up generation (a timed prompt), learn from the warm-up requests instead,
+            # and keep exactly that: every timed request starts from it, so none can replay an answer
+            # to a prompt timed earlier (the same prompts come back every repeat).
+            mode.history.restore()
+            for i, prompt in enumerate(history):
+                mode.run(prompt, settings.seed - 1 - i)
+            mode.history.save()
     bandwidths: list[float] = []
     for rep in range(settings.repeats):
         if settings.device == "cpu":
             bandwidths.append(memory_bandwidth())  # in the same rounds as the rows it bounds
         order = modes[rep % len(modes):] + modes[: rep % len(modes)]
-        for i, prompt in enumerate(settings.prompts):
+        for i, prompt in enumerate(prompts):
             for mode in order:
+                if mode.history is not None:
+                    mode.history.restore()
                 rate, out = mode.run(prompt, settings.seed + 1000 * rep + i)
                 mode.result.samples.append(rate)
                 if out is not None:
@@ -228,6 +290,9 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         if r.engine == "infer" and r.mode != "infer plain":
             for key, value in speculation_stats(mode.outputs).items():
                 setattr(r, key, value)
+            runner = mode.llm.engine.runner if mode.llm is not None else None
+            if isinstance(runner, SpeculativeRunner) and isinstance(runner.proposer, SuffixProposer):
+                r.tree_nodes_per_round = runner.proposer.mean_tree_size
     cost = None
     if draft_alone is not None:
         def step_seconds(outputs: list[Any]) -> float:
@@ -269,7 +334,8 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         for r in results:
             r.speedup_vs_peer = r.tokens_per_s / peer_plain.tokens_per_s
     return {
-        "settings": {k: v for k, v in asdict(settings).items() if k != "prompts"} | {"num_prompts": len(settings.prompts)},
+        "settings": {k: v for k, v in asdict(settings).items() if k not in ("prompts", "warmup_prompts")}
+        | {"num_prompts": len(prompts), "num_warmup_prompts": len(history)},
         "environment": environment(settings.device),
         "cost_ratio_c": cost,
         "greedy_outputs_identical": greedy_identical,
@@ -283,7 +349,7 @@ def _matching_hf_mode(result: ModeResult, results: list[ModeResult]) -> ModeResu
     wanted = "transformers generate"
     if "draft" in result.mode:
         wanted = "transformers assisted"
-    elif "n-gram" in result.mode:
+    elif "n-gram" in result.mode or "suffix" in result.mode:
         wanted = "transformers prompt lookup"
     return next((r for r in results if r.mode == wanted), None)
 

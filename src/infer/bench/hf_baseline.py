@@ -16,7 +16,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def transformers_runners(settings: BenchSettings) -> list[tuple[str, RunFn, int | None]]:
     """(name, run, spec_length) for transformers generate, assisted generation and prompt lookup.
 
-    ``run(prompt, seed)`` generates exactly ``max_tokens`` tokens and returns (tokens/s, None).
+    ``run(prompt, seed)`` generates exactly ``max_tokens`` tokens (up to them and EOS with
+    ``stop_at_eos``) and returns (tokens/s, None).
     """
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -38,14 +39,14 @@ def transformers_runners(settings: BenchSettings) -> list[tuple[str, RunFn, int 
         sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0}
 
     def runner(extra: dict[str, Any]) -> RunFn:
-        def run(prompt: str, seed: int) -> tuple[float, Any]:
+        def run(prompt: str | list[int], seed: int) -> tuple[float, Any]:
             torch.manual_seed(seed)
-            ids = torch.tensor([tokenizer.encode(prompt)], device=device)
+            ids = torch.tensor([prompt if isinstance(prompt, list) else tokenizer.encode(prompt)], device=device)
+            length = {} if settings.stop_at_eos else {"min_new_tokens": settings.max_tokens}
             start = time.perf_counter()
             with torch.inference_mode():
                 out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.max_tokens,
-                                      min_new_tokens=settings.max_tokens, pad_token_id=tokenizer.pad_token_id or 0,
-                                      **sampling, **extra)
+                                      pad_token_id=tokenizer.pad_token_id or 0, **length, **sampling, **extra)
             return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start), None
 
         return run

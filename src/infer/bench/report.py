@@ -20,6 +20,8 @@ def generation_table(report: dict[str, Any]) -> str:
     columns += ["vs llama.cpp"] if peer else []
     columns += ["α", "accepted/pass", "Thm 3.8 predicted", "measured / predicted"]
     columns += ["decode tok/s", "of bandwidth limit"] if memory else []
+    trees = any(r.get("tree_nodes_per_round") is not None for r in report["results"])
+    columns += ["tree nodes/round"] if trees else []
     rows = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for r in report["results"]:
         ratio = (r["speedup_vs_plain"] / r["predicted_speedup"]) if r.get("predicted_speedup") else None
@@ -31,9 +33,14 @@ def generation_table(report: dict[str, Any]) -> str:
         if memory:
             fraction = r.get("bandwidth_fraction")
             cells += [_fmt(r.get("decode_tokens_per_s"), 1), "–" if fraction is None else f"{100 * fraction:.0f}%"]
+        cells += [_fmt(r.get("tree_nodes_per_round"), 1)] if trees else []
         rows.append("| " + " | ".join(cells) + " |")
     s = report["settings"]
-    head = (f"workload `{s['workload']}`, {s['num_prompts']} prompts × {s['repeats']} repeats, {s['max_tokens']} new tokens, "
+    prompts = f"{s['num_prompts']} prompts × {s['repeats']} repeats"
+    if s.get("num_warmup_prompts"):
+        prompts += f" (suffix decoding learnt from {s['num_warmup_prompts']} other requests first)"
+    new_tokens = f"up to {s['max_tokens']} new tokens (stop at EOS)" if s.get("stop_at_eos") else f"{s['max_tokens']} new tokens"
+    head = (f"workload `{s['workload']}`{' (chat template)' if s.get('chat') else ''}, {prompts}, {new_tokens}, "
             f"temperature {s['temperature']}, {s['dtype']} on {report['environment'].get('gpu') or report['environment']['cpu']} "
             f"({report['environment']['threads']} threads); measured cost ratio c = {_fmt(report['cost_ratio_c'], 3)}")
     if report.get("greedy_outputs_identical") is not None:

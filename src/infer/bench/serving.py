@@ -1,10 +1,10 @@
 """``infer bench serving``: an async OpenAI-API load generator with a concurrency sweep.
 
 Either measures one running server (``--server URL``) or launches ``infer serve`` itself for
-speculation off / fixed / goodput (``--model T --draft-model D``) and compares them; with
-``--replicas 0 1 2`` each of those runs as one process (0) and on Ray Serve with 1 and 2 replicas,
-which share the machine's CPUs. Reports throughput, time to first token and inter-token latency
-percentiles per concurrency level.
+speculation off / fixed / goodput (``--model T --draft-model D``) and any model-free drafters
+(``--speculator ngram suffix``) and compares them; with ``--replicas 0 1 2`` each of those runs as
+one process (0) and on Ray Serve with 1 and 2 replicas, which share the machine's CPUs. Reports
+throughput, time to first token and inter-token latency percentiles per concurrency level.
 """
 
 from __future__ import annotations
@@ -51,13 +51,18 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 async def _one_request(client: Any, url: str, model: str, prompt: str, max_tokens: int, temperature: float,
-                       ttfts: list[float], itls: list[float], tpots: list[float]) -> int:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+                       ttfts: list[float], itls: list[float], tpots: list[float], chat: bool = False) -> int:
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    endpoint = "chat/completions" if chat else "completions"
     start = time.perf_counter()
     last = None
     tokens = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    async with client.stream("POST", f"{url}/v1/{endpoint}", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
@@ -66,7 +71,8 @@ async def _one_request(client: Any, url: str, model: str, prompt: str, max_token
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+            choice = chunk["choices"][0] if chunk.get("choices") else {}
+            if not (choice.get("delta", {}).get("content") if chat else choice.get("text")):
                 continue
             now = time.perf_counter()
             if last is None:
@@ -81,7 +87,10 @@ async def _one_request(client: Any, url: str, model: str, prompt: str, max_token
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int,
-                    temperature: float, poisson_rate: float | None, seed: int) -> LevelResult:
+                    temperature: float, poisson_rate: float | None, seed: int, chat: bool = False,
+                    first_prompt: int = 0) -> LevelResult:
+    """``num_requests`` requests, at most ``concurrency`` at a time; request i sends prompt
+    ``first_prompt + i`` (cycling through ``prompts``)."""
     import httpx
 
     rng = random.Random(seed)
@@ -96,8 +105,8 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
             nonlocal errors
             async with gate:
                 try:
-                    return await _one_request(client, url, model, prompts[i % len(prompts)], max_tokens,
-                                              temperature, ttfts, itls, tpots)
+                    return await _one_request(client, url, model, prompts[(first_prompt + i) % len(prompts)],
+                                              max_tokens, temperature, ttfts, itls, tpots, chat)
                 except Exception as err:  # a failed request is counted, not fatal to the sweep
                     errors += 1
                     print(f"[bench] request failed: {err}", file=sys.stderr)
@@ -151,9 +160,19 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600.0)
 
 
 def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from infer.bench.workloads import code_prompts, load_prompts
+    from infer.bench.workloads import code_prompts, load_prompts, repetitive_prompts
 
-    prompts = load_prompts(args.prompts) if args.prompts else code_prompts(args.num_prompts)
+    warmup: list[str] = []
+    if args.prompts:
+        prompts = load_prompts(args.prompts)
+    elif args.workload == "repetitive":
+        # A new function for every request, warm-up included: a drafter that learns from earlier
+        # requests never sees a measured prompt twice.
+        measured = sum(max(args.requests_per_level, c) for c in args.concurrency)
+        prompts = repetitive_prompts(measured + args.warmup)  # measured ones first, as in bench generation
+        prompts, warmup = prompts[:measured], prompts[measured:]
+    else:
+        prompts = code_prompts(args.num_prompts)
     configs: list[tuple[str, list[str] | None]] = []
     if args.server:
         configs.append((args.label, None))
@@ -167,6 +186,9 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
             configs.append(("fixed", base + ["--draft-model", args.draft_model, "--spec-length", str(args.spec_length)]))
             configs.append(("goodput", base + ["--draft-model", args.draft_model, "--spec-length",
                                                str(args.spec_length), "--spec-length-policy", "goodput"]))
+        for name in args.speculator:
+            configs.append((f"{name} K={args.spec_length}",
+                            base + ["--speculator", name, "--spec-length", str(args.spec_length)]))
         if args.replicas:
             configs = [(f"{label}, {_replicas_label(n)}", serve_args + _replica_flags(n, args.replica_cpus))
                        for label, serve_args in configs if serve_args is not None for n in args.replicas]
@@ -186,11 +208,17 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
             import httpx
 
             model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            if warmup:
+                print(f"[bench] {label}: {len(warmup)} warm-up requests", file=sys.stderr, flush=True)
+                asyncio.run(run_level(url, model, warmup, max(args.concurrency), len(warmup), args.max_tokens,
+                                      args.temperature, None, args.seed, args.chat))
             levels = []
+            sent = 0
             for c in args.concurrency:
                 n = max(args.requests_per_level, c)
                 res = asyncio.run(run_level(url, model, prompts, c, n, args.max_tokens, args.temperature,
-                                            args.poisson_rate, args.seed))
+                                            args.poisson_rate, args.seed, args.chat, first_prompt=sent))
+                sent += n
                 print(f"[bench] {label} c={c}: {res.throughput_tok_s:.1f} tok/s, TTFT p50 "
                       f"{res.ttft_ms.get('p50', float('nan')):.0f} ms, TPOT p50 {res.tpot_ms.get('p50', float('nan')):.1f} ms, "
                       f"errors {res.errors}", file=sys.stderr, flush=True)
@@ -247,6 +275,8 @@ def add_serving_parser(kinds: Any) -> None:
     p.add_argument("--label", default="server", help="name of the --server run in the report")
     p.add_argument("--model", default=None, help="launch servers for this target (off / fixed / goodput)")
     p.add_argument("--draft-model", default=None)
+    p.add_argument("--speculator", nargs="*", default=[], choices=["ngram", "suffix"],
+                   help="also launch a server with each of these drafters")
     p.add_argument("--spec-length", type=int, default=4)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
@@ -261,6 +291,10 @@ def add_serving_parser(kinds: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompts", default=None)
+    p.add_argument("--workload", default="code", choices=["code", "repetitive"],
+                   help="code continuations (cycled), or one instruction over a new function per request")
+    p.add_argument("--warmup", type=int, default=8, help="repetitive workload: requests sent before measuring")
+    p.add_argument("--chat", action="store_true", help="send prompts as chat messages (/v1/chat/completions)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out")

@@ -1,14 +1,21 @@
-"""Benchmark prompts: code continuation, an input-grounded edit task, and user-supplied files."""
+"""Benchmark prompts: code continuation, an input-grounded edit task, a repetitive task, and user files."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import random
+import textwrap
 from pathlib import Path
 
 from infer.train.corpus import split_files, stdlib_source_files
 
-WORKLOADS = ("code", "edit", "sample")
+WORKLOADS = ("code", "edit", "sample", "repetitive")
+# The repetitive workload's one instruction, applied to a different function in every request: the
+# answers share their scaffolding (imports, a TestCase class, assertions), as a batch job's do.
+REPETITIVE_INSTRUCTION = ("Write a unit test for this Python function with the unittest module. "
+                          "Reply with the test code only.")
 
 
 def code_prompts(count: int, max_chars: int = 600, seed: int = 0) -> list[str]:
@@ -42,6 +49,51 @@ def edit_prompts(count: int, seed: int = 0) -> list[str]:
     return out
 
 
+def stdlib_functions(count: int, min_lines: int = 4, max_lines: int = 14, seed: int = 0) -> list[str]:
+    """Whole functions without annotations or decorators from the held-out stdlib files, dedented.
+
+    Taken round-robin over the files (in a seeded order), so neighbours come from different
+    modules, and a longer list only appends: ``stdlib_functions(n)[:m] == stdlib_functions(m)``.
+    """
+    ordered = _stdlib_functions(min_lines, max_lines, seed)
+    if len(ordered) < count:
+        raise ValueError(f"found only {len(ordered)} suitable functions in the held-out stdlib files")
+    return list(ordered[:count])
+
+
+@functools.cache
+def _stdlib_functions(min_lines: int, max_lines: int, seed: int) -> tuple[str, ...]:
+    _, heldout = split_files(stdlib_source_files())
+    rng = random.Random(seed)
+    per_file: list[list[str]] = []
+    for path in heldout:
+        text = path.read_text(encoding="utf-8")
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines()
+        found = []
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.decorator_list or node.end_lineno is None:
+                continue
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            if node.returns is not None or any(a.annotation is not None for a in args):
+                continue
+            if min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
+                found.append(textwrap.dedent("\n".join(lines[node.lineno - 1: node.end_lineno])) + "\n")
+        rng.shuffle(found)
+        per_file.append(found)
+    rng.shuffle(per_file)
+    return tuple(fns[r] for r in range(max(map(len, per_file), default=0)) for fns in per_file if r < len(fns))
+
+
+def repetitive_prompts(count: int, seed: int = 0) -> list[str]:
+    """The same instruction over ``count`` different functions: the requests (and their answers)
+    repeat one another, as a batch job or an agent's tool calls do."""
+    return [f"{REPETITIVE_INSTRUCTION}\n\n```python\n{code}```" for code in stdlib_functions(count, seed=seed)]
+
+
 def load_prompts(path: str | Path) -> list[str]:
     """A JSON list of strings, JSON lines with a "prompt" field, or plain text split on lines of '---'."""
     text = Path(path).read_text(encoding="utf-8")
@@ -63,4 +115,6 @@ def workload_prompts(name: str, count: int) -> list[str]:
         return code_prompts(count)
     if name == "edit":
         return edit_prompts(count)
+    if name == "repetitive":
+        return repetitive_prompts(count)
     raise ValueError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)}")

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from infer.cache import KV_BACKENDS
+from infer.speculative.suffix import SCOPES as SUFFIX_SCOPES
 
-SPECULATORS = ("draft", "ngram", "medusa")
+SPECULATORS = ("draft", "ngram", "medusa", "suffix")
 LENGTH_POLICIES = ("fixed", "entropy", "goodput")
 TREE_ATTENTION = ("sdpa", "flex")
 
@@ -23,10 +24,11 @@ class SpeculativeConfig:
     acceptance; ``entropy`` drafts up to ``max_length`` and stops a chain once the draft model is
     unsure (n-gram guesses carry no distribution, so there it drafts like ``fixed``). Medusa's tree
     size is chosen by the same controller, up to the heads' tree, unless ``medusa_tree_size`` fixes
-    it; the length then only caps the tree's depth.
+    it; the length then only caps the tree's depth. Suffix decoding's length is its tree's depth,
+    chosen like a chain's; its node count is its own (at most ``suffix_tree_size``).
     """
 
-    method: str  # draft | ngram | medusa
+    method: str  # draft | ngram | medusa | suffix
     draft_model: str | None = None
     length: int = 5
     length_policy: str = "fixed"
@@ -39,6 +41,16 @@ class SpeculativeConfig:
     # Tree nodes verified per round. None: up to the heads' configured tree, sized each round by the
     # budget controller; a number: exactly that tree, always.
     medusa_tree_size: int | None = None
+    # Suffix decoding: a tree of at most suffix_tree_size nodes per round from the longest earlier
+    # occurrence (up to suffix_max_match tokens) of the request's suffix; finished requests are kept
+    # up to suffix_max_tokens / suffix_max_requests (oldest evicted first) and shared among requests
+    # with the same cache_salt ("salt"), or not shared at all ("request").
+    suffix_tree_size: int = 24
+    suffix_max_match: int = 16
+    suffix_min_prob: float = 0.1
+    suffix_max_tokens: int = 65536
+    suffix_max_requests: int = 1024
+    suffix_scope: str = "salt"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATORS:
@@ -63,6 +75,16 @@ class SpeculativeConfig:
                              "need 1 <= ngram_min <= ngram_max")
         if self.medusa_tree_size is not None and self.medusa_tree_size < 1:
             raise ValueError(f"medusa_tree_size={self.medusa_tree_size} is invalid: must be >= 1")
+        for name in ("suffix_tree_size", "suffix_max_match"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+        for name in ("suffix_max_tokens", "suffix_max_requests"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 0")
+        if not 0.0 < self.suffix_min_prob <= 1.0:
+            raise ValueError(f"suffix_min_prob={self.suffix_min_prob} is invalid: must be in (0, 1]")
+        if self.suffix_scope not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix_scope={self.suffix_scope!r} is invalid: use one of {', '.join(SUFFIX_SCOPES)}")
 
     @property
     def max_length(self) -> int:
@@ -76,7 +98,9 @@ class SpeculativeConfig:
 SPECULATIVE_OPTIONS = {"speculator": "method", "draft_model": "draft_model", "spec_length": "length",
                        "spec_length_policy": "length_policy", "gamma_min": "gamma_min", "gamma_max": "gamma_max",
                        "entropy_threshold": "entropy_threshold", "ngram_min": "ngram_min", "ngram_max": "ngram_max",
-                       "medusa_heads": "medusa_heads", "medusa_tree_size": "medusa_tree_size"}
+                       "medusa_heads": "medusa_heads", "medusa_tree_size": "medusa_tree_size",
+                       **{name: name for name in ("suffix_tree_size", "suffix_max_match", "suffix_min_prob",
+                                                  "suffix_max_tokens", "suffix_max_requests", "suffix_scope")}}
 
 
 @dataclass

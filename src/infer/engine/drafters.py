@@ -68,6 +68,12 @@ def make_proposer(spec: SpeculativeConfig, target: TargetModel, say: Callable[[s
         tree = medusa_tree(heads.config, spec.medusa_tree_size)
         cost_hint = count_weights(heads) / max(1, count_weights(target.model))
         return MedusaProposer(heads, tree, target.device, cost_hint, max_depth=spec.max_length)
+    if spec.method == "suffix":
+        from infer.speculative.suffix import SuffixProposer
+
+        return SuffixProposer(spec.max_length, spec.suffix_tree_size, spec.suffix_max_match, spec.suffix_min_prob,
+                              spec.suffix_max_tokens, spec.suffix_max_requests, spec.suffix_scope,
+                              device=target.device)
     raise ValueError(f"unknown speculator {spec.method!r}")
 
 
