@@ -230,6 +230,54 @@ def test_generate_from_gguf_equals_folder(tiny_llama: Path, tmp_path: Path) -> N
     assert [o.token_ids for o in from_gguf] == [o.token_ids for o in from_folder]
 
 
+def test_medusa_heads_for_a_gguf_are_found_where_training_saves_them(tiny_llama: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF is one file, so its drafters live in the cache's drafters folder: ``infer train medusa``
+    saves there by default and ``--speculator medusa`` without a folder must look in the same place."""
+    from checkpoints import make_medusa_heads
+    from infer.loader.hub import drafters_dir
+    from infer.speculative.medusa import default_heads_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf")
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "cache")):
+        LLM(str(path), dtype="float32", device="cpu", speculator="medusa")
+    heads = default_heads_dir(str(path))
+    assert heads == drafters_dir(str(path)) / "medusa" and heads.is_relative_to(tmp_path / "cache")
+    make_medusa_heads(tiny_llama, heads)
+    params = greedy(12, ignore_eos=True)
+    plain = LLM(str(path), dtype="float32", device="cpu").generate(SAMPLE_TEXTS[:2], params)
+    medusa = LLM(str(path), dtype="float32", device="cpu", speculator="medusa").generate(SAMPLE_TEXTS[:2], params)
+    assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
+
+
+def test_bench_compares_transformers_on_a_gguf(tiny_llama: Path, tmp_path: Path) -> None:
+    """``infer bench generation --model x.gguf`` gives transformers the same file (its own GGUF reader)."""
+    pytest.importorskip("transformers")
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(SAMPLE_TEXTS[:1]))
+    out = tmp_path / "report"
+    assert main(["bench", "generation", "--model", str(path), "--prompts", str(prompts), "--max-tokens", "4",
+                 "--repeats", "1", "--no-suffix", "--spec-length", "2", "--out", str(out)]) == 0
+    modes = {r["mode"]: r for r in json.loads((out / "generation.json").read_text())["results"]}
+    assert modes["transformers generate"]["tokens_per_s"] > 0 and "transformers prompt lookup" in modes
+
+
+def test_distill_runs_live_on_a_gguf_target(tiny_llama: Path, stdlib_corpus: Path, tmp_path: Path) -> None:
+    """With ``--corpus`` the target runs on every batch (no teacher cache): a GGUF target works too."""
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf")
+    draft = tmp_path / "draft"
+    assert main(["train", "distill", "--target", str(path), "--corpus", str(stdlib_corpus), "--out", str(draft),
+                 "--hidden-size", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate-size",
+                 "32", "--max-steps", "2", "--seq-len", "16", "--batch-size", "2", "--device", "cpu", "--threads",
+                 "1", "--eval-every", "0", "--quiet"]) == 0
+    params = greedy(8, ignore_eos=True)
+    plain = LLM(str(path), dtype="float32", device="cpu").generate(SAMPLE_TEXTS[:2], params)
+    spec = LLM(str(path), dtype="float32", device="cpu", draft_model=str(draft)).generate(SAMPLE_TEXTS[:2], params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
 @pytest.mark.parametrize(("pre", "add_bos"), [("gpt2", False), ("llama-bpe", True), ("qwen2", False)])
 def test_pre_tokenizers_and_bos_match_transformers(tiny_llama: Path, tmp_path: Path, pre: str,
                                                    add_bos: bool) -> None:

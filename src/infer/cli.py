@@ -37,7 +37,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculator", default=None, choices=["draft", "ngram", "medusa", "suffix"])
     parser.add_argument("--spec-length", type=int, default=5, help="tokens drafted per round (K)")
     parser.add_argument("--spec-length-policy", default="fixed", choices=["fixed", "entropy", "goodput"])
-    parser.add_argument("--medusa-heads", default=None, help="Medusa heads folder (default: <model>/medusa)")
+    parser.add_argument("--medusa-heads", default=None, help="Medusa heads folder (default: <model>/medusa; for a GGUF or built-in model ~/.cache/infer/drafters/<name>/medusa, where infer train medusa saves them)")
     parser.add_argument("--medusa-tree-size", type=int, default=None,
                         help="verify exactly this many tree nodes per round (default: choose each round, "
                         "up to the heads' tree, by measured tokens/s)")

@@ -145,7 +145,7 @@ def _drafter_file(explicit: str | None, model: str, name: str, marker: str) -> s
     """The drafter given, or the one infer's trainers saved for ``model`` (None when there is none)."""
     if explicit is not None:
         return explicit
-    from infer.train.teacher import drafters_dir
+    from infer.loader.hub import drafters_dir
 
     try:
         found = drafters_dir(model) / name

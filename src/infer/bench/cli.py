@@ -30,7 +30,7 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--no-ngram", action="store_true")
     gen.add_argument("--no-suffix", action="store_true", help="skip the suffix decoding row")
     gen.add_argument("--medusa-heads", default=None,
-                     help="Medusa heads folder for an extra row (default: <model>/medusa when it exists)")
+                     help="Medusa heads folder for an extra row (default: where infer train medusa saves them, when they exist)")
     gen.add_argument("--medusa-tree-size", type=int, nargs="*", default=[], metavar="N",
                      help="also rows with a fixed N-node tree (the default row sizes its tree by measurement)")
     gen.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
@@ -91,9 +91,11 @@ def _run_generation(args: argparse.Namespace) -> int:
         prompts = workload_prompts(args.workload, args.num_prompts)
     if args.profile:
         return _run_profile(args, prompts[0])
+    from infer.speculative.medusa import default_heads_dir
+
     medusa = args.medusa_heads
-    if medusa is None and (Path(args.model) / "medusa" / "medusa_config.json").is_file():
-        medusa = str(Path(args.model) / "medusa")
+    if medusa is None and (default_heads_dir(args.model) / "medusa_config.json").is_file():
+        medusa = str(default_heads_dir(args.model))
     temperature = args.temperature if args.temperature is not None else (1.0 if args.workload == "sample" else 0.0)
     settings = BenchSettings(
         model=args.model, draft_model=args.draft_model, prompts=prompts, workload=args.workload,

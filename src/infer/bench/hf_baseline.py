@@ -13,21 +13,32 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def from_pretrained_args(ref: str) -> tuple[str, dict[str, Any]]:
+    """transformers' ``from_pretrained`` arguments for an infer model reference: a folder as is; a
+    GGUF file or built-in name as its folder plus ``gguf_file`` (transformers dequantizes it)."""
+    from infer.loader import resolve_model_path
+
+    path = resolve_model_path(ref)
+    return (str(path), {}) if path.is_dir() else (str(path.parent), {"gguf_file": path.name})
+
+
 def transformers_runners(settings: BenchSettings) -> list[tuple[str, RunFn, int | None]]:
     """(name, run, spec_length) for transformers generate, assisted generation and prompt lookup.
 
     ``run(prompt, seed)`` generates exactly ``max_tokens`` tokens (up to them and EOS with
     ``stop_at_eos``) and returns (tokens/s, None).
     """
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = "cuda" if settings.device in ("cuda", "auto") and torch.cuda.is_available() else settings.device
     dtype = DTYPES.get(settings.dtype, torch.float32)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{settings.model}/tokenizer.json")
-    target: Any = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    folder, gguf = from_pretrained_args(settings.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
+    target: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **gguf).to(device).eval()  # type: ignore[arg-type]
     draft: Any = None
     if settings.draft_model is not None:
-        draft = AutoModelForCausalLM.from_pretrained(settings.draft_model, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+        draft_folder, draft_gguf = from_pretrained_args(settings.draft_model)
+        draft = AutoModelForCausalLM.from_pretrained(draft_folder, dtype=dtype, **draft_gguf).to(device).eval()  # type: ignore[arg-type]
     k = max(settings.spec_lengths)
     modes: list[tuple[str, dict[str, Any]]] = [("transformers generate", {})]
     if draft is not None:

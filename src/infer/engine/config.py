@@ -37,7 +37,7 @@ class SpeculativeConfig:
     entropy_threshold: float = 0.5  # normalised draft entropy above which the entropy policy stops drafting
     ngram_min: int = 1
     ngram_max: int = 4
-    medusa_heads: str | None = None  # folder of trained Medusa heads (default: <model>/medusa)
+    medusa_heads: str | None = None  # folder of trained Medusa heads (default: medusa/ in loader.hub.drafters_dir)
     # Tree nodes verified per round. None: up to the heads' configured tree, sized each round by the
     # budget controller; a number: exactly that tree, always.
     medusa_tree_size: int | None = None

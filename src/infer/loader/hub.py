@@ -95,3 +95,24 @@ def resolve_model_path(ref: str | os.PathLike[str]) -> Path:
             "infer never downloads: download it first or pass a folder path"
         )
     raise CheckpointError(f"{path}: model folder not found (built-in names: {', '.join(BUILTIN_MODELS)})")
+
+
+def default_cache_dir() -> Path:
+    """Where infer keeps what it builds for reuse: ``$XDG_CACHE_HOME/infer`` or ``~/.cache/infer``."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "infer"
+
+
+def model_slug(ref: str | os.PathLike[str]) -> str:
+    """A short readable name for a model reference (folder or file name without suffix)."""
+    path = resolve_model_path(ref)
+    name = path.stem if path.is_file() else path.name
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:60] or "model"
+
+
+def drafters_dir(ref: str | os.PathLike[str]) -> Path:
+    """Where drafters trained for a model go, and where infer looks for them by default: beside a
+    model folder's own files, or for a single-file model (GGUF, a built-in name) under
+    ``~/.cache/infer/drafters/<model>``. Medusa heads are its ``medusa/``, a draft model its ``draft/``."""
+    path = resolve_model_path(ref)
+    return path if path.is_dir() else default_cache_dir() / "drafters" / model_slug(ref)

@@ -28,11 +28,12 @@ def medusa_tree(config: MedusaConfig, tree_size: int | None = None) -> Candidate
 
 
 def default_heads_dir(target: str | os.PathLike[str]) -> Path:
-    """Where ``infer train medusa`` writes and ``--speculator medusa`` looks: ``<target>/medusa``."""
-    from infer.loader.hub import resolve_model_path
+    """Where ``infer train medusa`` writes and ``--speculator medusa`` looks by default: ``medusa/`` in
+    the target's drafters folder (a model folder itself; ``~/.cache/infer/drafters/<model>`` for a GGUF)."""
+    from infer.loader.hub import drafters_dir
 
     try:
-        return resolve_model_path(target) / "medusa"
+        return drafters_dir(target) / "medusa"
     except Exception:  # an unresolvable target: report the literal path
         return Path(target) / "medusa"
 

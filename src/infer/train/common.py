@@ -116,12 +116,6 @@ class ThreadTuner:
             self.next_check = time.perf_counter() + self.recheck_every
 
 
-def default_cache_dir() -> Path:
-    """Where infer keeps what it builds for reuse: ``$XDG_CACHE_HOME/infer`` or ``~/.cache/infer``."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "infer"
-
-
 def pick_device(device: str) -> torch.device:
     return resolve_device(device)
 

@@ -40,7 +40,6 @@ from infer.train.common import (
     autocast,
     build_model,
     count_params,
-    is_complete_model,
     model_config,
     say,
     write_json,
@@ -118,7 +117,7 @@ class DistillConfig:
     resume: bool = False
 
     def __post_init__(self) -> None:
-        from infer.train.teacher import drafters_dir
+        from infer.loader.hub import drafters_dir
 
         self.target = Path(self.target).expanduser()
         self.out = Path(self.out).expanduser() if self.out is not None else drafters_dir(str(self.target)) / "draft"
@@ -221,15 +220,13 @@ class FrozenTarget:
 def load_frozen_target(cfg: Any, device: torch.device) -> FrozenTarget:
     """Load ``cfg.target`` in inference mode; ``cfg`` has target, corpus, max_train_chars,
     held_out_fraction, seq_len and seed (None data settings mean "as the target was trained")."""
-    if not is_complete_model(cfg.target):
-        raise FileNotFoundError(f"{cfg.target}: not a complete model folder (config.json, model.safetensors, "
-                                "tokenizer.json)")
-    targs = target_training_args(cfg.target)
+    path = resolve_model_path(cfg.target)  # a folder, a GGUF file or a built-in name
+    targs = target_training_args(path) if path.is_dir() else {}
     # Unpacked: distillation and Medusa training read the target's LM head weight.
     target, tcfg = load_model(cfg.target, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                               device=str(device), pack=False)
     target.requires_grad_(False)
-    tokenizer = Tokenizer.from_file(str(cfg.target / "tokenizer.json"))
+    tokenizer = load_tokenizer(cfg.target).backend
     eos_id = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else tokenizer.token_to_id("<|end_of_text|>")
     if eos_id is None:
         raise ValueError(f"{cfg.target}: no eos_token_id in config.json or generation_config.json")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.models.medusa_heads import DEFAULT_TOP_K, DEFAULT_TREE_SIZE, MedusaHeads
-from infer.train.teacher import drafters_dir
+from infer.speculative.medusa import default_heads_dir
 
 OBJECTIVES = ("distill", "ce")
 
@@ -335,7 +335,7 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
         "heldout_loss_before": sum(before) / cfg.heads, "heldout_loss_after": sum(final) / cfg.heads,
         "heldout_loss_per_head": final,
     }
-    out = cfg.out if cfg.out is not None else drafters_dir(str(cfg.target)) / "medusa"
+    out = cfg.out if cfg.out is not None else default_heads_dir(str(cfg.target))
     medusa.to(torch.float32).save(out)
     top1 = ", ".join(f"{row[0]:.3f}" for row in rank_accuracy)
     say(f"saved {out} ({state.step} steps, {state.elapsed:.0f}s training, {time.perf_counter() - wall_start:.0f}s "

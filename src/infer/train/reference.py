@@ -35,11 +35,11 @@ import torch
 
 from infer.fileio import publish_folder
 from infer.loader import load_model
+from infer.loader.hub import default_cache_dir
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
     configure_threads,
     count_params,
-    default_cache_dir,
     is_complete_model,
     pick_device,
     say,

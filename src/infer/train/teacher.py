@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from infer.loader import ModelConfig, load_config, load_model, load_tokenizer, resolve_model_path
-from infer.train.common import configure_threads, default_cache_dir, pick_device, say, write_json
+from infer.loader.hub import default_cache_dir, model_slug
+from infer.train.common import configure_threads, pick_device, say, write_json
 
 MANIFEST_FILE = "teacher_cache.json"
 BUILDING_FILE = "building.json"
@@ -118,13 +119,6 @@ def target_fingerprint(target: str) -> dict[str, Any]:
     return {"path": str(path.resolve()), "weights": stats}
 
 
-def model_slug(target: str) -> str:
-    """A short readable name for a model reference (folder or file name without suffix)."""
-    path = resolve_model_path(target)
-    name = path.stem if path.is_file() else path.name
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:60] or "model"
-
-
 def settings_hash(cfg: TeacherCacheConfig) -> str:
     raw = json.dumps({"settings": cfg.settings(), "target": target_fingerprint(cfg.target), "format": CACHE_FORMAT},
                      sort_keys=True, default=str)
@@ -133,14 +127,6 @@ def settings_hash(cfg: TeacherCacheConfig) -> str:
 
 def default_teacher_dir(cfg: TeacherCacheConfig) -> Path:
     return default_cache_dir() / "teacher" / f"{model_slug(cfg.target)}-{settings_hash(cfg)[:12]}"
-
-
-def drafters_dir(target: str) -> Path:
-    """Where drafters trained for ``target`` go by default: beside a model folder's files (``medusa/``
-    is where ``--speculator medusa`` looks), or for a single-file model (GGUF) under
-    ``~/.cache/infer/drafters/<model>``."""
-    path = resolve_model_path(target)
-    return path if path.is_dir() else default_cache_dir() / "drafters" / model_slug(target)
 
 
 def trained_by_infer(target: str) -> bool:
