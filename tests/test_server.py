@@ -256,6 +256,13 @@ def test_speculation_metrics(servers: dict[str, Served]) -> None:
     assert 0 < ngram["infer_spec_decode_acceptance_rate"] <= 1
     assert ngram["infer_spec_decode_accepted_tokens_per_round_count"] == ngram["infer_spec_decode_rounds_total"]
     assert ngram["infer_spec_decode_accepted_tokens_per_round_sum"] == ngram["infer_spec_decode_accepted_tokens_total"]
+    # A chain's nodes are its tokens; every request has finished, so the per-position counts add up.
+    assert ngram["infer_spec_decode_draft_nodes_total"] == ngram["infer_spec_decode_proposed_tokens_total"]
+    for kind in ("proposed", "accepted"):
+        by_position = {k: v for k, v in ngram.items() if k.startswith(f"infer_spec_decode_{kind}_by_position_total")}
+        assert by_position and sum(by_position.values()) == ngram[f"infer_spec_decode_{kind}_tokens_total"]
+    first = ngram['infer_spec_decode_proposed_by_position_total{position="1"}']
+    assert ngram["infer_spec_decode_rounds_total"] >= first > 0  # a round without a draft counts no position
     servers["draft"].client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
     draft = servers["draft"].metrics()
     assert draft["infer_spec_decode_proposed_tokens_total"] > 0

@@ -342,6 +342,9 @@ def test_greedy_parity_with_plain_decoding(tiny_llama: Path, plain: list[Request
         assert mean > 3.0
         m = second[0].metrics
         assert m.proposed_per_position and len(m.proposed_per_position) <= 6  # depth <= spec_length
+        # The metrics count every node the target verified (the tree size), at least the judged depth.
+        assert sum(o.metrics.draft_nodes for o in second) == sum(sum(p.num_tokens) for p in proposals)
+        assert all(o.metrics.draft_nodes >= o.metrics.proposed_tokens for o in second)
     else:
         assert accepted > 0  # goodput may pick 0 for some rounds, and still the output is the same
     assert any(p.parents is not None and max(p.num_tokens) > 0 for p in proposals)

@@ -39,7 +39,8 @@ class RequestMetrics:
     finish_time: float | None = None
     # Speculative decoding (zero when speculation is off).
     num_rounds: int = 0  # target verification passes
-    proposed_tokens: int = 0
+    proposed_tokens: int = 0  # drafts judged: a chain's length, a tree's deepest path checked
+    draft_nodes: int = 0  # drafts the target verified: a chain's length, every node of a tree
     accepted_tokens: int = 0
     rejected_rounds: int = 0  # rounds that ended on a rejected draft (the rest accepted every draft)
     accepted_per_position: list[int] = field(default_factory=list)  # how often draft i+1 was accepted
@@ -76,8 +77,9 @@ class RequestMetrics:
         """Tokens emitted per target verification pass (accepted drafts + the one target token)."""
         return (self.accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else None
 
-    def record_round(self, proposed: int, accepted: int) -> None:
+    def record_round(self, proposed: int, accepted: int, nodes: int) -> None:
         self.num_rounds += 1
+        self.draft_nodes += nodes
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
         self.rejected_rounds += accepted < proposed

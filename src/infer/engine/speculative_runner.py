@@ -95,7 +95,7 @@ class SpeculativeRunner:
             zeros = [0] * batch
             self.budget.observe_round(requests, zeros, zeros, zeros)
             for request in requests:
-                request.metrics.record_round(0, 0)
+                request.metrics.record_round(0, 0, 0)
             return result
         # A drafter that runs one step per token reports its clean per-step time (None: no clean
         # sample this round); otherwise drafting is one call per round, timed here.
@@ -199,7 +199,7 @@ class SpeculativeRunner:
             request.num_computed_tokens += 1 + kept[b]
             self.target.pool.truncate_to(request.slot, request.num_computed_tokens)  # type: ignore[arg-type]
             self.proposer.accepted(request, proposed[b], kept[b])
-            request.metrics.record_round(judged[b], kept[b])
+            request.metrics.record_round(judged[b], kept[b], proposed[b])
             outputs.extend((request, StepOutput(t)) for t in emitted[b])
         self.budget.observe_round(requests, proposed, judged, kept)
         return outputs

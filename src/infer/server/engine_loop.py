@@ -148,7 +148,7 @@ class EngineService:
         self.drain_aborted = 0  # requests ended at the drain deadline
         # Engine-thread bookkeeping for latency and speculation metrics.
         self._last_emit: dict[str, float] = {}
-        self._spec_seen: dict[str, tuple[int, int, int]] = {}
+        self._spec_seen: dict[str, tuple[int, int, int, int]] = {}
 
     # -- lifecycle (event loop thread) --------------------------------------------------------------
     def start(self) -> None:
@@ -314,11 +314,12 @@ class EngineService:
             else:
                 self.metrics.itl.observe((now - last) / n, n)
             self._last_emit[rid] = now
-        seen = self._spec_seen.get(rid, (0, 0, 0))
-        current = (m.num_rounds, m.proposed_tokens, m.accepted_tokens)
+        seen = self._spec_seen.get(rid, (0, 0, 0, 0))
+        current = (m.num_rounds, m.proposed_tokens, m.accepted_tokens, m.draft_nodes)
         if current != seen:
             self._spec_seen[rid] = current
-            self.metrics.record_round(current[1] - seen[1], current[2] - seen[2], current[0] - seen[0])
+            self.metrics.record_round(current[1] - seen[1], current[2] - seen[2], current[0] - seen[0],
+                                      current[3] - seen[3])
         if update.finished:
             self._finished(request)
 
@@ -329,6 +330,7 @@ class EngineService:
         m = request.metrics
         if m.finish_time is not None:
             self.metrics.e2e.observe(m.finish_time - m.arrival_time)
+        self.metrics.record_positions(m.proposed_per_position, m.accepted_per_position)
         self._last_emit.pop(request.request_id, None)
         self._spec_seen.pop(request.request_id, None)
 

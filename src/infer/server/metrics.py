@@ -161,6 +161,15 @@ class ServerMetrics:
         self.spec_rounds = Counter("infer_spec_decode_rounds_total", "Speculative verification rounds.")
         self.spec_proposed = Counter("infer_spec_decode_proposed_tokens_total", "Draft tokens proposed.")
         self.spec_accepted = Counter("infer_spec_decode_accepted_tokens_total", "Draft tokens accepted.")
+        self.spec_draft_nodes = Counter("infer_spec_decode_draft_nodes_total",
+                                        "Drafts the target verified: a chain's tokens, every node of a tree "
+                                        "(nodes / rounds is the mean tree size).")
+        self.spec_proposed_by_position = Counter(
+            "infer_spec_decode_proposed_by_position_total",
+            "Rounds whose draft reached this position (1 = first draft token), counted when a request finishes.", ())
+        self.spec_accepted_by_position = Counter(
+            "infer_spec_decode_accepted_by_position_total",
+            "Rounds whose draft was accepted at this position; / proposed = acceptance by position.", ())
         self.spec_acceptance = Gauge("infer_spec_decode_acceptance_rate", "Accepted / proposed draft tokens so far.")
         self.spec_per_round = Histogram("infer_spec_decode_accepted_tokens_per_round",
                                         "Draft tokens accepted in one verification round.",
@@ -178,6 +187,7 @@ class ServerMetrics:
         return [self.requests, self.rejected, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
                 self.e2e, self.running, self.waiting, self.kv_free_tokens, self.kv_blocks_in_use,
                 self.kv_blocks_total, self.spec_rounds, self.spec_proposed, self.spec_accepted,
+                self.spec_draft_nodes, self.spec_proposed_by_position, self.spec_accepted_by_position,
                 self.spec_acceptance, self.spec_per_round, self.gateway_waiting, self.gateway_running,
                 self.gateway_kv_usage, self.gateway_gpu_cache_usage, self.cache_config]
 
@@ -191,15 +201,23 @@ class ServerMetrics:
         self.gateway_kv_usage.set(fraction, self.model_labels)
         self.gateway_gpu_cache_usage.set(fraction, self.model_labels)
 
-    def record_round(self, proposed: int, accepted: int, rounds: int) -> None:
+    def record_round(self, proposed: int, accepted: int, rounds: int, nodes: int) -> None:
         if rounds <= 0:
             return
         self.spec_rounds.inc(rounds)
         self.spec_proposed.inc(proposed)
+        self.spec_draft_nodes.inc(nodes)
         self.spec_accepted.inc(accepted)
         self.spec_per_round.observe(accepted / rounds, rounds)
         total = self.spec_proposed.value()
         self.spec_acceptance.set(self.spec_accepted.value() / total if total else 0.0)
+
+    def record_positions(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
+        """A finished request's per-position draft counts (``RequestMetrics.*_per_position``)."""
+        for position, (p, a) in enumerate(zip(proposed, accepted, strict=True), start=1):
+            labels = (("position", str(position)),)
+            self.spec_proposed_by_position.inc(p, labels)
+            self.spec_accepted_by_position.inc(a, labels)
 
     def render(self) -> str:
         lines: list[str] = []
