@@ -1,4 +1,5 @@
-"""Publishing a folder of files atomically: write into a hidden sibling, then rename it into place."""
+"""Where infer keeps files it builds, and publishing a folder of them atomically (write into a hidden
+sibling, then rename it into place)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """Where infer keeps what it builds for reuse: ``$XDG_CACHE_HOME/infer`` or ``~/.cache/infer``."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "infer"
 
 
 def _temp_sibling(folder: Path, tag: str) -> Path:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from infer.fileio import default_cache_dir
 from infer.loader.config import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
@@ -95,12 +96,6 @@ def resolve_model_path(ref: str | os.PathLike[str]) -> Path:
             "infer never downloads: download it first or pass a folder path"
         )
     raise CheckpointError(f"{path}: model folder not found (built-in names: {', '.join(BUILTIN_MODELS)})")
-
-
-def default_cache_dir() -> Path:
-    """Where infer keeps what it builds for reuse: ``$XDG_CACHE_HOME/infer`` or ``~/.cache/infer``."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "infer"
 
 
 def model_slug(ref: str | os.PathLike[str]) -> str:

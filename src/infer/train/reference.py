@@ -33,9 +33,8 @@ from typing import Any
 
 import torch
 
-from infer.fileio import publish_folder
+from infer.fileio import default_cache_dir, publish_folder
 from infer.loader import load_model
-from infer.loader.hub import default_cache_dir
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
     configure_threads,

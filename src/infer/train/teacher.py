@@ -46,8 +46,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from infer.fileio import default_cache_dir
 from infer.loader import ModelConfig, load_config, load_model, load_tokenizer, resolve_model_path
-from infer.loader.hub import default_cache_dir, model_slug
+from infer.loader.hub import model_slug
 from infer.train.common import configure_threads, pick_device, say, write_json
 
 MANIFEST_FILE = "teacher_cache.json"
