@@ -25,6 +25,7 @@ import torch
 from scipy.stats import chi2
 
 import infer.engine.speculative_runner as speculative_runner
+from checkpoints import load_hf_model
 from infer import LLM, SamplingParams
 from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_presence
 
@@ -67,22 +68,12 @@ class Reference:
     p23: np.ndarray  # [V, V, V] P(x2, x3 | prompt, x1), indexed [x1, x2, x3]
 
 
-def _hf_model(path: Path) -> torch.nn.Module:
-    import transformers
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    finally:
-        hf_logging.enable_progress_bar()
-    return model.eval()
 
 
 @torch.no_grad()
 def reference(model_path: Path, prompt: list[int], params: SamplingParams) -> Reference:
     """Enumerate every (x1, x2) continuation with plain forward passes (no KV cache)."""
-    model = _hf_model(model_path)
+    model = load_hf_model(model_path)
 
     def next_probs(contexts: list[list[int]]) -> torch.Tensor:
         logits = model(torch.tensor(contexts)).logits[:, -1].float()
