@@ -1,6 +1,6 @@
 """Distribution exactness of the whole speculative engine path (draft, verify, rollback, stop rules).
 
-``tests/test_rejection.py`` checks the rejection sampler on hand-made distributions. Here the
+``tests/speculative/test_rejection.py`` checks the rejection sampler on hand-made distributions. Here the
 real engine runs thousands of seeded requests through ``LLM.generate`` with a draft model or
 n-gram lookup, and the generated tokens are compared against the target model's exact
 distribution, enumerated with plain (cache-free) transformers forward passes and the engine's own

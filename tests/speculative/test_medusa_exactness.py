@@ -1,6 +1,6 @@
 """Distribution exactness of Medusa tree speculation through the whole engine.
 
-Same harness as ``tests/test_exactness.py`` (the reference enumeration and chi-square helpers of
+Same harness as ``tests/speculative/test_exactness.py`` (the reference enumeration and chi-square helpers of
 ``tests/helpers.py``): a V = 10 target, thousands of seeded requests with max_tokens=4, and the generated
 (x1, x2, x3) compared with the target's exact distribution. x1 comes from prefill; the first
 Medusa round verifies a tree of depth <= 2 for (x2, x3), so both in-round acceptance of tree
