@@ -335,3 +335,17 @@ def make_medusa_heads(target: Path, out: Path, *, num_heads: int = 3, tree_size:
             if ".blocks." in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * jitter)
     return heads.save(out)
+
+
+def load_hf_model(path: Path) -> torch.nn.Module:
+    """The checkpoint at ``path`` as transformers loads it (float32, eval mode): the reference the
+    engine is compared against."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    finally:
+        hf_logging.enable_progress_bar()
+    return model.eval()

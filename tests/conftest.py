@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-# Make `import checkpoints` work whether or not tests/ is a package and whatever pytest's
-# import mode is.
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
-
-from checkpoints import (  # noqa: E402
+from checkpoints import (
     LLAMA3_ROPE_SCALING,
     make_small_vocab_checkpoint,
     make_tiny_checkpoint,
     shared_tokenizer,
 )
-from infer.train.corpus import stdlib_root  # noqa: E402
-from infer.train.tokenizer import EOS_ID, IM_END_ID, save_tokenizer  # noqa: E402
+from infer.train.corpus import stdlib_root
+from infer.train.tokenizer import EOS_ID, IM_END_ID, save_tokenizer
 
 
 @pytest.fixture(scope="session")

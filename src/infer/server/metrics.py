@@ -46,12 +46,24 @@ class _Metric:
         raise NotImplementedError
 
 
-class Counter(_Metric):
+class _LabelledValues(_Metric):
+    """One number per label set, rendered as a sample each (counters and gauges)."""
+
+    def __init__(self, name: str, help: str, initial_labels: Sequence[Labels] = ()) -> None:
+        super().__init__(name, help)
+        self._values: dict[Labels, float] = {labels: 0.0 for labels in initial_labels}
+
+    def render(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        return self.header() + [f"{self.name}{_labels(k)} {_fmt(v)}" for k, v in items]
+
+
+class Counter(_LabelledValues):
     kind = "counter"
 
     def __init__(self, name: str, help: str, initial_labels: Sequence[Labels] = ((),)) -> None:
-        super().__init__(name, help)
-        self._values: dict[Labels, float] = {labels: 0.0 for labels in initial_labels}
+        super().__init__(name, help, initial_labels)
 
     def inc(self, amount: float = 1.0, labels: Labels = ()) -> None:
         if amount < 0:
@@ -63,18 +75,9 @@ class Counter(_Metric):
         with self._lock:
             return self._values.get(labels, 0.0)
 
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return self.header() + [f"{self.name}{_labels(k)} {_fmt(v)}" for k, v in items]
 
-
-class Gauge(_Metric):
+class Gauge(_LabelledValues):
     kind = "gauge"
-
-    def __init__(self, name: str, help: str) -> None:
-        super().__init__(name, help)
-        self._values: dict[Labels, float] = {}
 
     def set(self, value: float, labels: Labels = ()) -> None:
         with self._lock:
@@ -83,11 +86,6 @@ class Gauge(_Metric):
     def value(self, labels: Labels = ()) -> float | None:
         with self._lock:
             return self._values.get(labels)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return self.header() + [f"{self.name}{_labels(k)} {_fmt(v)}" for k, v in items]
 
 
 class Histogram(_Metric):

@@ -49,14 +49,14 @@ class SuffixProposer(Proposer):
                 raise ValueError(f"suffix {name}={value} must be >= 1")
         if not 0.0 < min_prob <= 1.0:
             raise ValueError(f"suffix min_prob={min_prob} must be in (0, 1]")
+        self.device = torch.device(device)
         self.max_depth = max_depth
         self.tree_size = tree_size
         self.max_match = max_match
         self.min_prob = min_prob
-        self.scope = scope
         self.nodes_per_matched_token = nodes_per_matched_token
-        self.device = torch.device(device)
         self.info = DrafterInfo(max_nodes=tree_size)  # budgets are depths (see the module docstring)
+        self.scope = scope
         # A match of max_match tokens must still leave room below it for a max_depth-deep tree.
         self.store = SuffixStore(max_match + max_depth, max_tokens, max_requests)  # shared (scope "salt")
         self._local: dict[str, SuffixTrie] = {}  # each running request's own prompt and output

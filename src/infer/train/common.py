@@ -227,6 +227,50 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
+# ---------------------------------------------------------------- run settings
+
+
+@dataclass(kw_only=True)
+class TrainRunConfig:
+    """Settings every ``infer train`` run shares (pretrain, distill, medusa). The defaults are pretraining's;
+    distill and medusa restate the few fields whose defaults differ, after a ``KW_ONLY`` marker.
+
+    Keyword-only, so a subclass's own fields keep their order (and positions) in its constructor."""
+
+    corpus: list[str] | None = None  # files/folders (*.py, *.txt, *.md); None: the run's default text
+    max_train_chars: int | None = None  # use a random subset of training files of this many characters
+    batch_size: int = 16  # windows per step
+    lr: float = 2e-3  # peak learning rate (AdamW, warm-up + cosine decay)
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    max_steps: int | None = 1000
+    time_budget: float | None = None  # seconds of training; with max_steps, whichever ends first
+    eval_every: int | None = None  # steps between held-out evaluations; None: four times per step budget
+    eval_windows: int = 64
+    log_every: int = 10
+    seed: int = 0
+    device: str = "auto"
+    precision: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU; or float32 / bfloat16
+    threads: int | None = None  # torch CPU threads; None: all cores available to the process
+
+
+@dataclass(kw_only=True)
+class ModelTrainConfig(TrainRunConfig):
+    """A run that trains a whole model (pretrain, distill): its shape's shared defaults, initialisation,
+    resumable checkpoints and the dtype it is saved in."""
+
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    tie_word_embeddings: bool = True
+    init_std: float = 0.02
+    checkpoint_every: float = 120.0  # seconds between resumable checkpoints (<= 0: never)
+    keep_checkpoint: bool = False  # keep DIR/.checkpoint after finishing (to continue training later)
+    save_dtype: str = "auto"  # auto: bfloat16 when trained on CUDA, else float32
+    resume: bool = False
+
+
 # ---------------------------------------------------------------- training loop
 
 

@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,7 @@ from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
     CHECKPOINT_DIR,
     TRAINING_ARGS_FILE,
+    ModelTrainConfig,
     autocast,
     build_model,
     count_params,
@@ -64,30 +65,19 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class DistillConfig:
-    """Settings for ``distill``. ``None`` for corpus/max_train_chars/seq_len/held_out_fraction means
-    "as the target was trained" (read from its training_args.json; stdlib and 256 otherwise)."""
+class DistillConfig(ModelTrainConfig):
+    """Settings for ``distill`` (with the shared ones of ``ModelTrainConfig``). ``None`` for
+    corpus/max_train_chars/seq_len/held_out_fraction means "as the target was trained" (read from its
+    training_args.json; stdlib and 256 otherwise)."""
 
     target: Path
     # None becomes <target>/draft, or for a single-file model ~/.cache/infer/drafters/<model>/draft.
     out: Path = None  # type: ignore[assignment]
-    corpus: list[str] | None = None
-    max_train_chars: int | None = None
     held_out_fraction: float | None = None
     hidden_size: int = 128
     num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
     intermediate_size: int = 384
-    tie_word_embeddings: bool = True
     seq_len: int | None = None
-    batch_size: int = 16
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    init_std: float = 0.02
     init_from_target: bool = False  # start the draft's embeddings from the target's (top principal directions)
     # Reuse the target's token embeddings (and so its tied LM head), frozen, at the target's width, and
     # start the draft's layers as copies of the target's first layers. A real target's vocabulary is
@@ -102,19 +92,11 @@ class DistillConfig:
     exact_eval_windows: int = 8  # held-out windows on which the live target measures the final alpha exactly
     temperature: float = 1.0
     ce_weight: float = 0.0  # weight of plain cross-entropy on the corpus tokens, added to the KL term
-    max_steps: int | None = 1000
-    time_budget: float | None = None
-    eval_every: int | None = None
-    eval_windows: int = 64
-    log_every: int = 10
-    checkpoint_every: float = 120.0
-    keep_checkpoint: bool = False
-    seed: int = 0
-    device: str = "auto"
-    precision: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU
-    threads: int | None = None  # torch CPU threads; None: all cores available to the process
-    save_dtype: str = "auto"
-    resume: bool = False
+    _: KW_ONLY
+    # Where distillation's defaults differ from pretraining's:
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         from infer.loader.hub import drafters_dir

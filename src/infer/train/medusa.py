@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,15 @@ import torch.nn.functional as F
 
 from infer.models.medusa_heads import DEFAULT_TOP_K, DEFAULT_TREE_SIZE, MedusaHeads
 from infer.speculative.medusa import default_heads_dir
+from infer.train.common import TrainRunConfig
 
 OBJECTIVES = ("distill", "ce")
 
 
 @dataclass
-class MedusaTrainConfig:
-    """Settings for ``train_medusa``; ``None`` data settings mean "as the target was trained"."""
+class MedusaTrainConfig(TrainRunConfig):
+    """Settings for ``train_medusa`` (with the shared ones of ``TrainRunConfig``); ``None`` data settings
+    mean "as the target was trained"."""
 
     target: Path
     heads: int = 4
@@ -52,25 +54,16 @@ class MedusaTrainConfig:
     teacher_cache: str | None = None
     tree_size: int = DEFAULT_TREE_SIZE
     top_k: int = DEFAULT_TOP_K
-    corpus: list[str] | None = None
-    max_train_chars: int | None = None
     held_out_fraction: float | None = None
     seq_len: int | None = None
+    _: KW_ONLY
+    # Where Medusa training's defaults differ from pretraining's: a smaller, shorter run (heads only).
     batch_size: int = 8
     lr: float = 1e-3
-    min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
     max_steps: int | None = 500
-    time_budget: float | None = None  # seconds; with max_steps, whichever ends first
-    eval_every: int | None = None
     eval_windows: int = 32
-    log_every: int = 10
-    seed: int = 0
-    device: str = "auto"
-    precision: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU; or float32 / bfloat16
-    threads: int | None = None
 
     def __post_init__(self) -> None:
         from infer.train.common import uses_bf16

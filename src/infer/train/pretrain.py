@@ -34,6 +34,7 @@ from infer.train.common import (
     Checkpointer,
     LoopSettings,
     LoopState,
+    ModelTrainConfig,
     ThreadTuner,
     autocast,
     build_model,
@@ -56,43 +57,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 @dataclass
-class PretrainConfig:
-    """Everything ``pretrain`` needs; the CLI flags map one to one onto these fields."""
+class PretrainConfig(ModelTrainConfig):
+    """Everything ``pretrain`` needs; the CLI flags map one to one onto these fields (and the shared ones
+    of ``ModelTrainConfig``; ``corpus`` None: the stdlib)."""
 
     out: Path
-    corpus: list[str] | None = None  # files/folders (*.py, *.txt, *.md); None: the stdlib
-    max_train_chars: int | None = None  # use a random subset of training files of this many characters
     held_out_fraction: float = 0.05
     vocab_size: int = 4096
     hidden_size: int = 256
     num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
     intermediate_size: int = 704
-    tie_word_embeddings: bool = True
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
     seq_len: int = 256
-    batch_size: int = 16
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    init_std: float = 0.02
-    max_steps: int | None = 1000
-    time_budget: float | None = None  # seconds of training; with max_steps, whichever ends first
-    eval_every: int | None = None  # steps between held-out evaluations; None: four times per step budget
-    eval_windows: int = 64
-    log_every: int = 10
-    checkpoint_every: float = 120.0  # seconds between resumable checkpoints (<= 0: never)
-    keep_checkpoint: bool = False  # keep DIR/.checkpoint after finishing (to continue training later)
-    seed: int = 0
-    device: str = "auto"
-    threads: int | None = None  # torch CPU threads; None: all cores available to the process
-    precision: str = "auto"  # auto: bfloat16 autocast on CUDA, float32 on CPU; or float32 / bfloat16
-    save_dtype: str = "auto"  # auto: bfloat16 when trained on CUDA, else float32
-    resume: bool = False
 
     def __post_init__(self) -> None:
         self.out = Path(self.out).expanduser()

@@ -23,6 +23,7 @@ from scipy.stats import chisquare
 import infer.engine.speculative_runner as speculative_runner
 import infer.speculative.tree as tree_module
 from checkpoints import make_medusa_heads
+from helpers import DRAFTER_PROMPTS, KV_BACKENDS
 from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.cache.protocol import CachePoolProtocol, copy_positions
 from infer.core.request import Request
@@ -45,14 +46,6 @@ from infer.speculative.tree import (
 )
 
 P_THRESHOLD = 1e-3
-PROMPTS = [
-    "def parse(self, text):\n    return",
-    "import os\nimport sys\n\n",
-    "class Stack:\n    def push(self, item):",
-    "The quick brown fox",
-    "for i in range(10):\n    print(",
-]
-BACKENDS = {"paged": dict(kv_cache_backend="paged", block_size=4), "slotted": dict(kv_cache_backend="slotted")}
 
 
 def chain_tree(length: int) -> CandidateTree:
@@ -71,7 +64,7 @@ def heads_dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 @pytest.fixture(scope="module")
 def plain_greedy(tiny_llama: Path) -> list[list[int]]:
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", kv_cache_backend="slotted")
-    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))]
+    return [o.token_ids for o in llm.generate(DRAFTER_PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))]
 
 
 # =============================================================================== tree shape
@@ -294,15 +287,15 @@ def greedy(max_tokens: int = 24, **kw: Any) -> SamplingParams:
 
 
 @pytest.mark.parametrize("sizing", ["adaptive", "fixed"])
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", list(KV_BACKENDS))
 @pytest.mark.parametrize("tree", ["size_1", "small", "default"])
 def test_greedy_parity_with_plain_decoding(tiny_llama: Path, heads_dirs: dict[str, Path],
                                            plain_greedy: list[list[int]], tree: str, backend: str,
                                            sizing: str) -> None:
     fixed_size = MedusaConfig.from_file(heads_dirs[tree] / CONFIG_FILE).tree_size if sizing == "fixed" else None
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs[tree]),
-              max_batch_size=4, medusa_tree_size=fixed_size, **BACKENDS[backend])  # type: ignore[arg-type]
-    outputs = llm.generate(PROMPTS, greedy())  # 5 prompts, batches of up to 4
+              max_batch_size=4, medusa_tree_size=fixed_size, **KV_BACKENDS[backend])  # type: ignore[arg-type]
+    outputs = llm.generate(DRAFTER_PROMPTS, greedy())  # 5 prompts, batches of up to 4
     assert [o.token_ids for o in outputs] == plain_greedy
     sizer = llm.engine.runner.budget  # type: ignore[attr-defined]
     if sizing == "fixed":
@@ -331,7 +324,7 @@ def test_greedy_parity_with_flex_tree_attention(tiny_llama: Path, heads_dirs: di
     monkeypatch.setattr(model_runner, "block_mask_from", spy)
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["small"]),
               medusa_tree_size=5, tree_attention="flex", max_batch_size=4)
-    outputs = llm.generate(PROMPTS[:4], greedy(max_tokens=12))
+    outputs = llm.generate(DRAFTER_PROMPTS[:4], greedy(max_tokens=12))
     assert [o.token_ids for o in outputs] == [tokens[:12] for tokens in plain_greedy[:4]]
     assert made and all(shape[2] > 1 for shape in made)  # only tree passes (several rows) used flex
     with pytest.raises(ValueError, match="tree_attention"):
@@ -384,13 +377,13 @@ def moved(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", list(KV_BACKENDS))
 def test_greedy_parity_with_deep_acceptance_through_the_tree(
         tiny_llama: Path, heads_dirs: dict[str, Path], plain_greedy: list[list[int]], backend: str,
         moved: list[int]) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
-              max_batch_size=3, **BACKENDS[backend])  # type: ignore[arg-type]
-    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+              max_batch_size=3, **KV_BACKENDS[backend])  # type: ignore[arg-type]
+    prompt_ids = [llm.tokenizer.encode(p) for p in DRAFTER_PROMPTS]
     plant_oracle(llm, {tuple(ids): out for ids, out in zip(prompt_ids, plain_greedy, strict=True)})
     outputs = llm.generate(prompt_ids, greedy())
     assert [o.token_ids for o in outputs] == plain_greedy
@@ -406,7 +399,7 @@ def test_greedy_parity_with_repetition_penalty_and_mixed_batch(tiny_llama: Path,
     """The penalty context of a tree node is its own path; a sampled neighbour does not disturb greedy rows."""
     params = [greedy(repetition_penalty=1.3), SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True),
               greedy(), greedy(repetition_penalty=1.3)]
-    prompts = PROMPTS[:4]
+    prompts = DRAFTER_PROMPTS[:4]
     plain = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(prompts, params)
     medusa = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]))
     prompt_ids = [medusa.tokenizer.encode(p) for p in prompts]
@@ -417,13 +410,13 @@ def test_greedy_parity_with_repetition_penalty_and_mixed_batch(tiny_llama: Path,
     assert len(out[1].token_ids) == 24
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", list(KV_BACKENDS))
 def test_tree_shrinks_to_fit_the_context(tiny_llama: Path, heads_dirs: dict[str, Path], backend: str) -> None:
     """Near max_seq_len the tree (32 nodes) must shrink: verification writes every node."""
     params = greedy(max_tokens=100)
-    plain = LLM(str(tiny_llama), dtype="float32", device="cpu", max_seq_len=30, **BACKENDS[backend]).generate(PROMPTS[:2], params)  # type: ignore[arg-type]
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu", max_seq_len=30, **KV_BACKENDS[backend]).generate(DRAFTER_PROMPTS[:2], params)  # type: ignore[arg-type]
     medusa = LLM(str(tiny_llama), dtype="float32", device="cpu", max_seq_len=30, speculator="medusa",
-                 medusa_heads=str(heads_dirs["default"]), **BACKENDS[backend]).generate(PROMPTS[:2], params)  # type: ignore[arg-type]
+                 medusa_heads=str(heads_dirs["default"]), **KV_BACKENDS[backend]).generate(DRAFTER_PROMPTS[:2], params)  # type: ignore[arg-type]
     assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
     assert all(o.finish_reason == "length" and len(o.prompt_token_ids) + len(o.token_ids) == 30 for o in medusa)
 
@@ -431,15 +424,15 @@ def test_tree_shrinks_to_fit_the_context(tiny_llama: Path, heads_dirs: dict[str,
 # =============================================================================== KV compaction
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", list(KV_BACKENDS))
 def test_compacted_cache_gives_the_logits_of_a_fresh_forward(
         tiny_llama: Path, heads_dirs: dict[str, Path], plain_greedy: list[list[int]], backend: str,
         moved: list[int]) -> None:
     """After Medusa rounds that kept scattered paths, decoding from the cache gives the logits of a
     cache-free forward over the final sequence."""
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["default"]),
-              **BACKENDS[backend])  # type: ignore[arg-type]
-    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
+              **KV_BACKENDS[backend])  # type: ignore[arg-type]
+    prompt_ids = [llm.tokenizer.encode(p) for p in DRAFTER_PROMPTS[:3]]
     plant_oracle(llm, {tuple(ids): out for ids, out in zip(prompt_ids, plain_greedy[:3], strict=True)}, corrupt=0.2)
     engine = llm.engine
     requests = [engine.add_request(ids, greedy(max_tokens=40)) for ids in prompt_ids]

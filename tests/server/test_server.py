@@ -18,6 +18,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from helpers import wait_serving
 from infer import LLM, Engine, EngineConfig, SamplingParams
 from infer.server.app import create_app
 from infer.server.background import BackgroundServer
@@ -500,16 +501,8 @@ def test_infer_serve_command(tiny_llama: Path) -> None:
            "--device", "cpu", "--port", str(port), "--served-model-name", "cli-model"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
+        wait_serving(proc, port, timeout=60)
         url = f"http://127.0.0.1:{port}"
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "infer serve did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         assert httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"] == "cli-model"
         out = httpx.post(f"{url}/v1/completions", json={"model": "cli-model", "prompt": "hi", "max_tokens": 3},
                          timeout=30)

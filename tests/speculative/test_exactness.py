@@ -1,6 +1,6 @@
 """Distribution exactness of the whole speculative engine path (draft, verify, rollback, stop rules).
 
-``tests/test_rejection.py`` checks the rejection sampler on hand-made distributions. Here the
+``tests/speculative/test_rejection.py`` checks the rejection sampler on hand-made distributions. Here the
 real engine runs thousands of seeded requests through ``LLM.generate`` with a draft model or
 n-gram lookup, and the generated tokens are compared against the target model's exact
 distribution, enumerated with plain (cache-free) transformers forward passes and the engine's own
@@ -22,28 +22,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2
 
 import infer.engine.speculative_runner as speculative_runner
+from helpers import (
+    P_CONTROL,
+    PROMPT,
+    SAMPLING_CONFIGS,
+    assert_follows_reference,
+    chisquare_cells,
+    grouped_chisquare,
+    reference,
+)
 from infer import LLM, SamplingParams
-from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_presence
 
-V = 10  # the vocabulary of the small_target / small_draft pair (conftest.py)
-# Only four of the ten tokens, repeated: n-gram lookup finds a match whenever x1 is one of them,
-# and the repetition penalty's context differs between continuations.
-PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
 NUM_SAMPLES = 10_000
 SPEC_LENGTH = 3
-P_THRESHOLD = 1e-3
-P_CONTROL = 1e-6
-MIN_EXPECTED = 5.0
-
-CONFIGS: dict[str, dict[str, float | int]] = {
-    "temperature_1": {"temperature": 1.0},
-    "temperature_0.7_top_k_3": {"temperature": 0.7, "top_k": 3},
-    "top_p_0.8": {"temperature": 1.0, "top_p": 0.8},
-    "repetition_penalty_1.5": {"temperature": 1.0, "repetition_penalty": 1.5},
-}
 DRAFTERS = ("draft", "ngram")
 
 
@@ -54,117 +47,6 @@ def engines(small_target: Path, small_draft: Path) -> dict[str, LLM]:
         "draft": LLM(str(small_target), draft_model=str(small_draft), **common),  # type: ignore[arg-type]
         "ngram": LLM(str(small_target), speculator="ngram", ngram_min=1, ngram_max=3, **common),  # type: ignore[arg-type]
     }
-
-
-# ----------------------------------------------------------------------------- reference distribution
-
-
-@dataclass
-class Reference:
-    """Exact target distributions after the sampling transform."""
-
-    p1: np.ndarray  # [V]       P(x1 | prompt)
-    p23: np.ndarray  # [V, V, V] P(x2, x3 | prompt, x1), indexed [x1, x2, x3]
-
-
-def _hf_model(path: Path) -> torch.nn.Module:
-    import transformers
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    finally:
-        hf_logging.enable_progress_bar()
-    return model.eval()
-
-
-@torch.no_grad()
-def reference(model_path: Path, prompt: list[int], params: SamplingParams) -> Reference:
-    """Enumerate every (x1, x2) continuation with plain forward passes (no KV cache)."""
-    model = _hf_model(model_path)
-
-    def next_probs(contexts: list[list[int]]) -> torch.Tensor:
-        logits = model(torch.tensor(contexts)).logits[:, -1].float()
-        batch = SamplingBatch.from_params([params] * len(contexts), "cpu")
-        presence = token_presence(contexts, V, "cpu") if batch.use_penalty else None
-        probs = probs_from_logits(logits, batch, presence).double()
-        return probs / probs.sum(dim=-1, keepdim=True)
-
-    p1 = next_probs([prompt])[0]
-    p2 = next_probs([prompt + [a] for a in range(V)])  # [x1, x2]
-    p3 = next_probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)  # [x1, x2, x3]
-    return Reference(p1.numpy(), (p2[:, :, None] * p3).numpy())
-
-
-# ----------------------------------------------------------------------------- statistics
-
-
-@dataclass
-class ChiSquare:
-    statistic: float
-    dof: int
-    impossible: int  # samples that fell on a zero-probability cell
-
-    @property
-    def pvalue(self) -> float:
-        if self.impossible:
-            return 0.0
-        return float(chi2.sf(self.statistic, self.dof)) if self.dof else 1.0
-
-    def __add__(self, other: ChiSquare) -> ChiSquare:
-        return ChiSquare(self.statistic + other.statistic, self.dof + other.dof, self.impossible + other.impossible)
-
-
-def chisquare_cells(counts: np.ndarray, probs: np.ndarray) -> ChiSquare:
-    """Goodness of fit of ``counts`` to ``probs`` (same shape, any); cells expected < 5 are pooled."""
-    counts, probs = counts.ravel().astype(np.float64), probs.ravel().astype(np.float64)
-    total = counts.sum()
-    support = probs > 0
-    impossible = int(counts[~support].sum())
-    if total == 0:
-        return ChiSquare(0.0, 0, impossible)
-    observed = counts[support]
-    expected = total * probs[support] / probs[support].sum()
-    big = expected >= MIN_EXPECTED
-    cells_o, cells_e = list(observed[big]), list(expected[big])
-    small_o, small_e = observed[~big].sum(), expected[~big].sum()
-    if small_e > 0:
-        if small_e >= MIN_EXPECTED or not cells_e:
-            cells_o.append(small_o)
-            cells_e.append(small_e)
-        else:  # too little mass for a cell of its own: fold into the smallest big cell
-            i = int(np.argmin(cells_e))
-            cells_o[i] += small_o
-            cells_e[i] += small_e
-    o, e = np.array(cells_o), np.array(cells_e)
-    return ChiSquare(float(((o - e) ** 2 / e).sum()), len(cells_e) - 1, impossible)
-
-
-def grouped_chisquare(samples: np.ndarray, ref: Reference) -> ChiSquare:
-    """Sum over x1 groups of the (x2, x3) goodness of fit to P(x2, x3 | x1)."""
-    result = ChiSquare(0.0, 0, 0)
-    for x1 in range(V):
-        group = samples[samples[:, 0] == x1]
-        counts = np.zeros((V, V))
-        np.add.at(counts, (group[:, 1], group[:, 2]), 1)
-        result = result + chisquare_cells(counts, ref.p23[x1])
-    return result
-
-
-def first_token_chisquare(samples: np.ndarray, ref: Reference) -> ChiSquare:
-    return chisquare_cells(np.bincount(samples[:, 0], minlength=V), ref.p1)
-
-
-def assert_follows_reference(samples: np.ndarray, ref: Reference) -> None:
-    """x1 and (x2, x3 | x1) both fit the exact distributions, and no sample is impossible."""
-    first = first_token_chisquare(samples, ref)
-    assert first.impossible == 0
-    assert first.pvalue > P_THRESHOLD, f"x1: chi2={first.statistic:.1f}, dof={first.dof}"
-    joint = grouped_chisquare(samples, ref)
-    assert joint.impossible == 0, f"{joint.impossible} samples fell on zero-probability (x2, x3) cells"
-    assert joint.dof >= 20  # enough cells for the test to mean something
-    assert joint.pvalue > P_THRESHOLD, f"(x2, x3 | x1): chi2={joint.statistic:.1f}, dof={joint.dof}"
 
 
 def test_pooled_chisquare_helper() -> None:
@@ -203,19 +85,19 @@ def run_engine(llm: LLM, params: dict[str, float | int], n: int = NUM_SAMPLES, s
 def cached_run(engines: dict[str, LLM], drafter: str, config: str) -> Run:
     key = (drafter, config)
     if key not in _RUNS:
-        _RUNS[key] = run_engine(engines[drafter], CONFIGS[config])
+        _RUNS[key] = run_engine(engines[drafter], SAMPLING_CONFIGS[config])
     return _RUNS[key]
 
 
 # ----------------------------------------------------------------------------- the tests
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", list(SAMPLING_CONFIGS))
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_speculative_samples_follow_target_distribution(engines: dict[str, LLM], small_target: Path,
                                                          drafter: str, config: str) -> None:
     run = cached_run(engines, drafter, config)
-    ref = reference(small_target, PROMPT, SamplingParams(**CONFIGS[config]))  # type: ignore[arg-type]
+    ref = reference(small_target, PROMPT, SamplingParams(**SAMPLING_CONFIGS[config]))  # type: ignore[arg-type]
 
     # Speculation really happened, and both verdicts (accept and reject) were exercised.
     assert run.proposed > NUM_SAMPLES // 4, f"only {run.proposed} drafts proposed"
@@ -252,6 +134,6 @@ def test_negative_control_broken_verifier_is_detected(engines: dict[str, LLM], s
                            generators)
 
     monkeypatch.setattr(speculative_runner, "verify_drafts", shifted_verify)
-    run = run_engine(engines["draft"], CONFIGS["temperature_1"], n=NUM_SAMPLES // 2, seed0=10_000_000)
+    run = run_engine(engines["draft"], SAMPLING_CONFIGS["temperature_1"], n=NUM_SAMPLES // 2, seed0=10_000_000)
     ref = reference(small_target, PROMPT, SamplingParams(temperature=1.0))
     assert grouped_chisquare(run.samples, ref).pvalue < P_CONTROL

@@ -59,6 +59,16 @@ def no_generators(batch: int) -> list[torch.Generator | None]:
     return [None] * batch
 
 
+def verify_one_draft(drafts: torch.Tensor, draft_probs: torch.Tensor | None, sampler: Sampler = verify_drafts,
+                     generators: list[torch.Generator | None] | None = None,
+                     first: torch.Tensor = P1) -> VerificationResult:
+    """One sampled (non-greedy) draft per row of ``drafts`` [n, 1] against target ``first``, then UNIFORM."""
+    n = drafts.shape[0]
+    target = torch.stack([first, UNIFORM]).expand(n, 2, V)
+    return sampler(drafts, torch.ones(n, dtype=torch.long), target, draft_probs, torch.zeros(n, dtype=torch.bool),
+                   no_generators(n) if generators is None else generators)
+
+
 # --------------------------------------------------------------------------- (a) greedy rows
 
 
@@ -119,17 +129,9 @@ def test_single_draft_acceptance_probability(one_hot: bool) -> None:
     trials = 20_000
     n = trials * V
     drafts = (torch.arange(n) % V).unsqueeze(1)  # every token is tried `trials` times
-    target = torch.stack([P1, UNIFORM]).expand(n, 2, V)
     draft_probs = None if one_hot else Q1.expand(n, 1, V)
     with seeded(0):
-        res = verify_drafts(
-            drafts,
-            torch.ones(n, dtype=torch.long),
-            target,
-            draft_probs,
-            torch.zeros(n, dtype=torch.bool),
-            no_generators(n),
-        )
+        res = verify_one_draft(drafts, draft_probs)
     accepted = res.num_accepted.view(trials, V).double().mean(0)
     q = torch.ones(V) if one_hot else Q1
     expected = torch.clamp(P1 / q, max=1.0).double()
@@ -140,14 +142,9 @@ def test_single_draft_acceptance_probability(one_hot: bool) -> None:
 # --------------------------------------------------------------------------- (c) + (h) first token
 
 
-def wrong_sampler(
-    draft_tokens: torch.Tensor,
-    num_draft: torch.Tensor,
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    greedy: torch.Tensor,
-    generators: list[torch.Generator | None],
-) -> VerificationResult:
+def wrong_sampler(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target_probs: torch.Tensor,
+                  draft_probs: torch.Tensor | None, greedy: torch.Tensor,
+                  generators: list[torch.Generator | None]) -> VerificationResult:
     """Single-draft sampler with the classic bug: the correction is drawn from p, not the residual."""
     assert draft_tokens.shape[1] == 1 and not bool(greedy.any())
     t = draft_tokens[:, 0]
@@ -173,15 +170,7 @@ def first_token_trial(
         else:
             drafts = torch.multinomial(Q1.expand(n, V), 1)
             draft_probs = Q1.expand(n, 1, V)
-        target = torch.stack([P1, UNIFORM]).expand(n, 2, V)
-        res = sampler(
-            drafts,
-            torch.ones(n, dtype=torch.long),
-            target,
-            draft_probs,
-            torch.zeros(n, dtype=torch.bool),
-            no_generators(n),
-        )
+        res = verify_one_draft(drafts, draft_probs, sampler)
     return drafts[:, 0], res
 
 
@@ -211,14 +200,7 @@ def test_every_fixed_one_hot_proposal_gives_target_distribution() -> None:
     n = 20_000
     for tok in range(V):
         with seeded(10 + tok):
-            res = verify_drafts(
-                torch.full((n, 1), tok),
-                torch.ones(n, dtype=torch.long),
-                torch.stack([p, UNIFORM]).expand(n, 2, V),
-                None,
-                torch.zeros(n, dtype=torch.bool),
-                no_generators(n),
-            )
+            res = verify_one_draft(torch.full((n, 1), tok), None, first=p)
         assert chisq_pvalue(res.output_tokens[:, 0], p) > P_THRESHOLD, tok
 
 
@@ -228,14 +210,7 @@ def test_per_row_generators_statistically_correct() -> None:
     gens: list[torch.Generator | None] = [torch.Generator().manual_seed(1000 + i) for i in range(n)]
     draft_gen = torch.Generator().manual_seed(7)
     drafts = torch.multinomial(Q1.expand(n, V), 1, generator=draft_gen)
-    res = verify_drafts(
-        drafts,
-        torch.ones(n, dtype=torch.long),
-        torch.stack([P1, UNIFORM]).expand(n, 2, V),
-        Q1.expand(n, 1, V),
-        torch.zeros(n, dtype=torch.bool),
-        gens,
-    )
+    res = verify_one_draft(drafts, Q1.expand(n, 1, V), generators=gens)
     assert chisq_pvalue(res.output_tokens[:, 0], P1) > P_THRESHOLD
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoints import load_hf_model
 from infer import LLM, SamplingParams
 from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.cache.protocol import CachePoolProtocol
@@ -36,17 +37,7 @@ PROMPT_TEXTS = [
 ]
 
 
-@functools.lru_cache(maxsize=8)
-def _hf_model(path: Path) -> torch.nn.Module:
-    import transformers
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    finally:
-        hf_logging.enable_progress_bar()
-    return model.eval()
+_hf_model = functools.lru_cache(maxsize=8)(load_hf_model)
 
 
 def _random_ids(n: int, seed: int, vocab: int) -> torch.Tensor:

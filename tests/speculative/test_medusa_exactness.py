@@ -1,7 +1,7 @@
 """Distribution exactness of Medusa tree speculation through the whole engine.
 
-Same harness as ``tests/test_exactness.py`` (whose reference enumeration and chi-square helpers
-are reused): a V = 10 target, thousands of seeded requests with max_tokens=4, and the generated
+Same harness as ``tests/speculative/test_exactness.py`` (the reference enumeration and chi-square helpers of
+``tests/helpers.py``): a V = 10 target, thousands of seeded requests with max_tokens=4, and the generated
 (x1, x2, x3) compared with the target's exact distribution. x1 comes from prefill; the first
 Medusa round verifies a tree of depth <= 2 for (x2, x3), so both in-round acceptance of tree
 paths (siblings tried in turn) and the correction/bonus draws are covered. The negative control
@@ -19,23 +19,18 @@ import pytest
 import torch
 
 import infer.speculative.tree as tree_module
-from infer import LLM, SamplingParams
-from test_exactness import (
+from checkpoints import make_medusa_heads
+from helpers import (
     P_CONTROL,
     P_THRESHOLD,
     PROMPT,
+    TREE_CONFIGS,
+    TREE_NUM_SAMPLES,
     first_token_chisquare,
     grouped_chisquare,
     reference,
 )
-from test_medusa import make_medusa_heads
-
-NUM_SAMPLES = 4000
-CONFIGS: dict[str, dict[str, float | int]] = {
-    "temperature_1": {"temperature": 1.0},
-    "temperature_0.7_top_k_3": {"temperature": 0.7, "top_k": 3},
-    "repetition_penalty_1.5": {"temperature": 1.0, "repetition_penalty": 1.5},
-}
+from infer import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +43,7 @@ def engine(small_target: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
                max_batch_size=256, max_seq_len=32, medusa_tree_size=10)
 
 
-def run_engine(llm: LLM, params: dict[str, Any], n: int = NUM_SAMPLES, seed0: int = 0) -> tuple[np.ndarray, int, int]:
+def run_engine(llm: LLM, params: dict[str, Any], n: int = TREE_NUM_SAMPLES, seed0: int = 0) -> tuple[np.ndarray, int, int]:
     sampling = [SamplingParams(max_tokens=4, ignore_eos=True, seed=seed0 + i, **params) for i in range(n)]
     outputs = llm.generate([PROMPT] * n, sampling)
     assert all(len(o.token_ids) == 4 for o in outputs)
@@ -56,11 +51,11 @@ def run_engine(llm: LLM, params: dict[str, Any], n: int = NUM_SAMPLES, seed0: in
     return samples, sum(o.metrics.proposed_tokens for o in outputs), sum(o.metrics.accepted_tokens for o in outputs)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", list(TREE_CONFIGS))
 def test_medusa_samples_follow_target_distribution(engine: LLM, small_target: Path, config: str) -> None:
-    samples, proposed, accepted = run_engine(engine, CONFIGS[config])
-    ref = reference(small_target, PROMPT, SamplingParams(**CONFIGS[config]))  # type: ignore[arg-type]
-    assert proposed > NUM_SAMPLES // 2 and 0 < accepted < proposed  # both verdicts were exercised
+    samples, proposed, accepted = run_engine(engine, TREE_CONFIGS[config])
+    ref = reference(small_target, PROMPT, SamplingParams(**TREE_CONFIGS[config]))  # type: ignore[arg-type]
+    assert proposed > TREE_NUM_SAMPLES // 2 and 0 < accepted < proposed  # both verdicts were exercised
 
     first = first_token_chisquare(samples, ref)
     assert first.impossible == 0 and first.pvalue > P_THRESHOLD, f"x1: chi2={first.statistic:.1f}"
@@ -76,6 +71,6 @@ def test_negative_control_broken_residual_is_detected(engine: LLM, small_target:
         return probs  # forgets that the rejected siblings must not be drawn again
 
     monkeypatch.setattr(tree_module, "residual_after_rejections", broken)
-    samples, _, _ = run_engine(engine, CONFIGS["temperature_1"], n=2000, seed0=10_000_000)
+    samples, _, _ = run_engine(engine, TREE_CONFIGS["temperature_1"], n=2000, seed0=10_000_000)
     ref = reference(small_target, PROMPT, SamplingParams(temperature=1.0))
     assert grouped_chisquare(samples, ref).pvalue < P_CONTROL

@@ -4,7 +4,7 @@ through the whole engine, and tenant isolation.
 The trie is checked against brute force (substring counts, longest matching suffix, best-first
 trees). Through the engine, a second pass over the same prompts drafts from the first pass's
 outputs, so long paths are accepted and rounds end mid-tree on stop rules; sampled output is
-compared with the target's exact distribution with the harness of ``test_exactness.py``.
+compared with the target's exact distribution with the harness of ``helpers.py`` (as in ``test_exactness.py``).
 """
 
 from __future__ import annotations
@@ -20,16 +20,23 @@ import pytest
 import torch
 
 import infer.speculative.tree as tree_module
+from helpers import (
+    DRAFTER_PROMPTS,
+    KV_BACKENDS,
+    P_CONTROL,
+    PROMPT,
+    TREE_CONFIGS,
+    TREE_NUM_SAMPLES,
+    assert_follows_reference,
+    grouped_chisquare,
+    reference,
+)
 from infer import LLM, EngineConfig, RequestOutput, SamplingParams
 from infer.cli import build_parser, main
 from infer.core.request import Request
 from infer.speculative.proposer import Proposal
 from infer.speculative.suffix import SuffixProposer
 from infer.speculative.suffix_trie import ROOT, SuffixStore, SuffixTrie
-from test_exactness import P_CONTROL, PROMPT, assert_follows_reference, grouped_chisquare, reference
-from test_medusa import BACKENDS
-from test_medusa import PROMPTS as MEDUSA_PROMPTS
-from test_medusa_exactness import CONFIGS, NUM_SAMPLES
 
 # =============================================================================== the trie
 
@@ -283,7 +290,7 @@ def test_the_budget_grows_with_the_match_and_the_depth_follows_the_policy() -> N
 
 # =============================================================================== engine: greedy parity
 
-PROMPTS = [*MEDUSA_PROMPTS, "a"]  # 6 prompts: batches of up to 4 leave a second wave
+PROMPTS = [*DRAFTER_PROMPTS, "a"]  # 6 prompts: batches of up to 4 leave a second wave
 
 
 def greedy(max_tokens: int = 32, **kw: Any) -> SamplingParams:
@@ -324,11 +331,11 @@ def has_siblings(proposals: list[Proposal]) -> bool:
 
 
 @pytest.mark.parametrize("policy", ["fixed", "goodput"])
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", list(KV_BACKENDS))
 def test_greedy_parity_with_plain_decoding(tiny_llama: Path, plain: list[RequestOutput], backend: str,
                                            policy: str) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=6, spec_length_policy=policy,
-              max_batch_size=4, **BACKENDS[backend])  # type: ignore[arg-type]
+              max_batch_size=4, **KV_BACKENDS[backend])  # type: ignore[arg-type]
     first = llm.generate(PROMPTS, greedy())  # 6 prompts, batches of up to 4: drafts from itself and batch mates
     assert token_ids(first) == token_ids(plain)
     proposals = spy_on_proposals(llm)
@@ -482,7 +489,7 @@ def test_cli_flags_reach_the_engine(tiny_llama: Path, capsys: pytest.CaptureFixt
 
 
 
-def run_engine(small_target: Path, params: dict[str, Any], n: int = NUM_SAMPLES,
+def run_engine(small_target: Path, params: dict[str, Any], n: int = TREE_NUM_SAMPLES,
                seed0: int = 0) -> tuple[np.ndarray, int, int, bool]:
     # A low min_prob keeps several siblings per node, so the multi-candidate rejection is exercised.
     llm = LLM(str(small_target), speculator="suffix", spec_length=3, suffix_min_prob=0.02, dtype="float32",
@@ -496,11 +503,11 @@ def run_engine(small_target: Path, params: dict[str, Any], n: int = NUM_SAMPLES,
             has_siblings(proposals))
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", list(TREE_CONFIGS))
 def test_suffix_samples_follow_target_distribution(small_target: Path, config: str) -> None:
-    samples, proposed, accepted, siblings = run_engine(small_target, CONFIGS[config])
-    ref = reference(small_target, PROMPT, SamplingParams(**CONFIGS[config]))  # type: ignore[arg-type]
-    assert proposed > NUM_SAMPLES // 2 and 0 < accepted < proposed  # both verdicts were exercised
+    samples, proposed, accepted, siblings = run_engine(small_target, TREE_CONFIGS[config])
+    ref = reference(small_target, PROMPT, SamplingParams(**TREE_CONFIGS[config]))  # type: ignore[arg-type]
+    assert proposed > TREE_NUM_SAMPLES // 2 and 0 < accepted < proposed  # both verdicts were exercised
     assert siblings  # real trees, not only chains
 
     assert_follows_reference(samples, ref)
@@ -511,6 +518,6 @@ def test_negative_control_broken_residual_is_detected(small_target: Path, monkey
         return probs  # forgets that the rejected candidates must not be drawn again
 
     monkeypatch.setattr(tree_module, "residual_after_rejections", broken)
-    samples, _, _, _ = run_engine(small_target, CONFIGS["temperature_1"], n=2000, seed0=10_000_000)
+    samples, _, _, _ = run_engine(small_target, TREE_CONFIGS["temperature_1"], n=2000, seed0=10_000_000)
     ref = reference(small_target, PROMPT, SamplingParams(temperature=1.0))
     assert grouped_chisquare(samples, ref).pvalue < P_CONTROL

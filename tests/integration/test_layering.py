@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Lowest first; a module may import from its own layer or a lower one. The first matching prefix
 # names a module's layer; a module no prefix matches counts as a front end (the top).

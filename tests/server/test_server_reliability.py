@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from checkpoints import make_medusa_heads, make_tiny_checkpoint
+from helpers import wait_serving
 from infer import Engine, EngineConfig, SamplingParams
 from infer.cache import prefix as prefix_module
 from infer.cache.paged import PagedKVCachePool
@@ -360,18 +361,6 @@ def start_serve(model: Path, port: int, *extra: str, env: dict[str, str] | None 
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
-
-
-def wait_serving(proc: subprocess.Popen[str], port: int, headers: dict[str, str] | None = None) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        assert time.monotonic() < deadline, "infer serve did not come up"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int | None, str]:

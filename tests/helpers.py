@@ -1,0 +1,174 @@
+"""Helpers shared by several test modules (the checkpoints they run on live in ``checkpoints.py``).
+
+* The exactness harness of the speculative paths (draft model, n-gram, Medusa, suffix): the exact
+  target distribution of a short continuation of ``PROMPT`` on the V = 10 ``small_target`` (conftest),
+  enumerated with plain transformers forward passes and the engine's own sampling transform, and the
+  pooled chi-square tests that compare engine samples with it.
+* Settings several drafters' end-to-end tests share: prompts, KV-cache backends, sampling configs.
+* ``wait_serving``: wait for an ``infer serve`` subprocess to come up.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from scipy.stats import chi2
+
+from checkpoints import load_hf_model
+from infer import SamplingParams
+from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_presence
+
+# ----------------------------------------------------------------------------- exactness harness
+
+V = 10  # the vocabulary of the small_target / small_draft pair (conftest.py)
+# Only four of the ten tokens, repeated: n-gram lookup finds a match whenever x1 is one of them,
+# and the repetition penalty's context differs between continuations.
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+P_THRESHOLD = 1e-3  # a correct sampler fails a test at about this rate
+P_CONTROL = 1e-6  # a broken one (negative controls) must score below this
+MIN_EXPECTED = 5.0
+
+# The sampling configs the exactness tests run; the tree drafters' (Medusa, suffix) run all but top-p,
+# with fewer samples.
+SAMPLING_CONFIGS: dict[str, dict[str, float | int]] = {
+    "temperature_1": {"temperature": 1.0},
+    "temperature_0.7_top_k_3": {"temperature": 0.7, "top_k": 3},
+    "top_p_0.8": {"temperature": 1.0, "top_p": 0.8},
+    "repetition_penalty_1.5": {"temperature": 1.0, "repetition_penalty": 1.5},
+}
+TREE_CONFIGS = {name: config for name, config in SAMPLING_CONFIGS.items() if name != "top_p_0.8"}
+TREE_NUM_SAMPLES = 4000
+
+
+@dataclass
+class Reference:
+    """Exact target distributions after the sampling transform."""
+
+    p1: np.ndarray  # [V]       P(x1 | prompt)
+    p23: np.ndarray  # [V, V, V] P(x2, x3 | prompt, x1), indexed [x1, x2, x3]
+
+
+
+
+@torch.no_grad()
+def reference(model_path: Path, prompt: list[int], params: SamplingParams) -> Reference:
+    """Enumerate every (x1, x2) continuation with plain forward passes (no KV cache)."""
+    model = load_hf_model(model_path)
+
+    def next_probs(contexts: list[list[int]]) -> torch.Tensor:
+        logits = model(torch.tensor(contexts)).logits[:, -1].float()
+        batch = SamplingBatch.from_params([params] * len(contexts), "cpu")
+        presence = token_presence(contexts, V, "cpu") if batch.use_penalty else None
+        probs = probs_from_logits(logits, batch, presence).double()
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    p1 = next_probs([prompt])[0]
+    p2 = next_probs([prompt + [a] for a in range(V)])  # [x1, x2]
+    p3 = next_probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)  # [x1, x2, x3]
+    return Reference(p1.numpy(), (p2[:, :, None] * p3).numpy())
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class ChiSquare:
+    statistic: float
+    dof: int
+    impossible: int  # samples that fell on a zero-probability cell
+
+    @property
+    def pvalue(self) -> float:
+        if self.impossible:
+            return 0.0
+        return float(chi2.sf(self.statistic, self.dof)) if self.dof else 1.0
+
+    def __add__(self, other: ChiSquare) -> ChiSquare:
+        return ChiSquare(self.statistic + other.statistic, self.dof + other.dof, self.impossible + other.impossible)
+
+
+def chisquare_cells(counts: np.ndarray, probs: np.ndarray) -> ChiSquare:
+    """Goodness of fit of ``counts`` to ``probs`` (same shape, any); cells expected < 5 are pooled."""
+    counts, probs = counts.ravel().astype(np.float64), probs.ravel().astype(np.float64)
+    total = counts.sum()
+    support = probs > 0
+    impossible = int(counts[~support].sum())
+    if total == 0:
+        return ChiSquare(0.0, 0, impossible)
+    observed = counts[support]
+    expected = total * probs[support] / probs[support].sum()
+    big = expected >= MIN_EXPECTED
+    cells_o, cells_e = list(observed[big]), list(expected[big])
+    small_o, small_e = observed[~big].sum(), expected[~big].sum()
+    if small_e > 0:
+        if small_e >= MIN_EXPECTED or not cells_e:
+            cells_o.append(small_o)
+            cells_e.append(small_e)
+        else:  # too little mass for a cell of its own: fold into the smallest big cell
+            i = int(np.argmin(cells_e))
+            cells_o[i] += small_o
+            cells_e[i] += small_e
+    o, e = np.array(cells_o), np.array(cells_e)
+    return ChiSquare(float(((o - e) ** 2 / e).sum()), len(cells_e) - 1, impossible)
+
+
+def grouped_chisquare(samples: np.ndarray, ref: Reference) -> ChiSquare:
+    """Sum over x1 groups of the (x2, x3) goodness of fit to P(x2, x3 | x1)."""
+    result = ChiSquare(0.0, 0, 0)
+    for x1 in range(V):
+        group = samples[samples[:, 0] == x1]
+        counts = np.zeros((V, V))
+        np.add.at(counts, (group[:, 1], group[:, 2]), 1)
+        result = result + chisquare_cells(counts, ref.p23[x1])
+    return result
+
+
+def first_token_chisquare(samples: np.ndarray, ref: Reference) -> ChiSquare:
+    return chisquare_cells(np.bincount(samples[:, 0], minlength=V), ref.p1)
+
+
+def assert_follows_reference(samples: np.ndarray, ref: Reference) -> None:
+    """x1 and (x2, x3 | x1) both fit the exact distributions, and no sample is impossible."""
+    first = first_token_chisquare(samples, ref)
+    assert first.impossible == 0
+    assert first.pvalue > P_THRESHOLD, f"x1: chi2={first.statistic:.1f}, dof={first.dof}"
+    joint = grouped_chisquare(samples, ref)
+    assert joint.impossible == 0, f"{joint.impossible} samples fell on zero-probability (x2, x3) cells"
+    assert joint.dof >= 20  # enough cells for the test to mean something
+    assert joint.pvalue > P_THRESHOLD, f"(x2, x3 | x1): chi2={joint.statistic:.1f}, dof={joint.dof}"
+
+
+# ----------------------------------------------------------------------------- drafters end to end
+
+# Prompts for the drafters' greedy token-identity tests on the tiny_llama checkpoint.
+DRAFTER_PROMPTS = [
+    "def parse(self, text):\n    return",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def push(self, item):",
+    "The quick brown fox",
+    "for i in range(10):\n    print(",
+]
+KV_BACKENDS = {"paged": dict(kv_cache_backend="paged", block_size=4), "slotted": dict(kv_cache_backend="slotted")}
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def wait_serving(proc: subprocess.Popen[str], port: int, timeout: float = 120.0) -> None:
+    """Wait until the ``infer serve`` process ``proc`` answers /health on ``port``; fail with its stderr
+    if it exits first, or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline, "infer serve did not come up"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
