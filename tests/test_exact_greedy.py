@@ -16,7 +16,7 @@ from infer.cache import make_pool
 from infer.core.model_runner import ModelRunner
 from infer.engine.config import EngineConfig
 from infer.loader import load_model
-from infer.models.invariant import ROWS, check_invariance, exact_attention, make_exact
+from infer.models.invariant import ROWS, RowChunked, check_invariance, exact_attention, make_exact
 from infer.models.layers import DecoderOnlyLM
 from infer.speculative.tree import tree_attention_mask, tree_depths
 
@@ -44,7 +44,7 @@ def bf16_model(path: Path, exact: bool) -> DecoderOnlyLM:
 def runner_for(model: DecoderOnlyLM, backend: str) -> ModelRunner:
     c = model.config
     pool = make_pool(backend, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
-                     head_dim=c.head_dim, max_seq_len=96, max_batch_size=2, block_size=8, num_blocks=None,
+                     head_dim=c.head_dim, max_seq_len=320, max_batch_size=2, block_size=8, num_blocks=None,
                      dtype=torch.bfloat16, device=torch.device("cpu"))
     return ModelRunner(model, pool)
 
@@ -63,7 +63,10 @@ def pass_vs_steps(model: DecoderOnlyLM, backend: str, kind: str, batched: bool) 
     runner = runner_for(model, backend)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    context, other = torch.randint(vocab, (21,), generator=gen).tolist(), torch.randint(vocab, (13,), generator=gen).tolist()
+    # The pass starts at 188: its rows straddle a key block boundary (192), and the batched
+    # sequence is longer, so these rows' keys are followed by ~70 masked ones (a single product
+    # over all keys would sum them in another order than a step's: it splits the keys by count).
+    context, other = torch.randint(vocab, (188,), generator=gen).tolist(), torch.randint(vocab, (260,), generator=gen).tolist()
     slot = runner.pool.allocate()
     runner.forward([slot], [context])
     start = len(context)
@@ -83,11 +86,11 @@ def pass_vs_steps(model: DecoderOnlyLM, backend: str, kind: str, batched: bool) 
     slots, runs = [slot], [run]
     if batched:  # the pass also carries another sequence with a different length (padding, gathers)
         second = runner.pool.allocate()
-        runner.forward([second], [other[:10]])
-        slots, runs = [second, slot], [other[10:], run]
+        runner.forward([second], [other[:257]])
+        slots, runs = [second, slot], [other[257:], run]
         if mask is not None:
             mask = torch.cat([tree_attention_mask(torch.tensor([[-1, 0, 1, -1, -1, -1, -1]]), [2]), mask])
-            positions = torch.cat([torch.tensor([[10, 11, 12] + [13] * 5]), positions])
+            positions = torch.cat([torch.tensor([[257, 258, 259] + [260] * 5]), positions])
     hidden = runner.forward(slots, runs, positions=positions, tree_mask=mask)
     verify = runner.logits(hidden)[-1]
     return [torch.equal(verify[i], step_logits(runner, slot, start, p)) for i, p in enumerate(paths)]
@@ -116,22 +119,53 @@ def test_default_kernels_are_not_exact_in_bfloat16(wide_llama: Path) -> None:
     assert not all(rows)
 
 
-def test_exact_attention_ignores_query_count_context_padding_and_interleaved_zero_keys() -> None:
+class ShapeSpy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.shapes.append(tuple(x.shape))
+        return x * 2 + 1
+
+
+def test_row_chunked_calls_its_module_with_exactly_rows_rows() -> None:
+    spy = ShapeSpy()
+    chunked = RowChunked(spy)
+    for shape in [(1, 1, 5), (1, 6, 5), (2, 7, 5), (3, 5)]:
+        x = torch.randn(*shape)
+        assert torch.equal(chunked(x), x * 2 + 1)
+    assert set(spy.shapes) == {(ROWS, 5)} and len(spy.shapes) == 1 + 1 + 2 + 1
+    assert chunked(torch.randn(0, 5)).shape == (0, 5)  # an empty pass stays empty
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [(204, 151), (300, 150), (520, 300)])
+def test_exact_attention_ignores_query_count_context_padding_and_interleaved_keys(
+        dtype: torch.dtype, lengths: tuple[int, int]) -> None:
+    """float32 inputs give float32 outputs, so this sees any difference in the sums' order. The
+    lengths are a batch's two sequences: the shorter one's keys are followed by masked ones, which
+    a single product over all keys sums in another order (its kernel splits the keys by count)."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 6, 11, 16, generator=gen).bfloat16()
-    keys, values = (torch.randn(2, 3, 40, 16, generator=gen).bfloat16() for _ in range(2))
-    mask = (torch.arange(40) < 30 + torch.arange(11).unsqueeze(1)).view(1, 1, 11, 40).expand(2, 1, 11, 40)
+    q = torch.randn(2, 9, 11, 64, generator=gen).to(dtype)  # the real model's heads: 9 over 3 KV heads of 64
+    keys, values = (torch.randn(2, 3, lengths[0], 64, generator=gen).to(dtype) for _ in range(2))
+    ends = torch.tensor(lengths).unsqueeze(1)
+    position = ends - 11 + torch.arange(11)  # [B, T] query positions
+    mask = (torch.arange(lengths[0]) <= position.unsqueeze(-1)).unsqueeze(1)  # causal, [B, 1, T, L]
     whole = exact_attention(q, keys, values, mask)
     for t in range(11):
-        context = 30 + t
-        alone = exact_attention(q[1:, :, t: t + 1], keys[1:, :, :context], values[1:, :, :context], None)
-        assert torch.equal(whole[1:, :, t: t + 1], alone)
-    # A tree row sees its ancestors with hidden nodes between them: the same terms, the same sum.
-    spread = torch.zeros(1, 1, 1, 40, dtype=torch.bool)
-    spread[..., [0, 1, 2, 9, 20, 33]] = True
-    packed = exact_attention(q[:1, :, :1], keys[:1, :, [0, 1, 2, 9, 20, 33]], values[:1, :, [0, 1, 2, 9, 20, 33]], None)
+        for b in range(2):
+            seen = int(position[b, t]) + 1
+            alone = exact_attention(q[b: b + 1, :, t: t + 1], keys[b: b + 1, :, :seen], values[b: b + 1, :, :seen], None)
+            assert torch.equal(whole[b: b + 1, :, t: t + 1], alone), (b, t)
+    # A tree row sees its ancestors with other nodes between them (here across a key block
+    # boundary): it must come out as the step that sees just those keys, packed.
+    seen = list(range(120)) + [120, 125, 129, 140]
+    spread = torch.zeros(1, 1, 1, lengths[0], dtype=torch.bool)
+    spread[..., seen] = True
+    packed = exact_attention(q[:1, :, :1], keys[:1, :, seen], values[:1, :, seen], None)
     assert torch.equal(exact_attention(q[:1, :, :1], keys[:1], values[:1], spread), packed)
-    assert whole.shape == q.shape and whole.dtype == torch.bfloat16
+    assert whole.shape == q.shape and whole.dtype == dtype
 
 
 def test_make_exact_is_idempotent_and_passes_its_load_check(tiny_llama: Path) -> None:

@@ -8,18 +8,20 @@ the arithmetic (the idea of batch-invariant kernels: one reduction order whateve
 
 * row-wise work (norms, projections, the MLP, the LM head) always runs on exactly ``rows``
   rows per call, zero-padded: one shape, so one kernel, whatever the pass;
-* attention runs in float32 on ``groups * rows`` query rows per product, over the whole
-  context with masked keys contributing exact zeros; the scores' order over the head dimension
-  and the weighted sum's order over the keys then do not depend on the pass either. The sum
-  runs over keys in cache order, so a tree node, whose ancestors sit between other nodes, sums
-  the same terms in the same order as the plain step (the zeros in between change nothing);
+* attention runs in float32 with the keys cut into fixed blocks from position 0: each product
+  is a tile of ``groups * rows`` query rows times one block, and the blocks' shares are summed
+  in block order (a single product over all keys would not do: its kernel splits the keys by
+  their count, so masked keys after a row's own, as in a batch or a chain, move the split).
+  A tree node's visible keys (its ancestors sit between other nodes) are first packed to the
+  front, so it sees a decode step's blocks;
 * RoPE, residual adds and embeddings are elementwise already.
 
-What this relies on, a product row not depending on where it sits in its fixed-shape call, on
-the batch of products beside it, or on zero terms in its sum, is checked when an engine loads
-(``check_invariance``) and refused where it fails. It held for oneDNN (bfloat16) and MKL
-(float32) on the project's AVX-512 AMD EPYC, where the whole mode is tested; the same kernel
-properties were measured on an AMX Intel Xeon (torch 2.11); CUDA is untested.
+What this relies on, a product's row or column not depending on where it sits in its
+fixed-shape call or on the batch of products beside it, and ``cumsum`` adding in order, is
+checked when an engine loads (``check_invariance``), which refuses a machine where it fails.
+The mode is tested on the project's AVX-512 AMD EPYC (oneDNN bfloat16, MKL float32); on an AMX
+Intel Xeon the fixed-shape products measured row- and batch-invariant too (the mode itself was
+not run there); CUDA is untested.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from infer.models.layers import DecoderLayer, DecoderOnlyLM
 # Rows per matmul call: every pass is cut into (zero-padded) blocks of this many rows. 8 covers a
 # decode step of up to 8 requests and a K=7 chain in one call; more rows cost more on one request.
 ROWS = 8
-# Keys per score product: the context is zero-padded to a multiple of this (the padding masked),
-# so every score product has one shape however long the context (a few keys take another kernel).
-KEY_BLOCK = 32
+# Keys per attention product: the context is cut into blocks of this many (zero-padded, masked),
+# each multiplied in a product of one shape; the blocks' results are summed in order.
+KEY_BLOCK = 64
 
 
 class RowChunked(nn.Module):
@@ -55,6 +57,8 @@ class RowChunked(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         count = flat.shape[0]
+        if count == 0:
+            return self.inner(x)  # type: ignore[no-any-return]
         pad = -count % self.rows
         if pad:
             flat = F.pad(flat, (0, 0, 0, pad))
@@ -68,39 +72,82 @@ class RowChunked(nn.Module):
 def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                     rows: int = ROWS) -> torch.Tensor:
     """Attention of q [B, heads, T, D] over keys/values [B, kv_heads, L, D] with the boolean mask
-    [B, 1, T, L] (None: every key visible), in float32 with one shape per product.
+    [B, 1, T, L] (None: every key visible), in float32, with every product of one fixed shape.
 
-    The query rows of each KV head (its ``groups`` query heads times ``rows`` positions) form one
-    ``[groups * rows, D]`` block. Scores come from products with ``KEY_BLOCK`` keys at a time (the
-    keys are zero-padded to a multiple of it, masked); the probabilities times ``[values | 1]``
-    give the output and the softmax denominator from one product over all keys, so both sum the
-    keys in cache order, where masked keys add exact zeros.
+    A query row's keys are the visible ones in cache order: for a decode step or a chain they are
+    positions 0..p; a tree node sees its ancestors with other nodes in between, so its visible
+    keys are first packed to the front (the row's *logical* keys, which are a decode step's).
+    Logical keys are cut into blocks of ``KEY_BLOCK`` from position 0. A tile of ``groups * rows``
+    query rows (a KV head's query heads times ``rows`` positions) times a block of keys gives the
+    scores; after one softmax maximum per row, the same tile of probabilities times the block's
+    ``[values | 1]`` gives the block's share of the output and of the denominator; the blocks'
+    shares are then summed in block order (a sequential ``cumsum``). Every product has one shape
+    and every sum one order, whatever T, L, B or the tree.
     """
     batch, heads, width, dim = q.shape
     kv_heads, context = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
-    block_rows = groups * rows
+    tile = groups * rows
     if mask is None:
         mask = torch.ones(batch, 1, width, context, dtype=torch.bool, device=q.device)
     pad_rows, pad_keys = -width % rows, -context % KEY_BLOCK
     # Padded query rows see every real key (finite, dropped at the end); padded keys are hidden.
     mask = F.pad(F.pad(mask, (0, 0, 0, pad_rows), value=True), (0, pad_keys), value=False)
-    q = F.pad(q.float() * dim ** -0.5, (0, 0, 0, pad_rows)).view(batch, kv_heads, groups, width + pad_rows, dim)
-    # Fresh contiguous float32 copies: one layout for every call, whatever the cache's gather gave.
-    keys_t = F.pad(keys.float(), (0, 0, 0, pad_keys)).view(batch, kv_heads, -1, KEY_BLOCK, dim).transpose(-1, -2)
-    values_1 = F.pad(values.float(), (0, 1, 0, pad_keys), value=1.0)  # last column: ones
     span = context + pad_keys
-    blocks = []
-    for start in range(0, width + pad_rows, rows):
-        block = q[:, :, :, start: start + rows].reshape(batch, kv_heads, 1, block_rows, dim)
-        scores = torch.matmul(block, keys_t).transpose(2, 3).reshape(batch, kv_heads, block_rows, span)
-        visible = mask[:, :, start: start + rows].unsqueeze(2).expand(batch, 1, groups, rows, span)
-        scores.masked_fill_(~visible.reshape(batch, 1, block_rows, span), float("-inf"))
-        probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-        summed = torch.matmul(probs, values_1)  # [B, kv_heads, groups * rows, D + 1]
-        blocks.append((summed[..., :dim] / summed[..., dim:]).view(batch, kv_heads, groups, rows, dim))
-    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, 3)
+    key_blocks = span // KEY_BLOCK
+    packed = torch.arange(span, device=q.device) < mask.sum(-1, keepdim=True)  # logical visibility
+    # Where a row sees more than a prefix (a tree node), the order that packs its visible keys first.
+    order = None if torch.equal(mask, packed) else torch.sort((~mask).byte(), dim=-1, stable=True).indices
+    query = F.pad(q.float() * dim ** -0.5, (0, 0, 0, pad_rows)).view(batch, kv_heads, groups, -1, rows, dim)
+    query = query.transpose(2, 3).reshape(batch, kv_heads, -1, 1, tile, dim)
+    # Fresh contiguous float32 copies: one layout for every call, whatever the cache's gather gave.
+    keys_t = F.pad(keys.float(), (0, 0, 0, pad_keys)).view(batch, kv_heads, 1, key_blocks, KEY_BLOCK, dim)
+    values_1 = F.pad(values.float(), (0, 1, 0, pad_keys), value=1.0)  # [B, kv_heads, span, D + 1], ones last
+    slab = max(1, (1 << 14) // span)  # query tiles per step: bounds the broadcast copies of the keys
+    shares = []
+    for first in range(0, query.shape[2], slab):
+        tiles = query[:, :, first: first + slab]
+        scores = torch.matmul(tiles, keys_t.transpose(-1, -2))  # [B, kv_heads, n, key_blocks, tile, KEY_BLOCK]
+        n = tiles.shape[2]
+        if order is None:
+            visible = mask[:, :, first * rows: (first + n) * rows].reshape(batch, 1, n, rows, key_blocks, KEY_BLOCK)
+            visible = visible.transpose(3, 4).unsqueeze(4).expand(-1, -1, -1, -1, groups, -1, -1)
+            scores.masked_fill_(~visible.reshape(batch, 1, n, key_blocks, tile, KEY_BLOCK), float("-inf"))
+            probs = scores.sub_(scores.amax((3, 5), keepdim=True)).exp_()
+            blocks = torch.matmul(probs, values_1.view(batch, kv_heads, 1, key_blocks, KEY_BLOCK, dim + 1))
+            share = blocks.cumsum(3)[:, :, :, -1].view(batch, kv_heads, n, groups, rows, dim + 1)
+            shares.append(share.transpose(2, 3).reshape(batch, kv_heads, groups, n * rows, dim + 1))
+        else:
+            shares.append(_packed_rows_share(scores, values_1, order[:, :, first * rows: (first + n) * rows],
+                                             packed[:, :, first * rows: (first + n) * rows], rows))
+    summed = shares[0] if len(shares) == 1 else torch.cat(shares, 3)
+    out = summed[..., :dim] / summed[..., dim:]  # [B, kv_heads, groups, T + pad, D]
     return out.reshape(batch, heads, width + pad_rows, dim)[:, :, :width].to(keys.dtype)
+
+
+def _packed_rows_share(scores: torch.Tensor, values_1: torch.Tensor, order: torch.Tensor, packed: torch.Tensor,
+                       rows: int) -> torch.Tensor:
+    """``exact_attention``'s sums for rows whose visible keys are first packed to the front (trees).
+
+    ``scores`` are the tiles' scores in cache order; each row's scores and values are gathered into
+    its logical order, and each row is multiplied alone in a tile of the usual shape (its heads on
+    the tile's first position, the rest zero), so its products and sums are a decode step's.
+    Returns [B, kv_heads, groups, n * rows, D + 1].
+    """
+    batch, kv_heads, n, key_blocks, tile, block = scores.shape
+    groups, width, span, dim_1 = tile // rows, n * rows, key_blocks * block, values_1.shape[-1]
+    per_row = scores.view(batch, kv_heads, n, key_blocks, groups, rows, block).permute(0, 1, 4, 2, 5, 3, 6)
+    per_row = per_row.reshape(batch, kv_heads, groups, width, span).gather(4, order.unsqueeze(2).expand(-1, kv_heads, groups, -1, -1))
+    per_row.masked_fill_(~packed.unsqueeze(2), float("-inf"))
+    probs = per_row.sub_(per_row.amax(-1, keepdim=True)).exp_()  # [B, kv_heads, groups, width, span]
+    alone = probs.new_zeros(batch, kv_heads, width, key_blocks, groups, rows, block)
+    alone[..., 0, :] = probs.view(batch, kv_heads, groups, width, key_blocks, block).permute(0, 1, 3, 4, 2, 5)
+    index = order.view(batch, 1, width, span, 1).expand(-1, kv_heads, -1, -1, dim_1)
+    logical_values = values_1.unsqueeze(2).expand(-1, -1, width, -1, -1).gather(3, index)
+    blocks = torch.matmul(alone.view(batch, kv_heads, width, key_blocks, tile, block),
+                          logical_values.view(batch, kv_heads, width, key_blocks, block, dim_1))
+    share = blocks.cumsum(3)[:, :, :, -1].view(batch, kv_heads, width, groups, rows, dim_1)[..., 0, :]
+    return share.permute(0, 1, 3, 2, 4)
 
 
 def make_exact(model: DecoderOnlyLM, rows: int = ROWS) -> None:
@@ -124,30 +171,30 @@ def make_exact(model: DecoderOnlyLM, rows: int = ROWS) -> None:
 
 @torch.inference_mode()
 def check_invariance(model: DecoderOnlyLM, seed: int = 0) -> None:
-    """Raise RuntimeError unless this machine gives a token's final hidden state the same bits in
-    one 12-token pass, in a 6-token pass followed by 1-token steps, and as 3 rows of a batch
-    beside another sequence (a few small forwards on a scratch cache)."""
+    """Raise RuntimeError unless this machine gives each of 72 tokens' final hidden states the same
+    bits in one 72-token pass as in a 64-token pass, three 1-token steps and a 5-row pass batched
+    with a longer sequence (a few forwards on a scratch cache, at load; it crosses a key block)."""
     config = model.config
-    device = model.model.embed_tokens.weight.device
+    weight = model.model.embed_tokens.weight
     pool = make_pool("slotted", num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
-                     head_dim=config.head_dim, max_seq_len=16, max_batch_size=2, block_size=16, num_blocks=None,
-                     dtype=model.model.embed_tokens.weight.dtype, device=device)
+                     head_dim=config.head_dim, max_seq_len=104, max_batch_size=2, block_size=16, num_blocks=None,
+                     dtype=weight.dtype, device=weight.device)
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(config.vocab_size, (12,), generator=gen).tolist()
-    other = torch.randint(config.vocab_size, (5,), generator=gen).tolist()
+    tokens = torch.randint(config.vocab_size, (72,), generator=gen).tolist()
+    other = torch.randint(config.vocab_size, (100,), generator=gen).tolist()
     first, second = pool.allocate(), pool.allocate()
 
     def run(slots: list[int], runs: list[list[int]]) -> torch.Tensor:
         starts = [pool.seq_len(s) for s in slots]
         width = max(len(r) for r in runs)
-        ids = torch.tensor([r + [0] * (width - len(r)) for r in runs], device=device)
-        positions = torch.tensor(starts, device=device).unsqueeze(1) + torch.arange(width, device=device)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in runs], device=weight.device)
+        positions = torch.tensor(starts, device=weight.device).unsqueeze(1) + torch.arange(width, device=weight.device)
         return model(ids, positions, build_kv_batch(pool, slots, starts, [len(r) for r in runs]))  # type: ignore[no-any-return]
 
     whole = run([first], [tokens])[0]
     pool.truncate_to(first, 0)
-    pieces = [run([first], [tokens[:6]])[0]] + [run([first], [tokens[i: i + 1]])[0] for i in (6, 7, 8)]
-    pieces.append(run([second, first], [other, tokens[9:]])[1, :3])
+    pieces = [run([first], [tokens[:64]])[0]] + [run([first], [tokens[i: i + 1]])[0] for i in (64, 65, 66)]
+    pieces.append(run([second, first], [other, tokens[67:]])[1, :5])
     if not torch.equal(whole, torch.cat(pieces)):
         raise RuntimeError("exact_greedy: on this machine a token's hidden state depends on the shape of the pass "
                            "computing it (its matmul or attention kernels are not row-invariant), so greedy "
