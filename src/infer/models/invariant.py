@@ -37,9 +37,13 @@ from infer.models.layers import DecoderLayer, DecoderOnlyLM
 # Rows per matmul call: every pass is cut into (zero-padded) blocks of this many rows. 8 covers a
 # decode step of up to 8 requests and a K=7 chain in one call; more rows cost more on one request.
 ROWS = 8
-# Keys per attention product: the context is cut into blocks of this many (zero-padded, masked),
-# each multiplied in a product of one shape; the blocks' results are summed in order.
+# Attention: the keys are padded to whole blocks of this many (masked), and the weighted sum over
+# them is one product per block, the blocks' results added in order.
 KEY_BLOCK = 64
+# Attention tiles hold at least this many query rows (a KV head's query heads times positions):
+# 1-row products take vector kernels whose sums changed with the number of products in a batch
+# (on an AMX Intel Xeon); more rows per tile only waste work on a decode step's one position.
+MIN_TILE_ROWS = 4
 
 
 class RowChunked(nn.Module):
@@ -69,85 +73,93 @@ class RowChunked(nn.Module):
         return out[:count].reshape(*x.shape[:-1], out.shape[-1])
 
 
-def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                    rows: int = ROWS) -> torch.Tensor:
+def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of q [B, heads, T, D] over keys/values [B, kv_heads, L, D] with the boolean mask
-    [B, 1, T, L] (None: every key visible), in float32, with every product of one fixed shape.
+    [B, 1, T, L] (None: every key visible), in float32, every product of one fixed shape.
 
-    A query row's keys are the visible ones in cache order: for a decode step or a chain they are
-    positions 0..p; a tree node sees its ancestors with other nodes in between, so its visible
-    keys are first packed to the front (the row's *logical* keys, which are a decode step's).
-    Logical keys are cut into blocks of ``KEY_BLOCK`` from position 0. A tile of ``groups * rows``
-    query rows (a KV head's query heads times ``rows`` positions) times a block of keys gives the
-    scores; after one softmax maximum per row, the same tile of probabilities times the block's
-    ``[values | 1]`` gives the block's share of the output and of the denominator; the blocks'
-    shares are then summed in block order (a sequential ``cumsum``). Every product has one shape
-    and every sum one order, whatever T, L, B or the tree.
+    A tile holds the query rows of one KV head: its ``groups`` query heads at a few positions
+    (``MIN_TILE_ROWS`` rows or more). A row's keys are its visible ones in cache order: positions
+    0..p for a decode step or a chain; a tree node's ancestors sit between other nodes, so its
+    visible keys are first packed to the front (its *logical* keys, which are a decode step's).
+    Scores are one product of a tile with all keys (the keys are padded to whole ``KEY_BLOCK``s,
+    so no product is narrow); after the row's softmax maximum, the probabilities times
+    ``[values | 1]`` give the output and the denominator one key block at a time, and the blocks'
+    shares are added in block order (``cumsum``, which adds in order). One product over all keys
+    would not do: its kernel splits long sums by their length, so a row followed by masked keys
+    (a chain's later rows, a longer sequence in the batch) would be summed in another order.
     """
     batch, heads, width, dim = q.shape
     kv_heads, context = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
-    tile = groups * rows
+    positions = -(-MIN_TILE_ROWS // groups)  # query positions per tile
+    tile = groups * positions
     if mask is None:
         mask = torch.ones(batch, 1, width, context, dtype=torch.bool, device=q.device)
-    pad_rows, pad_keys = -width % rows, -context % KEY_BLOCK
+    pad_rows, pad_keys = -width % positions, -context % KEY_BLOCK
     # Padded query rows see every real key (finite, dropped at the end); padded keys are hidden.
     mask = F.pad(F.pad(mask, (0, 0, 0, pad_rows), value=True), (0, pad_keys), value=False)
     span = context + pad_keys
-    key_blocks = span // KEY_BLOCK
-    packed = torch.arange(span, device=q.device) < mask.sum(-1, keepdim=True)  # logical visibility
-    # Where a row sees more than a prefix (a tree node), the order that packs its visible keys first.
-    order = None if torch.equal(mask, packed) else torch.sort((~mask).byte(), dim=-1, stable=True).indices
-    query = F.pad(q.float() * dim ** -0.5, (0, 0, 0, pad_rows)).view(batch, kv_heads, groups, -1, rows, dim)
-    query = query.transpose(2, 3).reshape(batch, kv_heads, -1, 1, tile, dim)
-    # Fresh contiguous float32 copies: one layout for every call, whatever the cache's gather gave.
-    keys_t = F.pad(keys.float(), (0, 0, 0, pad_keys)).view(batch, kv_heads, 1, key_blocks, KEY_BLOCK, dim)
-    values_1 = F.pad(values.float(), (0, 1, 0, pad_keys), value=1.0)  # [B, kv_heads, span, D + 1], ones last
-    slab = max(1, (1 << 14) // span)  # query tiles per step: bounds the broadcast copies of the keys
+    seen = mask.sum(-1)  # [B, 1, T']: each row's visible key count
+    key_index = torch.arange(span, device=q.device)
+    prefix = torch.equal(mask, key_index < seen.unsqueeze(-1))  # no tree node: every row sees a prefix
+    query = F.pad(q.float() * dim ** -0.5, (0, 0, 0, pad_rows)).view(batch, kv_heads, groups, -1, positions, dim)
+    query = query.transpose(2, 3).reshape(batch, kv_heads, -1, tile, dim)  # tile row = head * positions + position
+    # Fresh contiguous float32 copies (one layout for every call, whatever the cache's gather gave);
+    # the padded keys are zeros, and the values get a last column of ones: the softmax denominator.
+    keys_32 = keys.new_zeros(batch, kv_heads, span, dim, dtype=torch.float32)
+    keys_32[:, :, :context] = keys
+    keys_t = keys_32.unsqueeze(2).transpose(-1, -2)  # [B, kv_heads, 1, D, span]
+    values_1 = values.new_ones(batch, kv_heads, span, dim + 1, dtype=torch.float32)
+    values_1[:, :, :context, :dim] = values
+    slab = max(1, (1 << 14) // span)  # tiles per step: bounds the keys' broadcast copies in long prefills
     shares = []
     for first in range(0, query.shape[2], slab):
         tiles = query[:, :, first: first + slab]
-        scores = torch.matmul(tiles, keys_t.transpose(-1, -2))  # [B, kv_heads, n, key_blocks, tile, KEY_BLOCK]
         n = tiles.shape[2]
-        if order is None:
-            visible = mask[:, :, first * rows: (first + n) * rows].reshape(batch, 1, n, rows, key_blocks, KEY_BLOCK)
-            visible = visible.transpose(3, 4).unsqueeze(4).expand(-1, -1, -1, -1, groups, -1, -1)
-            scores.masked_fill_(~visible.reshape(batch, 1, n, key_blocks, tile, KEY_BLOCK), float("-inf"))
-            probs = scores.sub_(scores.amax((3, 5), keepdim=True)).exp_()
-            blocks = torch.matmul(probs, values_1.view(batch, kv_heads, 1, key_blocks, KEY_BLOCK, dim + 1))
-            share = blocks.cumsum(3)[:, :, :, -1].view(batch, kv_heads, n, groups, rows, dim + 1)
-            shares.append(share.transpose(2, 3).reshape(batch, kv_heads, groups, n * rows, dim + 1))
+        rows = slice(first * positions, (first + n) * positions)
+        scores = torch.matmul(tiles, keys_t)  # [B, kv_heads, n, tile, span]
+        if prefix:
+            count = seen[:, :, rows].view(batch, 1, n, 1, positions).expand(-1, -1, -1, groups, -1)
+            scores.masked_fill_(key_index >= count.reshape(batch, 1, n, tile, 1), float("-inf"))
+            probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+            share = _by_key_blocks(probs, values_1.unsqueeze(2)).view(batch, kv_heads, n, groups, positions, dim + 1)
+            shares.append(share.transpose(2, 3).reshape(batch, kv_heads, groups, n * positions, dim + 1))
         else:
-            shares.append(_packed_rows_share(scores, values_1, order[:, :, first * rows: (first + n) * rows],
-                                             packed[:, :, first * rows: (first + n) * rows], rows))
+            shares.append(_packed_rows_share(scores, values_1, mask[:, :, rows], seen[:, :, rows], groups))
     summed = shares[0] if len(shares) == 1 else torch.cat(shares, 3)
-    out = summed[..., :dim] / summed[..., dim:]  # [B, kv_heads, groups, T + pad, D]
+    out = summed[..., :dim] / summed[..., dim:]  # [B, kv_heads, groups, T', D]
     return out.reshape(batch, heads, width + pad_rows, dim)[:, :, :width].to(keys.dtype)
 
 
-def _packed_rows_share(scores: torch.Tensor, values_1: torch.Tensor, order: torch.Tensor, packed: torch.Tensor,
-                       rows: int) -> torch.Tensor:
-    """``exact_attention``'s sums for rows whose visible keys are first packed to the front (trees).
+def _by_key_blocks(probs: torch.Tensor, values_1: torch.Tensor) -> torch.Tensor:
+    """``probs [..., tile, span] @ values_1 [..., span, D + 1]`` as one product per key block,
+    the blocks' results added in block order."""
+    *lead, tile, span = probs.shape
+    blocks = probs.view(*lead, tile, span // KEY_BLOCK, KEY_BLOCK).transpose(-3, -2)  # [..., blocks, tile, KEY_BLOCK]
+    block_values = values_1.view(*values_1.shape[:-2], span // KEY_BLOCK, KEY_BLOCK, values_1.shape[-1])
+    return torch.matmul(blocks, block_values).cumsum(-3).select(-3, -1)
 
-    ``scores`` are the tiles' scores in cache order; each row's scores and values are gathered into
-    its logical order, and each row is multiplied alone in a tile of the usual shape (its heads on
-    the tile's first position, the rest zero), so its products and sums are a decode step's.
-    Returns [B, kv_heads, groups, n * rows, D + 1].
-    """
-    batch, kv_heads, n, key_blocks, tile, block = scores.shape
-    groups, width, span, dim_1 = tile // rows, n * rows, key_blocks * block, values_1.shape[-1]
-    per_row = scores.view(batch, kv_heads, n, key_blocks, groups, rows, block).permute(0, 1, 4, 2, 5, 3, 6)
+
+def _packed_rows_share(scores: torch.Tensor, values_1: torch.Tensor, mask: torch.Tensor, seen: torch.Tensor,
+                       groups: int) -> torch.Tensor:
+    """``exact_attention``'s output and denominator [B, kv_heads, groups, rows, D + 1] for rows whose
+    visible keys are first packed to the front (a tree pass). ``scores`` [B, kv_heads, n, tile, span]
+    are in cache order; each row's scores and values are gathered into its logical order, and each
+    row is multiplied in a tile of its own (its heads at the tile's first position, zeros elsewhere),
+    so its products and sums are those of a decode step."""
+    batch, kv_heads, n, tile, span = scores.shape
+    positions, width, dim_1 = tile // groups, mask.shape[2], values_1.shape[-1]
+    order = torch.sort((~mask).byte(), dim=-1, stable=True).indices  # [B, 1, rows, span]: visible keys first
+    per_row = scores.view(batch, kv_heads, n, groups, positions, span).permute(0, 1, 3, 2, 4, 5)
     per_row = per_row.reshape(batch, kv_heads, groups, width, span).gather(4, order.unsqueeze(2).expand(-1, kv_heads, groups, -1, -1))
-    per_row.masked_fill_(~packed.unsqueeze(2), float("-inf"))
-    probs = per_row.sub_(per_row.amax(-1, keepdim=True)).exp_()  # [B, kv_heads, groups, width, span]
-    alone = probs.new_zeros(batch, kv_heads, width, key_blocks, groups, rows, block)
-    alone[..., 0, :] = probs.view(batch, kv_heads, groups, width, key_blocks, block).permute(0, 1, 3, 4, 2, 5)
+    per_row.masked_fill_(torch.arange(span, device=scores.device) >= seen.view(batch, 1, 1, width, 1), float("-inf"))
+    probs = per_row.sub_(per_row.amax(-1, keepdim=True)).exp_()  # [B, kv_heads, groups, rows, span]
+    alone = probs.new_zeros(batch, kv_heads, width, groups, positions, span)
+    alone[:, :, :, :, 0] = probs.transpose(2, 3)
     index = order.view(batch, 1, width, span, 1).expand(-1, kv_heads, -1, -1, dim_1)
     logical_values = values_1.unsqueeze(2).expand(-1, -1, width, -1, -1).gather(3, index)
-    blocks = torch.matmul(alone.view(batch, kv_heads, width, key_blocks, tile, block),
-                          logical_values.view(batch, kv_heads, width, key_blocks, block, dim_1))
-    share = blocks.cumsum(3)[:, :, :, -1].view(batch, kv_heads, width, groups, rows, dim_1)[..., 0, :]
-    return share.permute(0, 1, 3, 2, 4)
+    share = _by_key_blocks(alone.view(batch, kv_heads, width, tile, span), logical_values)
+    return share.view(batch, kv_heads, width, groups, positions, dim_1)[:, :, :, :, 0].transpose(2, 3)
 
 
 def make_exact(model: DecoderOnlyLM, rows: int = ROWS) -> None:
@@ -164,7 +176,7 @@ def make_exact(model: DecoderOnlyLM, rows: int = ROWS) -> None:
                                                   "q_norm", "k_norm"))):
             if getattr(owner, name, None) is not None:
                 setattr(owner, name, RowChunked(getattr(owner, name), rows))
-        attn.attend = lambda q, k, v, mask: exact_attention(q, k, v, mask, rows)
+        attn.attend = exact_attention
     body.norm = RowChunked(body.norm, rows)  # type: ignore[assignment]
     model.lm_head = RowChunked(model.lm_head, rows)  # type: ignore[assignment]
 
