@@ -111,8 +111,10 @@ def test_bench_generation_exact_greedy_rows(tiny_llama: Path, tmp_path: Path) ->
     report = json.loads((out / "generation.json").read_text())
     modes = {r["mode"] for r in report["results"]}
     assert modes == {"infer plain", "infer plain (exact greedy)", "infer + n-gram K=3",
-                     "infer + n-gram K=3 (exact greedy)"}
+                     "infer + n-gram K=3 (exact greedy)", "infer + suffix K=3", "infer + suffix K=3 (exact greedy)"}
     assert report["exact_greedy_outputs_identical"] is True
+    exact_plain = next(r for r in report["results"] if r["mode"] == "infer plain (exact greedy)")
+    assert exact_plain["acceptance_by_position"] is None  # plain rows carry no speculation stats
     assert "across exact-greedy modes: True" in (out / "generation.md").read_text()
 
 
