@@ -57,6 +57,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-memory-fraction", type=float, default=0.5,
                         help="share of the free memory the KV cache may take when sized by default")
     parser.add_argument("--kv-cache-backend", default="paged", choices=["paged", "slotted"])
+    parser.add_argument("--exact-greedy", action="store_true",
+                        help="kernels that give a token the same bits in any pass, so greedy speculation is "
+                        "token-identical to plain decoding in bfloat16 too (slower; see docs/benchmarks.md)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,7 +72,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 medusa_heads=args.medusa_heads, medusa_tree_size=args.medusa_tree_size,
                 tree_attention=args.tree_attention, suffix_tree_size=args.suffix_tree_size,
                 suffix_max_tokens=args.suffix_max_tokens, suffix_max_requests=args.suffix_max_requests,
-                suffix_scope=args.suffix_scope)
+                suffix_scope=args.suffix_scope, exact_greedy=args.exact_greedy)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:

@@ -102,6 +102,22 @@ def test_repetitive_prompts_apply_one_instruction_to_different_functions() -> No
         assert code.startswith("def ") and "->" not in code.splitlines()[0]
 
 
+def test_bench_generation_exact_greedy_rows(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    code = main(["bench", "generation", "--model", str(tiny_llama), "--num-prompts", "1", "--max-tokens", "8",
+                 "--repeats", "1", "--no-transformers", "--spec-length", "3", "--dtype", "bfloat16",
+                 "--exact-greedy", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "generation.json").read_text())
+    modes = {r["mode"] for r in report["results"]}
+    assert modes == {"infer plain", "infer plain (exact greedy)", "infer + n-gram K=3",
+                     "infer + n-gram K=3 (exact greedy)", "infer + suffix K=3", "infer + suffix K=3 (exact greedy)"}
+    assert report["exact_greedy_outputs_identical"] is True
+    exact_plain = next(r for r in report["results"] if r["mode"] == "infer plain (exact greedy)")
+    assert exact_plain["acceptance_by_position"] is None  # plain rows carry no speculation stats
+    assert "across exact-greedy modes: True" in (out / "generation.md").read_text()
+
+
 def test_workloads_and_prompt_files(tmp_path: Path) -> None:
     code = code_prompts(3)
     assert len(code) == 3 and all(p.count("\n") >= 4 for p in code)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.cli import main
+from infer.cli import build_parser, engine_options, main
+from infer.engine.config import EngineConfig
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -99,6 +100,17 @@ def test_chat_flag(tiny_llama: Path, llm: LLM, capsys: pytest.CaptureFixture[str
 def test_slotted_backend_flag(tiny_llama: Path, llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(generate_args(tiny_llama, "--json", "--kv-cache-backend", "slotted")) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == llm.generate(PROMPT, greedy())[0].token_ids
+
+
+def test_exact_greedy_flag(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--exact-greedy sets EngineConfig.exact_greedy, and a bfloat16 n-gram run with it works."""
+    def config(*extra: str) -> EngineConfig:
+        return EngineConfig.from_options(**engine_options(build_parser().parse_args(generate_args(tiny_llama, *extra))))
+
+    assert config("--exact-greedy").exact_greedy and not config().exact_greedy
+    args = generate_args(tiny_llama, "--json", "--exact-greedy", "--speculator", "ngram", "--dtype", "bfloat16")
+    assert main(args) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == MAX_TOKENS
 
 
 @pytest.mark.parametrize(("flag", "value", "field"), [

@@ -282,6 +282,37 @@ def test_near_tie_flip_is_told_from_a_bug(small_target: Path, monkeypatch: pytes
     assert tolerant["checks"]["greedy"]["verdict"] == NEAR_TIE and exit_code(tolerant) == 0
 
 
+@pytest.mark.usefixtures("engine_modules_loaded")
+def test_exact_greedy_mode_runs_both_engines_exact_and_calls_no_flip_a_near_tie(
+        small_target: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--exact-greedy reaches the plain engine as well as the speculative one (else plain decoding would
+    run other kernels than the ones verified), the report says so, and since exact kernels give a token
+    the same bits in any pass, a flip even within the tie tolerance is a FAIL, never a NEAR-TIE."""
+    import infer.audit.checks as checks_module
+
+    built: list[bool] = []
+    real_llm = checks_module.LLM
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        llm = real_llm(*args, **kwargs)
+        built.append(llm.config.exact_greedy)
+        return llm
+
+    monkeypatch.setattr(checks_module, "LLM", spy)
+    args = ["audit", "--model", str(small_target), "--speculator", "ngram", "--spec-length", str(SPEC_LENGTH),
+            "--dtype", "bfloat16", "--device", "cpu", "--exact-greedy", "--checks", "greedy", "--max-tokens", "24"]
+    assert main([*args, "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert built == [True, True] and report["settings"]["exact_greedy"] is True
+    assert report["checks"]["greedy"]["verdict"] == PASS
+
+    patch_verify(monkeypatch, wrong_row)
+    assert main([*args, "--tie-tolerance", "1e9", "--json", "-"]) == 1
+    greedy = json.loads(capsys.readouterr().out)["checks"]["greedy"]
+    divergences = [p["first_divergence"] for p in greedy["prompts"] if p["first_divergence"]]
+    assert greedy["verdict"] == FAIL and divergences and not any(d["near_tie"] for d in divergences)
+
+
 def test_reference_logits_match_the_engine(small_target: Path) -> None:
     """The reference (plain forward, no KV cache) agrees with the engine's greedy decoding."""
     from infer import LLM, SamplingParams

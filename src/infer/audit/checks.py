@@ -108,7 +108,9 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
     """Load plain and speculative engines for the settings, run the chosen checks, return the report."""
     engine = {k: v for k, v in settings.engine.items() if k not in ("max_batch_size", "prefix_caching", "block_size")}
     say("loading the target without speculation (reference and plain decoding)")
-    plain_options = {k: engine[k] for k in ("model", "dtype", "device", "kv_cache_backend") if k in engine}
+    # exact_greedy too: plain decoding must run the kernels the speculative engine verifies with.
+    plain_options = {k: engine[k] for k in ("model", "dtype", "device", "kv_cache_backend", "exact_greedy")
+                     if k in engine}
     plain = LLM(**plain_options, max_seq_len=engine.get("max_seq_len") or 1024, max_batch_size=1)
     prompt_ids = [p if isinstance(p, list) else plain.tokenizer.encode(p) for p in settings.prompts]
     longest = max(len(p) for p in prompt_ids)
@@ -136,6 +138,7 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
             "model": config.model, "speculator": speculative.method, "draft_model": speculative.draft_model,
             "spec_length": speculative.length, "spec_length_policy": speculative.length_policy,
             "dtype": str(spec.engine.dtype).removeprefix("torch."), "device": str(spec.engine.device),
+            "exact_greedy": config.exact_greedy,
             "sampling": {k: getattr(settings.sampling, k)
                          for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")},
             "samples": settings.samples, "contexts": min(settings.contexts, len(prompt_ids)),
@@ -319,7 +322,8 @@ class _Audit:
             "plain_text": None if plain_token is None else tokenizer.decode([plain_token]),
             "speculative_text": None if spec_token is None else tokenizer.decode([spec_token]),
             "top2_margin": margin, "chosen_margin": chosen, "tie_tolerance": tolerance,
-            "near_tie": chosen is not None and abs(chosen) <= tolerance,
+            # Exact-greedy kernels give a token the same bits in any pass: no flip there is rounding.
+            "near_tie": chosen is not None and abs(chosen) <= tolerance and not self.spec.config.exact_greedy,
         }
 
     # -- acceptance -------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--exact-greedy", action="store_true",
+                     help="also time every infer mode with exact-greedy kernels, interleaved with the default ones")
     gen.add_argument("--out", default="bench-out", help="folder for generation.json, generation.md and plots")
     gen.add_argument("--profile", action="store_true",
                      help="instead of the comparison, profile infer's decode steps and a (K+1)-token verification "
@@ -102,7 +104,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=temperature, spec_lengths=args.spec_length,
         policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
         medusa_tree_sizes=args.medusa_tree_size, suffix=not args.no_suffix, hf=not args.no_transformers,
-        repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed,
+        repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
         peer=args.peer, peer_gguf=args.peer_gguf, chat=args.chat, stop_at_eos=repetitive, warmup_prompts=warmup,
     )
     report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))

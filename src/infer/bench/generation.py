@@ -55,6 +55,8 @@ class BenchSettings:
     # Requests suffix decoding learns from before the timed ones (which each start from exactly what
     # it learnt here: a timed request never drafts from another, nor from an earlier repeat of itself).
     warmup_prompts: list[str] = field(default_factory=list)
+    # Also time every infer mode with exact-greedy kernels ("... (exact greedy)" rows), interleaved.
+    exact_greedy: bool = False
 
 
 @dataclass
@@ -103,6 +105,8 @@ def speculation_stats(outputs: list[Any]) -> dict[str, Any]:
         "acceptance_by_position": by_pos,
     }
 
+
+EXACT = "(exact greedy)"  # the suffix of a mode run with exact-greedy kernels
 
 # One timed generation of a prompt (text, or token ids when it went through the chat template):
 # (tokens per second, the infer RequestOutput or None for transformers).
@@ -206,14 +210,20 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     llms: list[LLM] = []
 
     def infer_mode(name: str, reported: bool = True, **options: Any) -> ModeResult:
-        say(f"[{name}] loading")
-        run, llm = _infer_runner(settings, options.pop("model", settings.model), **options)
-        llms.append(llm)
-        result = ModeResult(name, "infer", 0.0, [], spec_length=options.get("spec_length"),
-                            policy=options.get("spec_length_policy"))
-        history = _History(llm) if options.get("speculator") == "suffix" else None
-        modes.append(_Mode(result, run, reported=reported, llm=llm, history=history))
-        return result
+        model = options.pop("model", settings.model)
+        variants: list[tuple[str, dict[str, Any]]] = [(name, {})]
+        if settings.exact_greedy and reported:  # the draft alone (only for c) needs no exact twin
+            variants.append((f"{name} {EXACT}", {"exact_greedy": True}))
+        results = []
+        for label, extra in variants:
+            say(f"[{label}] loading")
+            run, llm = _infer_runner(settings, model, **options, **extra)
+            llms.append(llm)
+            results.append(ModeResult(label, "infer", 0.0, [], spec_length=options.get("spec_length"),
+                                      policy=options.get("spec_length_policy")))
+            history = _History(llm) if options.get("speculator") == "suffix" else None
+            modes.append(_Mode(results[-1], run, reported=reported, llm=llm, history=history))
+        return results[0]
 
     plain = infer_mode("infer plain")
     plain_llm = llms[0]
@@ -287,7 +297,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             decode_rates = [getattr(o, "decode_tokens_per_s", None) for o in mode.outputs]
         measured = [d for d in decode_rates if d]
         r.decode_tokens_per_s = statistics.median(measured) if measured else None
-        if r.engine == "infer" and r.mode != "infer plain":
+        if r.engine == "infer" and not r.mode.startswith(plain.mode):
             for key, value in speculation_stats(mode.outputs).items():
                 setattr(r, key, value)
             runner = mode.llm.engine.runner if mode.llm is not None else None
@@ -316,9 +326,12 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             r.speedup_vs_transformers = r.tokens_per_s / match.tokens_per_s
         elif r.engine == "transformers" and hf_plain is not None:
             r.speedup_vs_transformers = r.tokens_per_s / hf_plain.tokens_per_s
-    greedy_identical = None
+    greedy_identical = exact_identical = None
     if settings.temperature == 0.0:
-        greedy_identical = all(r.texts == plain.texts for r in results if r.engine == "infer")
+        greedy_identical = all(r.texts == plain.texts for r in results if r.engine == "infer" and EXACT not in r.mode)
+        exact_plain = next((r for r in results if r.mode == f"{plain.mode} {EXACT}"), None)
+        if exact_plain is not None:
+            exact_identical = all(r.texts == exact_plain.texts for r in results if EXACT in r.mode)
     memory: dict[str, Any] | None = None
     if bandwidths:
         memory = {"bandwidth_gb_s": statistics.median(bandwidths) / 1e9, "samples_gb_s": [b / 1e9 for b in bandwidths],
@@ -340,6 +353,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         "cost_ratio_c": cost,
         "greedy_outputs_identical": greedy_identical,
         "memory": memory,
+        "exact_greedy_outputs_identical": exact_identical,
         "results": [{k: v for k, v in asdict(r).items() if k != "texts"} for r in results],
         "sample_output": plain.texts[0] if plain.texts else "",
     }

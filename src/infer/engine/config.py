@@ -125,6 +125,9 @@ class EngineConfig:
     # Tree verification kernel: SDPA with the dense boolean mask, or FlexAttention with a block mask
     # (compiled on CUDA; on CPU it runs eagerly and is only a slower reference).
     tree_attention: str = "sdpa"
+    # Exact-greedy kernels (models.invariant): a token's logits are bit-identical whatever pass
+    # computes them, so greedy speculation emits exactly plain decoding's tokens in any dtype.
+    exact_greedy: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_backend not in KV_BACKENDS:
@@ -146,6 +149,9 @@ class EngineConfig:
                                  f">= 2.5); this is torch {torch.__version__}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} is invalid: must be in (0, 1]")
+        if self.exact_greedy and self.tree_attention == "flex":
+            raise ValueError("exact_greedy runs its own attention kernel; tree_attention='flex' cannot be combined "
+                             "with it (use tree_attention='sdpa')")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
 

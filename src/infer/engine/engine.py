@@ -21,6 +21,7 @@ from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepR
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
 from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
 from infer.loader.config import ModelConfig
+from infer.models.invariant import check_invariance, make_exact
 from infer.sampling.params import SamplingParams
 
 
@@ -86,6 +87,10 @@ class Engine:
         self.dtype, dtype_reason = choose_dtype(config.dtype, self.device)
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
         self.model, self.model_config = load_model(config.model, self.dtype, str(self.device))
+        if config.exact_greedy:
+            say("exact-greedy kernels: checking that this machine computes a token alike in any pass")
+            make_exact(self.model)
+            check_invariance(self.model)
         self.tokenizer: Tokenizer = load_tokenizer(config.model, self.model_config)
         self.max_seq_len, context_reason = choose_max_seq_len(config, self.model_config, self.device, self.dtype)
         self.pool = self._make_pool(self.model_config)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,6 +98,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): one matmul instead of three
+        # Set by models.invariant.make_exact: attention whose rows do not depend on the pass's shape.
+        self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def fuse(self) -> None:
         """Merge q/k/v into one projection for inference (fewer, larger matmuls; same math)."""
@@ -128,7 +131,9 @@ class Attention(nn.Module):
         else:
             kv.write(self.layer_idx, k, v)
             keys, values = kv.gather(self.layer_idx)
-            if kv.block_mask is not None:
+            if self.attend is not None:
+                out = self.attend(q.transpose(1, 2), keys, values, kv.mask)
+            elif kv.block_mask is not None:
                 out = flex_attention_with(kv.block_mask, q.transpose(1, 2), keys, values)
             else:
                 groups = heads // kv_heads
