@@ -42,6 +42,10 @@ def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_
     k2 = modes["infer + draft K=2"]
     assert k2["predicted_speedup"] == pytest.approx(expected_speedup(k2["alpha"], 2, report["cost_ratio_c"]))
     assert report["environment"]["torch"]
+    # Plain rows know their share of the measured memory bandwidth; every row its CPU time per token.
+    assert report["memory"]["bandwidth_gb_s"] > 0 and report["memory"]["infer_weight_bytes_per_token"] > 0
+    assert modes["infer plain"]["bandwidth_fraction"] > 0 and modes["infer + draft K=2"]["bandwidth_fraction"] is None
+    assert all(r["cpu_ms_per_token"] > 0 for r in modes.values())
     assert (out / "generation.md").read_text().startswith("workload")
     assert (out / "speedup_vs_k.png").stat().st_size > 1000
     assert "| infer plain |" in capsys.readouterr().out

@@ -74,6 +74,9 @@ class ModeResult:
     predicted_speedup: float | None = None
     speedup_vs_peer: float | None = None  # tokens/s over llama.cpp's plain row, same prompts, same run
     decode_tokens_per_s: float | None = None  # median over prompts, prefill excluded
+    # CPU time the process spent per generated token (all its threads; with one thread, unlike wall
+    # time, it does not count the time other programs on a shared machine held the core)
+    cpu_ms_per_token: float | None = None
     bandwidth_fraction: float | None = None  # plain rows: decode weight bytes/s over measured memory bandwidth
     tree_nodes_per_round: float | None = None  # drafters that propose trees and count their nodes
     texts: list[str] = field(default_factory=list)
@@ -133,6 +136,7 @@ class _Mode:
     reported: bool = True
     llm: LLM | None = None
     history: _History | None = None  # for a drafter that learns from earlier requests
+    cpu_ms_per_token: list[float] = field(default_factory=list)
 
 
 def _infer_runner(settings: BenchSettings, model: str, **options: Any) -> tuple[RunFn, LLM]:
@@ -270,7 +274,10 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             for mode in order:
                 if mode.history is not None:
                     mode.history.restore()
+                cpu = time.process_time()
                 rate, out = mode.run(prompt, settings.seed + 1000 * rep + i)
+                tokens = len(out.token_ids) if out is not None else settings.max_tokens  # fewer at EOS
+                mode.cpu_ms_per_token.append((time.process_time() - cpu) * 1e3 / max(tokens, 1))
                 mode.result.samples.append(rate)
                 if out is not None:
                     mode.outputs.append(out)
@@ -280,6 +287,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     for mode in modes:
         r = mode.result
         r.tokens_per_s = statistics.median(r.samples)
+        r.cpu_ms_per_token = statistics.median(mode.cpu_ms_per_token)
         r.texts = [o.text for o in mode.outputs[: len(settings.prompts)]]
         if r.engine == "infer":
             decode_rates = [o.metrics.decode_tokens_per_s for o in mode.outputs]
