@@ -28,10 +28,15 @@ def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_
     out = tmp_path / "report"
     code = main(["bench", "generation", "--model", str(tiny_llama), "--draft-model", str(tiny_draft),
                  "--prompts", str(prompts), "--max-tokens", "8", "--repeats", "1", "--spec-length", "2", "3",
-                 "--out", str(out)])
+                 "--also-dtype", "bfloat16", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "generation.json").read_text())
     modes = {r["mode"]: r for r in report["results"]}
+    # The extra precision's plain row reads half the bytes; its text may differ, so it is left out of
+    # the greedy comparison (asserted below).
+    other = modes["infer plain (bfloat16)"]
+    assert other["dtype"] == "bfloat16" and modes["infer plain"]["dtype"] == "float32"
+    assert other["weight_bytes_per_token"] * 2 == modes["infer plain"]["weight_bytes_per_token"]
     for expected in ("infer plain", "infer + draft K=2", "infer + draft K=3", "infer + draft (entropy)",
                      "infer + draft (goodput)", "infer + n-gram K=3", "transformers generate",
                      "transformers assisted", "transformers prompt lookup"):

@@ -77,8 +77,20 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+# The kernel is a plain C call, invisible to torch.profiler: under the profiler each call is recorded
+# as this event (``infer bench generation --profile`` counts it with the weight matmuls).
+PROFILER_EVENT = "infer::cpu_gemv"
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the kernel (``x`` CPU, bfloat16 or float32, any leading dims)."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(PROFILER_EVENT):
+            return _gemv(x, weight, bias)
+    return _gemv(x, weight, bias)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lib = _library()
     assert lib is not None and weight.dtype in _KERNELS and weight.is_contiguous()
     rows = x.reshape(-1, x.shape[-1]).contiguous()
