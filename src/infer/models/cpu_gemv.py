@@ -5,11 +5,13 @@ is the speed those weights are read at. On the project's AVX-512 EPYC oneDNN's p
 linears read them at ~13 GB/s (one thread, all 121 of SmolLM2-135M's per step), a plain AVX-512
 BF16 dot-product loop at ~23 GB/s, close to what one core can read at all (~29 GB/s); float32 gains
 alike. ``GemvLinear`` runs that loop for up to ``MAX_ROWS`` rows (decode steps, verification passes,
-draft trees) and ``F.linear`` above (prefill, where the matmul is compute-bound and oneDNN's).
+draft trees) and ``F.linear`` above (prefill, where the matmul is compute-bound and oneDNN's). Each
+extra row costs its dot products (one horizontal sum per output, no register blocking): on that
+EPYC a 6-row product takes ~1.6x a 1-row one, where oneDNN's took about the same as its 1-row one.
 
-The C file is compiled once per machine with the system C compiler into ``~/.cache/infer``
-(``$INFER_CACHE_DIR``); where that fails, or the CPU lacks AVX-512 (BF16), or the result does not
-match ``F.linear`` on a probe, the loader keeps the oneDNN path (``PackedLinear``).
+The C file is compiled once per machine with the system C compiler into ``~/.cache/infer/kernels``;
+where that fails, or the CPU lacks AVX-512 (BF16), or the result does not match ``F.linear`` on a
+probe, the loader keeps the oneDNN path (``PackedLinear``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.fileio import default_cache_dir
+
 # Rows above this go to F.linear: beyond a few dozen rows a product stops being bound by reading
 # the weight, and the loop (one dot product per output, no register blocking) loses to oneDNN.
 MAX_ROWS = 64
@@ -44,10 +48,6 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("INFER_CACHE_DIR") or Path.home() / ".cache" / "infer") / "kernels"
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where this machine cannot build them."""
@@ -59,7 +59,7 @@ def _library() -> ctypes.CDLL | None:
     source = _SOURCE.read_bytes()
     # -march=native code is for this CPU only: the key names the CPU's flags as well as the source.
     key = hashlib.sha256(source + " ".join(sorted(_cpu_flags())).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_gemv-{key}.so"
+    target = default_cache_dir() / "kernels" / f"cpu_gemv-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
