@@ -64,8 +64,11 @@ def _library() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-                                     str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+            try:
+                result = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+                                         str(_SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.TimeoutExpired):
+                return None
             if result.returncode != 0:
                 return None
             os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
