@@ -28,10 +28,15 @@ def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_
     out = tmp_path / "report"
     code = main(["bench", "generation", "--model", str(tiny_llama), "--draft-model", str(tiny_draft),
                  "--prompts", str(prompts), "--max-tokens", "8", "--repeats", "1", "--spec-length", "2", "3",
-                 "--out", str(out)])
+                 "--also-dtype", "bfloat16", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "generation.json").read_text())
     modes = {r["mode"]: r for r in report["results"]}
+    # The extra precision's plain row reads half the bytes; its text may differ, so it is left out of
+    # the greedy comparison (asserted below).
+    other = modes["infer plain (bfloat16)"]
+    assert other["dtype"] == "bfloat16" and modes["infer plain"]["dtype"] == "float32"
+    assert other["weight_bytes_per_token"] * 2 == modes["infer plain"]["weight_bytes_per_token"]
     for expected in ("infer plain", "infer + draft K=2", "infer + draft K=3", "infer + draft (entropy)",
                      "infer + draft (goodput)", "infer + n-gram K=3", "transformers generate",
                      "transformers assisted", "transformers prompt lookup"):
@@ -42,6 +47,10 @@ def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_
     k2 = modes["infer + draft K=2"]
     assert k2["predicted_speedup"] == pytest.approx(expected_speedup(k2["alpha"], 2, report["cost_ratio_c"]))
     assert report["environment"]["torch"]
+    # Plain rows know their share of the measured memory bandwidth; every row its CPU time per token.
+    assert report["memory"]["bandwidth_gb_s"] > 0 and report["memory"]["infer_weight_bytes_per_token"] > 0
+    assert modes["infer plain"]["bandwidth_fraction"] > 0 and modes["infer + draft K=2"]["bandwidth_fraction"] is None
+    assert all(r["cpu_ms_per_token"] > 0 for r in modes.values())
     assert (out / "generation.md").read_text().startswith("workload")
     assert (out / "speedup_vs_k.png").stat().st_size > 1000
     assert "| infer plain |" in capsys.readouterr().out

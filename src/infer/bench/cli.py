@@ -49,7 +49,11 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--peer", choices=["llama.cpp"], default=None,
                      help="add rows for another engine on the same prompts, interleaved with infer's "
                           "(llama.cpp: llama-cpp-python, pip install 'infer[bench]')")
-    gen.add_argument("--peer-gguf", default=None, help="the GGUF file of the same model the peer runs")
+    gen.add_argument("--peer-gguf", nargs="+", default=[], metavar="GGUF",
+                     help="GGUF files of the same model the peer runs, a plain row each (the first is what "
+                          "'vs llama.cpp' divides by, and gets the prompt lookup row)")
+    gen.add_argument("--also-dtype", nargs="*", default=[], choices=["float32", "bfloat16", "float16"],
+                     help="an extra 'infer plain (DTYPE)' row for each, next to --dtype's rows")
     gen.set_defaults(func=_run_generation)
 
     export = kinds.add_parser("export-gguf", help="write a Hugging Face folder's weights as a BF16 GGUF (llama), "
@@ -105,7 +109,8 @@ def _run_generation(args: argparse.Namespace) -> int:
         policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
         medusa_tree_sizes=args.medusa_tree_size, suffix=not args.no_suffix, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
-        peer=args.peer, peer_gguf=args.peer_gguf, chat=args.chat, stop_at_eos=repetitive, warmup_prompts=warmup,
+        peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, chat=args.chat, stop_at_eos=repetitive,
+        warmup_prompts=warmup,
     )
     report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     paths = write_generation_report(report, args.out)

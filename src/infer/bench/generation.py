@@ -48,8 +48,9 @@ class BenchSettings:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    peer: str | None = None  # "llama.cpp": add llama-cpp-python rows on peer_gguf
-    peer_gguf: str | None = None
+    peer: str | None = None  # "llama.cpp": add llama-cpp-python rows on each of peer_gguf
+    peer_gguf: list[str] = field(default_factory=list)  # the first is what "vs llama.cpp" divides by
+    extra_dtypes: list[str] = field(default_factory=list)  # an "infer plain (dtype)" row for each
     chat: bool = False  # each prompt is a user message rendered with the model's chat template
     stop_at_eos: bool = False
     # Requests suffix decoding learns from before the timed ones (which each start from exactly what
@@ -76,8 +77,13 @@ class ModeResult:
     predicted_speedup: float | None = None
     speedup_vs_peer: float | None = None  # tokens/s over llama.cpp's plain row, same prompts, same run
     decode_tokens_per_s: float | None = None  # median over prompts, prefill excluded
+    # CPU time the process spent per generated token (all its threads; with one thread, unlike wall
+    # time, it does not count the time other programs on a shared machine held the core)
+    cpu_ms_per_token: float | None = None
     bandwidth_fraction: float | None = None  # plain rows: decode weight bytes/s over measured memory bandwidth
     tree_nodes_per_round: float | None = None  # drafters that propose trees and count their nodes
+    dtype: str | None = None  # infer rows: the precision they ran in
+    weight_bytes_per_token: int | None = None  # plain rows: what one decode step reads
     texts: list[str] = field(default_factory=list)
 
 
@@ -137,11 +143,12 @@ class _Mode:
     reported: bool = True
     llm: LLM | None = None
     history: _History | None = None  # for a drafter that learns from earlier requests
+    cpu_ms_per_token: list[float] = field(default_factory=list)
 
 
-def _infer_runner(settings: BenchSettings, model: str, **options: Any) -> tuple[RunFn, LLM]:
+def _infer_runner(settings: BenchSettings, model: str, dtype: str, **options: Any) -> tuple[RunFn, LLM]:
     # One request at a time: a batch of one needs only one sequence's KV cache.
-    llm = LLM(model, dtype=settings.dtype, device=settings.device, max_batch_size=1, **options)
+    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1, **options)
 
     def run(prompt: str | list[int], seed: int) -> tuple[float, Any]:
         start = time.perf_counter()
@@ -178,25 +185,34 @@ def _peer_modes(settings: BenchSettings, llm: LLM, say: Callable[[str], None]) -
         raise ValueError(f"unknown peer {settings.peer!r}: the one supported is llama.cpp")
     if not settings.peer_gguf:
         raise ValueError("--peer llama.cpp needs --peer-gguf: a GGUF file of the same model")
+    import gguf
+
     tokenizer = llm.tokenizer
     prompt_ids = {p: tokenizer.encode(p) for p in settings.prompts}
     if settings.chat:
         prompt_ids = {p: ids for p, ids in zip(settings.prompts, _prepare(settings, settings.prompts), strict=True)
                       if isinstance(ids, list)}
     context = max(len(ids) for ids in prompt_ids.values()) + settings.max_tokens + 8
-    variants: list[tuple[str, int | None]] = [("llama.cpp", None)]
-    if settings.ngram:
-        variants.append((f"llama.cpp + prompt lookup K={max(settings.spec_lengths)}", max(settings.spec_lengths)))
+    # One plain row per file, named by its precision; prompt lookup on the first file only.
+    variants: list[tuple[str, str, int | None]] = []
+    for i, path in enumerate(settings.peer_gguf):
+        file_type = gguf.GGUFReader(path).fields["general.file_type"].contents()
+        name = f"llama.cpp {gguf.LlamaFileType(file_type).name.removeprefix('MOSTLY_')}"
+        variants.append((name, path, None))
+        if i == 0 and settings.ngram:
+            variants.append((f"{name} + prompt lookup K={max(settings.spec_lengths)}", path, max(settings.spec_lengths)))
     modes = []
-    for name, lookup in variants:
-        say(f"[{name}] loading {settings.peer_gguf}")
-        runner = LlamaCppRunner(settings.peer_gguf, settings.max_tokens, context, lookup)
+    for name, path, lookup in variants:
+        say(f"[{name}] loading {path}")
+        runner = LlamaCppRunner(path, settings.max_tokens, context, lookup)
 
         def run(prompt: str | list[int], seed: int, runner: LlamaCppRunner = runner) -> tuple[float, Any]:
             rate, decode, ids = runner.run(prompt if isinstance(prompt, list) else prompt_ids[prompt])
             return rate, PeerOutput(tokenizer.decode(ids), ids, decode)
 
-        modes.append(_Mode(ModeResult(name, "llama.cpp", 0.0, [], spec_length=lookup), run))
+        result = ModeResult(name, "llama.cpp", 0.0, [], spec_length=lookup,
+                            weight_bytes_per_token=None if lookup else gguf_weight_bytes_per_token(path))
+        modes.append(_Mode(result, run))
     return modes
 
 
@@ -209,7 +225,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
 
     llms: list[LLM] = []
 
-    def infer_mode(name: str, reported: bool = True, **options: Any) -> ModeResult:
+    def infer_mode(name: str, reported: bool = True, dtype: str = settings.dtype, **options: Any) -> ModeResult:
         model = options.pop("model", settings.model)
         variants: list[tuple[str, dict[str, Any]]] = [(name, {})]
         if settings.exact_greedy and reported:  # the draft alone (only for c) needs no exact twin
@@ -217,16 +233,18 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         results = []
         for label, extra in variants:
             say(f"[{label}] loading")
-            run, llm = _infer_runner(settings, model, **options, **extra)
+            run, llm = _infer_runner(settings, model, dtype, **options, **extra)
             llms.append(llm)
             results.append(ModeResult(label, "infer", 0.0, [], spec_length=options.get("spec_length"),
-                                      policy=options.get("spec_length_policy")))
+                                      policy=options.get("spec_length_policy"), dtype=dtype))
             history = _History(llm) if options.get("speculator") == "suffix" else None
             modes.append(_Mode(results[-1], run, reported=reported, llm=llm, history=history))
         return results[0]
 
     plain = infer_mode("infer plain")
     plain_llm = llms[0]
+    for dtype in settings.extra_dtypes:
+        infer_mode(f"infer plain ({dtype})", dtype=dtype)
     draft_alone = None
     if settings.draft_model is not None:
         # Not a row: the draft model decoding on its own gives the cost ratio c (draft step / target step).
@@ -280,7 +298,10 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             for mode in order:
                 if mode.history is not None:
                     mode.history.restore()
+                cpu = time.process_time()
                 rate, out = mode.run(prompt, settings.seed + 1000 * rep + i)
+                tokens = len(out.token_ids) if out is not None else settings.max_tokens  # fewer at EOS
+                mode.cpu_ms_per_token.append((time.process_time() - cpu) * 1e3 / max(tokens, 1))
                 mode.result.samples.append(rate)
                 if out is not None:
                     mode.outputs.append(out)
@@ -290,6 +311,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     for mode in modes:
         r = mode.result
         r.tokens_per_s = statistics.median(r.samples)
+        r.cpu_ms_per_token = statistics.median(mode.cpu_ms_per_token)
         r.texts = [o.text for o in mode.outputs[: len(settings.prompts)]]
         if r.engine == "infer":
             decode_rates = [o.metrics.decode_tokens_per_s for o in mode.outputs]
@@ -328,21 +350,24 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             r.speedup_vs_transformers = r.tokens_per_s / hf_plain.tokens_per_s
     greedy_identical = exact_identical = None
     if settings.temperature == 0.0:
-        greedy_identical = all(r.texts == plain.texts for r in results if r.engine == "infer" and EXACT not in r.mode)
+        greedy_identical = all(r.texts == plain.texts for r in results
+                               if r.engine == "infer" and r.dtype == plain.dtype and EXACT not in r.mode)
         exact_plain = next((r for r in results if r.mode == f"{plain.mode} {EXACT}"), None)
         if exact_plain is not None:
             exact_identical = all(r.texts == exact_plain.texts for r in results if EXACT in r.mode)
     memory: dict[str, Any] | None = None
+    for mode in modes:
+        if mode.result.engine == "infer" and mode.result.spec_length is None and mode.llm is not None:
+            mode.result.weight_bytes_per_token = weight_bytes_per_token(mode.llm.engine.model)
     if bandwidths:
         memory = {"bandwidth_gb_s": statistics.median(bandwidths) / 1e9, "samples_gb_s": [b / 1e9 for b in bandwidths],
-                  "infer_weight_bytes_per_token": weight_bytes_per_token(plain_llm.engine.model)}
+                  "infer_weight_bytes_per_token": plain.weight_bytes_per_token}
         if settings.peer_gguf:
-            memory["peer_weight_bytes_per_token"] = gguf_weight_bytes_per_token(settings.peer_gguf)
+            memory["peer_weight_bytes_per_token"] = gguf_weight_bytes_per_token(settings.peer_gguf[0])
         for r in results:
-            if r.spec_length is None and r.decode_tokens_per_s and r.engine != "transformers":
-                per_token = memory["infer_weight_bytes_per_token" if r.engine == "infer" else "peer_weight_bytes_per_token"]
-                r.bandwidth_fraction = r.decode_tokens_per_s * per_token / statistics.median(bandwidths)
-    peer_plain = next((r for r in results if r.mode == "llama.cpp"), None)
+            if r.weight_bytes_per_token and r.decode_tokens_per_s:
+                r.bandwidth_fraction = r.decode_tokens_per_s * r.weight_bytes_per_token / statistics.median(bandwidths)
+    peer_plain = next((r for r in results if r.engine == "llama.cpp" and r.spec_length is None), None)
     if peer_plain is not None:
         for r in results:
             r.speedup_vs_peer = r.tokens_per_s / peer_plain.tokens_per_s

@@ -23,11 +23,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from infer.core.model_runner import ModelRunner
 from infer.engine.engine import Engine
+from infer.models.cpu_gemv import PROFILER_EVENT
 from infer.sampling.params import SamplingParams
 
 # Operators that carry the weight matmuls, whichever kernel the model's linears ended up on.
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::linear", "aten::addmm", "aten::mm",
-              "aten::matmul", "aten::bmm")
+              "aten::matmul", "aten::bmm", PROFILER_EVENT)
 ATTENTION_OPS = ("aten::scaled_dot_product_attention",)
 
 

@@ -22,6 +22,7 @@ def generation_table(report: dict[str, Any]) -> str:
     columns += ["decode tok/s", "of bandwidth limit"] if memory else []
     trees = any(r.get("tree_nodes_per_round") is not None for r in report["results"])
     columns += ["tree nodes/round"] if trees else []
+    columns += ["CPU ms/token"]
     rows = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for r in report["results"]:
         ratio = (r["speedup_vs_plain"] / r["predicted_speedup"]) if r.get("predicted_speedup") else None
@@ -34,6 +35,7 @@ def generation_table(report: dict[str, Any]) -> str:
             fraction = r.get("bandwidth_fraction")
             cells += [_fmt(r.get("decode_tokens_per_s"), 1), "–" if fraction is None else f"{100 * fraction:.0f}%"]
         cells += [_fmt(r.get("tree_nodes_per_round"), 1)] if trees else []
+        cells += [_fmt(r.get("cpu_ms_per_token"), 1)]
         rows.append("| " + " | ".join(cells) + " |")
     s = report["settings"]
     prompts = f"{s['num_prompts']} prompts × {s['repeats']} repeats"

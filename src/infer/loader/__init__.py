@@ -107,7 +107,7 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     """
     # Imported here: the model modules import loader.config, so a top-level import would be circular.
     from infer.models import MODEL_REGISTRY
-    from infer.models.layers import cpu_packing_available, rope_inv_freq
+    from infer.models.layers import cpu_linear_kernel, rope_inv_freq
 
     path = resolve_model_path(ref)
     dev = resolve_device(device)
@@ -157,7 +157,7 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     if fuse:
         model.fuse_projections()
     if pack is None:
-        pack = fuse and dev.type == "cpu" and cpu_packing_available(torch_dtype)
+        pack = fuse and dev.type == "cpu" and cpu_linear_kernel(torch_dtype) is not None
     if pack:
         model.pack_for_cpu()
     return model.eval(), config

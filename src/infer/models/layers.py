@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from infer.cache.protocol import KVBatch
 from infer.loader.config import CheckpointError, ModelConfig
+from infer.models.cpu_gemv import GemvLinear, gemv_available
 
 # enable_gqa arrived in torch 2.5; older versions repeat K/V heads instead.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -290,6 +292,22 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")  # type: ignore[no-any-return]
 
 
+def cpu_linear_kernel(dtype: torch.dtype) -> str | None:
+    """Which CPU inference form ``pack_for_cpu`` gives ``dtype`` linears: ``gemv`` (the streaming
+    kernel, ``infer.models.cpu_gemv``), ``onednn`` (``PackedLinear``) or None (plain ``nn.Linear``).
+    ``INFER_CPU_GEMV=0`` turns the kernel off (to compare, or where it misbehaves)."""
+    if os.environ.get("INFER_CPU_GEMV", "1") != "0" and gemv_available(dtype):
+        return "gemv"
+    return "onednn" if cpu_packing_available(dtype) else None
+
+
+def cpu_linear(linear: nn.Linear) -> nn.Module:
+    kernel = cpu_linear_kernel(linear.weight.dtype)
+    if kernel == "gemv":
+        return GemvLinear(linear)
+    return PackedLinear(linear) if kernel == "onednn" else linear
+
+
 def count_weights(model: nn.Module) -> int:
     """Parameters, counting pre-packed linear weights (which are not ``nn.Parameter``s) too."""
     packed = sum(m.weight_numel for m in model.modules() if isinstance(m, PackedLinear))
@@ -363,16 +381,17 @@ class DecoderOnlyLM(nn.Module):
         self.fused = True
 
     def pack_for_cpu(self) -> None:
-        """Replace every projection and the LM head by a ``PackedLinear`` (fused, bfloat16 or float32, CPU only)."""
+        """Replace every projection and the LM head by its CPU inference form (fused, bfloat16 or
+        float32): a ``GemvLinear`` where this CPU runs the streaming kernel, else a ``PackedLinear``."""
         if not self.fused:
             raise RuntimeError("pack_for_cpu needs the fused inference layout (fuse_projections first)")
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
-            attn.qkv_proj, attn.o_proj = PackedLinear(attn.qkv_proj), PackedLinear(attn.o_proj)  # type: ignore[assignment]
-            mlp.gate_up_proj, mlp.down_proj = PackedLinear(mlp.gate_up_proj), PackedLinear(mlp.down_proj)  # type: ignore[assignment]
-        self.lm_head = PackedLinear(self.lm_head)  # type: ignore[assignment]  # a tied head gets its own packed copy
+            attn.qkv_proj, attn.o_proj = cpu_linear(attn.qkv_proj), cpu_linear(attn.o_proj)  # type: ignore[assignment]
+            mlp.gate_up_proj, mlp.down_proj = cpu_linear(mlp.gate_up_proj), cpu_linear(mlp.down_proj)  # type: ignore[assignment]
+        self.lm_head = cpu_linear(self.lm_head)  # type: ignore[assignment]  # a packed head gets its own copy
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,134 @@
+"""Memory-bound matrix-vector products for CPU decoding (``cpu_gemv.c``), built on first use.
+
+A decode step of a small model is a stream of weights through a handful of input rows, so tokens/s
+is the speed those weights are read at. On the project's AVX-512 EPYC oneDNN's pre-packed bf16
+linears read them at ~13 GB/s (one thread, all 121 of SmolLM2-135M's per step), a plain AVX-512
+BF16 dot-product loop at ~23 GB/s, close to what one core can read at all (~29 GB/s); float32 gains
+alike. ``GemvLinear`` runs that loop for up to ``MAX_ROWS`` rows (decode steps, verification passes,
+draft trees) and ``F.linear`` above (prefill, where the matmul is compute-bound and oneDNN's). Each
+extra row costs its dot products (one horizontal sum per output, no register blocking): on that
+EPYC a 6-row product takes ~1.6x a 1-row one, where oneDNN's took about the same as its 1-row one.
+
+The C file is compiled once per machine with the system C compiler into ``~/.cache/infer/kernels``;
+where that fails, or the CPU lacks AVX-512 (BF16), or the result does not match ``F.linear`` on a
+probe, the loader keeps the oneDNN path (``PackedLinear``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.fileio import default_cache_dir
+
+# Rows above this go to F.linear: beyond a few dozen rows a product stops being bound by reading
+# the weight, and the loop (one dot product per output, no register blocking) loses to oneDNN.
+MAX_ROWS = 64
+_SOURCE = Path(__file__).with_name("cpu_gemv.c")
+_CPU_FLAGS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512_bf16"), torch.float32: ("avx512f",)}
+_KERNELS = {torch.bfloat16: "gemv_bf16", torch.float32: "gemv_f32"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where this machine cannot build them."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64" or "avx512f" not in _cpu_flags():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    source = _SOURCE.read_bytes()
+    # -march=native code is for this CPU only: the key names the CPU's flags as well as the source.
+    key = hashlib.sha256(source + " ".join(sorted(_cpu_flags())).encode()).hexdigest()[:16]
+    target = default_cache_dir() / "kernels" / f"cpu_gemv-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            try:
+                result = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+                                         str(_SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.TimeoutExpired):
+                return None
+            if result.returncode != 0:
+                return None
+            os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
+    lib = ctypes.CDLL(str(target))
+    for name in _KERNELS.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.restype = None
+    return lib
+
+
+# The kernel is a plain C call, invisible to torch.profiler: under the profiler each call is recorded
+# as this event (``infer bench generation --profile`` counts it with the weight matmuls).
+PROFILER_EVENT = "infer::cpu_gemv"
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through the kernel (``x`` CPU, bfloat16 or float32, any leading dims)."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(PROFILER_EVENT):
+            return _gemv(x, weight, bias)
+    return _gemv(x, weight, bias)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    lib = _library()
+    assert lib is not None and weight.dtype in _KERNELS and weight.is_contiguous()
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+    getattr(lib, _KERNELS[weight.dtype])(weight.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(),
+                                         out.data_ptr(), rows.shape[0], weight.shape[0], weight.shape[1],
+                                         torch.get_num_threads())
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@functools.cache
+def gemv_available(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs the kernel for ``dtype`` and it agrees with ``F.linear`` on a probe
+    (an odd inner size, so the masked tail is checked too)."""
+    if dtype not in _KERNELS or not set(_CPU_FLAGS[dtype]) <= _cpu_flags() or _library() is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 75, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype)
+    x = torch.randn(2, 3, 75, generator=gen).to(dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    return bool(torch.allclose(gemv(x, weight, bias).float(), F.linear(x, weight, bias).float(), rtol=tol, atol=tol))
+
+
+class GemvLinear(nn.Linear):
+    """``nn.Linear`` whose products of up to ``MAX_ROWS`` rows run the streaming kernel. It shares
+    the weight (and bias) of the linear it replaces: a tied LM head stays tied, nothing is copied."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // self.in_features > MAX_ROWS or torch.is_grad_enabled() and self.weight.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        return gemv(x, self.weight, self.bias)
