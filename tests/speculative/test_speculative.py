@@ -23,7 +23,12 @@ from safetensors.torch import load_file, save_file
 from checkpoints import make_tiny_checkpoint, small_vocab_tokenizer
 from infer import LLM, EngineConfig, RequestOutput, SamplingParams
 from infer.core.request import Request
-from infer.speculative.budget import BudgetController, EntropyStop, expected_speedup, expected_speedup_over_rounds
+from infer.speculative.budget import (
+    BudgetController,
+    EntropyStop,
+    expected_speedup,
+    expected_speedup_over_rounds,
+)
 from infer.train.tokenizer import IM_END_ID
 
 PROMPTS = [

@@ -324,7 +324,7 @@ class _Server:
     def report(self) -> dict[str, Any]:
         """Per level the repeat with the median throughput (all repeats' throughputs kept)."""
         levels = []
-        for c, runs in self.results.items():
+        for runs in self.results.values():
             ordered = sorted(runs, key=lambda r: r.throughput_tok_s)
             level = asdict(ordered[(len(ordered) - 1) // 2])
             level["repeat_throughputs_tok_s"] = [r.throughput_tok_s for r in runs]
