@@ -22,7 +22,7 @@ from infer.core.request import Request, StepOutput
 from infer.core.timing import device_clock
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, Sampled, StepResult
 from infer.sampling.sampler import context_presence
-from infer.sampling.transforms import SamplingBatch, presence_with_drafts, probs_from_logits
+from infer.sampling.transforms import SamplingBatch, argmax_only, presence_with_drafts, probs_from_logits
 from infer.speculative.budget import BudgetController
 from infer.speculative.proposer import Proposal, Proposer
 from infer.speculative.rejection import verify_drafts, verify_greedy
@@ -143,11 +143,11 @@ class SpeculativeRunner:
         drafts = proposal.tokens[:, : width - 1]
         hidden = self.target.runner.forward([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens))  # type: ignore[misc]
         num_draft = torch.tensor(proposal.num_tokens, device=self.device)
-        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-        if sampling.all_greedy and not sampling.use_penalty:
+        if argmax_only([r.params for r in requests]):
             # Greedy rows only compare drafts with the target's argmax: no distributions needed.
             verdict = verify_greedy(drafts, num_draft, self.target.runner.logits(hidden).argmax(dim=-1))
         else:
+            sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
             target_probs = self._target_probs(requests, hidden, drafts, sampling)
             draft_probs = None if proposal.probs is None else proposal.probs[:, : width - 1]
             verdict = verify_drafts(drafts, num_draft, target_probs, draft_probs, sampling.greedy,

@@ -10,7 +10,7 @@ from infer.core.request import Request
 from infer.core.timing import device_clock
 from infer.loader.tokenizer import Tokenizer
 from infer.sampling.sampler import context_presence, sample_rows
-from infer.sampling.transforms import SamplingBatch, probs_from_logits
+from infer.sampling.transforms import SamplingBatch, argmax_only, probs_from_logits
 from infer.speculative.budget import EntropyStop
 from infer.speculative.proposer import DrafterInfo, Proposal, Proposer
 
@@ -41,13 +41,14 @@ class DraftModelProposer(Proposer):
         batch, width = len(requests), max(budgets)
         tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
         counts = [0] * batch
-        sampling = SamplingBatch.from_params([r.params for r in requests], device)
-        presence = context_presence(sampling, [r.all_token_ids for r in requests], self.runner.vocab_size, device)
         # Greedy rows without a penalty draft the argmax, whose q is one-hot: a Proposal without
         # probs says exactly that, so such a batch forms no distributions at all.
-        argmax_only = sampling.all_greedy and presence is None
-        probs = None if argmax_only else \
-            torch.zeros(batch, width, self.runner.vocab_size, dtype=torch.float32, device=device)
+        probs = sampling = presence = None
+        if not argmax_only([r.params for r in requests]):
+            probs = torch.zeros(batch, width, self.runner.vocab_size, dtype=torch.float32, device=device)
+            sampling = SamplingBatch.from_params([r.params for r in requests], device)
+            presence = context_presence(sampling, [r.all_token_ids for r in requests], self.runner.vocab_size,
+                                        device)
 
         active = [b for b in range(batch) if budgets[b] > 0]
         catchup: list[list[int]] = []
@@ -69,7 +70,7 @@ class DraftModelProposer(Proposer):
             last = hidden[:, -1] if isinstance(runs, torch.Tensor) else \
                 self.runner.last_hidden(hidden, [len(r) for r in runs])
             logits = self.runner.logits(last)
-            if probs is None:
+            if probs is None or sampling is None:
                 drafted = logits.argmax(dim=-1)
             else:
                 q = probs_from_logits(logits, sampling.select(rows), None if presence is None else presence[rows])
