@@ -398,8 +398,8 @@ def _predict(r: ModeResult, runner: SpeculativeRunner, target_step: float, draft
     drafts = sum(k * n for k, n in enumerate(r.rounds_by_length or []))
     if info.cost_per_token and draft_step is not None and drafts:
         r.draft_step_vs_alone = times.propose_seconds / drafts / draft_step
-    if info.tree or r.alpha is None or not r.rounds_by_length:
-        return
+    if info.tree or r.tree_nodes_per_round is not None or r.alpha is None or not r.rounds_by_length:
+        return  # a tree drafter's round is no chain (suffix decoding budgets depths but drafts trees)
     if info.cost_per_token:
         if draft_step is None:
             return
