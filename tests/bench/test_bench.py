@@ -18,7 +18,7 @@ from infer.bench.workloads import (
     repetitive_prompts,
 )
 from infer.cli import main
-from infer.speculative.budget import expected_speedup
+from infer.speculative.budget import expected_speedup_over_rounds
 
 
 def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_path: Path,
@@ -45,7 +45,16 @@ def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_
     assert report["greedy_outputs_identical"] is True
     assert report["cost_ratio_c"] > 0
     k2 = modes["infer + draft K=2"]
-    assert k2["predicted_speedup"] == pytest.approx(expected_speedup(k2["alpha"], 2, report["cost_ratio_c"]))
+    # Theorem 3.8 over the rounds the row ran: 8 tokens with K=2 may end on a shorter round.
+    assert sum(k2["rounds_by_length"]) > 0 and len(k2["rounds_by_length"]) <= 3
+    assert k2["cost_ratio"] == pytest.approx(report["cost_ratio_c"])
+    assert k2["predicted_speedup"] == pytest.approx(
+        expected_speedup_over_rounds(k2["alpha"], k2["rounds_by_length"], cost_per_draft=report["cost_ratio_c"]))
+    ngram = modes["infer + n-gram K=3"]
+    if ngram["alpha"] is not None:  # the n-gram row drafted: its c is its proposer's measured time
+        assert ngram["cost_ratio"] > 0 and ngram["predicted_speedup"] > 0
+    assert all(modes[m]["round_ms"]["verification"] > 0 for m in ("infer + draft K=2", "infer + draft K=3"))
+    assert k2["verify_vs_decode_step"] > 0 and k2["draft_step_vs_alone"] > 0
     assert report["environment"]["torch"]
     # Plain rows know their share of the measured memory bandwidth; every row its CPU time per token.
     assert report["memory"]["bandwidth_gb_s"] > 0 and report["memory"]["infer_weight_bytes_per_token"] > 0
@@ -167,7 +176,8 @@ def test_demo_runs_on_given_models(tiny_llama: Path, capsys: pytest.CaptureFixtu
 
 def test_bench_serving_against_launched_servers(tiny_llama: Path, tiny_draft: Path, tmp_path: Path) -> None:
     code = main(["bench", "serving", "--model", str(tiny_llama), "--draft-model", str(tiny_draft),
-                 "--concurrency", "1", "2", "--requests-per-level", "2", "--max-tokens", "6", "--out", str(tmp_path)])
+                 "--concurrency", "1", "2", "--requests-per-level", "2", "--max-tokens", "6", "--level-repeats", "2",
+                 "--offline-repeats", "1", "--num-prompts", "2", "--out", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "serving.json").read_text())
     assert [run["label"] for run in report["runs"]] == ["speculation off", "fixed", "goodput"]
@@ -176,6 +186,13 @@ def test_bench_serving_against_launched_servers(tiny_llama: Path, tiny_draft: Pa
             assert level["errors"] == 0
             assert level["output_tokens"] == 6 * level["requests"]
             assert level["ttft_ms"]["p50"] > 0
+            assert len(level["repeat_throughputs_tok_s"]) == 2
+        # The same requests through the server and offline, alternating: same lengths, both timed.
+        single = run["single_stream"]
+        assert single["samples"] == 2 and single["same_token_counts"]
+        assert single["ratio"] == pytest.approx(single["server_tok_s"] / single["offline_tok_s"])
+    table = (tmp_path / "serving.md").read_text()
+    assert "| goodput | " in table and "c=2 vs off" in table and "server / offline" in table
     assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000
 
 

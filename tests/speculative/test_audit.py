@@ -1,7 +1,8 @@
 """``infer audit``: its statistics are right, it passes the real engine, and it fails real bugs.
 
-The negative controls break the speculative path the way real bugs do, by wrapping the one
-function every chain round goes through (``verify_drafts``, patched wherever it was imported):
+The negative controls break the speculative path the way real bugs do, by wrapping the function
+chain rounds go through (``verify_drafts``; for greedy requests without a penalty also
+``verify_greedy``; patched wherever they were imported):
 a target distribution at the wrong temperature, a rejection that resamples from p instead of the
 residual norm(max(0, p - q)), a draft q that is not the distribution the drafts were sampled from,
 and a greedy verifier that reads the wrong row. Each must make the audit FAIL at its default
@@ -108,16 +109,17 @@ def engine_modules_loaded(small_target: Path, small_draft: Path) -> None:
         LLM(str(small_target), dtype="float32", device="cpu", max_seq_len=32, **drafter)  # type: ignore[arg-type]
 
 
-def patch_verify(monkeypatch: pytest.MonkeyPatch, make: Callable[[Verify], Verify]) -> None:
-    """Replace ``verify_drafts`` in every infer module that holds it (the runner imports it by name)."""
-    real = rejection.verify_drafts
+def patch_verify(monkeypatch: pytest.MonkeyPatch, make: Callable[[Any], Any], function: str = "verify_drafts") -> None:
+    """Replace ``function`` of ``infer.speculative.rejection`` in every infer module that holds it
+    (the runner imports it by name)."""
+    real = getattr(rejection, function)
     broken = make(real)
     patched = 0
     for name, module in list(sys.modules.items()):
-        if name.startswith("infer") and getattr(module, "verify_drafts", None) is real:
-            monkeypatch.setattr(module, "verify_drafts", broken)
+        if name.startswith("infer") and getattr(module, function, None) is real:
+            monkeypatch.setattr(module, function, broken)
             patched += 1
-    assert patched >= 2, "no module besides infer.speculative.rejection holds verify_drafts: nothing was broken"
+    assert patched >= 2, f"no module besides infer.speculative.rejection holds {function}: nothing was broken"
 
 
 def wrong_temperature(real: Verify) -> Verify:
@@ -189,8 +191,24 @@ def test_audit_fails_broken_verifiers(small_target: Path, small_draft: Path, mon
 
 
 @pytest.mark.usefixtures("engine_modules_loaded")
-def test_greedy_check_fails_a_broken_greedy_verifier(small_target: Path, small_draft: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def wrong_greedy_row(real: Callable[..., VerificationResult]) -> Callable[..., VerificationResult]:
+    """The greedy path (drafts against the target's argmax tokens) checks t_i against argmax p_{i+1}."""
+
+    def verify(tokens: torch.Tensor, num: torch.Tensor, target_tokens: torch.Tensor) -> VerificationResult:
+        return real(tokens, num, target_tokens.roll(-1, dims=1))
+
+    return verify
+
+
+def break_row_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both chain verifiers check t_i one position late: greedy requests without a penalty are
+    verified by verify_greedy, the rest by verify_drafts."""
     patch_verify(monkeypatch, wrong_row)
+    patch_verify(monkeypatch, wrong_greedy_row, "verify_greedy")
+
+
+def test_greedy_check_fails_a_broken_greedy_verifier(small_target: Path, small_draft: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    break_row_check(monkeypatch)
     check = audit(small_target, checks=("greedy",), draft_model=str(small_draft))["checks"]["greedy"]
     assert check["verdict"] == FAIL
     divergences = [p["first_divergence"] for p in check["prompts"] if p["first_divergence"]]
@@ -271,7 +289,7 @@ def test_audit_needs_a_drafter(small_target: Path) -> None:
 @pytest.mark.usefixtures("engine_modules_loaded")
 def test_near_tie_flip_is_told_from_a_bug(small_target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A divergence at a top-2 margin within the tolerance is a NEAR-TIE (exit 0), beyond it a FAIL."""
-    patch_verify(monkeypatch, wrong_row)
+    break_row_check(monkeypatch)
     report = audit(small_target, checks=("greedy",), speculator="ngram")
     divergences = [p["first_divergence"] for p in report["checks"]["greedy"]["prompts"] if p["first_divergence"]]
     assert divergences
@@ -306,7 +324,8 @@ def test_exact_greedy_mode_runs_both_engines_exact_and_calls_no_flip_a_near_tie(
     assert built == [True, True] and report["settings"]["exact_greedy"] is True
     assert report["checks"]["greedy"]["verdict"] == PASS
 
-    patch_verify(monkeypatch, wrong_row)
+    patch_verify(monkeypatch, wrong_row)  # greedy rounds go through verify_greedy, the rest verify_drafts
+    patch_verify(monkeypatch, wrong_greedy_row, "verify_greedy")
     assert main([*args, "--tie-tolerance", "1e9", "--json", "-"]) == 1
     greedy = json.loads(capsys.readouterr().out)["checks"]["greedy"]
     divergences = [p["first_divergence"] for p in greedy["prompts"] if p["first_divergence"]]

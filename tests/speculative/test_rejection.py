@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from infer.sampling.sampler import sample_from_probs
-from infer.speculative.rejection import VerificationResult, verify_drafts
+from infer.speculative.rejection import VerificationResult, verify_drafts, verify_greedy
 
 P_THRESHOLD = 1e-3
 V = 4
@@ -109,6 +109,30 @@ def test_greedy_match_mismatch_and_bonus() -> None:
     # Greedy rows consume no randomness.
     for g, state in zip(gens, states, strict=True):
         assert torch.equal(g.get_state(), state)
+
+
+def test_verify_greedy_matches_verify_drafts_on_greedy_rows() -> None:
+    # The runner's all-greedy path compares drafts with the target's argmax only; it must give what
+    # verify_drafts gives greedy rows: same accepted counts, same emitted tokens, every case (all
+    # accepted and a bonus, a rejection at each position, fewer drafts than K, no drafts).
+    gen = torch.Generator().manual_seed(3)
+    batch, k, vocab = 64, 4, 7
+    target_probs = torch.softmax(torch.randn(batch, k + 1, vocab, generator=gen), dim=-1)
+    argmax = target_probs.argmax(dim=-1)
+    drafts = argmax[:, :k].clone()
+    reject_at = torch.randint(0, k + 1, (batch,), generator=gen)  # k: nothing rejected
+    for b in range(batch):
+        if reject_at[b] < k:
+            drafts[b, reject_at[b]] = (argmax[b, reject_at[b]] + 1) % vocab
+    num_draft = torch.randint(0, k + 1, (batch,), generator=gen)
+    expected = verify_drafts(drafts, num_draft, target_probs, None, torch.ones(batch, dtype=torch.bool),
+                             [None] * batch)
+    got = verify_greedy(drafts, num_draft, argmax)
+    assert torch.equal(got.num_accepted, expected.num_accepted)
+    assert torch.equal(got.output_tokens, expected.output_tokens)
+    assert set(got.num_accepted.tolist()) == set(range(k + 1))  # every outcome was exercised
+    with pytest.raises(ValueError, match="target_tokens must be"):
+        verify_greedy(drafts, num_draft, argmax[:, :k])
 
 
 def test_greedy_rejects_likely_but_non_argmax_draft() -> None:

@@ -23,7 +23,12 @@ from safetensors.torch import load_file, save_file
 from checkpoints import make_tiny_checkpoint, small_vocab_tokenizer
 from infer import LLM, EngineConfig, RequestOutput, SamplingParams
 from infer.core.request import Request
-from infer.speculative.budget import BudgetController, EntropyStop, expected_speedup
+from infer.speculative.budget import (
+    BudgetController,
+    EntropyStop,
+    expected_speedup,
+    expected_speedup_over_rounds,
+)
 from infer.train.tokenizer import IM_END_ID
 
 PROMPTS = [
@@ -399,6 +404,21 @@ def test_expected_speedup_known_values() -> None:
     assert expected_speedup(0.8, 3, 0.1) == pytest.approx((1 - 0.8**4) / (0.2 * 1.3))
     assert expected_speedup(1.0, 4, 0.25) == pytest.approx(2.5)  # 5 tokens for the cost of 2 passes
     assert expected_speedup(0.0, 2, 0.5) == pytest.approx(0.5)  # useless drafts only cost time
+
+
+def test_expected_speedup_over_rounds() -> None:
+    # Every round drafting K with c per draft: exactly Theorem 3.8.
+    assert expected_speedup_over_rounds(0.8, [0, 0, 0, 7], cost_per_draft=0.1) == pytest.approx(
+        expected_speedup(0.8, 3, 0.1))
+    # A per-round cost d charges cK + 1 = 1 + d: the theorem with c = d / K.
+    assert expected_speedup_over_rounds(0.7, [0, 0, 0, 0, 5], cost_per_round=0.2) == pytest.approx(
+        expected_speedup(0.7, 4, 0.05))
+    # Rounds of other lengths count at their own length: a round that found nothing emits one token
+    # for 1 + d steps; one that drafted 2 emits 1 + α + α² for 1 + d.
+    d, a = 0.1, 0.5
+    assert expected_speedup_over_rounds(a, [3, 0, 1], cost_per_round=d) == pytest.approx(
+        (3 + 1 + a + a * a) / (4 * (1 + d)))
+    assert expected_speedup_over_rounds(0.9, []) == 1.0  # no rounds: nothing to predict
 
 
 def fake_request(rid: str) -> Request:

@@ -6,6 +6,28 @@ greedy modes still generate the same tokens. Throughput is end to end (prefill i
 median over prompts × repeats after one warm-up generation per mode. Suffix decoding, which learns
 from earlier requests, then forgets that generation, serves ``warmup_prompts`` (similar requests,
 none of them timed), and starts every timed generation from exactly what it learnt there.
+
+**Theorem 3.8's prediction** (Leviathan et al.) for a chain drafter's row is the theorem applied to
+the rounds the row actually ran (``expected_speedup_over_rounds``): the measured α, each round's
+real draft length k_r, and each round costing one target decode step (its verification pass) plus
+the drafting, in target decode steps (medians of prefill-free decode rates, same run):
+
+* a draft model: ``c`` = the draft model's decode step alone / the target's decode step, per draft,
+  exactly Leviathan et al.'s c; with every round drafting K this is the theorem as printed.
+* n-gram lookup (no model; one call per round whatever it finds): the measured time inside the
+  proposer per round over the target's decode step, charged to every round that called it, and
+  reported as ``c`` = that / K (so ``cK + 1`` is the round's cost when it drafts K tokens). Rounds
+  where the lookup found fewer than K tokens (or none) are predicted at their own length: the
+  theorem is not charged for drafts the lookup never made.
+
+The theorem is about decoding: ``measured / predicted`` divides the row's *decode* speedup over infer
+plain (median decode tokens/s, prefill excluded: prefill is the same work in every mode) by the
+prediction. The theorem counts a (K+1)-token verification pass as one decode step and charges
+nothing else, so a ratio below 1 is what infer's rounds cost beyond that. Each speculative row
+also reports where its rounds went (``round_ms``: inside the proposer, verification passes, plain
+fallback steps; ``verify_vs_decode_step``; for a draft model ``draft_step_vs_alone``, the proposer's
+time per draft over the draft model's own decode step). Tree drafters (Medusa, suffix) get no
+prediction: Theorem 3.8 is about chains.
 """
 
 from __future__ import annotations
@@ -25,7 +47,7 @@ from infer.bench.peer import gguf_weight_bytes_per_token, memory_bandwidth, weig
 from infer.engine.llm import LLM
 from infer.engine.speculative_runner import SpeculativeRunner
 from infer.sampling.params import SamplingParams
-from infer.speculative.budget import expected_speedup
+from infer.speculative.budget import expected_speedup_over_rounds
 from infer.speculative.suffix import SuffixProposer
 
 
@@ -80,10 +102,16 @@ class ModeResult:
     # CPU time the process spent per generated token (all its threads; with one thread, unlike wall
     # time, it does not count the time other programs on a shared machine held the core)
     cpu_ms_per_token: float | None = None
+    decode_speedup_vs_plain: float | None = None  # decode tokens/s over infer plain's: what Theorem 3.8 predicts
     bandwidth_fraction: float | None = None  # plain rows: decode weight bytes/s over measured memory bandwidth
     tree_nodes_per_round: float | None = None  # drafters that propose trees and count their nodes
     dtype: str | None = None  # infer rows: the precision they ran in
     weight_bytes_per_token: int | None = None  # plain rows: what one decode step reads
+    cost_ratio: float | None = None  # this row's c in target decode steps per draft (see the module docstring)
+    rounds_by_length: list[int] | None = None  # timed rounds that drafted k tokens, k = 0, 1, ...
+    round_ms: dict[str, float] | None = None  # per round: proposer, verification, plain fallback (ms)
+    verify_vs_decode_step: float | None = None  # a verification round over the target's plain decode step
+    draft_step_vs_alone: float | None = None  # proposer time per draft over the draft model's own step
     texts: list[str] = field(default_factory=list)
 
 
@@ -104,7 +132,13 @@ def speculation_stats(outputs: list[Any]) -> dict[str, Any]:
         prop = sum(o.metrics.proposed_per_position[i] for o in outputs if i < len(o.metrics.proposed_per_position))
         acc = sum(o.metrics.accepted_per_position[i] for o in outputs if i < len(o.metrics.accepted_per_position))
         by_pos.append(acc / prop if prop else None)
+    rounds_by_length = [rounds] + [0] * width
+    for i in range(width):  # rounds that drafted exactly i + 1 tokens: at least i + 1, not i + 2
+        at_least = sum(o.metrics.proposed_per_position[i] for o in outputs if i < len(o.metrics.proposed_per_position))
+        rounds_by_length[i + 1] = at_least
+        rounds_by_length[i] -= at_least
     return {
+        "rounds_by_length": rounds_by_length,
         "alpha": accepted / (accepted + rejected) if accepted + rejected else None,
         "acceptance_rate": accepted / proposed if proposed else None,
         "mean_accepted_tokens": (accepted + rounds) / rounds if rounds else None,
@@ -289,6 +323,9 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             for i, prompt in enumerate(history):
                 mode.run(prompt, settings.seed - 1 - i)
             mode.history.save()
+    for mode in modes:  # round timings cover the timed generations only
+        if mode.llm is not None and isinstance(mode.llm.engine.runner, SpeculativeRunner):
+            mode.llm.engine.runner.reset_round_times()
     bandwidths: list[float] = []
     for rep in range(settings.repeats):
         if settings.device == "cpu":
@@ -325,24 +362,26 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             runner = mode.llm.engine.runner if mode.llm is not None else None
             if isinstance(runner, SpeculativeRunner) and isinstance(runner.proposer, SuffixProposer):
                 r.tree_nodes_per_round = runner.proposer.mean_tree_size
-    cost = None
-    if draft_alone is not None:
-        def step_seconds(outputs: list[Any]) -> float:
-            return statistics.median(1.0 / o.metrics.decode_tokens_per_s for o in outputs if o.metrics.decode_tokens_per_s)
+    def step_seconds(outputs: list[Any]) -> float:
+        return statistics.median(1.0 / o.metrics.decode_tokens_per_s for o in outputs if o.metrics.decode_tokens_per_s)
 
+    target_step = step_seconds(next(m.outputs for m in modes if m.result is plain))
+    cost = draft_step = None
+    if draft_alone is not None:
         draft_step = step_seconds(next(m.outputs for m in modes if m.result is draft_alone))
-        target_step = step_seconds(next(m.outputs for m in modes if m.result is plain))
         cost = draft_step / target_step
         say(f"cost ratio c = draft step / target step = {draft_step * 1e3:.2f} ms / {target_step * 1e3:.2f} ms "
             f"= {cost:.3f}")
+    for mode in modes:
+        if mode.llm is not None and isinstance(mode.llm.engine.runner, SpeculativeRunner):
+            _predict(mode.result, mode.llm.engine.runner, target_step, draft_step)
     results = [m.result for m in modes if m.reported]
-    for r in results:
-        if r.mode.startswith("infer + draft K=") and r.alpha is not None and cost is not None:
-            r.predicted_speedup = expected_speedup(r.alpha, r.spec_length or 0, cost)
 
     hf_plain = next((r for r in results if r.mode == "transformers generate"), None)
     for r in results:
         r.speedup_vs_plain = r.tokens_per_s / plain.tokens_per_s
+        if r.decode_tokens_per_s and plain.decode_tokens_per_s:
+            r.decode_speedup_vs_plain = r.decode_tokens_per_s / plain.decode_tokens_per_s
         match = _matching_hf_mode(r, results) if r.engine == "infer" else None
         if match is not None:
             r.speedup_vs_transformers = r.tokens_per_s / match.tokens_per_s
@@ -382,6 +421,36 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         "results": [{k: v for k, v in asdict(r).items() if k != "texts"} for r in results],
         "sample_output": plain.texts[0] if plain.texts else "",
     }
+
+
+def _predict(r: ModeResult, runner: SpeculativeRunner, target_step: float, draft_step: float | None) -> None:
+    """Theorem 3.8's prediction for a chain row and where its rounds went (see the module docstring)."""
+    times = runner.round_times
+    if not times.rounds:
+        return
+    r.round_ms = {"proposer": 1e3 * times.propose_seconds / times.rounds,
+                  "verification": 1e3 * times.verify_seconds / times.rounds,
+                  "plain fallback": 1e3 * times.plain_seconds / times.rounds}
+    if times.verify_rounds:
+        r.verify_vs_decode_step = times.verify_seconds / times.verify_rounds / target_step
+    info = runner.proposer.info
+    drafts = sum(k * n for k, n in enumerate(r.rounds_by_length or []))
+    if info.cost_per_token and draft_step is not None and drafts:
+        r.draft_step_vs_alone = times.propose_seconds / drafts / draft_step
+    if info.tree or r.tree_nodes_per_round is not None or r.alpha is None or not r.rounds_by_length:
+        return  # a tree drafter's round is no chain (suffix decoding budgets depths but drafts trees)
+    if info.cost_per_token:
+        if draft_step is None:
+            return
+        r.cost_ratio = draft_step / target_step
+        r.predicted_speedup = expected_speedup_over_rounds(r.alpha, r.rounds_by_length, cost_per_draft=r.cost_ratio)
+    elif times.proposer_calls:
+        # One call per round: its measured time, in target steps, averaged over every round (a round
+        # whose budget was 0 made no call).
+        per_call = times.propose_seconds / times.proposer_calls / target_step
+        per_round = per_call * times.proposer_calls / times.rounds
+        r.cost_ratio = per_call / max(1, r.spec_length or 1)
+        r.predicted_speedup = expected_speedup_over_rounds(r.alpha, r.rounds_by_length, cost_per_round=per_round)
 
 
 def _matching_hf_mode(result: ModeResult, results: list[ModeResult]) -> ModeResult | None:

@@ -5,12 +5,24 @@ speculation off / fixed / goodput (``--model T --draft-model D``) and any model-
 (``--speculator ngram suffix``) and compares them; with ``--replicas 0 1 2`` each of those runs as
 one process (0) and on Ray Serve with 1 and 2 replicas, which share the machine's CPUs. Reports
 throughput, time to first token and inter-token latency percentiles per concurrency level.
+
+Launched one-process servers run side by side (each idle while another is measured) and every
+concurrency level runs on each in turn, ``--level-repeats`` times in an order that rotates per
+repeat: on a shared machine whose speed drifts over minutes, servers measured one after another
+would compare the drift. The table adds each config's throughput over speculation off's at the
+same level (median-throughput repeats). Ray Serve replicas reserve CPUs, so those run one at a time.
+
+With ``--offline-repeats N`` each launched server is first compared with the same engine offline:
+the bench process builds an engine from the same flags and, alternating with single requests
+through the server (nothing else running), generates each prompt itself; the report gives both
+single-stream rates (tokens over the request's whole wall time, prefill included) and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -159,6 +171,55 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600.0)
     raise TimeoutError(f"server at {url} not ready after {timeout:.0f}s")
 
 
+def _offline_engine(serve_args: list[str]) -> Any:
+    """An engine built from the same ``infer serve`` flags, for the offline side of the comparison."""
+    from infer.engine.engine import Engine
+    from infer.server.cli import add_subparser, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_subparser(parser.add_subparsers(dest="command"))
+    return Engine(engine_config_from_args(parser.parse_args(["serve", *serve_args])))
+
+
+def single_stream_vs_offline(url: str, model: str, engine: Any, prompts: list[str], repeats: int, max_tokens: int,
+                             temperature: float, seed: int, chat: bool) -> dict[str, Any]:
+    """Alternate one request through the server and the same request offline (one warm-up each);
+    medians of tokens/s per request, end to end."""
+    from infer.sampling.params import SamplingParams
+
+    def offline(prompt: str) -> tuple[float, int]:
+        ids = engine.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt
+        start = time.perf_counter()
+        request = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=temperature))
+        engine.run_until_done()
+        return len(request.output_token_ids) / (time.perf_counter() - start), len(request.output_token_ids)
+
+    def served(prompt: str) -> tuple[float, int]:
+        level = asyncio.run(run_level(url, model, [prompt], 1, 1, max_tokens, temperature, None, seed, chat))
+        if level.errors:
+            raise RuntimeError("a single-stream request through the server failed")
+        return level.throughput_tok_s, level.output_tokens
+
+    served(prompts[0])
+    offline(prompts[0])
+    server_rates: list[float] = []
+    offline_rates: list[float] = []
+    same_lengths = True
+    for rep in range(repeats):
+        for i, prompt in enumerate(prompts):
+            pair = [served, offline] if (rep + i) % 2 == 0 else [offline, served]  # neither always goes first
+            results = {fn: fn(prompt) for fn in pair}
+            server_rates.append(results[served][0])
+            offline_rates.append(results[offline][0])
+            same_lengths &= results[served][1] == results[offline][1]
+    server, off = statistics.median(server_rates), statistics.median(offline_rates)
+    # Each request against its offline twin run right before or after it: less exposed to the drift.
+    paired = statistics.median(a / b for a, b in zip(server_rates, offline_rates, strict=True))
+    return {"server_tok_s": server, "offline_tok_s": off, "ratio": server / off, "paired_ratio": paired,
+            "samples": len(server_rates), "same_token_counts": same_lengths, "server_samples": server_rates,
+            "offline_samples": offline_rates}
+
+
 def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
     from infer.bench.workloads import code_prompts, load_prompts, repetitive_prompts
 
@@ -168,7 +229,7 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
     elif args.workload == "repetitive":
         # A new function for every request, warm-up included: a drafter that learns from earlier
         # requests never sees a measured prompt twice.
-        measured = sum(max(args.requests_per_level, c) for c in args.concurrency)
+        measured = sum(max(args.requests_per_level, c) for c in args.concurrency) * args.level_repeats
         prompts = repetitive_prompts(measured + args.warmup)  # measured ones first, as in bench generation
         prompts, warmup = prompts[:measured], prompts[measured:]
     else:
@@ -193,42 +254,90 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
             configs = [(f"{label}, {_replicas_label(n)}", serve_args + _replica_flags(n, args.replica_cpus))
                        for label, serve_args in configs if serve_args is not None for n in args.replicas]
     report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "runs": []}
-    for label, serve_args in configs:
-        proc = None
-        url = args.server
+    # Servers of one process run side by side, each idle while another is measured, so the levels
+    # can be interleaved; Ray Serve replicas would compete for the CPUs they reserve: one at a time.
+    groups = [[config] for config in configs] if args.replicas else [configs]
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            servers = [_Server(label, serve_args, args.server, stack) for label, serve_args in group]
+            for server in servers:
+                server.prepare(args, prompts, warmup)
+            for level_index, c in enumerate(args.concurrency):
+                n = max(args.requests_per_level, c)
+                for rep in range(args.level_repeats):
+                    # Every config gets the same prompts for a level and repeat (none seen before
+                    # by a server: the offsets move on), in an order that rotates per repeat.
+                    first = sum(max(args.requests_per_level, x) for x in args.concurrency) * rep + \
+                        sum(max(args.requests_per_level, x) for x in args.concurrency[:level_index])
+                    shift = rep % len(servers)
+                    for server in servers[shift:] + servers[:shift]:
+                        res = asyncio.run(run_level(server.url, server.model, prompts, c, n, args.max_tokens,
+                                                    args.temperature, args.poisson_rate, args.seed, args.chat,
+                                                    first_prompt=first))
+                        print(f"[bench] {server.label} c={c}: {res.throughput_tok_s:.1f} tok/s, TTFT p50 "
+                              f"{res.ttft_ms.get('p50', float('nan')):.0f} ms, TPOT p50 "
+                              f"{res.tpot_ms.get('p50', float('nan')):.1f} ms, errors {res.errors}",
+                              file=sys.stderr, flush=True)
+                        server.results.setdefault(c, []).append(res)
+            for server in servers:
+                report["runs"].append(server.report())
+    return report
+
+
+class _Server:
+    """One configuration under test: a launched ``infer serve`` (or the ``--server`` URL) and its results."""
+
+    def __init__(self, label: str, serve_args: list[str] | None, url: str | None, stack: contextlib.ExitStack) -> None:
+        self.label = label
+        self.serve_args = serve_args
+        self.single: dict[str, Any] | None = None
+        self.results: dict[int, list[LevelResult]] = {}
         if serve_args is not None:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
             print(f"[bench] starting infer serve ({label}) on {url}", file=sys.stderr, flush=True)
             proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "serve", *serve_args, "--port", str(port)],
                                     stdout=subprocess.DEVNULL, env=os.environ.copy())
-        try:
-            if proc is not None:
-                _wait_ready(url, proc)
-            import httpx
+            stack.callback(_stop, proc)
+            _wait_ready(url, proc)
+        assert url is not None
+        self.url = url
+        import httpx
 
-            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-            if warmup:
-                print(f"[bench] {label}: {len(warmup)} warm-up requests", file=sys.stderr, flush=True)
-                asyncio.run(run_level(url, model, warmup, max(args.concurrency), len(warmup), args.max_tokens,
-                                      args.temperature, None, args.seed, args.chat))
-            levels = []
-            sent = 0
-            for c in args.concurrency:
-                n = max(args.requests_per_level, c)
-                res = asyncio.run(run_level(url, model, prompts, c, n, args.max_tokens, args.temperature,
-                                            args.poisson_rate, args.seed, args.chat, first_prompt=sent))
-                sent += n
-                print(f"[bench] {label} c={c}: {res.throughput_tok_s:.1f} tok/s, TTFT p50 "
-                      f"{res.ttft_ms.get('p50', float('nan')):.0f} ms, TPOT p50 {res.tpot_ms.get('p50', float('nan')):.1f} ms, "
-                      f"errors {res.errors}", file=sys.stderr, flush=True)
-                levels.append(asdict(res))
-            report["runs"].append({"label": label, "url": url, "levels": levels})
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(timeout=90)  # Ray Serve replicas stop gracefully first
-    return report
+        self.model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+    def prepare(self, args: argparse.Namespace, prompts: list[str], warmup: list[str]) -> None:
+        """The single-stream comparison with offline (when asked), then the warm-up requests."""
+        if args.offline_repeats and self.serve_args is not None:
+            print(f"[bench] {self.label}: single stream through the server vs offline, {args.offline_repeats} "
+                  f"repeats of {min(len(prompts), args.num_prompts)} prompts", file=sys.stderr, flush=True)
+            engine = _offline_engine(self.serve_args)
+            self.single = single_stream_vs_offline(self.url, self.model, engine, prompts[: args.num_prompts],
+                                                   args.offline_repeats, args.max_tokens, args.temperature,
+                                                   args.seed, args.chat)
+            del engine
+            print(f"[bench] {self.label}: one stream {self.single['server_tok_s']:.1f} tok/s through the server, "
+                  f"{self.single['offline_tok_s']:.1f} offline ({self.single['ratio']:.2f}x)", file=sys.stderr,
+                  flush=True)
+        if warmup:
+            print(f"[bench] {self.label}: {len(warmup)} warm-up requests", file=sys.stderr, flush=True)
+            asyncio.run(run_level(self.url, self.model, warmup, max(args.concurrency), len(warmup), args.max_tokens,
+                                  args.temperature, None, args.seed, args.chat))
+
+    def report(self) -> dict[str, Any]:
+        """Per level the repeat with the median throughput (all repeats' throughputs kept)."""
+        levels = []
+        for runs in self.results.values():
+            ordered = sorted(runs, key=lambda r: r.throughput_tok_s)
+            level = asdict(ordered[(len(ordered) - 1) // 2])
+            level["repeat_throughputs_tok_s"] = [r.throughput_tok_s for r in runs]
+            levels.append(level)
+        return {"label": self.label, "url": self.url, "levels": levels, "single_stream": self.single}
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(timeout=90)  # Ray Serve replicas stop gracefully first
 
 
 def serving_table(report: dict[str, Any]) -> str:
@@ -240,6 +349,22 @@ def serving_table(report: dict[str, Any]) -> str:
             rows.append(f"| {run['label']} | {lv['concurrency']} | {lv['throughput_tok_s']:.1f} | {t.get('p50', 0):.0f} | "
                         f"{t.get('p99', 0):.0f} | {o.get('p50', 0):.1f} | {o.get('p99', 0):.1f} | {i.get('p99', 0):.1f} | "
                         f"{lv['errors']} |")
+    base = next((run for run in report["runs"] if run["label"] == "speculation off"), None)
+    if base is not None and len(report["runs"]) > 1:
+        plain = {lv["concurrency"]: lv["throughput_tok_s"] for lv in base["levels"]}
+        levels = sorted(plain)
+        rows += ["", "| config | " + " | ".join(f"c={c} vs off" for c in levels) + " |",
+                 "|---|" + "---:|" * len(levels)]
+        for run in report["runs"]:
+            mine = {lv["concurrency"]: lv["throughput_tok_s"] for lv in run["levels"]}
+            rows.append(f"| {run['label']} | " + " | ".join(
+                f"{mine[c] / plain[c]:.2f}×" if c in mine and plain[c] else "–" for c in levels) + " |")
+    singles = [(run["label"], run["single_stream"]) for run in report["runs"] if run.get("single_stream")]
+    if singles:
+        rows += ["", "| config | one stream through the server tok/s | same requests offline tok/s | server / offline "
+                 "| median of paired ratios | requests each |", "|---|---:|---:|---:|---:|---:|"]
+        rows += [f"| {label} | {s['server_tok_s']:.1f} | {s['offline_tok_s']:.1f} | {s['ratio']:.2f}× | "
+                 f"{s['paired_ratio']:.2f}× | {s['samples']} |" for label, s in singles]
     return "\n".join(rows) + "\n"
 
 
@@ -287,6 +412,9 @@ def add_serving_parser(kinds: Any) -> None:
                    help="CPUs (and torch threads) per Ray Serve replica for --replicas N > 0")
     p.add_argument("--concurrency", type=int, nargs="+", default=CONCURRENCY)
     p.add_argument("--requests-per-level", type=int, default=16)
+    p.add_argument("--level-repeats", type=int, default=1, metavar="R",
+                   help="run every concurrency level R times, the launched servers' runs interleaved in an order "
+                        "that rotates per repeat; the report keeps the median-throughput repeat")
     p.add_argument("--poisson-rate", type=float, default=None, help="requests/s arrival rate (default: all at once)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -297,6 +425,9 @@ def add_serving_parser(kinds: Any) -> None:
     p.add_argument("--chat", action="store_true", help="send prompts as chat messages (/v1/chat/completions)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--offline-repeats", type=int, default=0, metavar="N",
+                   help="before the sweep, time N repeats of --num-prompts single requests through each launched "
+                        "server against the same engine run offline in this process, alternating")
     p.add_argument("--out", default="bench-out")
     p.set_defaults(func=_run)
 

@@ -13,6 +13,8 @@ consecutive positions before the rollback.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from infer.cache.protocol import CachePoolProtocol, copy_positions
@@ -20,11 +22,24 @@ from infer.core.request import Request, StepOutput
 from infer.core.timing import device_clock
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, Sampled, StepResult
 from infer.sampling.sampler import context_presence
-from infer.sampling.transforms import SamplingBatch, presence_with_drafts, probs_from_logits
+from infer.sampling.transforms import SamplingBatch, argmax_only, presence_with_drafts, probs_from_logits
 from infer.speculative.budget import BudgetController
 from infer.speculative.proposer import Proposal, Proposer
-from infer.speculative.rejection import verify_drafts
+from infer.speculative.rejection import verify_drafts, verify_greedy
 from infer.speculative.tree import TreeMaskCache, tree_depths, verify_tree
+
+
+@dataclass
+class RoundTimes:
+    """Where the speculative rounds' wall time went, summed since the runner was made or the last
+    ``reset_round_times`` (benchmarks read it to compare rounds with Theorem 3.8's cost model)."""
+
+    rounds: int = 0  # speculative rounds, plain fallback rounds included
+    proposer_calls: int = 0
+    propose_seconds: float = 0.0  # inside the proposer
+    verify_rounds: int = 0  # rounds that verified drafts
+    verify_seconds: float = 0.0  # target pass, rejection sampling, rollback and bookkeeping of those rounds
+    plain_seconds: float = 0.0  # rounds that fell back to a plain decode step (nothing drafted)
 
 
 class SpeculativeRunner:
@@ -44,6 +59,10 @@ class SpeculativeRunner:
         self.device = target.pool.device
         # The target's last hidden state per request, for a drafter that reads it (Medusa).
         self._hidden: dict[str, torch.Tensor] | None = {} if proposer.info.uses_hidden_states else None
+        self.round_times = RoundTimes()
+
+    def reset_round_times(self) -> None:
+        self.round_times = RoundTimes()
 
     # -- runner interface ------------------------------------------------------------------------
     def step(self, prefill: list[PrefillChunk], decode: list[Request]) -> StepResult:
@@ -87,11 +106,18 @@ class SpeculativeRunner:
         start = device_clock(self.device)
         proposal = self.proposer.propose(requests, budgets, self._hidden_of(requests)) if any(budgets) else None
         drafted = device_clock(self.device)
+        times = self.round_times
+        times.rounds += 1
+        if any(budgets):
+            times.proposer_calls += 1
+            times.propose_seconds += drafted - start
         batch = len(requests)
         if proposal is None or not any(proposal.num_tokens):
             # Nothing worth drafting (or nothing found): a plain decode step, still one target pass.
             result = self._keep_hidden(self.target.decode(requests))
-            self.budget.observe_target(batch, device_clock(self.device) - drafted)
+            elapsed = device_clock(self.device) - drafted
+            times.plain_seconds += elapsed
+            self.budget.observe_target(batch, elapsed)
             zeros = [0] * batch
             self.budget.observe_round(requests, zeros, zeros, zeros)
             for request in requests:
@@ -103,7 +129,10 @@ class SpeculativeRunner:
         if draft_seconds is not None:
             self.budget.observe_draft_step(batch, draft_seconds)
         result = self.verify(requests, proposal)
-        self.budget.observe_target(batch + sum(proposal.num_tokens), device_clock(self.device) - drafted)
+        elapsed = device_clock(self.device) - drafted
+        times.verify_rounds += 1
+        times.verify_seconds += elapsed
+        self.budget.observe_target(batch + sum(proposal.num_tokens), elapsed)
         return result
 
     def verify(self, requests: list[Request], proposal: Proposal) -> StepResult:
@@ -113,12 +142,16 @@ class SpeculativeRunner:
         width = 1 + max(proposal.num_tokens)
         drafts = proposal.tokens[:, : width - 1]
         hidden = self.target.runner.forward([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens))  # type: ignore[misc]
-        target_probs, sampling = self._target_probs(requests, hidden, drafts)
-        draft_probs = None if proposal.probs is None else proposal.probs[:, : width - 1]
-        verdict = verify_drafts(
-            drafts, torch.tensor(proposal.num_tokens, device=self.device), target_probs, draft_probs,
-            sampling.greedy, [r.generator for r in requests],
-        )
+        num_draft = torch.tensor(proposal.num_tokens, device=self.device)
+        if argmax_only([r.params for r in requests]):
+            # Greedy rows only compare drafts with the target's argmax: no distributions needed.
+            verdict = verify_greedy(drafts, num_draft, self.target.runner.logits(hidden).argmax(dim=-1))
+        else:
+            sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
+            target_probs = self._target_probs(requests, hidden, drafts, sampling)
+            draft_probs = None if proposal.probs is None else proposal.probs[:, : width - 1]
+            verdict = verify_drafts(drafts, num_draft, target_probs, draft_probs, sampling.greedy,
+                                    [r.generator for r in requests])
         accepted = verdict.num_accepted.tolist()
         emitted = [row[: kept + 1] for row, kept in zip(verdict.output_tokens.tolist(), accepted, strict=True)]
         # Row i's logits (p_{i+1}) gave the final token after i accepted drafts.
@@ -140,7 +173,8 @@ class SpeculativeRunner:
         # Node at depth d sits at RoPE position start + d, where it would be if its path were kept.
         positions = torch.tensor(starts, device=self.device).unsqueeze(1) + depths
         hidden = runner.forward(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask)
-        target_probs, sampling = self._target_probs(requests, hidden, tokens, mask)
+        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
+        target_probs = self._target_probs(requests, hidden, tokens, sampling, mask)
         verdict = verify_tree(tokens, counts, parents, target_probs, sampling.greedy,
                               [r.generator for r in requests], mask)
         batch = len(requests)
@@ -168,7 +202,7 @@ class SpeculativeRunner:
         return [[r.output_token_ids[-1]] + node_lists[b][: counts[b]] for b, r in enumerate(requests)]
 
     def _target_probs(self, requests: list[Request], hidden: torch.Tensor, nodes: torch.Tensor,
-                      ancestors: torch.Tensor | None = None) -> tuple[torch.Tensor, SamplingBatch]:
+                      sampling: SamplingBatch, ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """Target distributions [B, R, V] of the verification rows through the request's own transform.
 
         Row i's repetition-penalty context is the request's tokens plus the drafted tokens on its
@@ -176,7 +210,6 @@ class SpeculativeRunner:
         """
         logits = self.target.runner.logits(hidden)  # [B, R, V]
         batch, rows, vocab = logits.shape
-        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
         presence = None
         base = context_presence(sampling, [r.all_token_ids for r in requests], vocab, self.device)
         if base is not None:
@@ -188,7 +221,7 @@ class SpeculativeRunner:
                 presence = (torch.bmm(ancestors.float(), on_path) > 0) | base.unsqueeze(1)
             presence = presence.flatten(0, 1)
         probs = probs_from_logits(logits.flatten(0, 1), sampling.repeat_rows(rows), presence)
-        return probs.view(batch, rows, vocab), sampling
+        return probs.view(batch, rows, vocab)
 
     def _finish_round(self, requests: list[Request], proposed: list[int], judged: list[int], kept: list[int],
                       emitted: list[list[int]]) -> StepResult:

@@ -69,6 +69,12 @@ class SamplingBatch:
         return self.select(torch.arange(self.greedy.shape[0], device=self.greedy.device).repeat_interleave(n))
 
 
+def argmax_only(params: Sequence[SamplingParams]) -> bool:
+    """Every row greedy without a repetition penalty: each distribution is the one-hot argmax of the
+    raw logits, so a caller may take the argmax and skip forming distributions."""
+    return all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+
+
 def token_presence(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
     """[N, V] bool mask of the tokens each row has seen (prompt + generated), for the repetition penalty."""
     presence = torch.zeros(len(token_lists), vocab_size, dtype=torch.bool, device=device)

@@ -136,6 +136,10 @@ class EngineService:
         self._subs: dict[str, Subscription] = {}
         self._subs_lock = threading.Lock()
         self._aborts: deque[str] = deque()
+        # Worker threads inside Engine.add_request (waiting for engine.lock): the engine thread yields
+        # between steps only while there are some, so a stream's steps never wait on a forced GIL hand-off.
+        self._adding = 0
+        self._adding_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -211,8 +215,7 @@ class EngineService:
         sub = Subscription(self, request_id, loop)
         with self._subs_lock:
             self._subs[request_id] = sub
-        add = loop.run_in_executor(None, functools.partial(self.engine.add_request, prompt, params, request_id,
-                                                           cache_salt))
+        add = loop.run_in_executor(None, functools.partial(self._add, prompt, params, request_id, cache_salt))
         try:
             request = await asyncio.shield(add)
         except asyncio.CancelledError:
@@ -234,6 +237,16 @@ class EngineService:
         self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         self._wake.set()
         return sub
+
+    def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str, cache_salt: str | None) -> Request:
+        """Worker thread: ``Engine.add_request``, counted while it runs (see ``_adding``)."""
+        with self._adding_lock:
+            self._adding += 1
+        try:
+            return self.engine.add_request(prompt, params, request_id, cache_salt)
+        finally:
+            with self._adding_lock:
+                self._adding -= 1
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self._subs_lock:
@@ -258,7 +271,8 @@ class EngineService:
                     self._wake.wait(self.idle_wait_s)
                     continue
                 self._step()
-                time.sleep(0)  # let a worker thread waiting in add_request take engine.lock
+                if self._adding:
+                    time.sleep(0)  # let a worker thread waiting in add_request take engine.lock
         except BaseException as err:  # a bug in this loop itself: record it, /health turns 503
             self._crashed = err
             log.exception("the engine thread crashed")

@@ -36,12 +36,32 @@ import torch
 from infer.core.request import Request
 
 
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one round emits on average with ``k`` drafts of acceptance ``α`` each: 1 + α + ... + α^k."""
+    return k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
 def expected_speedup(alpha: float, k: int, cost: float) -> float:
     """Leviathan et al. Theorem 3.8: (1 - α^(K+1)) / ((1 - α)(cK + 1)); K = 0 is plain decoding (1.0)."""
     if k == 0:
         return 1.0
-    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (cost * k + 1)
+    return expected_tokens(alpha, k) / (cost * k + 1)
+
+
+def expected_speedup_over_rounds(alpha: float, rounds_by_length: list[int], cost_per_draft: float = 0.0,
+                                 cost_per_round: float = 0.0) -> float:
+    """Theorem 3.8 applied round by round: ``rounds_by_length[k]`` rounds drafted ``k`` tokens.
+
+    Expected tokens over the same rounds, each costing one target step (its verification pass) plus
+    ``cost_per_draft`` per draft (a draft model's step: Leviathan et al.'s c) plus ``cost_per_round``
+    (a drafter that drafts a round in one call, n-gram lookup, pays its call whatever it finds), all
+    in target decode steps. With every round drafting K and no per-round cost this is exactly
+    ``expected_speedup(alpha, K, cost_per_draft)``; a drafter whose proposals are often shorter than
+    K (n-gram lookup finds no match, or a shorter one) is judged on the rounds it actually ran.
+    """
+    tokens = sum(n * expected_tokens(alpha, k) for k, n in enumerate(rounds_by_length))
+    steps = sum(n * (1 + cost_per_draft * k + cost_per_round) for k, n in enumerate(rounds_by_length))
+    return tokens / steps if steps else 1.0
 
 
 def size_ladder(max_nodes: int) -> list[int]:

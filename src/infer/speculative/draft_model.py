@@ -10,7 +10,7 @@ from infer.core.request import Request
 from infer.core.timing import device_clock
 from infer.loader.tokenizer import Tokenizer
 from infer.sampling.sampler import context_presence, sample_rows
-from infer.sampling.transforms import SamplingBatch, probs_from_logits
+from infer.sampling.transforms import SamplingBatch, argmax_only, probs_from_logits
 from infer.speculative.budget import EntropyStop
 from infer.speculative.proposer import DrafterInfo, Proposal, Proposer
 
@@ -40,10 +40,15 @@ class DraftModelProposer(Proposer):
         device = self.pool.device
         batch, width = len(requests), max(budgets)
         tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
-        probs = torch.zeros(batch, width, self.runner.vocab_size, dtype=torch.float32, device=device)
         counts = [0] * batch
-        sampling = SamplingBatch.from_params([r.params for r in requests], device)
-        presence = context_presence(sampling, [r.all_token_ids for r in requests], self.runner.vocab_size, device)
+        # Greedy rows without a penalty draft the argmax, whose q is one-hot: a Proposal without
+        # probs says exactly that, so such a batch forms no distributions at all.
+        probs = sampling = presence = None
+        if not argmax_only([r.params for r in requests]):
+            probs = torch.zeros(batch, width, self.runner.vocab_size, dtype=torch.float32, device=device)
+            sampling = SamplingBatch.from_params([r.params for r in requests], device)
+            presence = context_presence(sampling, [r.all_token_ids for r in requests], self.runner.vocab_size,
+                                        device)
 
         active = [b for b in range(batch) if budgets[b] > 0]
         catchup: list[list[int]] = []
@@ -56,20 +61,23 @@ class DraftModelProposer(Proposer):
         runs: list[list[int]] | torch.Tensor = catchup
         step = 0
         steps_started = 0.0
+        rows = torch.tensor(active, device=device)
+        slots = [self.slots[requests[b].request_id] for b in active]
         while active:
             if step == 1:  # the first step may hold a whole prompt: time the single-token steps only
                 steps_started = device_clock(device)
-            slots = [self.slots[requests[b].request_id] for b in active]
             hidden = self.runner.forward(slots, runs)
             last = hidden[:, -1] if isinstance(runs, torch.Tensor) else \
                 self.runner.last_hidden(hidden, [len(r) for r in runs])
             logits = self.runner.logits(last)
-            rows = torch.tensor(active, device=device)
-            q = probs_from_logits(logits, sampling.select(rows), None if presence is None else presence[rows])
-            drafted = sample_rows(q, [requests[b].params.greedy for b in active],
-                                  [requests[b].generator for b in active])
+            if probs is None or sampling is None:
+                drafted = logits.argmax(dim=-1)
+            else:
+                q = probs_from_logits(logits, sampling.select(rows), None if presence is None else presence[rows])
+                drafted = sample_rows(q, [requests[b].params.greedy for b in active],
+                                      [requests[b].generator for b in active])
+                probs[rows, step] = q
             tokens[rows, step] = drafted
-            probs[rows, step] = q
             if presence is not None:
                 presence[rows, drafted] = True
             for b in active:
@@ -79,8 +87,12 @@ class DraftModelProposer(Proposer):
             if keep and self.stop_rule is not None:
                 flags = self.stop_rule.keep_drafting([requests[active[i]] for i in keep], logits[keep], step).tolist()
                 keep = [i for i, go in zip(keep, flags, strict=True) if go]
-            runs = drafted[keep].unsqueeze(1)  # stays on the device: no sync per draft token
-            active = [active[i] for i in keep]
+            # The next step's input stays on the device: no sync per draft token.
+            runs = drafted.unsqueeze(1) if len(keep) == len(active) else drafted[keep].unsqueeze(1)
+            if len(keep) < len(active):  # rows, slots: rebuilt only when a chain ends
+                active = [active[i] for i in keep]
+                rows = torch.tensor(active, device=device)
+                slots = [self.slots[requests[b].request_id] for b in active]
         step_seconds = (device_clock(device) - steps_started) / (step - 1) if step > 1 else None
         return Proposal(tokens, counts, probs, step_seconds=step_seconds)
 

@@ -170,3 +170,29 @@ def verify_drafts(
     output = torch.where(positions < num_accepted[:, None], padded, torch.full_like(padded, -1))
     output.scatter_(1, num_accepted[:, None], final[:, None])
     return VerificationResult(num_accepted=num_accepted, output_tokens=output)
+
+
+def verify_greedy(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target_tokens: torch.Tensor) -> VerificationResult:
+    """``verify_drafts`` for a batch whose rows are all greedy, from the target's argmax tokens alone.
+
+    ``target_tokens`` [B, K+1] is the argmax of p_1..p_{K+1} (after any repetition penalty). A draft is
+    accepted while it equals the target's argmax, and the row then emits the argmax at its stop
+    position: what ``verify_drafts`` does for a greedy row, without forming any [B, K+1, V]
+    distribution or consuming randomness.
+    """
+    batch, k = draft_tokens.shape
+    if tuple(target_tokens.shape) != (batch, k + 1):
+        raise ValueError(f"target_tokens must be [B, K+1] = [{batch}, {k + 1}], got {tuple(target_tokens.shape)}")
+    if tuple(num_draft.shape) != (batch,):
+        raise ValueError(f"num_draft must be [B] = [{batch}], got {tuple(num_draft.shape)}")
+    device = target_tokens.device
+    drafts = draft_tokens.to(device=device, dtype=torch.long)
+    num_draft = num_draft.to(device=device, dtype=torch.long)
+    in_range = torch.arange(k, device=device)[None, :] < num_draft[:, None]
+    ok = (target_tokens[:, :k] == drafts) & in_range
+    num_accepted = ok.long().cumprod(dim=1).sum(dim=1)
+    positions = torch.arange(k + 1, device=device)[None, :]
+    padded = torch.cat([drafts, drafts.new_full((batch, 1), -1)], dim=1)
+    output = torch.where(positions < num_accepted[:, None], padded, torch.full_like(padded, -1))
+    output.scatter_(1, num_accepted[:, None], target_tokens.gather(1, num_accepted[:, None]))
+    return VerificationResult(num_accepted=num_accepted, output_tokens=output)
