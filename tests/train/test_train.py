@@ -385,7 +385,8 @@ def test_reference_pair_interrupted_build_resumes(corpus_dir: Path, tmp_path: Pa
     metrics = json.loads((folder / METRICS_FILE).read_text())
     logged = json.loads((folder / "target" / "train_log.json").read_text())["wall_time_s"]
     assert metrics["resumed"] is True and metrics["target_build_s"] == pytest.approx(logged, abs=0.1)
-    assert metrics["build_wall_time_s"] >= metrics["target_build_s"] + metrics["draft_build_s"]
+    # Each figure is rounded to 0.1 s, so three roundings may take up to 0.15 s off the inequality.
+    assert metrics["build_wall_time_s"] >= metrics["target_build_s"] + metrics["draft_build_s"] - 0.15
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
