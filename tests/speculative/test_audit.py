@@ -237,6 +237,7 @@ def test_audit_passes_the_engine_with_medusa(small_target: Path, tmp_path_factor
                    medusa_tree_size=10)
     assert report["verdict"] == PASS, json.dumps(report["checks"], indent=1)[:3000]
     assert report["checks"]["distribution"]["contexts"][0]["exercised"]
+    assert report["settings"]["medusa_tree_size"] == 10  # the report says how the tree was sized
 
 
 def test_cli_audit_passes_the_engine_with_a_draft_model(small_target: Path, small_draft: Path, tmp_path: Path,

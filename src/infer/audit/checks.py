@@ -137,6 +137,9 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
         "settings": {
             "model": config.model, "speculator": speculative.method, "draft_model": speculative.draft_model,
             "spec_length": speculative.length, "spec_length_policy": speculative.length_policy,
+            # A tree drafter's size: a measured (None) size may choose plain steps and leave the tests no power.
+            "medusa_heads": speculative.medusa_heads, "medusa_tree_size": speculative.medusa_tree_size,
+            "suffix_tree_size": speculative.suffix_tree_size,
             "dtype": str(spec.engine.dtype).removeprefix("torch."), "device": str(spec.engine.device),
             "exact_greedy": config.exact_greedy,
             "sampling": {k: getattr(settings.sampling, k)
