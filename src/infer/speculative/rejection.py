@@ -164,8 +164,13 @@ def verify_drafts(
         final_dist = torch.where(resample[:, None], residual, stop_p)
 
     final = sample_rows(final_dist, [bool(g) for g in greedy_host], generators)
+    return _result(drafts, num_accepted, final)
 
-    positions = torch.arange(k + 1, device=device)[None, :]
+
+def _result(drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) -> VerificationResult:
+    """Each row's accepted drafts, then ``final`` at its stop position, -1 after: [B, K+1]."""
+    batch, k = drafts.shape
+    positions = torch.arange(k + 1, device=drafts.device)[None, :]
     padded = torch.cat([drafts, drafts.new_full((batch, 1), -1)], dim=1)
     output = torch.where(positions < num_accepted[:, None], padded, torch.full_like(padded, -1))
     output.scatter_(1, num_accepted[:, None], final[:, None])
@@ -191,8 +196,4 @@ def verify_greedy(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target_to
     in_range = torch.arange(k, device=device)[None, :] < num_draft[:, None]
     ok = (target_tokens[:, :k] == drafts) & in_range
     num_accepted = ok.long().cumprod(dim=1).sum(dim=1)
-    positions = torch.arange(k + 1, device=device)[None, :]
-    padded = torch.cat([drafts, drafts.new_full((batch, 1), -1)], dim=1)
-    output = torch.where(positions < num_accepted[:, None], padded, torch.full_like(padded, -1))
-    output.scatter_(1, num_accepted[:, None], target_tokens.gather(1, num_accepted[:, None]))
-    return VerificationResult(num_accepted=num_accepted, output_tokens=output)
+    return _result(drafts, num_accepted, target_tokens.gather(1, num_accepted[:, None]).squeeze(1))
