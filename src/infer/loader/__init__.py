@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,20 +58,10 @@ def choose_dtype(dtype: str | torch.dtype, device: torch.device) -> tuple[torch.
 
 
 def cpu_bf16_feature() -> str | None:
-    """The CPU flag that gives native bfloat16 arithmetic, or None (read from /proc/cpuinfo on Linux)."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):  # x86 / ARM
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:  # not Linux: py-cpuinfo, when installed, knows
-        try:
-            import cpuinfo
+    """The CPU flag that gives native bfloat16 arithmetic, or None (``models.cpu_gemv.cpu_flags``)."""
+    from infer.models.cpu_gemv import cpu_flags
 
-            flags = set(cpuinfo.get_cpu_info().get("flags", []))
-        except Exception:  # not installed, or it cannot tell: assume no native bf16
-            return None
+    flags = cpu_flags()
     return next((flag for flag in ("amx_bf16", "avx512_bf16", "bf16") if flag in flags), None)
 
 

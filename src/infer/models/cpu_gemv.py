@@ -40,25 +40,35 @@ _CPU_FLAGS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512_bf16"), torch.floa
 _KERNELS = {torch.bfloat16: "gemv_bf16", torch.float32: "gemv_f32"}
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags: /proc/cpuinfo's ``flags`` (x86) or ``Features`` (ARM) on Linux,
+    else py-cpuinfo's when it is installed, else none known."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
         return set()
+    except OSError:
+        try:
+            import cpuinfo
+
+            return set(cpuinfo.get_cpu_info().get("flags", []))
+        except Exception:  # not installed, or it cannot tell
+            return set()
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where this machine cannot build them."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64" or "avx512f" not in _cpu_flags():
+    if platform.system() != "Linux" or platform.machine() != "x86_64" or "avx512f" not in cpu_flags():
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
     source = _SOURCE.read_bytes()
     # -march=native code is for this CPU only: the key names the CPU's flags as well as the source.
-    key = hashlib.sha256(source + " ".join(sorted(_cpu_flags())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     target = default_cache_dir() / "kernels" / f"cpu_gemv-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +118,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 def gemv_available(dtype: torch.dtype) -> bool:
     """Whether this CPU runs the kernel for ``dtype`` and it agrees with ``F.linear`` on a probe
     (an odd inner size, so the masked tail is checked too)."""
-    if dtype not in _KERNELS or not set(_CPU_FLAGS[dtype]) <= _cpu_flags() or _library() is None:
+    if dtype not in _KERNELS or not set(_CPU_FLAGS[dtype]) <= cpu_flags() or _library() is None:
         return False
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 75, generator=gen).to(dtype)
