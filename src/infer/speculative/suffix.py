@@ -60,10 +60,9 @@ class SuffixProposer(Proposer):
         # A match of max_match tokens must still leave room below it for a max_depth-deep tree.
         self.store = SuffixStore(max_match + max_depth, max_tokens, max_requests)  # shared (scope "salt")
         self._local: dict[str, SuffixTrie] = {}  # each running request's own prompt and output
-        # Drafting statistics over the proposer's life (the engine's metrics count depths, not nodes).
+        # Drafting statistics over the proposer's life, warm-up requests included (``infer bench``).
         self.drafted_rounds = 0  # request-rounds that got a non-empty tree
         self.drafted_nodes = 0
-        self.matched_tokens = 0
 
     def _shared_key(self, request: Request) -> Hashable:
         return ("salt", request.cache_salt)
@@ -102,7 +101,7 @@ class SuffixProposer(Proposer):
         shared = self.store.trie(self._shared_key(request)) if self.scope == "salt" else None
         if shared is not None:
             tries.append(shared)
-        best, best_length = DraftTree(), 0
+        best = DraftTree()
         for trie in tries:
             node, length = trie.match(tail, self.max_match)
             if length == 0:
@@ -110,11 +109,10 @@ class SuffixProposer(Proposer):
             budget = min(max_nodes, max(1, math.ceil(self.nodes_per_matched_token * length)))
             tree = trie.expand(node, budget, min(max_depth, self.max_depth), self.min_prob)
             if sum(tree.scores) > sum(best.scores):
-                best, best_length = tree, length
+                best = tree
         if best.tokens:
             self.drafted_rounds += 1
             self.drafted_nodes += len(best)
-            self.matched_tokens += best_length
         return best
 
     def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
@@ -148,7 +146,3 @@ class SuffixProposer(Proposer):
     def mean_tree_size(self) -> float | None:
         """Nodes per drafted tree (rounds without a match excluded)."""
         return self.drafted_nodes / self.drafted_rounds if self.drafted_rounds else None
-
-    @property
-    def mean_match_length(self) -> float | None:
-        return self.matched_tokens / self.drafted_rounds if self.drafted_rounds else None
