@@ -224,12 +224,13 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
     from infer.bench.workloads import code_prompts, load_prompts, repetitive_prompts
 
     warmup: list[str] = []
+    sizes = [max(args.requests_per_level, c) for c in args.concurrency]  # requests per level and repeat
     if args.prompts:
         prompts = load_prompts(args.prompts)
     elif args.workload == "repetitive":
         # A new function for every request, warm-up included: a drafter that learns from earlier
         # requests never sees a measured prompt twice.
-        measured = sum(max(args.requests_per_level, c) for c in args.concurrency) * args.level_repeats
+        measured = sum(sizes) * args.level_repeats
         prompts = repetitive_prompts(measured + args.warmup)  # measured ones first, as in bench generation
         prompts, warmup = prompts[:measured], prompts[measured:]
     else:
@@ -263,12 +264,11 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
             for server in servers:
                 server.prepare(args, prompts, warmup)
             for level_index, c in enumerate(args.concurrency):
-                n = max(args.requests_per_level, c)
+                n = sizes[level_index]
                 for rep in range(args.level_repeats):
                     # Every config gets the same prompts for a level and repeat (none seen before
                     # by a server: the offsets move on), in an order that rotates per repeat.
-                    first = sum(max(args.requests_per_level, x) for x in args.concurrency) * rep + \
-                        sum(max(args.requests_per_level, x) for x in args.concurrency[:level_index])
+                    first = sum(sizes) * rep + sum(sizes[:level_index])
                     shift = rep % len(servers)
                     for server in servers[shift:] + servers[:shift]:
                         res = asyncio.run(run_level(server.url, server.model, prompts, c, n, args.max_tokens,
