@@ -47,27 +47,41 @@ class KVBatch:
             folded = self._folded_masks[groups] = self.mask.repeat(1, 1, groups, 1)
         return folded
 
-    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> LayerKV:
+        """Layer ``index``'s storage with this pass's description: what its attention writes and reads."""
+        return LayerKV(self, self.k_layers[index], self.v_layers[index])
+
+
+@dataclass
+class LayerKV:
+    """One layer's keys and values storage in one pass. A layer sees its own tensors rather than an
+    index into the pool's lists, so every layer runs the same code (one compiled graph serves all)."""
+
+    batch: KVBatch
+    k_store: torch.Tensor  # [rows, kv_heads, head_dim]
+    v_store: torch.Tensor
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the whole context, ``[B, kv_heads, L, head_dim]`` (views when the
         rows are contiguous)."""
-        k_store, v_store = self.k_layers[layer], self.v_layers[layer]
-        if self.read_start is not None:
-            keys = k_store[self.read_start: self.read_start + self.context_len].unsqueeze(0)
-            values = v_store[self.read_start: self.read_start + self.context_len].unsqueeze(0)
+        batch = self.batch
+        if batch.read_start is not None:
+            keys = self.k_store[batch.read_start: batch.read_start + batch.context_len].unsqueeze(0)
+            values = self.v_store[batch.read_start: batch.read_start + batch.context_len].unsqueeze(0)
         else:
-            assert self.read_index is not None
-            keys, values = k_store[self.read_index], v_store[self.read_index]
+            assert batch.read_index is not None
+            keys, values = self.k_store[batch.read_index], self.v_store[batch.read_index]
         return keys.transpose(1, 2), values.transpose(1, 2)
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store new ``[B, T, kv_heads, head_dim]`` keys/values at their rows (padding skipped), in
         place; strided views (heads sliced out of a fused projection) are read where they lie."""
-        if self.token_valid is not None:
-            keys, values = keys[self.token_valid], values[self.token_valid]
+        if self.batch.token_valid is not None:
+            keys, values = keys[self.batch.token_valid], values[self.batch.token_valid]
         else:
             keys, values = keys.flatten(0, 1), values.flatten(0, 1)
-        self.k_layers[layer].index_copy_(0, self.write_index, keys)
-        self.v_layers[layer].index_copy_(0, self.write_index, values)
+        self.k_store.index_copy_(0, self.batch.write_index, keys)
+        self.v_store.index_copy_(0, self.batch.write_index, values)
 
 
 def take_free(free: list[int], what: str) -> int:

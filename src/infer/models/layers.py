@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.cache.protocol import KVBatch
+from infer.cache.protocol import KVBatch, LayerKV
 from infer.loader.config import CheckpointError, ModelConfig
 from infer.models.cpu_gemv import GemvLinear, gemv_available
 
@@ -107,7 +107,7 @@ class Attention(nn.Module):
         """Merge q/k/v into one projection for inference (fewer, larger matmuls; same math)."""
         self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
         batch, width, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None:
@@ -131,16 +131,17 @@ class Attention(nn.Module):
         if kv is None:  # whole sequence at once (training, reference): plain causal attention
             out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True)
         else:
-            kv.write(self.layer_idx, k, v)
-            keys, values = kv.gather(self.layer_idx)
+            kv.write(k, v)
+            keys, values = kv.gather()
+            shared = kv.batch
             if self.attend is not None:
-                out = self.attend(q.transpose(1, 2), keys, values, kv.mask)
-            elif kv.block_mask is not None:
-                out = flex_attention_with(kv.block_mask, q.transpose(1, 2), keys, values)
+                out = self.attend(q.transpose(1, 2), keys, values, shared.mask)
+            elif shared.block_mask is not None:
+                out = flex_attention_with(shared.block_mask, q.transpose(1, 2), keys, values)
             else:
                 groups = heads // kv_heads
-                out = _sdpa(q.transpose(1, 2), keys, values, kv.attention_mask(1), False,
-                            kv.attention_mask(groups) if groups > 1 else None)
+                out = _sdpa(q.transpose(1, 2), keys, values, shared.attention_mask(1), False,
+                            shared.attention_mask(groups) if groups > 1 else None)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
 
 
@@ -322,7 +323,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -361,8 +362,8 @@ class DecoderOnlyLM(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # type: ignore[arg-type]
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, kv)
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, None if kv is None else kv.layer(index))
         return self.model.norm(x)
 
     def fuse_projections(self) -> None:
