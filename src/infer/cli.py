@@ -60,6 +60,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact-greedy", action="store_true",
                         help="kernels that give a token the same bits in any pass, so greedy speculation is "
                         "token-identical to plain decoding in bfloat16 too (slower; see docs/benchmarks.md)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model's forward pass (each kind of pass compiles on first use; "
+                        "no faster than eager on CPU, see docs/benchmarks.md)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,7 +75,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 medusa_heads=args.medusa_heads, medusa_tree_size=args.medusa_tree_size,
                 tree_attention=args.tree_attention, suffix_tree_size=args.suffix_tree_size,
                 suffix_max_tokens=args.suffix_max_tokens, suffix_max_requests=args.suffix_max_requests,
-                suffix_scope=args.suffix_scope, exact_greedy=args.exact_greedy)
+                suffix_scope=args.suffix_scope, exact_greedy=args.exact_greedy, compile=args.compile)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:

@@ -108,8 +108,8 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
     """Load plain and speculative engines for the settings, run the chosen checks, return the report."""
     engine = {k: v for k, v in settings.engine.items() if k not in ("max_batch_size", "prefix_caching", "block_size")}
     say("loading the target without speculation (reference and plain decoding)")
-    # exact_greedy too: plain decoding must run the kernels the speculative engine verifies with.
-    plain_options = {k: engine[k] for k in ("model", "dtype", "device", "kv_cache_backend", "exact_greedy")
+    # exact_greedy and compile too: plain decoding must run the kernels the speculative engine verifies with.
+    plain_options = {k: engine[k] for k in ("model", "dtype", "device", "kv_cache_backend", "exact_greedy", "compile")
                      if k in engine}
     plain = LLM(**plain_options, max_seq_len=engine.get("max_seq_len") or 1024, max_batch_size=1)
     prompt_ids = [p if isinstance(p, list) else plain.tokenizer.encode(p) for p in settings.prompts]
@@ -141,7 +141,7 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
             "medusa_heads": speculative.medusa_heads, "medusa_tree_size": speculative.medusa_tree_size,
             "suffix_tree_size": speculative.suffix_tree_size,
             "dtype": str(spec.engine.dtype).removeprefix("torch."), "device": str(spec.engine.device),
-            "exact_greedy": config.exact_greedy,
+            "exact_greedy": config.exact_greedy, "compile": config.compile,
             "sampling": {k: getattr(settings.sampling, k)
                          for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")},
             "samples": settings.samples, "contexts": min(settings.contexts, len(prompt_ids)),

@@ -40,6 +40,9 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--exact-greedy", action="store_true",
                      help="also time every infer mode with exact-greedy kernels, interleaved with the default ones")
+    gen.add_argument("--compiled", action="store_true",
+                     help="also time every infer mode torch.compiled, interleaved with the eager ones (the first "
+                     "run of each kind of pass compiles; the warm-up pays for it)")
     gen.add_argument("--out", default="bench-out", help="folder for generation.json, generation.md and plots")
     gen.add_argument("--profile", action="store_true",
                      help="instead of the comparison, profile infer's decode steps and a (K+1)-token verification "
@@ -109,6 +112,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
         medusa_tree_sizes=args.medusa_tree_size, suffix=not args.no_suffix, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
+        compiled=args.compiled,
         peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, chat=args.chat, stop_at_eos=repetitive,
         warmup_prompts=warmup,
     )

@@ -1,11 +1,11 @@
-"""``infer bench compile``: what ``torch.compile`` would buy infer's decode and verification passes here.
+"""``infer bench compile``: what compiled mode (``--compile``) buys infer's decode and verification passes here.
 
 Two copies of the model run the same steps over their own KV caches, interleaved: the eager model
-infer ships (weights pre-packed on CPU) and the same model compiled by Inductor with frozen
-weights (``dynamic=True``: the context length changes every step, so one graph per pass kind
-serves every length; Inductor packs the frozen weights itself). Reported: how long the first
-decode step and the first verification pass take to compile (Inductor's on-disk caches are left
-on, so a second run shows what a restart costs), and the wall and CPU milliseconds per step after.
+infer ships (weights pre-packed on CPU) and the same model with its forward compiled as
+``--compile`` does (``models.compiled.compile_forward``: dynamic shapes, the CPU kernel an opaque
+operator). Reported: how long the first decode step and the first verification pass take to
+compile (Inductor's on-disk caches are left on, so a second run shows what a restart costs), and
+the wall and CPU milliseconds per step after.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from infer.cache import PagedKVCachePool
 from infer.core.model_runner import ModelRunner
 from infer.loader import load_model, load_tokenizer, resolve_dtype
+from infer.models.compiled import compile_forward
 
 
 @dataclass
@@ -30,8 +31,11 @@ class _Copy:
     model: Any
 
 
-def _copy(model_ref: str, dtype: torch.dtype, pack: bool, prompt_ids: list[int], verify_width: int) -> _Copy:
-    model, config = load_model(model_ref, dtype, "cpu", pack=pack)
+def _copy(model_ref: str, dtype: torch.dtype, prompt_ids: list[int], verify_width: int,
+          prepare: Callable[[Any], None] | None = None) -> _Copy:
+    model, config = load_model(model_ref, dtype, "cpu")
+    if prepare is not None:
+        prepare(model)
     pool = PagedKVCachePool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks=64,
                             block_size=32, max_seq_len=2048, dtype=dtype, device="cpu")
     runner = ModelRunner(model, pool)
@@ -51,20 +55,16 @@ def _copy(model_ref: str, dtype: torch.dtype, pack: bool, prompt_ids: list[int],
 
 def run_compile_eval(model_ref: str, dtype_name: str, prompt: str, verify_width: int = 6, steps: int = 8,
                      repeats: int = 5, say: Callable[[str], None] = print) -> dict[str, Any]:
-    import torch._inductor.config as inductor_config
-
     dtype = resolve_dtype(dtype_name, torch.device("cpu"))
     prompt_ids = load_tokenizer(model_ref).encode(prompt)
     if len(prompt_ids) < verify_width:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; it needs at least {verify_width}")
     say("loading the eager and the to-be-compiled copy")
-    eager = _copy(model_ref, dtype, True, prompt_ids, verify_width)
-    compiled = _copy(model_ref, dtype, False, prompt_ids, verify_width)
-    inductor_config.freezing = True  # weights become constants Inductor packs for oneDNN
-    compiled.model.forward = torch.compile(compiled.model.forward, dynamic=True)
+    eager = _copy(model_ref, dtype, prompt_ids, verify_width)
+    compiled = _copy(model_ref, dtype, prompt_ids, verify_width, compile_forward)
     compile_s: dict[str, float] = {}
     for kind in ("decode", "verify"):
-        say(f"compiling the {kind} pass (minutes on a small CPU; Inductor prints nothing meanwhile)")
+        say(f"compiling the {kind} pass")
         start = time.perf_counter()
         getattr(compiled, kind)()
         compile_s[kind] = time.perf_counter() - start

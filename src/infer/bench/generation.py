@@ -80,6 +80,8 @@ class BenchSettings:
     warmup_prompts: list[str] = field(default_factory=list)
     # Also time every infer mode with exact-greedy kernels ("... (exact greedy)" rows), interleaved.
     exact_greedy: bool = False
+    # Also time every infer mode torch.compiled ("... (compiled)" rows), interleaved.
+    compiled: bool = False
 
 
 @dataclass
@@ -147,6 +149,7 @@ def speculation_stats(outputs: list[Any]) -> dict[str, Any]:
 
 
 EXACT = "(exact greedy)"  # the suffix of a mode run with exact-greedy kernels
+COMPILED = "(compiled)"  # the suffix of a mode run with its forward torch.compiled
 
 # One timed generation of a prompt (text, or token ids when it went through the chat template):
 # (tokens per second, the infer RequestOutput or None for transformers).
@@ -262,8 +265,11 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     def infer_mode(name: str, reported: bool = True, dtype: str = settings.dtype, **options: Any) -> ModeResult:
         model = options.pop("model", settings.model)
         variants: list[tuple[str, dict[str, Any]]] = [(name, {})]
-        if settings.exact_greedy and reported:  # the draft alone (only for c) needs no exact twin
-            variants.append((f"{name} {EXACT}", {"exact_greedy": True}))
+        if reported:  # the draft alone (only for c) needs no twins
+            if settings.exact_greedy:
+                variants.append((f"{name} {EXACT}", {"exact_greedy": True}))
+            if settings.compiled:
+                variants.append((f"{name} {COMPILED}", {"compile": True}))
         results = []
         for label, extra in variants:
             say(f"[{label}] loading")
@@ -387,13 +393,16 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             r.speedup_vs_transformers = r.tokens_per_s / match.tokens_per_s
         elif r.engine == "transformers" and hf_plain is not None:
             r.speedup_vs_transformers = r.tokens_per_s / hf_plain.tokens_per_s
-    greedy_identical = exact_identical = None
+    greedy_identical = None
+    twin_identical: dict[str, bool | None] = {EXACT: None, COMPILED: None}
     if settings.temperature == 0.0:
-        greedy_identical = all(r.texts == plain.texts for r in results
-                               if r.engine == "infer" and r.dtype == plain.dtype and EXACT not in r.mode)
-        exact_plain = next((r for r in results if r.mode == f"{plain.mode} {EXACT}"), None)
-        if exact_plain is not None:
-            exact_identical = all(r.texts == exact_plain.texts for r in results if EXACT in r.mode)
+        # Each kind of twin row runs other kernels, so it is compared with its own plain row.
+        greedy_identical = all(r.texts == plain.texts for r in results if r.engine == "infer" and r.dtype == plain.dtype
+                               and not any(suffix in r.mode for suffix in twin_identical))
+        for suffix in twin_identical:
+            twin_plain = next((r for r in results if r.mode == f"{plain.mode} {suffix}"), None)
+            if twin_plain is not None:
+                twin_identical[suffix] = all(r.texts == twin_plain.texts for r in results if suffix in r.mode)
     memory: dict[str, Any] | None = None
     for mode in modes:
         if mode.result.engine == "infer" and mode.result.spec_length is None and mode.llm is not None:
@@ -417,7 +426,8 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         "cost_ratio_c": cost,
         "greedy_outputs_identical": greedy_identical,
         "memory": memory,
-        "exact_greedy_outputs_identical": exact_identical,
+        "exact_greedy_outputs_identical": twin_identical[EXACT],
+        "compiled_outputs_identical": twin_identical[COMPILED],
         "results": [{k: v for k, v in asdict(r).items() if k != "texts"} for r in results],
         "sample_output": plain.texts[0] if plain.texts else "",
     }

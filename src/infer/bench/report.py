@@ -51,6 +51,8 @@ def generation_table(report: dict[str, Any]) -> str:
         head += f"; greedy outputs identical across infer modes: {report['greedy_outputs_identical']}"
     if report.get("exact_greedy_outputs_identical") is not None:
         head += f"; across exact-greedy modes: {report['exact_greedy_outputs_identical']}"
+    if report.get("compiled_outputs_identical") is not None:
+        head += f"; across compiled modes: {report['compiled_outputs_identical']}"
     if memory:
         head += (f"; memory bandwidth {memory['bandwidth_gb_s']:.1f} GB/s (median of "
                  f"{len(memory['samples_gb_s'])}, a 512 MB reduction), weights read per token: infer "

@@ -128,6 +128,8 @@ class EngineConfig:
     # Exact-greedy kernels (models.invariant): a token's logits are bit-identical whatever pass
     # computes them, so greedy speculation emits exactly plain decoding's tokens in any dtype.
     exact_greedy: bool = False
+    # torch.compile the target's (and draft model's) forward pass (models.compiled); off: eager.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_backend not in KV_BACKENDS:
@@ -152,6 +154,9 @@ class EngineConfig:
         if self.exact_greedy and self.tree_attention == "flex":
             raise ValueError("exact_greedy runs its own attention kernel; tree_attention='flex' cannot be combined "
                              "with it (use tree_attention='sdpa')")
+        if self.compile and self.exact_greedy:
+            raise ValueError("compile and exact_greedy cannot be combined: the exact-greedy kernels fix their "
+                             "own reduction order, which a compiler's fusions would change")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
 

@@ -18,6 +18,7 @@ from infer.engine.continuous_runner import ContinuousRunner
 from infer.engine.speculative_runner import SpeculativeRunner
 from infer.loader import Tokenizer, load_model, load_tokenizer
 from infer.loader.config import ModelConfig
+from infer.models.compiled import compile_forward
 from infer.models.layers import DecoderOnlyLM, count_weights
 from infer.speculative.budget import BudgetController, EntropyStop
 from infer.speculative.proposer import Proposer
@@ -34,6 +35,7 @@ class TargetModel:
     device: torch.device
     dtype: torch.dtype
     make_pool: Callable[[ModelConfig], CachePoolProtocol]  # a KV pool like the target's, for another model
+    compile: bool = False  # compiled mode: a draft model is compiled like the target
 
 
 def make_speculative_runner(spec: SpeculativeConfig, target_runner: ContinuousRunner, target: TargetModel,
@@ -56,6 +58,8 @@ def make_proposer(spec: SpeculativeConfig, target: TargetModel, say: Callable[[s
         model, config = load_model(spec.draft_model, target.dtype, str(target.device))
         check_compatible(spec.draft_model, target.path, config.vocab_size, target.config.vocab_size,
                          load_tokenizer(spec.draft_model, config), target.tokenizer)
+        if target.compile:
+            compile_forward(model, say)
         # Same backend and sequence length as the target; its own (smaller) per-token footprint.
         stop = EntropyStop(spec.gamma_min, spec.entropy_threshold) if spec.length_policy == "entropy" else None
         return DraftModelProposer(ModelRunner(model, target.make_pool(config)),

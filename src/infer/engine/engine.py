@@ -21,6 +21,7 @@ from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepR
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
 from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
 from infer.loader.config import ModelConfig
+from infer.models.compiled import compile_forward
 from infer.models.invariant import check_invariance, make_exact
 from infer.sampling.params import SamplingParams
 
@@ -91,6 +92,8 @@ class Engine:
             say("exact-greedy kernels: checking that this machine computes a token alike in any pass")
             make_exact(self.model)
             check_invariance(self.model)
+        if config.compile:
+            compile_forward(self.model, say)
         self.tokenizer: Tokenizer = load_tokenizer(config.model, self.model_config)
         self.max_seq_len, context_reason = choose_max_seq_len(config, self.model_config, self.device, self.dtype)
         self.pool = self._make_pool(self.model_config)
@@ -112,7 +115,7 @@ class Engine:
 
             described = TargetModel(path=config.model, model=self.model, config=self.model_config,
                                     tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
-                                    make_pool=self._make_pool)
+                                    make_pool=self._make_pool, compile=config.compile)
             self.runner = make_speculative_runner(config.speculative, target, described, say)
         self.scheduler = Scheduler(self.runner, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                    chunked_prefill=config.chunked_prefill,

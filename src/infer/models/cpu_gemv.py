@@ -116,6 +116,17 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("infer::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``gemv`` as an operator torch.compile keeps whole (it cannot trace into a C call)."""
+    return gemv(x, weight, bias)
+
+
+@gemv_op.register_fake
+def _gemv_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 @functools.cache
 def gemv_available(dtype: torch.dtype) -> bool:
     """Whether this CPU runs the kernel for ``dtype`` and it agrees with ``F.linear`` on a probe
@@ -143,4 +154,6 @@ class GemvLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // self.in_features > MAX_ROWS or torch.is_grad_enabled() and self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            return gemv_op(x, self.weight, self.bias)
         return gemv(x, self.weight, self.bias)
