@@ -21,7 +21,7 @@ from infer.loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from infer.models.cpu_gemv import GemvLinear
+from infer.models.cpu_kernels import GemvLinear
 from infer.models.layers import PackedLinear, count_weights, cpu_linear_kernel
 from infer.train.tokenizer import IM_END_ID, IM_START_ID
 

@@ -58,8 +58,8 @@ def choose_dtype(dtype: str | torch.dtype, device: torch.device) -> tuple[torch.
 
 
 def cpu_bf16_feature() -> str | None:
-    """The CPU flag that gives native bfloat16 arithmetic, or None (``models.cpu_gemv.cpu_flags``)."""
-    from infer.models.cpu_gemv import cpu_flags
+    """The CPU flag that gives native bfloat16 arithmetic, or None (``models.cpu_kernels.cpu_flags``)."""
+    from infer.models.cpu_kernels import cpu_flags
 
     flags = cpu_flags()
     return next((flag for flag in ("amx_bf16", "avx512_bf16", "bf16") if flag in flags), None)

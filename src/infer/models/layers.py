@@ -18,7 +18,7 @@ from torch import nn
 
 from infer.cache.protocol import KVBatch, LayerKV
 from infer.loader.config import CheckpointError, ModelConfig
-from infer.models.cpu_gemv import GemvLinear, gemv_available
+from infer.models.cpu_kernels import GemvLinear, gemv_available
 
 # enable_gqa arrived in torch 2.5; older versions repeat K/V heads instead.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -295,7 +295,7 @@ class PackedLinear(nn.Module):
 
 def cpu_linear_kernel(dtype: torch.dtype) -> str | None:
     """Which CPU inference form ``pack_for_cpu`` gives ``dtype`` linears: ``gemv`` (the streaming
-    kernel, ``infer.models.cpu_gemv``), ``onednn`` (``PackedLinear``) or None (plain ``nn.Linear``).
+    kernel, ``infer.models.cpu_kernels``), ``onednn`` (``PackedLinear``) or None (plain ``nn.Linear``).
     ``INFER_CPU_GEMV=0`` turns the kernel off (to compare, or where it misbehaves)."""
     if os.environ.get("INFER_CPU_GEMV", "1") != "0" and gemv_available(dtype):
         return "gemv"

@@ -1,4 +1,4 @@
-"""Memory-bound matrix-vector products for CPU decoding (``cpu_gemv.c``), built on first use.
+"""Memory-bound matrix-vector products for CPU decoding (``cpu_kernels.c``), built on first use.
 
 A decode step of a small model is a stream of weights through a handful of input rows, so tokens/s
 is the speed those weights are read at. On the project's AVX-512 CPUs oneDNN's pre-packed bf16
@@ -37,7 +37,7 @@ from infer.fileio import default_cache_dir
 # Rows above this go to F.linear: beyond a few dozen rows a product is bound by arithmetic, not by
 # reading the weight, and oneDNN's blocked GEMM catches up (measured even at 32-64 rows).
 MAX_ROWS = 64
-_SOURCE = Path(__file__).with_name("cpu_gemv.c")
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _CPU_FLAGS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512_bf16"), torch.float32: ("avx512f",)}
 _KERNELS = {torch.bfloat16: "gemv_bf16", torch.float32: "gemv_f32"}
 
@@ -71,7 +71,7 @@ def _library() -> ctypes.CDLL | None:
     source = _SOURCE.read_bytes()
     # -march=native code is for this CPU only: the key names the CPU's flags as well as the source.
     key = hashlib.sha256(source + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    target = default_cache_dir() / "kernels" / f"cpu_gemv-{key}.so"
+    target = default_cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

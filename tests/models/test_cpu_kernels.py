@@ -1,4 +1,4 @@
-"""The streaming CPU matrix-vector kernel (infer.models.cpu_gemv) against F.linear."""
+"""The streaming CPU matrix-vector kernel (infer.models.cpu_kernels) against F.linear."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.models.cpu_gemv import MAX_ROWS, GemvLinear, gemv, gemv_available
+from infer.models.cpu_kernels import MAX_ROWS, GemvLinear, gemv, gemv_available
 
 DTYPES = [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)]
 
@@ -52,7 +52,7 @@ def test_linear_shares_weights_and_falls_back_for_many_rows(monkeypatch: pytest.
         calls.append(x.numel() // x.shape[-1])
         return real(x, weight, bias)
 
-    monkeypatch.setattr("infer.models.cpu_gemv.gemv", counting)
+    monkeypatch.setattr("infer.models.cpu_kernels.gemv", counting)
     with torch.inference_mode():
         for rows in (1, MAX_ROWS, MAX_ROWS + 1):
             x = torch.randn(rows, 64, dtype=torch.bfloat16)

@@ -11,7 +11,7 @@
  * the chunks in order, then one fixed reduction tree), so a 1-token decode step and a (K+1)-token
  * verification pass compute bit-identical rows. A last partial block of weight rows repeats its
  * final row and stores only the real outputs, so it too runs that sequence.
- * Built by infer/models/cpu_gemv.py with the system C compiler (-O3 -march=native -fopenmp).
+ * Built by infer/models/cpu_kernels.py with the system C compiler (-O3 -march=native -fopenmp).
  */
 #include <immintrin.h>
 #include <stdint.h>
