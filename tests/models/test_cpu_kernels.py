@@ -1,12 +1,17 @@
-"""The streaming CPU matrix-vector kernel (infer.models.cpu_kernels) against F.linear."""
+"""The CPU kernels (infer.models.cpu_kernels): the streaming matrix-vector product against F.linear,
+and the fused small operators against the layers they stand in for."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.models.cpu_kernels import MAX_ROWS, GemvLinear, gemv, gemv_available
+from infer.loader import load_model
+from infer.models.cpu_kernels import MAX_ROWS, GemvLinear, gemv, gemv_available, rms_norm, rope, silu_mul
+from infer.models.layers import MLP, Attention, RMSNorm, apply_rope, cpu_fused_available, rope_cos_sin
 
 DTYPES = [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)]
 
@@ -58,3 +63,49 @@ def test_linear_shares_weights_and_falls_back_for_many_rows(monkeypatch: pytest.
             x = torch.randn(rows, 64, dtype=torch.bfloat16)
             torch.testing.assert_close(fast(x).float(), linear(x).float(), rtol=2e-2, atol=2e-2)
     assert calls == [1, MAX_ROWS]  # the prefill-sized product went to F.linear
+
+
+# ----------------------------------------------------------------------------- fused small operators
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+def test_fused_operators_match_the_reference_layers(dtype: torch.dtype, tol: float) -> None:
+    _needs(dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 96, generator=gen).to(dtype)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+    torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps).float(), norm(x).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(silu_mul(x).float(), (F.silu(x[..., :48]) * x[..., 48:]).float(), rtol=tol, atol=tol)
+    # RoPE has no sum to reorder: with FMA contraction off it rounds exactly where the reference does.
+    qkv = torch.randn(2, 5, 7, 16, generator=gen).to(dtype)  # 4 query + 1 key heads rotated, 2 value heads not
+    cos, sin = rope_cos_sin(torch.rand(8, generator=gen), torch.arange(10).view(2, 5) + 3, dtype)
+    assert torch.equal(rope(qkv[:, :, :5], cos, sin), apply_rope(qkv[:, :, :5], cos, sin))
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+def test_fused_operators_compute_each_row_the_same_whatever_the_row_count(dtype: torch.dtype, tol: float) -> None:
+    _needs(dtype)
+    gen = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(6, 576, generator=gen).to(dtype), torch.randn(576, generator=gen).to(dtype)
+    assert torch.equal(rms_norm(x, weight, 1e-5), torch.cat([rms_norm(x[i: i + 1], weight, 1e-5) for i in range(6)]))
+    assert torch.equal(silu_mul(x), torch.cat([silu_mul(x[i: i + 1]) for i in range(6)]))
+
+
+def test_pack_for_cpu_turns_the_fused_operators_on_unless_told_not_to(tiny_llama: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs(torch.bfloat16)
+
+    def fused_flags() -> set[bool]:
+        model, _ = load_model(str(tiny_llama), torch.bfloat16, "cpu")
+        return {m.cpu_fused for m in model.modules() if isinstance(m, (RMSNorm, Attention, MLP))}
+
+    assert fused_flags() == {True}
+    monkeypatch.setenv("INFER_CPU_FUSED", "0")
+    cpu_fused_available.cache_clear()
+    try:
+        assert fused_flags() == {False}
+    finally:
+        monkeypatch.delenv("INFER_CPU_FUSED")
+        cpu_fused_available.cache_clear()

@@ -15,6 +15,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #define JB 4 /* weight rows per block: one reduction of four accumulators */
@@ -164,5 +165,86 @@ void gemv_f32(const float *w, const float *x, const float *bias, float *y,
                 for (int64_t j = 0; j < valid; j++)
                     y[(r0 + r) * n + j0 + j] = sums[r][j] + (bias ? bias[j0 + j] : 0.0f);
         }
+    }
+}
+
+/* The small operators between the matmuls of a decode step. Each is one call instead of the 3-9
+ * tensor operators PyTorch runs for it (each of which costs microseconds of dispatch on a
+ * 576-wide row), and each computes a row the same way whatever the number of rows. They round
+ * where the reference (infer.models.layers) rounds: to the tensor's dtype after every operator.
+ * The build disables FMA contraction so that a * b + c rounds twice, as the reference does. */
+
+static inline float to_f32_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* y = w * bf16(x * rsqrt(sum(x^2) / dim + eps)), per row of x [rows, dim] (RMSNorm). */
+void rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * dim;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < dim; i++) {
+            float v = to_f32_bf16(xr, i);
+            sum += v * v;
+        }
+        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++)
+            y[r * dim + i] = f32_to_bf16(to_f32_bf16(w, i) * round_bf16(to_f32_bf16(xr, i) * inv));
+    }
+}
+
+void rmsnorm_f32(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < dim; i++) sum += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) y[r * dim + i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* RoPE: y[n, h] = x[n, h] * cos[n] + roll(x[n, h], dim / 2) * sin[n] (sin's first half negated by
+ * the caller), for n over rows (tokens) and h over heads. x is strided (heads sliced out of the
+ * fused projection): row stride sn, head stride sh, elements contiguous; y is contiguous. */
+void rope_bf16(const uint16_t *x, int64_t sn, int64_t sh, const uint16_t *cos, const uint16_t *sin, uint16_t *y,
+               int64_t rows, int64_t heads, int64_t dim) {
+    int64_t half = dim / 2;
+    for (int64_t n = 0; n < rows; n++)
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xh = x + n * sn + h * sh, *c = cos + n * dim, *s = sin + n * dim;
+            uint16_t *yh = y + (n * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i++) {
+                float rolled = to_f32_bf16(xh, i < half ? i + half : i - half);
+                yh[i] = f32_to_bf16(round_bf16(to_f32_bf16(xh, i) * to_f32_bf16(c, i))
+                                    + round_bf16(rolled * to_f32_bf16(s, i)));
+            }
+        }
+}
+
+void rope_f32(const float *x, int64_t sn, int64_t sh, const float *cos, const float *sin, float *y,
+              int64_t rows, int64_t heads, int64_t dim) {
+    int64_t half = dim / 2;
+    for (int64_t n = 0; n < rows; n++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + n * sn + h * sh, *c = cos + n * dim, *s = sin + n * dim;
+            float *yh = y + (n * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i++) yh[i] = xh[i] * c[i] + xh[i < half ? i + half : i - half] * s[i];
+        }
+}
+
+/* SwiGLU's activation: y = silu(gate) * up for gate_up [rows, 2 * inter] (gate first, then up). */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i++) {
+            float v = to_f32_bf16(g, i);
+            y[r * inter + i] = f32_to_bf16(round_bf16(v / (1.0f + expf(-v))) * to_f32_bf16(u, i));
+        }
+    }
+}
+
+void silu_mul_f32(const float *gate_up, float *y, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i++) y[r * inter + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }

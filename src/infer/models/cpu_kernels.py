@@ -39,7 +39,7 @@ from infer.fileio import default_cache_dir
 MAX_ROWS = 64
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _CPU_FLAGS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512_bf16"), torch.float32: ("avx512f",)}
-_KERNELS = {torch.bfloat16: "gemv_bf16", torch.float32: "gemv_f32"}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}  # each kernel's C name ends in its dtype's
 
 
 @functools.cache
@@ -77,18 +77,24 @@ def _library() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             try:
-                result = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-                                         str(_SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300)
+                # -ffp-contract=off: a * b + c rounds twice, as the PyTorch operators it replaces do.
+                result = subprocess.run([compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared",
+                                         "-fPIC", str(_SOURCE), "-o", str(built), "-lm"],
+                                        capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.TimeoutExpired):
                 return None
             if result.returncode != 0:
                 return None
             os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
     lib = ctypes.CDLL(str(target))
-    for name in _KERNELS.values():
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        fn.restype = None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    for suffix in ("bf16", "f32"):
+        for name, argtypes in (("gemv", [pointer] * 4 + [size] * 3 + [ctypes.c_int]),
+                               ("rmsnorm", [pointer] * 3 + [size] * 2 + [ctypes.c_float]),
+                               ("rope", [pointer, size, size] + [pointer] * 3 + [size] * 3),
+                               ("silu_mul", [pointer] * 2 + [size] * 2)):
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
     return lib
 
 
@@ -107,12 +113,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lib = _library()
-    assert lib is not None and weight.dtype in _KERNELS and weight.is_contiguous()
+    assert lib is not None and weight.dtype in _SUFFIX and weight.is_contiguous()
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
-    getattr(lib, _KERNELS[weight.dtype])(weight.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(),
-                                         out.data_ptr(), rows.shape[0], weight.shape[0], weight.shape[1],
-                                         torch.get_num_threads())
+    getattr(lib, f"gemv_{_SUFFIX[weight.dtype]}")(weight.data_ptr(), rows.data_ptr(),
+                                                  None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                                  rows.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -127,11 +133,53 @@ def _gemv_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+# The fused small operators (RMSNorm, RoPE, SwiGLU's activation): one C call each. Under the
+# profiler each call is recorded as this event.
+FUSED_EVENT = "infer::cpu_fused"
+
+
+def _call(name: str, dtype: torch.dtype, *args: object) -> None:
+    lib = _library()
+    assert lib is not None and dtype in _SUFFIX
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(FUSED_EVENT):
+            getattr(lib, f"{name}_{_SUFFIX[dtype]}")(*args)
+    else:
+        getattr(lib, f"{name}_{_SUFFIX[dtype]}")(*args)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` (contiguous, ``weight``'s dtype) as ``layers.RMSNorm`` computes it."""
+    out = torch.empty_like(x)
+    _call("rmsnorm", x.dtype, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+          x.shape[-1], eps)
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``layers.apply_rope`` for ``x`` [B, T, heads, head_dim], a view whose heads and head
+    elements lie like a contiguous tensor's but whose tokens may be strided (heads sliced out of
+    the fused projection); cos/sin [B, T, 1, head_dim] contiguous. Returns a contiguous tensor."""
+    batch, width, heads, dim = x.shape
+    out = torch.empty(batch, width, heads, dim, dtype=x.dtype)
+    _call("rope", x.dtype, x.data_ptr(), x.stride(1), x.stride(2), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+          batch * width, heads, dim)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` [..., 2 * inter] (contiguous; gate first)."""
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    _call("silu_mul", gate_up.dtype, gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter)
+    return out
+
+
 @functools.cache
 def gemv_available(dtype: torch.dtype) -> bool:
     """Whether this CPU runs the kernel for ``dtype`` and it agrees with ``F.linear`` on a probe
     (an odd inner size, so the masked tail is checked too)."""
-    if dtype not in _KERNELS or not set(_CPU_FLAGS[dtype]) <= cpu_flags() or _library() is None:
+    if dtype not in _SUFFIX or not set(_CPU_FLAGS[dtype]) <= cpu_flags() or _library() is None:
         return False
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 75, generator=gen).to(dtype)

@@ -18,10 +18,19 @@ from torch import nn
 
 from infer.cache.protocol import KVBatch, LayerKV
 from infer.loader.config import CheckpointError, ModelConfig
+from infer.models import cpu_kernels
 from infer.models.cpu_kernels import GemvLinear, gemv_available
 
 # enable_gqa arrived in torch 2.5; older versions repeat K/V heads instead.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _run_fused(enabled: bool, *tensors: torch.Tensor) -> bool:
+    """Whether a module runs its CPU fused kernel (``cpu_kernels``): ``pack_for_cpu`` enabled it, the
+    inputs are contiguous, torch.compile is not tracing (Inductor fuses these operators itself) and
+    autograd does not need the operators recorded."""
+    return (enabled and not torch.compiler.is_compiling() and all(t.is_contiguous() for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
 class RMSNorm(nn.Module):
@@ -29,8 +38,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.cpu_fused = False  # set by DecoderOnlyLM.pack_for_cpu where the CPU kernels run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _run_fused(self.cpu_fused, x, self.weight):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 like the reference implementation, then cast back. The mean of
         # squares is sum / dim: bit-identical to ``mean`` (which is exactly that) at a fraction of
         # its CPU cost, and F.rms_norm is no faster here (on CPU it decomposes into the same steps)
@@ -100,6 +112,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): one matmul instead of three
+        self.cpu_fused = False  # RoPE by the CPU kernel (pack_for_cpu)
         # Set by models.invariant.make_exact: attention whose rows do not depend on the pass's shape.
         self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
@@ -115,7 +128,9 @@ class Attention(nn.Module):
             # k and v are written to the cache straight from their rows (no split copies).
             qkv = self.qkv_proj(x).view(batch, width, heads + 2 * kv_heads, self.head_dim)
             if self.q_norm is None:
-                qk = apply_rope(qkv[:, :, : heads + kv_heads], cos, sin)
+                # The kernel reads q and k where they lie in the projection's output (contiguous).
+                qk = (cpu_kernels.rope(qkv[:, :, : heads + kv_heads], cos, sin)
+                      if _run_fused(self.cpu_fused, qkv, cos, sin) else apply_rope(qkv[:, :, : heads + kv_heads], cos, sin))
                 q, k = qk[:, :, :heads], qk[:, :, heads:]
             else:
                 q, k = qkv[:, :, :heads], qkv[:, :, heads: heads + kv_heads]
@@ -214,13 +229,17 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse()
+        self.cpu_fused = False  # SwiGLU's activation by the CPU kernel (pack_for_cpu)
 
     def fuse(self) -> None:
         self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if _run_fused(self.cpu_fused, gate_up):
+                return self.down_proj(cpu_kernels.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -300,6 +319,27 @@ def cpu_linear_kernel(dtype: torch.dtype) -> str | None:
     if os.environ.get("INFER_CPU_GEMV", "1") != "0" and gemv_available(dtype):
         return "gemv"
     return "onednn" if cpu_packing_available(dtype) else None
+
+
+@functools.cache
+def cpu_fused_available(dtype: torch.dtype) -> bool:
+    """Whether ``pack_for_cpu`` runs RMSNorm, RoPE and SwiGLU's activation through the C kernels
+    (``cpu_kernels``): the library builds here and agrees with this module's operators on a probe.
+    ``INFER_CPU_FUSED=0`` turns them off."""
+    if os.environ.get("INFER_CPU_FUSED", "1") == "0" or not gemv_available(dtype):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 100, generator=gen).to(dtype)
+    norm = RMSNorm(100, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(100, generator=gen))
+    heads = torch.randn(2, 3, 5, 16, generator=gen).to(dtype)
+    cos, sin = rope_cos_sin(torch.rand(8, generator=gen), torch.arange(6).view(2, 3), dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    checks = [(cpu_kernels.rms_norm(x, norm.weight, norm.eps), norm(x)),
+              (cpu_kernels.rope(heads[:, :, :3], cos, sin), apply_rope(heads[:, :, :3], cos, sin)),
+              (cpu_kernels.silu_mul(x), F.silu(x[..., :50]) * x[..., 50:])]
+    return all(torch.allclose(ours.float(), ref.float(), rtol=tol, atol=tol) for ours, ref in checks)
 
 
 def cpu_linear(linear: nn.Linear) -> nn.Module:
@@ -383,7 +423,8 @@ class DecoderOnlyLM(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Replace every projection and the LM head by its CPU inference form (fused, bfloat16 or
-        float32): a ``GemvLinear`` where this CPU runs the streaming kernel, else a ``PackedLinear``."""
+        float32): a ``GemvLinear`` where this CPU runs the streaming kernel, else a ``PackedLinear``;
+        and where the kernels run, RMSNorm, RoPE and SwiGLU's activation through them too."""
         if not self.fused:
             raise RuntimeError("pack_for_cpu needs the fused inference layout (fuse_projections first)")
         for layer in self.model.layers:
@@ -393,6 +434,10 @@ class DecoderOnlyLM(nn.Module):
             attn.qkv_proj, attn.o_proj = cpu_linear(attn.qkv_proj), cpu_linear(attn.o_proj)  # type: ignore[assignment]
             mlp.gate_up_proj, mlp.down_proj = cpu_linear(mlp.gate_up_proj), cpu_linear(mlp.down_proj)  # type: ignore[assignment]
         self.lm_head = cpu_linear(self.lm_head)  # type: ignore[assignment]  # a packed head gets its own copy
+        if cpu_fused_available(self.model.embed_tokens.weight.dtype):
+            for module in self.modules():
+                if isinstance(module, (RMSNorm, Attention, MLP)):
+                    module.cpu_fused = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
