@@ -61,7 +61,7 @@ def run_compile_eval(model_ref: str, dtype_name: str, prompt: str, verify_width:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; it needs at least {verify_width}")
     say("loading the eager and the to-be-compiled copy")
     eager = _copy(model_ref, dtype, prompt_ids, verify_width)
-    compiled = _copy(model_ref, dtype, prompt_ids, verify_width, compile_forward)
+    compiled = _copy(model_ref, dtype, prompt_ids, verify_width, lambda model: compile_forward(model, say))
     compile_s: dict[str, float] = {}
     for kind in ("decode", "verify"):
         say(f"compiling the {kind} pass")
