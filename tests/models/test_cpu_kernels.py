@@ -109,3 +109,26 @@ def test_pack_for_cpu_turns_the_fused_operators_on_unless_told_not_to(tiny_llama
     finally:
         monkeypatch.delenv("INFER_CPU_FUSED")
         cpu_fused_available.cache_clear()
+
+
+def test_small_passes_run_torch_single_threaded_and_the_kernels_on_every_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs(torch.bfloat16)
+    from infer.models import cpu_kernels
+
+    seen: list[tuple[int, int]] = []  # (torch's threads, the kernel's) per product
+    real = cpu_kernels._gemv
+
+    def spying(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        seen.append((torch.get_num_threads(), cpu_kernels._kernel_threads[0] or torch.get_num_threads()))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(cpu_kernels, "_gemv", spying)
+    linear = GemvLinear(torch.nn.Linear(64, 48, dtype=torch.bfloat16))
+    torch.set_num_threads(2)  # the autouse fixture restores the test's thread count
+    with torch.inference_mode(), cpu_kernels.kernel_threads_only():
+        linear(torch.randn(3, 64, dtype=torch.bfloat16))
+        with cpu_kernels.kernel_threads_only():  # nested: changes nothing
+            linear(torch.randn(1, 64, dtype=torch.bfloat16))
+    assert torch.get_num_threads() == 2 and cpu_kernels._kernel_threads[0] is None
+    assert seen == [(1, 2), (1, 2)]

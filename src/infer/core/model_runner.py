@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
 
 from infer.cache.protocol import CachePoolProtocol, build_kv_batch
 from infer.core.request import Request
+from infer.models.cpu_kernels import MAX_ROWS, GemvLinear, kernel_threads_only
 from infer.models.layers import DecoderOnlyLM, block_mask_from
 
 
@@ -24,6 +26,12 @@ class ModelRunner:
         self.tree_attention = tree_attention  # "flex": tree passes use FlexAttention with a block mask
         self.device = pool.device
         self.vocab_size = model.config.vocab_size
+        # Where the CPU kernels carry the matmuls, passes they take whole run torch's own operators
+        # single-threaded (cpu_kernels.kernel_threads_only); elsewhere torch's threading is left alone.
+        self.kernels = any(isinstance(m, GemvLinear) for m in model.modules())
+
+    def _threads_for(self, rows: int) -> contextlib.AbstractContextManager[None]:
+        return kernel_threads_only() if self.kernels and rows <= MAX_ROWS else contextlib.nullcontext()
 
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], runs: Sequence[Sequence[int]] | torch.Tensor,
@@ -53,11 +61,13 @@ class ModelRunner:
         if tree_mask is not None and self.tree_attention == "flex":
             assert kv.mask is not None  # a tree pass always has one
             kv.block_mask = block_mask_from(kv.mask)
-        return self.model(ids, positions, kv)
+        with self._threads_for(ids.numel()):
+            return self.model(ids, positions, kv)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden).float()
+        with self._threads_for(hidden.numel() // hidden.shape[-1]):
+            return self.model.compute_logits(hidden).float()
 
     @staticmethod
     def last_hidden(hidden: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
