@@ -69,6 +69,20 @@ class ModelRunner:
         with self._threads_for(hidden.numel() // hidden.shape[-1]):
             return self.model.compute_logits(hidden).float()
 
+    def warm_up(self, width: int) -> None:
+        """Run each kind of pass a request meets once on scratch sequences (one sequence and two;
+        a prefill, a decode step and a ``width``-token verification), so a compiled model compiles
+        its graphs now rather than in the middle of the first requests. The pool is left as found."""
+        slots = [self.pool.allocate(), self.pool.allocate()]
+        try:
+            for batch in ([slots[0]], slots):
+                self.logits(self.forward(batch, [[0] * 4] * len(batch))[:, -1])  # prefill
+                self.logits(self.forward(batch, [[0]] * len(batch))[:, -1])  # decode step
+                self.logits(self.forward(batch, [[0] * width] * len(batch)))  # verification
+        finally:
+            for slot in slots:
+                self.pool.free(slot)
+
     @staticmethod
     def last_hidden(hidden: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """Hidden state of each row's last real token, [B, hidden]."""

@@ -117,6 +117,10 @@ class Engine:
                                     tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
                                     make_pool=self._make_pool, compile=config.compile)
             self.runner = make_speculative_runner(config.speculative, target, described, say)
+        if config.compile:
+            width = 1 + (config.speculative.max_length if config.speculative is not None else 1)
+            say("torch.compile: compiling the kinds of pass requests run (once per process; cached on disk)")
+            target.runner.warm_up(width)
         self.scheduler = Scheduler(self.runner, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                    chunked_prefill=config.chunked_prefill,
                                    max_prefill_tokens=config.max_prefill_tokens)

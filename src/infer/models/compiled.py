@@ -5,7 +5,8 @@ with dynamic shapes: the context length changes every step and the batch size an
 from one step to the next, and symbolic sizes keep those from recompiling. torch still
 specializes sizes of 1, so a handful of graphs cover everything (one sequence or several, one new
 token or several, with or without an attention mask); each is compiled the first time its kind of
-pass runs and then reused. Inductor's on-disk caches make a restart's compiles much cheaper.
+pass runs and then reused (the engine runs the common kinds at load: ``ModelRunner.warm_up``).
+Inductor's on-disk caches make a restart's compiles cheaper.
 
 The CPU matrix-vector kernel is an opaque custom operator to the compiler (``infer::gemv``); what
 Inductor gains on CPU is fusing the small operators between the matmuls. It measured no faster
