@@ -78,14 +78,18 @@ def _library() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            try:
-                # -ffp-contract=off: a * b + c rounds twice, as the PyTorch operators it replaces do.
-                result = subprocess.run([compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared",
-                                         "-fPIC", str(_SOURCE), "-o", str(built), "-lm"],
-                                        capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.TimeoutExpired):
-                return None
-            if result.returncode != 0:
+            # -ffp-contract=off: a * b + c rounds twice, as the PyTorch operators it replaces do;
+            # libmvec (glibc's vector math) where it links, else the scalar expf.
+            base = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared",
+                    "-fPIC", str(_SOURCE), "-o", str(built)]
+            for command in (base + ["-lmvec", "-lm"], base + ["-DINFER_NO_LIBMVEC", "-lm"]):
+                try:
+                    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+                except (OSError, subprocess.TimeoutExpired):
+                    return None
+                if result.returncode == 0:
+                    break
+            else:
                 return None
             os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
     lib = ctypes.CDLL(str(target))
