@@ -504,8 +504,9 @@ def test_infer_serve_command(tiny_llama: Path) -> None:
         wait_serving(proc, port, timeout=60)
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"] == "cli-model"
-        out = httpx.post(f"{url}/v1/completions", json={"model": "cli-model", "prompt": "hi", "max_tokens": 3},
-                         timeout=30)
+        # ignore_eos: the request samples at temperature 1 unseeded, and the random model can draw EOS early.
+        out = httpx.post(f"{url}/v1/completions", json={"model": "cli-model", "prompt": "hi", "max_tokens": 3,
+                                                         "ignore_eos": True}, timeout=30)
         assert out.json()["usage"]["completion_tokens"] == 3
     finally:
         proc.terminate()
