@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,17 +129,21 @@ def kernel_threads_only() -> Iterator[None]:
         _kernel_threads[0] = None
 
 
-# The kernel is a plain C call, invisible to torch.profiler: under the profiler each call is recorded
-# as this event (``infer bench generation --profile`` counts it with the weight matmuls).
+# The kernels are plain C calls, invisible to torch.profiler: under the profiler each call is
+# recorded as one of these events (``infer bench generation --profile`` counts the first with the
+# weight matmuls).
 PROFILER_EVENT = "infer::cpu_gemv"
+FUSED_EVENT = "infer::cpu_fused"  # RMSNorm, RoPE, SwiGLU's activation
+
+
+def _recorded(event: str) -> contextlib.AbstractContextManager[Any]:
+    return torch.profiler.record_function(event) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the kernel (``x`` CPU, bfloat16 or float32, any leading dims)."""
-    if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function(PROFILER_EVENT):
-            return _gemv(x, weight, bias)
-    return _gemv(x, weight, bias)
+    with _recorded(PROFILER_EVENT):
+        return _gemv(x, weight, bias)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -164,18 +169,11 @@ def _gemv_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-# The fused small operators (RMSNorm, RoPE, SwiGLU's activation): one C call each. Under the
-# profiler each call is recorded as this event.
-FUSED_EVENT = "infer::cpu_fused"
-
-
 def _call(name: str, dtype: torch.dtype, *args: object) -> None:
+    """One fused small operator (RMSNorm, RoPE, SwiGLU's activation): one C call."""
     lib = _library()
     assert lib is not None and dtype in _SUFFIX
-    if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function(FUSED_EVENT):
-            getattr(lib, f"{name}_{_SUFFIX[dtype]}")(*args)
-    else:
+    with _recorded(FUSED_EVENT):
         getattr(lib, f"{name}_{_SUFFIX[dtype]}")(*args)
 
 

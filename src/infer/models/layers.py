@@ -129,8 +129,8 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x).view(batch, width, heads + 2 * kv_heads, self.head_dim)
             if self.q_norm is None:
                 # The kernel reads q and k where they lie in the projection's output (contiguous).
-                qk = (cpu_kernels.rope(qkv[:, :, : heads + kv_heads], cos, sin)
-                      if _run_fused(self.cpu_fused, qkv, cos, sin) else apply_rope(qkv[:, :, : heads + kv_heads], cos, sin))
+                rope = cpu_kernels.rope if _run_fused(self.cpu_fused, qkv, cos, sin) else apply_rope
+                qk = rope(qkv[:, :, : heads + kv_heads], cos, sin)
                 q, k = qk[:, :, :heads], qk[:, :, heads:]
             else:
                 q, k = qkv[:, :, :heads], qkv[:, :, heads: heads + kv_heads]
