@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define JB 4 /* weight rows per block: one reduction of four accumulators */
@@ -210,3 +211,138 @@ DEFINE_ROPE(bf16)
 DEFINE_ROPE(f32)
 DEFINE_SILU_MUL(bf16)
 DEFINE_SILU_MUL(f32)
+
+/* ---------------------------------------------------------------------------------------------
+ * A whole decoder stack in one call, for passes of a few rows (decode steps, verifications,
+ * draft steps). Between its matmuls a Llama layer is some thirty PyTorch operators and Python
+ * lines on rows of a few hundred elements; on a 135M model that was a third of a decode step.
+ * Here every layer is the kernels above in the order infer.models.layers runs them, plus the
+ * attention over the cache, with no return to Python until the last layer.
+ *
+ * The attention computes each query row (a token of a sequence, one head) alone: the scores of
+ * its visible keys in position order, their softmax in float32 and the weighted sum of the values
+ * in that same order. A query's result therefore depends on which keys it sees and nothing else:
+ * not the number of rows in the pass nor the masked keys beside it. With the row-wise kernels
+ * above, a token's logits are bit-identical in a decode step and in any verification pass.
+ */
+
+/* Addresses of one layer's tensors, in this order, in the [layers, STACK_TENSORS] table. */
+enum { T_LN1, T_QKV_W, T_QKV_B, T_O_W, T_O_B, T_LN2, T_GATE_UP_W, T_GATE_UP_B, T_DOWN_W, T_DOWN_B, STACK_TENSORS };
+
+typedef struct {
+    int64_t rows, width, batch;           /* rows = batch * width query tokens */
+    int64_t hidden, heads, kv_heads, head_dim, inter, layers;
+    float eps, scale;
+    const int64_t *tensors;               /* [layers, STACK_TENSORS] addresses (biases may be 0) */
+    const int64_t *k_stores, *v_stores;   /* [layers] addresses of [storage rows, kv_heads, head_dim] */
+    const int64_t *write_rows;            /* [rows] storage row of each token's new K/V; -1: padding */
+    const int64_t *read_rows;             /* [batch, context] storage rows of the context, or NULL: */
+    int64_t read_start;                   /* ... one sequence in rows read_start .. + context */
+    int64_t context;
+    const uint8_t *mask;                  /* [batch, width, context] 1 = visible, or NULL: all are */
+    const void *cos, *sin;                /* [rows, head_dim], sin's first half negated */
+    void *x;                              /* [rows, hidden]: the embeddings in, the stack's output out */
+    int threads;
+} StackArgs;
+
+/* Dot product of a float32 query with one stored key, and value accumulation, 16 lanes at a time. */
+static inline __m512 widen_bf16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline __m512 widen_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+#define DEFINE_STACK(S)                                                                            \
+    static void attention_##S(const StackArgs *a, const elem_##S *qk, const elem_##S *ks,          \
+                              const elem_##S *vs, elem_##S *out) {                                 \
+        int64_t hd = a->head_dim, heads = a->heads, kvh = a->kv_heads, groups = heads / kvh;       \
+        int64_t L = a->context, chunks = (hd + 15) / 16, pairs = a->rows * heads;                  \
+        _Pragma("omp parallel num_threads(a->threads) if (a->threads > 1 && pairs > 1)")           \
+        {                                                                                          \
+            float *score = malloc(sizeof(float) * (size_t)L);                                      \
+            int64_t *key = malloc(sizeof(int64_t) * (size_t)L);                                    \
+            _Pragma("omp for schedule(static)")                                                    \
+            for (int64_t p = 0; p < pairs; p++) {                                                  \
+                int64_t r = p / heads, h = p % heads, b = r / a->width, g = h / groups, n = 0;     \
+                const uint8_t *visible = a->mask ? a->mask + r * L : NULL;                         \
+                for (int64_t l = 0; l < L; l++)                                                    \
+                    if (!visible || visible[l])                                                    \
+                        key[n++] = a->read_rows ? a->read_rows[b * L + l] : a->read_start + l;     \
+                __m512 q[16];                                                                      \
+                const elem_##S *qh = qk + (r * (heads + kvh) + h) * hd;                            \
+                for (int64_t c = 0; c < chunks; c++) q[c] = widen_##S(qh + 16 * c, lanes(hd - 16 * c)); \
+                float top = -INFINITY;                                                             \
+                for (int64_t i = 0; i < n; i++) {                                                  \
+                    const elem_##S *kr = ks + (key[i] * kvh + g) * hd;                             \
+                    __m512 acc = _mm512_setzero_ps();                                              \
+                    for (int64_t c = 0; c < chunks; c++)                                           \
+                        acc = _mm512_fmadd_ps(q[c], widen_##S(kr + 16 * c, lanes(hd - 16 * c)), acc); \
+                    score[i] = _mm512_reduce_add_ps(acc) * a->scale;                               \
+                    top = score[i] > top ? score[i] : top;                                         \
+                }                                                                                  \
+                _Pragma("omp simd")                                                                \
+                for (int64_t i = 0; i < n; i++) score[i] = expf(score[i] - top);                   \
+                float total = 0.0f;                                                                \
+                __m512 acc[16];                                                                    \
+                for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();                 \
+                for (int64_t i = 0; i < n; i++) {                                                  \
+                    const elem_##S *vr = vs + (key[i] * kvh + g) * hd;                             \
+                    __m512 w = _mm512_set1_ps(score[i]);                                           \
+                    total += score[i];                                                             \
+                    for (int64_t c = 0; c < chunks; c++)                                           \
+                        acc[c] = _mm512_fmadd_ps(w, widen_##S(vr + 16 * c, lanes(hd - 16 * c)), acc[c]); \
+                }                                                                                  \
+                float inv = total > 0.0f ? 1.0f / total : 0.0f, lane[16];                          \
+                elem_##S *o = out + (r * heads + h) * hd;                                          \
+                for (int64_t c = 0; c < chunks; c++) {                                             \
+                    _mm512_storeu_ps(lane, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));            \
+                    for (int64_t e = 0; e < 16 && 16 * c + e < hd; e++) o[16 * c + e] = store_##S(lane[e]); \
+                }                                                                                  \
+            }                                                                                      \
+            free(score);                                                                           \
+            free(key);                                                                             \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    static void add_into_##S(elem_##S *x, const elem_##S *y, int64_t n) { /* x += y, rounded */   \
+        for (int64_t i = 0; i < n; i++) x[i] = store_##S(load_##S(x, i) + load_##S(y, i));         \
+    }                                                                                              \
+                                                                                                   \
+    void decoder_stack_##S(const StackArgs *a) {                                                   \
+        int64_t m = a->rows, d = a->hidden, hd = a->head_dim, H = a->heads, KV = a->kv_heads;      \
+        int64_t qkv_n = (H + 2 * KV) * hd;                                                         \
+        elem_##S *x = a->x;                                                                        \
+        elem_##S *normed = malloc(sizeof(elem_##S) * (size_t)(m * d));                             \
+        elem_##S *qkv = malloc(sizeof(elem_##S) * (size_t)(m * qkv_n));                           \
+        elem_##S *qk = malloc(sizeof(elem_##S) * (size_t)(m * (H + KV) * hd));                     \
+        elem_##S *attn = malloc(sizeof(elem_##S) * (size_t)(m * H * hd));                          \
+        elem_##S *delta = malloc(sizeof(elem_##S) * (size_t)(m * d));                              \
+        elem_##S *gate_up = malloc(sizeof(elem_##S) * (size_t)(m * 2 * a->inter));                 \
+        elem_##S *act = malloc(sizeof(elem_##S) * (size_t)(m * a->inter));                         \
+        for (int64_t layer = 0; layer < a->layers; layer++) {                                      \
+            const int64_t *t = a->tensors + layer * STACK_TENSORS;                                 \
+            elem_##S *ks = (elem_##S *)a->k_stores[layer], *vs = (elem_##S *)a->v_stores[layer];   \
+            rmsnorm_##S(x, (const elem_##S *)t[T_LN1], normed, m, d, a->eps);                      \
+            gemv_##S((const elem_##S *)t[T_QKV_W], normed, (const elem_##S *)t[T_QKV_B], qkv, m, qkv_n, d, a->threads); \
+            rope_##S(qkv, qkv_n, hd, a->cos, a->sin, qk, m, H + KV, hd);                           \
+            for (int64_t r = 0; r < m; r++) {                                                      \
+                int64_t row = a->write_rows[r];                                                    \
+                if (row < 0) continue;                                                             \
+                memcpy(ks + row * KV * hd, qk + (r * (H + KV) + H) * hd, sizeof(elem_##S) * (size_t)(KV * hd)); \
+                memcpy(vs + row * KV * hd, qkv + r * qkv_n + (H + KV) * hd, sizeof(elem_##S) * (size_t)(KV * hd)); \
+            }                                                                                      \
+            attention_##S(a, qk, ks, vs, attn);                                                    \
+            gemv_##S((const elem_##S *)t[T_O_W], attn, (const elem_##S *)t[T_O_B], delta, m, d, H * hd, a->threads); \
+            add_into_##S(x, delta, m * d);                                                         \
+            rmsnorm_##S(x, (const elem_##S *)t[T_LN2], normed, m, d, a->eps);                      \
+            gemv_##S((const elem_##S *)t[T_GATE_UP_W], normed, (const elem_##S *)t[T_GATE_UP_B], gate_up, m, \
+                     2 * a->inter, d, a->threads);                                                 \
+            silu_mul_##S(gate_up, act, m, a->inter);                                               \
+            gemv_##S((const elem_##S *)t[T_DOWN_W], act, (const elem_##S *)t[T_DOWN_B], delta, m, d, a->inter, a->threads); \
+            add_into_##S(x, delta, m * d);                                                         \
+        }                                                                                          \
+        free(normed); free(qkv); free(qk); free(attn); free(delta); free(gate_up); free(act);     \
+    }
+
+DEFINE_STACK(bf16)
+DEFINE_STACK(f32)

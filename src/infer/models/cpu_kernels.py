@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.cache.protocol import KVBatch
 from infer.fileio import default_cache_dir
 
 # Rows above this go to F.linear: beyond a few dozen rows a product is bound by arithmetic, not by
@@ -102,6 +103,8 @@ def _library() -> ctypes.CDLL | None:
                                ("silu_mul", [pointer] * 2 + [size] * 2)):
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
+        stack = getattr(lib, f"decoder_stack_{suffix}")
+        stack.argtypes, stack.restype = [ctypes.POINTER(StackArgs)], None
     return lib
 
 
@@ -134,6 +137,7 @@ def kernel_threads_only() -> Iterator[None]:
 # weight matmuls).
 PROFILER_EVENT = "infer::cpu_gemv"
 FUSED_EVENT = "infer::cpu_fused"  # RMSNorm, RoPE, SwiGLU's activation
+STACK_EVENT = "infer::cpu_stack"  # the whole decoder stack in one call (matmuls included)
 
 
 def _recorded(event: str) -> contextlib.AbstractContextManager[Any]:
@@ -201,6 +205,54 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
     _call("silu_mul", gate_up.dtype, gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter)
+    return out
+
+
+class StackArgs(ctypes.Structure):
+    """``StackArgs`` of cpu_kernels.c: one pass through the whole decoder stack."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("rows", "width", "batch", "hidden", "heads", "kv_heads", "head_dim",
+                                              "inter", "layers")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in ("tensors", "k_stores", "v_stores", "write_rows", "read_rows")),
+        ("read_start", ctypes.c_int64), ("context", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in ("mask", "cos", "sin", "x")),
+        ("threads", ctypes.c_int)]
+
+
+# The per-layer tensors of ``decoder_stack``'s table, in the C enum's order.
+STACK_TENSORS = ("input_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "post_norm",
+                 "gate_up_weight", "gate_up_bias", "down_weight", "down_bias")
+MAX_STACK_HEAD_DIM = 256  # the attention keeps a query head in 16 registers of 16 floats
+
+
+def decoder_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, kv: KVBatch,
+                  shape: dict[str, int], eps: float) -> torch.Tensor:
+    """Every decoder layer over ``x`` [B, T, hidden] (contiguous) in one C call: ``table`` holds
+    each layer's tensor addresses (``STACK_TENSORS``), ``kv`` says where the new keys and values go
+    and which cached ones each token sees. Returns the last layer's output (a new tensor)."""
+    lib = _library()
+    assert lib is not None and x.dtype in _SUFFIX
+    batch, width, hidden = x.shape
+    out = x.clone()
+    write_rows = kv.write_index
+    if kv.token_valid is not None:  # padding tokens write nothing
+        write_rows = torch.full((batch * width,), -1, dtype=torch.long)
+        write_rows[kv.token_valid.flatten()] = kv.write_index
+    k_stores = torch.tensor([t.data_ptr() for t in kv.k_layers], dtype=torch.long)
+    v_stores = torch.tensor([t.data_ptr() for t in kv.v_layers], dtype=torch.long)
+    mask = None if kv.mask is None else kv.mask.contiguous()
+    read_rows = None if kv.read_index is None else kv.read_index.contiguous()
+    args = StackArgs(rows=batch * width, width=width, batch=batch, hidden=hidden, eps=eps,
+                     scale=shape["head_dim"] ** -0.5, tensors=table.data_ptr(), k_stores=k_stores.data_ptr(),
+                     v_stores=v_stores.data_ptr(), write_rows=write_rows.data_ptr(),
+                     read_rows=None if read_rows is None else read_rows.data_ptr(),
+                     read_start=kv.read_start or 0, context=kv.context_len,
+                     mask=None if mask is None else mask.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+                     x=out.data_ptr(), threads=_kernel_threads[0] or torch.get_num_threads(), **shape)
+    with _recorded(STACK_EVENT):
+        getattr(lib, f"decoder_stack_{_SUFFIX[x.dtype]}")(ctypes.byref(args))
     return out
 
 

@@ -368,6 +368,62 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class CpuStack:
+    """Every decoder layer as one C call (``cpu_kernels.decoder_stack``) for passes of up to
+    ``MAX_ROWS`` tokens: the same kernels in the same order as the layers' own forward, minus
+    the Python and PyTorch operators between them (a third of a SmolLM2 decode step), and an
+    attention that computes each token alone, so a token's logits are the same bits in a decode
+    step and in any verification pass. ``INFER_CPU_STACK=0`` turns it off."""
+
+    def __init__(self, tensors: list[torch.Tensor | None], shape: dict[str, int], eps: float) -> None:
+        self.tensors = tensors  # kept: the table below holds their addresses
+        self.table = torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.long)
+        self.shape = shape
+        self.eps = eps
+        # Passes of more rows run layer by layer (prefill: oneDNN's GEMM is faster there). Exact-greedy
+        # mode lifts the limit (None): every pass then computes a token the same way.
+        self.max_rows: int | None = cpu_kernels.MAX_ROWS
+
+    @classmethod
+    def build(cls, model: DecoderOnlyLM) -> CpuStack | None:
+        """The stack for ``model`` (fused, packed, CPU kernels on), or None where it does not apply:
+        a per-head norm (Qwen3), a projection not on the kernel, a head too wide, or the switch off."""
+        config = model.config
+        layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
+        if (os.environ.get("INFER_CPU_STACK", "1") == "0" or config.qk_norm
+                or config.head_dim > cpu_kernels.MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers)):
+            return None
+        tensors: list[torch.Tensor | None] = []
+        eps = layers[0].input_layernorm.eps
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (not all(isinstance(m, GemvLinear) for m in linears) or not all(isinstance(n, RMSNorm) for n in norms)
+                    or any(n.eps != eps for n in norms) or attn.attend is not None):
+                return None
+            qkv, o, gate_up, down = linears
+            tensors += [layer.input_layernorm.weight, qkv.weight, qkv.bias, o.weight, o.bias,  # type: ignore[union-attr]
+                        layer.post_attention_layernorm.weight, gate_up.weight, gate_up.bias,  # type: ignore[union-attr]
+                        down.weight, down.bias]  # type: ignore[union-attr]
+        assert len(tensors) == len(layers) * len(cpu_kernels.STACK_TENSORS)
+        if not all(t is None or t.is_contiguous() for t in tensors):
+            return None
+        shape = dict(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                     head_dim=config.head_dim, inter=config.intermediate_size, layers=len(layers))
+        return cls(tensors, shape, eps)
+
+    def takes(self, x: torch.Tensor, kv: KVBatch) -> bool:
+        """Whether this pass runs here: few enough rows, no FlexAttention mask, and not traced by
+        torch.compile or recorded by autograd."""
+        return ((self.max_rows is None or x.shape[0] * x.shape[1] <= self.max_rows) and kv.block_mask is None
+                and not torch.compiler.is_compiling() and not torch.is_grad_enabled())
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        return cpu_kernels.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv,
+                                         self.shape, self.eps)
+
+
 class DecoderBody(nn.Module):
     """Embeddings, the layer stack and the final norm (HF's ``model.`` prefix)."""
 
@@ -394,6 +450,7 @@ class DecoderOnlyLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.fused = False
+        self.cpu_stack: CpuStack | None = None  # set by pack_for_cpu where the whole stack runs in C
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv: KVBatch | None = None) -> torch.Tensor:
@@ -402,8 +459,11 @@ class DecoderOnlyLM(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # type: ignore[arg-type]
-        for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, None if kv is None else kv.layer(index))
+        if kv is not None and self.cpu_stack is not None and self.cpu_stack.takes(x, kv):
+            x = self.cpu_stack(x, cos, sin, kv)
+        else:
+            for index, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, None if kv is None else kv.layer(index))
         return self.model.norm(x)
 
     def fuse_projections(self) -> None:
@@ -438,6 +498,7 @@ class DecoderOnlyLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, (RMSNorm, Attention, MLP)):
                     module.cpu_fused = True
+            self.cpu_stack = CpuStack.build(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
