@@ -1,10 +1,14 @@
 """Exact-greedy mode: a token's logits are bit-identical in a (K+1)-row verification pass (chain or
 tree, alone or batched, slotted or paged) and in the 1-token decode step, so greedy speculation in
-bfloat16 emits plain decoding's tokens. The default kernels are shown not to have that property
+bfloat16 emits plain decoding's tokens. The same holds by default where the CPU decoder stack runs
+(``CpuStack``: one C call per pass). The layer-by-layer kernels are shown not to have that property
 (the negative control), so the equality tests can fail."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +41,29 @@ def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                 intermediate_size=1536, num_heads=9, num_kv_heads=3, num_layers=2, seed=0)
 
 
-def bf16_model(path: Path, exact: bool) -> DecoderOnlyLM:
+def bf16_model(path: Path, exact: bool, stack: bool = True) -> DecoderOnlyLM:
+    """The model in bfloat16; ``stack=False`` runs it layer by layer even where the C decoder stack
+    could (exact mode then uses its portable kernels: RowChunked and exact_attention)."""
     model, _ = load_model(path, "bfloat16", "cpu")
+    if not stack:
+        model.cpu_stack = None
     if exact:
         make_exact(model)
     return model
+
+
+@contextlib.contextmanager
+def layer_by_layer() -> Iterator[None]:
+    """Engines loaded inside run without the C decoder stack (INFER_CPU_STACK=0)."""
+    previous = os.environ.get("INFER_CPU_STACK")
+    os.environ["INFER_CPU_STACK"] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["INFER_CPU_STACK"]
+        else:
+            os.environ["INFER_CPU_STACK"] = previous
 
 
 def runner_for(model: DecoderOnlyLM, backend: str) -> ModelRunner:
@@ -99,10 +121,12 @@ def pass_vs_steps(model: DecoderOnlyLM, backend: str, kind: str, batched: bool) 
     return [torch.equal(verify[i], step_logits(runner, slot, start, p)) for i, p in enumerate(paths)]
 
 
+@pytest.mark.parametrize("stack", [True, False], ids=["stack", "layers"])
 @pytest.mark.parametrize("backend", ["slotted", "paged"])
 @pytest.mark.parametrize("kind", ["chain", "tree"])
-def test_every_verification_row_equals_the_decode_step_bit_for_bit(wide_llama: Path, backend: str, kind: str) -> None:
-    model = bf16_model(wide_llama, exact=True)
+def test_every_verification_row_equals_the_decode_step_bit_for_bit(wide_llama: Path, backend: str, kind: str,
+                                                                   stack: bool) -> None:
+    model = bf16_model(wide_llama, exact=True, stack=stack)
     assert all(pass_vs_steps(model, backend, kind, batched=False))
     assert all(pass_vs_steps(model, backend, kind, batched=True))
 
@@ -112,11 +136,25 @@ def test_qk_norm_architecture_is_exact_too(tiny_qwen3: Path) -> None:
     assert all(pass_vs_steps(bf16_model(tiny_qwen3, exact=True), "paged", "tree", batched=True))
 
 
-def test_default_kernels_are_not_exact_in_bfloat16(wide_llama: Path) -> None:
-    """Negative control: with the default kernels the same comparisons find differing rows, so the
-    test above would catch exact mode not taking effect. (Which rows differ is chance: a rounding
-    apart changes a bfloat16 result only now and then.)"""
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_cpu_stack_is_exact_without_the_mode(wide_llama: Path, backend: str, kind: str) -> None:
+    """The C decoder stack computes each token's attention alone over its visible keys, and its
+    row-wise kernels do not depend on the row count, so passes it takes are exact by default."""
     model = bf16_model(wide_llama, exact=False)
+    if model.cpu_stack is None:
+        pytest.skip("the CPU decoder stack does not run here (needs the AVX-512 BF16 kernels)")
+    assert all(pass_vs_steps(model, backend, kind, batched=False))
+    assert all(pass_vs_steps(model, backend, kind, batched=True))
+
+
+def test_layer_by_layer_kernels_are_not_exact_in_bfloat16(wide_llama: Path) -> None:
+    """Negative control: with the layers run one by one in PyTorch (the path of GPUs, of passes
+    above the stack's row limit, and of CPUs without the kernels) the same comparisons find
+    differing rows, so the tests above would catch exactness not taking effect. (Which rows differ
+    is chance: a rounding apart changes a bfloat16 result only now and then.)"""
+    model = bf16_model(wide_llama, exact=False)
+    model.cpu_stack = None
     rows = [same for kind in ("chain", "tree") for batched in (False, True)
             for same in pass_vs_steps(model, "paged", kind, batched)]
     assert not all(rows)
@@ -186,6 +224,7 @@ def test_load_check_refuses_kernels_that_depend_on_the_pass(wide_llama: Path) ->
     with pytest.raises(RuntimeError, match="depends on the shape of the pass"):
         check_invariance(bf16_model(wide_llama, exact=False))
     check_invariance(bf16_model(wide_llama, exact=True))
+    check_invariance(bf16_model(wide_llama, exact=True, stack=False))
 
 
 def test_flex_tree_attention_is_refused_with_exact_greedy(tiny_llama: Path) -> None:
@@ -235,11 +274,18 @@ def real_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @real_model
-def test_real_model_rows_exact_only_in_exact_mode(real_folder: Path) -> None:
-    for exact in (True, False):
-        model = bf16_model(real_folder, exact)
-        rows = [same for kind in ("chain", "tree") for same in pass_vs_steps(model, "paged", kind, batched=True)]
-        assert all(rows) if exact else not all(rows)
+def test_real_model_rows_exact_in_exact_mode_and_the_cpu_stack(real_folder: Path) -> None:
+    """Exact-greedy mode (its portable kernels) and, where it runs, the default C decoder stack give
+    every verification row a decode step's bits; the layer-by-layer default kernels do not."""
+    def rows(model: DecoderOnlyLM) -> list[bool]:
+        return [same for kind in ("chain", "tree") for same in pass_vs_steps(model, "paged", kind, batched=True)]
+
+    assert all(rows(bf16_model(real_folder, exact=True, stack=False)))
+    default = bf16_model(real_folder, exact=False)
+    if default.cpu_stack is not None:
+        assert all(rows(default))
+    default.cpu_stack = None
+    assert not all(rows(default))
 
 
 # Batched together: two code continuations, an input-grounded edit, a question. Without the exact
@@ -249,14 +295,28 @@ REAL_TOKENS = 128
 SPEC_LENGTH = 3  # 4 verified rows per request: 16 for the batch, two of exact mode's 8-row blocks
 
 
+# How a real-model engine computes: "exact" is exact-greedy mode on its portable kernels (layer by
+# layer), "stack" the default kernels where the C decoder stack runs, "layers" the default kernels
+# layer by layer (the negative control).
+MODES = ("exact", "stack", "layers")
+
+
+def real_llm(folder: Path, mode: str, **options: Any) -> LLM:
+    with contextlib.nullcontext() if mode == "stack" else layer_by_layer():
+        llm = LLM(str(folder), dtype="bfloat16", device="cpu", exact_greedy=mode == "exact", max_batch_size=4,
+                  **options)
+    if mode == "stack" and llm.engine.model.cpu_stack is None:
+        pytest.skip("the CPU decoder stack does not run here (needs the AVX-512 BF16 kernels)")
+    return llm
+
+
 @pytest.fixture(scope="module")
-def real_plain_ids(real_folder: Path) -> dict[bool, list[list[int]]]:
-    """Plain greedy ids of REAL_PROMPTS per mode (exact or not), computed when first asked for."""
-    class PerMode(dict[bool, list[list[int]]]):
-        def __missing__(self, exact: bool) -> list[list[int]]:
-            llm = LLM(str(real_folder), dtype="bfloat16", device="cpu", exact_greedy=exact, max_batch_size=4)
-            self[exact] = greedy_run(llm, REAL_PROMPTS, REAL_TOKENS)[0]
-            return self[exact]
+def real_plain_ids(real_folder: Path) -> dict[str, list[list[int]]]:
+    """Plain greedy ids of REAL_PROMPTS per mode (MODES), computed when first asked for."""
+    class PerMode(dict[str, list[list[int]]]):
+        def __missing__(self, mode: str) -> list[list[int]]:
+            self[mode] = greedy_run(real_llm(real_folder, mode), REAL_PROMPTS, REAL_TOKENS)[0]
+            return self[mode]
 
     return PerMode()
 
@@ -286,26 +346,28 @@ def real_drafter_options(drafter: str, folder: Path, tmp_path: Path) -> dict[str
 
 @real_model
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["exact", "stack"])
 @pytest.mark.parametrize("drafter", ["ngram", "suffix", "medusa", "draft"])
-def test_real_model_greedy_speculation_token_identical(real_folder: Path, real_plain_ids: dict[bool, list[list[int]]],
-                                                       drafter: str, tmp_path: Path) -> None:
-    """SmolLM2-135M-Instruct in bfloat16, 4 prompts batched x 128 tokens: with exact-greedy kernels every
-    drafter (chains: n-gram, draft model; trees: suffix, Medusa) emits plain decoding's ids."""
-    options = real_drafter_options(drafter, real_folder, tmp_path)
-    spec = LLM(str(real_folder), dtype="bfloat16", device="cpu", exact_greedy=True, max_batch_size=4, **options)
+def test_real_model_greedy_speculation_token_identical(real_folder: Path, real_plain_ids: dict[str, list[list[int]]],
+                                                       drafter: str, mode: str, tmp_path: Path) -> None:
+    """SmolLM2-135M-Instruct in bfloat16, 4 prompts batched x 128 tokens: with exact-greedy kernels,
+    and by default where the C decoder stack runs, every drafter (chains: n-gram, draft model;
+    trees: suffix, Medusa) emits plain decoding's ids."""
+    spec = real_llm(real_folder, mode, **real_drafter_options(drafter, real_folder, tmp_path))
     ids, proposed, accepted = greedy_run(spec, REAL_PROMPTS, REAL_TOKENS)
-    diverged = first_divergences(ids, real_plain_ids[True])
-    print(f"{drafter}: proposed {proposed}, accepted {accepted}, diverged (prompt: first token) {diverged}")
+    diverged = first_divergences(ids, real_plain_ids[mode])
+    print(f"{drafter}, {mode}: proposed {proposed}, accepted {accepted}, diverged (prompt: first token) {diverged}")
     assert not diverged and proposed > 0 and (accepted > 0 or drafter == "medusa")
 
 
 @real_model
 @pytest.mark.slow
-def test_real_model_default_kernels_diverge(real_folder: Path, real_plain_ids: dict[bool, list[list[int]]]) -> None:
-    """Negative control for the test above: the same prompts with the default bfloat16 kernels, where
-    n-gram speculation leaves plain decoding (at a near-tie the verification pass rounds otherwise)."""
-    spec = LLM(str(real_folder), dtype="bfloat16", device="cpu", max_batch_size=4, speculator="ngram",
-               spec_length=SPEC_LENGTH)
-    diverged = first_divergences(greedy_run(spec, REAL_PROMPTS, REAL_TOKENS)[0], real_plain_ids[False])
-    print(f"default kernels, n-gram: diverged (prompt: first token) {diverged}")
+def test_real_model_default_kernels_diverge_layer_by_layer(real_folder: Path,
+                                                           real_plain_ids: dict[str, list[list[int]]]) -> None:
+    """Negative control for the test above: the same prompts with the default bfloat16 kernels run
+    layer by layer, where n-gram speculation leaves plain decoding (at a near-tie the verification
+    pass rounds otherwise)."""
+    spec = real_llm(real_folder, "layers", speculator="ngram", spec_length=SPEC_LENGTH)
+    diverged = first_divergences(greedy_run(spec, REAL_PROMPTS, REAL_TOKENS)[0], real_plain_ids["layers"])
+    print(f"default kernels layer by layer, n-gram: diverged (prompt: first token) {diverged}")
     assert diverged

@@ -16,6 +16,10 @@ the arithmetic (the idea of batch-invariant kernels: one reduction order whateve
   front, so it sees a decode step's blocks;
 * RoPE, residual adds and embeddings are elementwise already.
 
+Where the C decoder stack runs (``layers.CpuStack``: AVX-512 CPUs) none of this is needed: its
+kernels compute each token alone already, so the mode only lets the stack take every pass
+(prefill and large batches too, which by default run layer by layer).
+
 What this relies on, a product's row or column not depending on where it sits in its
 fixed-shape call or on the batch of products beside it, and ``cumsum`` adding in order, is
 checked when an engine loads (``check_invariance``), which refuses a machine where it fails.
@@ -167,6 +171,8 @@ def make_exact(model: DecoderOnlyLM, rows: int = ROWS) -> None:
     if isinstance(model.lm_head, RowChunked):
         return  # already exact
     body = model.model
+    if model.cpu_stack is not None:  # the C stack is invariant already: let it take every pass, prefill too
+        model.cpu_stack.max_rows = None
     for layer in body.layers:
         assert isinstance(layer, DecoderLayer)
         attn = layer.self_attn
