@@ -279,9 +279,13 @@ class GemvLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        # Products of more rows go to F.linear (faster there); None sends every product to the
+        # kernel, whose rows then never depend on the row count (exact-greedy mode).
+        self.max_rows: int | None = MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // self.in_features > MAX_ROWS or torch.is_grad_enabled() and self.weight.requires_grad:
+        rows = x.numel() // self.in_features
+        if (self.max_rows is not None and rows > self.max_rows) or torch.is_grad_enabled() and self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             return gemv_op(x, self.weight, self.bias)

@@ -17,8 +17,8 @@ the arithmetic (the idea of batch-invariant kernels: one reduction order whateve
 * RoPE, residual adds and embeddings are elementwise already.
 
 Where the C decoder stack runs (``layers.CpuStack``: AVX-512 CPUs) none of this is needed: its
-kernels compute each token alone already, so the mode only lets the stack take every pass
-(prefill and large batches too, which by default run layer by layer).
+kernels, the LM head's and the final norm's compute each token alone already, so the mode only
+lets them take every pass (prefill and large batches too, which by default go to oneDNN).
 
 What this relies on, a product's row or column not depending on where it sits in its
 fixed-shape call or on the batch of products beside it, and ``cumsum`` adding in order, is
@@ -36,6 +36,7 @@ from torch import nn
 
 from infer.cache import make_pool
 from infer.cache.protocol import build_kv_batch
+from infer.models.cpu_kernels import GemvLinear
 from infer.models.layers import DecoderLayer, DecoderOnlyLM
 
 # Rows per matmul call: every pass is cut into (zero-padded) blocks of this many rows. 8 covers a
@@ -170,9 +171,12 @@ def make_exact(model: DecoderOnlyLM, rows: int = ROWS) -> None:
     """Switch a loaded model (fused or not, packed or not) to exact-greedy kernels, in place."""
     if isinstance(model.lm_head, RowChunked):
         return  # already exact
+    if model.cpu_stack is not None and isinstance(model.lm_head, GemvLinear):
+        # The C stack, the LM head's kernel and the final norm's compute a row alike whatever the
+        # row count: only their row limits (above which passes go to oneDNN) need lifting.
+        model.cpu_stack.max_rows = model.lm_head.max_rows = None
+        return
     body = model.model
-    if model.cpu_stack is not None:  # the C stack is invariant already: let it take every pass, prefill too
-        model.cpu_stack.max_rows = None
     for layer in body.layers:
         assert isinstance(layer, DecoderLayer)
         attn = layer.self_attn
