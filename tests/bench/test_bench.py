@@ -273,7 +273,7 @@ def test_bench_serving_repetitive_workload_with_suffix(tiny_llama: Path, tmp_pat
                  "--out", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "serving.json").read_text())
-    assert [run["label"] for run in report["runs"]] == ["speculation off", "suffix K=4"]
+    assert [run["label"] for run in report["runs"]] == ["speculation off", "suffix K=4", "suffix goodput"]
     for run in report["runs"]:
         (level,) = run["levels"]
         assert level["errors"] == 0 and level["requests"] == 2 and level["output_tokens"] > 0

@@ -2,7 +2,7 @@
 
 Either measures one running server (``--server URL``) or launches ``infer serve`` itself for
 speculation off / fixed / goodput (``--model T --draft-model D``) and any model-free drafters
-(``--speculator ngram suffix``) and compares them; with ``--replicas 0 1 2`` each of those runs as
+(``--speculator ngram suffix``, each fixed and goodput) and compares them; with ``--replicas 0 1 2`` each of those runs as
 one process (0) and on Ray Serve with 1 and 2 replicas, which share the machine's CPUs. Reports
 throughput, time to first token and inter-token latency percentiles per concurrency level.
 
@@ -249,8 +249,9 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
             configs.append(("goodput", base + ["--draft-model", args.draft_model, "--spec-length",
                                                str(args.spec_length), "--spec-length-policy", "goodput"]))
         for name in args.speculator:
-            configs.append((f"{name} K={args.spec_length}",
-                            base + ["--speculator", name, "--spec-length", str(args.spec_length)]))
+            drafter = base + ["--speculator", name, "--spec-length", str(args.spec_length)]
+            configs.append((f"{name} K={args.spec_length}", drafter))
+            configs.append((f"{name} goodput", drafter + ["--spec-length-policy", "goodput"]))
         if args.replicas:
             configs = [(f"{label}, {_replicas_label(n)}", serve_args + _replica_flags(n, args.replica_cpus))
                        for label, serve_args in configs if serve_args is not None for n in args.replicas]
