@@ -59,10 +59,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-backend", default="paged", choices=["paged", "slotted"])
     parser.add_argument("--exact-greedy", action="store_true",
                         help="kernels that give a token the same bits in any pass, so greedy speculation is "
-                        "token-identical to plain decoding in bfloat16 too (slower; see docs/benchmarks.md)")
+                        "token-identical to plain decoding in bfloat16 too (on the CPU decoder stack it slows "
+                        "only prefill; elsewhere all passes; see docs/benchmarks.md)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model's forward pass (each kind of pass compiles on first use; "
-                        "no faster than eager on CPU, see docs/benchmarks.md)")
+                        "slower than eager where the CPU decoder stack runs, see docs/benchmarks.md)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="CUDA only: replay decode steps and chain verifications as CUDA graphs, one per "
+                        "batch, width and context bucket, captured on first use")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,7 +79,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 medusa_heads=args.medusa_heads, medusa_tree_size=args.medusa_tree_size,
                 tree_attention=args.tree_attention, suffix_tree_size=args.suffix_tree_size,
                 suffix_max_tokens=args.suffix_max_tokens, suffix_max_requests=args.suffix_max_requests,
-                suffix_scope=args.suffix_scope, exact_greedy=args.exact_greedy, compile=args.compile)
+                suffix_scope=args.suffix_scope, exact_greedy=args.exact_greedy, compile=args.compile,
+                cuda_graphs=args.cuda_graphs)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:

@@ -32,7 +32,8 @@ class PagedKVCachePool:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_seq_len = max_seq_len
-        self.k_layers, self.v_layers = kv_storage(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype,
+        self.scratch_row = num_blocks * block_size
+        self.k_layers, self.v_layers = kv_storage(num_layers, self.scratch_row, num_kv_heads, head_dim, dtype,
                                                   self.device)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._refcount = [0] * num_blocks

@@ -93,9 +93,11 @@ def take_free(free: list[int], what: str) -> int:
 
 def kv_storage(num_layers: int, rows: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Zeroed per-layer key and value tensors of ``rows`` token rows each, the storage of every pool."""
+    """Zeroed per-layer key and value tensors of ``rows`` token rows each, the storage of every pool,
+    plus one scratch row (index ``rows``) that no sequence owns: a pass padded to a fixed shape
+    (``padded_kv_batch``) writes its padding tokens there and reads it for padding keys."""
     def layers() -> list[torch.Tensor]:
-        return [torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        return [torch.zeros(rows + 1, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
 
     return layers(), layers()
 
@@ -107,6 +109,7 @@ class CachePoolProtocol(Protocol):
     v_layers: list[torch.Tensor]
     device: torch.device
     max_seq_len: int
+    scratch_row: int  # the storage row no sequence owns (kv_storage)
 
     def allocate(self) -> int: ...
     def free(self, slot: int) -> None: ...
@@ -138,11 +141,7 @@ def build_kv_batch(
     """
     device = pool.device
     batch, width = len(slots), max(lengths)
-    for slot, start, n in zip(slots, starts, lengths, strict=True):
-        if start != pool.seq_len(slot):
-            raise ValueError(f"cannot write at position {start}: slot {slot} holds {pool.seq_len(slot)} tokens "
-                             "(new tokens must follow the cached ones; truncate_to first to rewrite)")
-        pool.reserve(slot, start + n)
+    _reserve(pool, slots, starts, lengths)
     ends = [s + n for s, n in zip(starts, lengths, strict=True)]
     context = max(ends)
     uniform = all(n == width for n in lengths)
@@ -176,6 +175,39 @@ def build_kv_batch(
         k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write_index, token_valid=token_valid,
         read_index=read_index, read_start=read_start, context_len=context, mask=mask,
     )
+
+
+def _reserve(pool: CachePoolProtocol, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> None:
+    for slot, start, n in zip(slots, starts, lengths, strict=True):
+        if start != pool.seq_len(slot):
+            raise ValueError(f"cannot write at position {start}: slot {slot} holds {pool.seq_len(slot)} tokens "
+                             "(new tokens must follow the cached ones; truncate_to first to rewrite)")
+        pool.reserve(slot, start + n)
+
+
+def padded_kv_batch(pool: CachePoolProtocol, slots: Sequence[int], starts: Sequence[int], width: int,
+                    batch: int, context: int) -> KVBatch:
+    """``build_kv_batch`` for ``width`` new tokens in each of ``slots``, in a fixed shape: ``batch``
+    rows (rows past ``len(slots)`` are padding) and ``context`` keys per row, whatever the
+    sequences' lengths. Padding tokens write to the pool's scratch row, and keys past a sequence's
+    end read it (masked). Every tensor's shape then depends on (batch, width, context) alone, and
+    nothing else in the description changes: what a captured CUDA graph needs to be replayed."""
+    if len(slots) > batch or max(starts) + width > context:
+        raise ValueError(f"{len(slots)} sequences up to position {max(starts) + width} do not fit a pass of "
+                         f"{batch} rows x {context} keys")
+    _reserve(pool, slots, starts, [width] * len(slots))
+    device = pool.device
+    write = torch.full((batch, width), pool.scratch_row, dtype=torch.long, device=device)
+    read = torch.full((batch, context), pool.scratch_row, dtype=torch.long, device=device)
+    for b, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+        rows = pool.storage_rows(slot, start + width)
+        read[b, : rows.numel()] = rows
+        write[b] = rows[start:]
+    padded_starts = torch.tensor(list(starts) + [0] * (batch - len(slots)), device=device)
+    query_pos = padded_starts.unsqueeze(1) + torch.arange(width, device=device)  # [batch, width]
+    mask = torch.arange(context, device=device).view(1, 1, -1) <= query_pos.unsqueeze(-1)  # causal
+    return KVBatch(k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write.flatten(), token_valid=None,
+                   read_index=read, read_start=None, context_len=context, mask=mask.unsqueeze(1))
 
 
 def copy_positions(pool: CachePoolProtocol, moves: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:

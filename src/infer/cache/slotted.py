@@ -15,7 +15,8 @@ class SlottedKVCache:
         self.device = torch.device(device)
         self.max_seq_len = max_seq_len
         self.num_slots = num_slots
-        self.k_layers, self.v_layers = kv_storage(num_layers, num_slots * max_seq_len, num_kv_heads, head_dim, dtype,
+        self.scratch_row = num_slots * max_seq_len
+        self.k_layers, self.v_layers = kv_storage(num_layers, self.scratch_row, num_kv_heads, head_dim, dtype,
                                                   self.device)
         self._free = list(range(num_slots - 1, -1, -1))
         self._lens: dict[int, int] = {}

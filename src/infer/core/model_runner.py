@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from infer.cache.protocol import CachePoolProtocol, build_kv_batch
+from infer.core.cuda_graphs import StepGraphs
 from infer.core.request import Request
 from infer.models.cpu_kernels import MAX_ROWS, GemvLinear, kernel_threads_only
 from infer.models.layers import DecoderOnlyLM, block_mask_from
@@ -29,6 +30,7 @@ class ModelRunner:
         # Where the CPU kernels carry the matmuls, passes they take whole run torch's own operators
         # single-threaded (cpu_kernels.kernel_threads_only); elsewhere torch's threading is left alone.
         self.kernels = any(isinstance(m, GemvLinear) for m in model.modules())
+        self.graphs: StepGraphs | None = None  # set by the engine with cuda_graphs: passes replayed as graphs
 
     def _threads_for(self, rows: int) -> contextlib.AbstractContextManager[None]:
         return kernel_threads_only() if self.kernels and rows <= MAX_ROWS else contextlib.nullcontext()
@@ -42,6 +44,10 @@ class ModelRunner:
         runs, e.g. draft steps: no host round trip). ``positions`` (RoPE positions, [B, T]) default
         to the cache positions; tree verification passes depth-based positions and a ``tree_mask``.
         """
+        if self.graphs is not None and positions is None and tree_mask is None and not isinstance(runs, torch.Tensor):
+            replayed = self.graphs.run(slots, runs)
+            if replayed is not None:
+                return replayed
         starts = [self.pool.seq_len(s) for s in slots]
         if isinstance(runs, torch.Tensor):
             ids = runs

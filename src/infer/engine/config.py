@@ -130,6 +130,8 @@ class EngineConfig:
     exact_greedy: bool = False
     # torch.compile the target's (and draft model's) forward pass (models.compiled); off: eager.
     compile: bool = False
+    # CUDA only: replay decode steps and chain verifications as CUDA graphs (core.cuda_graphs).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_backend not in KV_BACKENDS:
@@ -157,6 +159,9 @@ class EngineConfig:
         if self.compile and self.exact_greedy:
             raise ValueError("compile and exact_greedy cannot be combined: the exact-greedy kernels fix their "
                              "own reduction order, which a compiler's fusions would change")
+        if self.cuda_graphs and (self.compile or self.exact_greedy):
+            raise ValueError("cuda_graphs runs the eager model's passes as graphs; it cannot be combined with "
+                             f"{'compile' if self.compile else 'exact_greedy'}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
 

@@ -13,6 +13,7 @@ import torch
 
 from infer.cache import PagedKVCachePool, make_pool
 from infer.cache.protocol import CachePoolProtocol
+from infer.core.cuda_graphs import StepGraphs
 from infer.core.detokenizer import IncrementalDetokenizer
 from infer.core.model_runner import ModelRunner
 from infer.core.request import Request
@@ -109,6 +110,11 @@ class Engine:
             prefix_cache = PrefixCache(self.pool)
         self.prefix_cache = prefix_cache
         target = ContinuousRunner(ModelRunner(self.model, self.pool, config.tree_attention), prefix_cache)
+        if config.cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"cuda_graphs needs a CUDA device; this engine runs on {self.device}")
+            width = 1 + (config.speculative.max_length if config.speculative is not None else 0)
+            target.runner.graphs = StepGraphs(self.model, self.pool, config.max_batch_size, width, say)
         self.runner: Runner = target
         if config.speculative is not None:
             from infer.engine.drafters import TargetModel, make_speculative_runner
