@@ -380,6 +380,7 @@ class CpuStack:
         self.table = torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.long)
         self.shape = shape
         self.eps = eps
+        self.dtype = tensors[0].dtype if tensors[0] is not None else None
         # Passes of more rows run layer by layer (prefill: oneDNN's GEMM is faster there). Exact-greedy
         # mode lifts the limit (None): every pass then computes a token the same way.
         self.max_rows: int | None = cpu_kernels.MAX_ROWS
@@ -414,10 +415,13 @@ class CpuStack:
         return cls(tensors, shape, eps)
 
     def takes(self, x: torch.Tensor, kv: KVBatch) -> bool:
-        """Whether this pass runs here: few enough rows, no FlexAttention mask, and not traced by
-        torch.compile or recorded by autograd."""
+        """Whether this pass runs here: few enough rows, no FlexAttention mask, not traced by
+        torch.compile or recorded by autograd, and the activations and the cache on the CPU in the
+        weights' dtype (a model moved or cast after packing runs its layers)."""
         return ((self.max_rows is None or x.shape[0] * x.shape[1] <= self.max_rows) and kv.block_mask is None
-                and not torch.compiler.is_compiling() and not torch.is_grad_enabled())
+                and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+                and x.device.type == "cpu" and x.dtype == self.dtype == kv.k_layers[0].dtype
+                and kv.k_layers[0].device.type == "cpu")
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         return cpu_kernels.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv,
