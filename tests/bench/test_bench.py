@@ -18,6 +18,7 @@ from infer.bench.workloads import (
     repetitive_prompts,
 )
 from infer.cli import main
+from infer.loader import load_model
 from infer.speculative.budget import expected_speedup_over_rounds
 
 
@@ -206,9 +207,11 @@ def test_bench_generation_profile(tiny_llama: Path, tmp_path: Path, capsys: pyte
     decode, verify = phases
     assert decode["name"].startswith("decode step") and verify["name"].startswith("verification pass (6 tokens")
     for phase in phases:
-        # Every layer's projections are operator calls from Python; nested calls only add to that.
-        assert phase["op_calls"] >= 4 * 2 and phase["op_calls_all_levels"] >= phase["op_calls"]
-        assert phase["matmul_ms"] > 0 and phase["wall_ms"] > 0
+        # The embedding, the final norm and the LM head at least are operator calls from Python (the
+        # layers too, unless the C decoder stack runs them in one call); nested calls only add to that.
+        assert phase["op_calls"] >= 3 and phase["op_calls_all_levels"] >= phase["op_calls"]
+        assert phase["matmul_ms"] > 0 and phase["wall_ms"] > 0  # the LM head's at least
+        assert (phase["stack_ms"] > 0) == (load_model(str(tiny_llama))[0].cpu_stack is not None)
         assert phase["top_ops"] and all(op["calls"] > 0 for op in phase["top_ops"])
         trace = json.loads(Path(phase["trace"]).read_text())
         assert trace["traceEvents"]

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from infer.core.model_runner import ModelRunner
 from infer.engine.engine import Engine
-from infer.models.cpu_kernels import PROFILER_EVENT
+from infer.models.cpu_kernels import PROFILER_EVENT, STACK_EVENT
 from infer.sampling.params import SamplingParams
 
 # Operators that carry the weight matmuls, whichever kernel the model's linears ended up on.
@@ -41,8 +41,9 @@ class PhaseProfile:
     wall_ms: float  # wall time per unit
     op_calls: float  # operator calls made from Python per unit (nested calls not counted)
     op_calls_all_levels: float  # every operator call, nested ones included
-    matmul_ms: float  # time in the weight matmuls per unit
+    matmul_ms: float  # time in the weight matmuls per unit (outside the C decoder stack)
     attention_ms: float
+    stack_ms: float  # the C decoder stack's calls (every layer: its matmuls, attention and the rest)
     other_ops_ms: float  # the remaining top-level operators
     outside_ops_ms: float  # wall time no operator accounts for: Python, bookkeeping, the profiler itself
     top_ops: list[dict[str, Any]]  # by self CPU time: name, calls per unit, self ms per unit
@@ -51,8 +52,9 @@ class PhaseProfile:
     def lines(self) -> list[str]:
         out = [f"{self.name}: {self.wall_ms:.2f} ms wall per unit over {self.units} units; "
                f"{self.op_calls:.0f} operator calls per unit from Python ({self.op_calls_all_levels:.0f} at all levels)",
-               f"  weight matmuls {self.matmul_ms:.2f} ms, attention {self.attention_ms:.2f} ms, other operators "
-               f"{self.other_ops_ms:.2f} ms, outside operators {self.outside_ops_ms:.2f} ms",
+               f"  C decoder stack {self.stack_ms:.2f} ms, weight matmuls {self.matmul_ms:.2f} ms, attention "
+               f"{self.attention_ms:.2f} ms, other operators {self.other_ops_ms:.2f} ms, outside operators "
+               f"{self.outside_ops_ms:.2f} ms",
                f"  {'operator':<52} {'calls/unit':>10} {'self ms/unit':>12}"]
         out += [f"  {op['name']:<52} {op['calls']:>10.1f} {op['self_ms']:>12.3f}" for op in self.top_ops]
         return out + [f"  trace: {self.trace}"]
@@ -86,13 +88,15 @@ def summarise(prof: Any, name: str, units: int, wall_s: float, trace: Path, top:
     matmul = [e for e in top_level if e.name in MATMUL_OPS]
     attention = [e for e in top_level if e.name in ATTENTION_OPS or "scaled_dot_product" in e.name
                  or "flex_attention" in e.name]
+    stack = [e for e in top_level if e.name == STACK_EVENT]
     wall_ms = wall_s * 1e3 / units
     all_top_ms = total_ms(top_level)
     table = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
     return PhaseProfile(
         name=name, units=units, wall_ms=wall_ms, op_calls=len(top_level) / units, op_calls_all_levels=len(ops) / units,
-        matmul_ms=total_ms(matmul), attention_ms=total_ms(attention),
-        other_ops_ms=all_top_ms - total_ms(matmul) - total_ms(attention), outside_ops_ms=wall_ms - all_top_ms,
+        matmul_ms=total_ms(matmul), attention_ms=total_ms(attention), stack_ms=total_ms(stack),
+        other_ops_ms=all_top_ms - total_ms(matmul) - total_ms(attention) - total_ms(stack),
+        outside_ops_ms=wall_ms - all_top_ms,
         top_ops=[{"name": a.key, "calls": a.count / units, "self_ms": a.self_cpu_time_total / 1e3 / units}
                  for a in table[:top] if "::" in a.key],
         trace=str(trace),
