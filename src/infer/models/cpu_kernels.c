@@ -250,56 +250,85 @@ static inline __m512 widen_bf16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 static inline __m512 widen_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+#define MAX_GROUP 16 /* query heads per KV head the attention takes */
 static inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 #define DEFINE_STACK(S)                                                                            \
     static void attention_##S(const StackArgs *a, const elem_##S *qk, const elem_##S *ks,          \
                               const elem_##S *vs, elem_##S *out) {                                 \
         int64_t hd = a->head_dim, heads = a->heads, kvh = a->kv_heads, groups = heads / kvh;       \
-        int64_t L = a->context, chunks = (hd + 15) / 16, pairs = a->rows * heads;                  \
-        _Pragma("omp parallel num_threads(a->threads) if (a->threads > 1 && pairs > 1)")           \
+        int64_t L = a->context, stride = (L + 15) / 16 * 16, chunks = (hd + 15) / 16;              \
+        int64_t items = a->rows * kvh, width = groups * chunks * 16;                               \
+        _Pragma("omp parallel num_threads(a->threads) if (a->threads > 1 && items > 1)")           \
         {                                                                                          \
-            float *score = malloc(sizeof(float) * (size_t)L);                                      \
+            /* per head: its scores (rows 64-byte aligned, so the vectorised exp below splits every \
+             * row alike), its query and its weighted sum, in float32 */                          \
+            float *score = aligned_alloc(64, sizeof(float) * (size_t)(stride * groups));           \
+            float *query = aligned_alloc(64, sizeof(float) * (size_t)width);                       \
+            float *sum = aligned_alloc(64, sizeof(float) * (size_t)width);                         \
             int64_t *key = malloc(sizeof(int64_t) * (size_t)L);                                    \
             _Pragma("omp for schedule(static)")                                                    \
-            for (int64_t p = 0; p < pairs; p++) {                                                  \
-                int64_t r = p / heads, h = p % heads, b = r / a->width, g = h / groups, n = 0;     \
+            for (int64_t p = 0; p < items; p++) {                                                  \
+                int64_t r = p / kvh, g = p % kvh, b = r / a->width, n = 0;                         \
                 const uint8_t *visible = a->mask ? a->mask + r * L : NULL;                         \
                 for (int64_t l = 0; l < L; l++)                                                    \
                     if (!visible || visible[l])                                                    \
                         key[n++] = a->read_rows ? a->read_rows[b * L + l] : a->read_start + l;     \
-                __m512 q[16];                                                                      \
-                const elem_##S *qh = qk + (r * (heads + kvh) + h) * hd;                            \
-                for (int64_t c = 0; c < chunks; c++) q[c] = widen_##S(qh + 16 * c, lanes(hd - 16 * c)); \
-                float top = -INFINITY;                                                             \
+                float top[MAX_GROUP], total[MAX_GROUP];                                            \
+                for (int64_t j = 0; j < groups; j++) {                                             \
+                    const elem_##S *qh = qk + (r * (heads + kvh) + g * groups + j) * hd;           \
+                    for (int64_t c = 0; c < chunks; c++)                                           \
+                        _mm512_store_ps(query + (j * chunks + c) * 16, widen_##S(qh + 16 * c, lanes(hd - 16 * c))); \
+                    top[j] = -INFINITY;                                                            \
+                    total[j] = 0.0f;                                                               \
+                }                                                                                  \
+                /* each key (and value) row is read once for all the query heads that share it */  \
                 for (int64_t i = 0; i < n; i++) {                                                  \
                     const elem_##S *kr = ks + (key[i] * kvh + g) * hd;                             \
-                    __m512 acc = _mm512_setzero_ps();                                              \
-                    for (int64_t c = 0; c < chunks; c++)                                           \
-                        acc = _mm512_fmadd_ps(q[c], widen_##S(kr + 16 * c, lanes(hd - 16 * c)), acc); \
-                    score[i] = _mm512_reduce_add_ps(acc) * a->scale;                               \
-                    top = score[i] > top ? score[i] : top;                                         \
+                    __m512 kc[16];                                                                 \
+                    for (int64_t c = 0; c < chunks; c++) kc[c] = widen_##S(kr + 16 * c, lanes(hd - 16 * c)); \
+                    for (int64_t j = 0; j < groups; j++) {                                         \
+                        __m512 acc = _mm512_setzero_ps();                                          \
+                        for (int64_t c = 0; c < chunks; c++)                                       \
+                            acc = _mm512_fmadd_ps(_mm512_load_ps(query + (j * chunks + c) * 16), kc[c], acc); \
+                        float s = _mm512_reduce_add_ps(acc) * a->scale;                            \
+                        score[j * stride + i] = s;                                                 \
+                        top[j] = s > top[j] ? s : top[j];                                          \
+                    }                                                                              \
                 }                                                                                  \
-                _Pragma("omp simd")                                                                \
-                for (int64_t i = 0; i < n; i++) score[i] = expf(score[i] - top);                   \
-                float total = 0.0f;                                                                \
-                __m512 acc[16];                                                                    \
-                for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();                 \
+                for (int64_t j = 0; j < groups; j++) {                                             \
+                    float *row = score + j * stride, peak = top[j];                                \
+                    _Pragma("omp simd")                                                            \
+                    for (int64_t i = 0; i < n; i++) row[i] = expf(row[i] - peak);                  \
+                }                                                                                  \
+                for (int64_t e = 0; e < width; e += 16) _mm512_store_ps(sum + e, _mm512_setzero_ps()); \
                 for (int64_t i = 0; i < n; i++) {                                                  \
                     const elem_##S *vr = vs + (key[i] * kvh + g) * hd;                             \
-                    __m512 w = _mm512_set1_ps(score[i]);                                           \
-                    total += score[i];                                                             \
-                    for (int64_t c = 0; c < chunks; c++)                                           \
-                        acc[c] = _mm512_fmadd_ps(w, widen_##S(vr + 16 * c, lanes(hd - 16 * c)), acc[c]); \
+                    __m512 vc[16];                                                                 \
+                    for (int64_t c = 0; c < chunks; c++) vc[c] = widen_##S(vr + 16 * c, lanes(hd - 16 * c)); \
+                    for (int64_t j = 0; j < groups; j++) {                                         \
+                        float weight = score[j * stride + i];                                      \
+                        __m512 w = _mm512_set1_ps(weight);                                         \
+                        total[j] += weight;                                                        \
+                        for (int64_t c = 0; c < chunks; c++) {                                     \
+                            float *acc = sum + (j * chunks + c) * 16;                              \
+                            _mm512_store_ps(acc, _mm512_fmadd_ps(w, vc[c], _mm512_load_ps(acc)));  \
+                        }                                                                          \
+                    }                                                                              \
                 }                                                                                  \
-                float inv = total > 0.0f ? 1.0f / total : 0.0f, lane[16];                          \
-                elem_##S *o = out + (r * heads + h) * hd;                                          \
-                for (int64_t c = 0; c < chunks; c++) {                                             \
-                    _mm512_storeu_ps(lane, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));            \
-                    for (int64_t e = 0; e < 16 && 16 * c + e < hd; e++) o[16 * c + e] = store_##S(lane[e]); \
+                for (int64_t j = 0; j < groups; j++) {                                             \
+                    float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f, lane[16];                \
+                    elem_##S *o = out + (r * heads + g * groups + j) * hd;                         \
+                    for (int64_t c = 0; c < chunks; c++) {                                         \
+                        _mm512_storeu_ps(lane, _mm512_mul_ps(_mm512_load_ps(sum + (j * chunks + c) * 16), \
+                                                             _mm512_set1_ps(inv)));                \
+                        for (int64_t e = 0; e < 16 && 16 * c + e < hd; e++) o[16 * c + e] = store_##S(lane[e]); \
+                    }                                                                              \
                 }                                                                                  \
             }                                                                                      \
             free(score);                                                                           \
+            free(query);                                                                           \
+            free(sum);                                                                             \
             free(key);                                                                             \
         }                                                                                          \
     }                                                                                              \

@@ -224,7 +224,8 @@ class StackArgs(ctypes.Structure):
 # The per-layer tensors of ``decoder_stack``'s table, in the C enum's order.
 STACK_TENSORS = ("input_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "post_norm",
                  "gate_up_weight", "gate_up_bias", "down_weight", "down_bias")
-MAX_STACK_HEAD_DIM = 256  # the attention keeps a query head in 16 registers of 16 floats
+MAX_STACK_HEAD_DIM = 256  # the attention keeps a key or value row in 16 registers of 16 floats
+MAX_STACK_GROUP = 16  # query heads per KV head the attention takes (cpu_kernels.c's MAX_GROUP)
 
 
 def decoder_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, kv: KVBatch,

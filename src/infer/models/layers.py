@@ -388,11 +388,13 @@ class CpuStack:
     @classmethod
     def build(cls, model: DecoderOnlyLM) -> CpuStack | None:
         """The stack for ``model`` (fused, packed, CPU kernels on), or None where it does not apply:
-        a per-head norm (Qwen3), a projection not on the kernel, a head too wide, or the switch off."""
+        a per-head norm (Qwen3), a projection not on the kernel, a head too wide, more than 16 query heads
+        per KV head, or the switch off."""
         config = model.config
         layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
         if (os.environ.get("INFER_CPU_STACK", "1") == "0" or config.qk_norm
-                or config.head_dim > cpu_kernels.MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers)):
+                or config.head_dim > cpu_kernels.MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers)
+                or config.num_attention_heads > cpu_kernels.MAX_STACK_GROUP * config.num_key_value_heads):
             return None
         tensors: list[torch.Tensor | None] = []
         eps = layers[0].input_layernorm.eps
