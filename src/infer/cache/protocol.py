@@ -161,9 +161,8 @@ def build_kv_batch(
     mask = None
     if width > 1 or tree_mask is not None or any(e != context for e in ends):
         start_t = torch.tensor(starts, device=device).unsqueeze(1)
-        query_pos = start_t + torch.arange(width, device=device).unsqueeze(0)  # [B, T]
         key_pos = torch.arange(context, device=device)
-        causal = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [B, T, L]
+        causal = _causal_mask(start_t, width, context)
         causal &= key_pos.view(1, 1, -1) < torch.tensor(ends, device=device).view(-1, 1, 1)
         if tree_mask is not None:
             in_new = (key_pos.view(1, -1) >= start_t)  # [B, L]
@@ -175,6 +174,13 @@ def build_kv_batch(
         k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write_index, token_valid=token_valid,
         read_index=read_index, read_start=read_start, context_len=context, mask=mask,
     )
+
+
+def _causal_mask(starts: torch.Tensor, width: int, context: int) -> torch.Tensor:
+    """[B, T, L]: query t of row b (at position ``starts[b] + t``; ``starts`` is [B, 1]) may see the
+    keys at positions up to its own."""
+    query_pos = starts + torch.arange(width, device=starts.device).unsqueeze(0)  # [B, T]
+    return torch.arange(context, device=starts.device).view(1, 1, -1) <= query_pos.unsqueeze(-1)
 
 
 def _reserve(pool: CachePoolProtocol, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> None:
@@ -203,9 +209,8 @@ def padded_kv_batch(pool: CachePoolProtocol, slots: Sequence[int], starts: Seque
         rows = pool.storage_rows(slot, start + width)
         read[b, : rows.numel()] = rows
         write[b] = rows[start:]
-    padded_starts = torch.tensor(list(starts) + [0] * (batch - len(slots)), device=device)
-    query_pos = padded_starts.unsqueeze(1) + torch.arange(width, device=device)  # [batch, width]
-    mask = torch.arange(context, device=device).view(1, 1, -1) <= query_pos.unsqueeze(-1)  # causal
+    padded_starts = torch.tensor(list(starts) + [0] * (batch - len(slots)), device=device).unsqueeze(1)
+    mask = _causal_mask(padded_starts, width, context)
     return KVBatch(k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write.flatten(), token_valid=None,
                    read_index=read, read_start=None, context_len=context, mask=mask.unsqueeze(1))
 
