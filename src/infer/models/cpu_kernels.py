@@ -112,6 +112,11 @@ def _library() -> ctypes.CDLL | None:
 _kernel_threads: list[int | None] = [None]
 
 
+def _threads() -> int:
+    """The threads a kernel call uses: ``kernel_threads_only``'s count inside it, else torch's."""
+    return _kernel_threads[0] or torch.get_num_threads()
+
+
 @contextlib.contextmanager
 def kernel_threads_only() -> Iterator[None]:
     """Run a small pass (a decode step, a verification) with PyTorch's operators on one thread and
@@ -158,7 +163,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     getattr(lib, f"gemv_{_SUFFIX[weight.dtype]}")(weight.data_ptr(), rows.data_ptr(),
                                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
                                                   rows.shape[0], weight.shape[0], weight.shape[1],
-                                                  _kernel_threads[0] or torch.get_num_threads())
+                                                  _threads())
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -251,7 +256,7 @@ def decoder_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: 
                      read_rows=None if read_rows is None else read_rows.data_ptr(),
                      read_start=kv.read_start or 0, context=kv.context_len,
                      mask=None if mask is None else mask.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
-                     x=out.data_ptr(), threads=_kernel_threads[0] or torch.get_num_threads(), **shape)
+                     x=out.data_ptr(), threads=_threads(), **shape)
     with _recorded(STACK_EVENT):
         getattr(lib, f"decoder_stack_{_SUFFIX[x.dtype]}")(ctypes.byref(args))
     return out
