@@ -463,11 +463,27 @@ def test_goodput_new_requests_start_from_recent_acceptance() -> None:
 
 
 def test_goodput_probes_while_at_zero() -> None:
-    """A request stuck at K = 0 drafts two tokens every probe_every rounds to re-measure α and c."""
+    """A request stuck at K = 0 drafts two tokens after probe_every rounds to re-measure α and c;
+    each probe that leaves it at 0 doubles the wait, up to max_probe_every."""
     bad = fake_request("bad")
-    policy = BudgetController(8, adaptive=True, probe_every=4)
+    policy = BudgetController(8, adaptive=True, probe_every=4, max_probe_every=16)
     policy.alpha["bad"] = 0.05
-    assert [policy.chain_lengths([bad], per_node=0.5)[0] for _ in range(8)] == [0, 0, 0, 2, 0, 0, 0, 2]
+    lengths = [policy.chain_lengths([bad], per_node=0.5)[0] for _ in range(60)]
+    assert set(lengths) == {0, 2}
+    assert [i + 1 for i, k in enumerate(lengths) if k] == [4, 12, 28, 44, 60]  # waits 4, 8, 16, 16, 16
+
+
+def test_goodput_probe_wait_resets_when_speculation_pays() -> None:
+    request = fake_request("r")
+    policy = BudgetController(8, adaptive=True, probe_every=4)
+    policy.alpha["r"] = 0.05
+    first = [policy.chain_lengths([request], per_node=0.5)[0] for _ in range(12)]
+    assert [i + 1 for i, k in enumerate(first) if k] == [4, 12]
+    policy.alpha["r"] = 0.95
+    assert policy.chain_lengths([request], per_node=0.5)[0] > 0  # predictable again: speculate
+    policy.alpha["r"] = 0.05
+    again = [policy.chain_lengths([request], per_node=0.5)[0] for _ in range(4)]
+    assert again == [0, 0, 0, 2]  # the wait is probe_every again, not 16
 
 
 def test_entropy_length_stops_on_flat_drafts() -> None:

@@ -18,8 +18,10 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   does not describe, it is measured: the mean tokens per request and round at each size on a
   ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times first and a
   neighbour of the best every ``probe_every`` rounds. A chain settled on ``n = 0`` drafts two
-  tokens every ``probe_every`` plain rounds, so a request whose text turns predictable can win
-  speculation back.
+  tokens after ``probe_every`` plain rounds, so a request whose text turns predictable can win
+  speculation back; each probe that does not win it back doubles that request's wait (up to
+  ``max_probe_every``), so a batch where speculation never pays (a full batch on a compute-bound
+  CPU) pays for ever fewer probes.
 
 Every budget gives the same output (verification is exact), so this only changes the speed.
 
@@ -117,7 +119,7 @@ class BudgetController:
 
     def __init__(self, max_budget: int, *, adaptive: bool = False, tree: bool = False, cost_per_token: bool = True,
                  prior_cost: float = 0.0, prior_alpha: float = 0.6, ema: float = 0.3, probe_every: int = 16,
-                 warmup_rounds: int = 2, tree_ema: float = 0.2) -> None:
+                 max_probe_every: int = 128, warmup_rounds: int = 2, tree_ema: float = 0.2) -> None:
         if max_budget < 1:
             raise ValueError(f"max_budget={max_budget} must be >= 1")
         self.max_budget = max_budget
@@ -126,6 +128,7 @@ class BudgetController:
         self.cost_per_token = cost_per_token
         self.prior_cost = prior_cost
         self.probe_every = probe_every
+        self.max_probe_every = max(probe_every, max_probe_every)
         # Cost: target passes by tokens in the pass; draft steps by batch size. Draft steps are
         # sampled less often once a chain settles on 0 (only probes draft), so that fit forgets
         # faster: one slow early sample must not keep drafting dear for long.
@@ -136,6 +139,7 @@ class BudgetController:
         self.alpha: dict[str, float] = {}
         self.recent_alpha = prior_alpha
         self._plain_rounds: dict[str, int] = {}
+        self._probe_wait: dict[str, int] = {}  # plain rounds before a request's next probe
         # Tree acceptance: tokens per request and round at each ladder size (unused for chains).
         self.sizes = size_ladder(max_budget) if tree else list(range(max_budget + 1))
         self.warmup_rounds = warmup_rounds
@@ -175,16 +179,21 @@ class BudgetController:
         best = max(range(self.max_budget + 1),
                    key=lambda k: sum(expected_speedup(a, k, 0.0) for a in alphas) / _cost(k, per_node, overhead))
         if best > 0:
+            for request in requests:  # speculation pays again: probe promptly if it stops paying
+                self._probe_wait.pop(request.request_id, None)
             return [best] * len(requests)
         out = []
         for request in requests:
-            waited = self._plain_rounds.get(request.request_id, 0) + 1
-            self._plain_rounds[request.request_id] = waited
+            rid = request.request_id
+            waited = self._plain_rounds.get(rid, 0) + 1
+            self._plain_rounds[rid] = waited
+            wait = self._probe_wait.get(rid, self.probe_every)
             probe = 0
-            if waited >= self.probe_every:
+            if waited >= wait:
                 # Two drafts, so the draft model's single-token step gets timed too (the first
                 # step of a round also catches the draft cache up and is not a clean sample).
-                probe, self._plain_rounds[request.request_id] = min(2, self.max_budget), 0
+                probe, self._plain_rounds[rid] = min(2, self.max_budget), 0
+                self._probe_wait[rid] = min(2 * wait, self.max_probe_every)
             out.append(probe)
         return out
 
@@ -265,6 +274,7 @@ class BudgetController:
     def release(self, request: Request) -> None:
         self.alpha.pop(request.request_id, None)
         self._plain_rounds.pop(request.request_id, None)
+        self._probe_wait.pop(request.request_id, None)
 
 
 def _cost(nodes: int, per_node: float, overhead: float) -> float:
