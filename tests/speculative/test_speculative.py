@@ -486,6 +486,19 @@ def test_goodput_probe_wait_resets_when_speculation_pays() -> None:
     assert again == [0, 0, 0, 2]  # the wait is probe_every again, not 16
 
 
+def test_goodput_batch_probes_together() -> None:
+    """A verification pass is padded to its widest request, so the whole batch probes in one round
+    (eight requests probing in eight different rounds would pay eight padded passes)."""
+    batch = [fake_request(f"r{i}") for i in range(8)]
+    policy = BudgetController(8, adaptive=True, probe_every=4)
+    for i, request in enumerate(batch):
+        policy.alpha[request.request_id] = 0.02 * i
+    # One request runs alone for two rounds, then seven more join: they probe with it, not later.
+    rounds = [policy.chain_lengths(batch[:1] if i < 2 else batch, per_node=0.9) for i in range(12)]
+    assert [i + 1 for i, ks in enumerate(rounds) if any(ks)] == [4, 12]
+    assert all(ks in ([0] * len(ks), [2] * len(ks)) for ks in rounds)
+
+
 def test_entropy_length_stops_on_flat_drafts() -> None:
     policy = EntropyStop(gamma_min=1, threshold=0.5)
     flat, peaked = fake_request("flat"), fake_request("peaked")

@@ -132,7 +132,8 @@ class SpeculativeRunner:
         elapsed = device_clock(self.device) - drafted
         times.verify_rounds += 1
         times.verify_seconds += elapsed
-        self.budget.observe_target(batch + sum(proposal.num_tokens), elapsed)
+        # The pass is padded to the widest request: that many rows per request were computed.
+        self.budget.observe_target(batch * (1 + max(proposal.num_tokens)), elapsed)
         return result
 
     def verify(self, requests: list[Request], proposal: Proposal) -> StepResult:

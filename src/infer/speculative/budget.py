@@ -17,11 +17,13 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   average starting from the drafter's recent one). For a tree, whose extra width a single ``α``
   does not describe, it is measured: the mean tokens per request and round at each size on a
   ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times first and a
-  neighbour of the best every ``probe_every`` rounds. A chain settled on ``n = 0`` drafts two
-  tokens after ``probe_every`` plain rounds, so a request whose text turns predictable can win
-  speculation back; each probe that does not win it back doubles that request's wait (up to
-  ``max_probe_every``), so a batch where speculation never pays (a full batch on a compute-bound
-  CPU) pays for ever fewer probes.
+  neighbour of the best every ``probe_every`` rounds. A chain batch settled on ``n = 0`` drafts two
+  tokens for every request after ``probe_every`` plain rounds, so requests whose text turns
+  predictable can win speculation back. The whole batch probes in one round because a
+  verification pass is padded to its widest request: one request probing alone would cost the
+  batch a pass of width 3 for two drafts. Each probe that does not win speculation back doubles
+  the wait (up to ``max_probe_every``), so a batch where speculation never pays (a full batch on
+  a compute-bound CPU) pays for ever fewer probes.
 
 Every budget gives the same output (verification is exact), so this only changes the speed.
 
@@ -138,8 +140,8 @@ class BudgetController:
         self.ema = ema
         self.alpha: dict[str, float] = {}
         self.recent_alpha = prior_alpha
-        self._plain_rounds: dict[str, int] = {}
-        self._probe_wait: dict[str, int] = {}  # plain rounds before a request's next probe
+        self._plain_rounds = 0  # chain rounds at K = 0 since the last probe (or speculation)
+        self._probe_wait = probe_every  # plain rounds before the next probe
         # Tree acceptance: tokens per request and round at each ladder size (unused for chains).
         self.sizes = size_ladder(max_budget) if tree else list(range(max_budget + 1))
         self.warmup_rounds = warmup_rounds
@@ -178,24 +180,16 @@ class BudgetController:
         alphas = [self.alpha.get(r.request_id, self.recent_alpha) for r in requests]
         best = max(range(self.max_budget + 1),
                    key=lambda k: sum(expected_speedup(a, k, 0.0) for a in alphas) / _cost(k, per_node, overhead))
-        if best > 0:
-            for request in requests:  # speculation pays again: probe promptly if it stops paying
-                self._probe_wait.pop(request.request_id, None)
+        if best > 0:  # speculation pays: if it stops paying, probe promptly again
+            self._plain_rounds, self._probe_wait = 0, self.probe_every
             return [best] * len(requests)
-        out = []
-        for request in requests:
-            rid = request.request_id
-            waited = self._plain_rounds.get(rid, 0) + 1
-            self._plain_rounds[rid] = waited
-            wait = self._probe_wait.get(rid, self.probe_every)
-            probe = 0
-            if waited >= wait:
-                # Two drafts, so the draft model's single-token step gets timed too (the first
-                # step of a round also catches the draft cache up and is not a clean sample).
-                probe, self._plain_rounds[rid] = min(2, self.max_budget), 0
-                self._probe_wait[rid] = min(2 * wait, self.max_probe_every)
-            out.append(probe)
-        return out
+        self._plain_rounds += 1
+        if self._plain_rounds < self._probe_wait:
+            return [0] * len(requests)
+        # Two drafts, so the draft model's single-token step gets timed too (the first step of a
+        # round also catches the draft cache up and is not a clean sample).
+        self._plain_rounds, self._probe_wait = 0, min(2 * self._probe_wait, self.max_probe_every)
+        return [min(2, self.max_budget)] * len(requests)
 
     def tree_size(self, per_node: float, overhead: float = 0.0) -> int:
         """The tree size of the next round: untried sizes first (largest first: the heads' own tree
@@ -273,8 +267,6 @@ class BudgetController:
 
     def release(self, request: Request) -> None:
         self.alpha.pop(request.request_id, None)
-        self._plain_rounds.pop(request.request_id, None)
-        self._probe_wait.pop(request.request_id, None)
 
 
 def _cost(nodes: int, per_node: float, overhead: float) -> float:
