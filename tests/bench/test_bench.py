@@ -137,6 +137,28 @@ def test_bench_generation_exact_greedy_rows(tiny_llama: Path, tmp_path: Path) ->
     assert "across exact-greedy modes: True" in (out / "generation.md").read_text()
 
 
+def test_bench_generation_cuda_graphs_needs_cuda(tiny_llama: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "generation", "--model", str(tiny_llama), "--num-prompts", "1", "--max-tokens", "4",
+                 "--no-transformers", "--device", "cpu", "--cuda-graphs", "--out", str(tmp_path / "r")])
+    assert code == 2
+    assert "--cuda-graphs replays CUDA graphs: it needs --device cuda" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()  # refused before loading anything
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_bench_generation_cuda_graph_rows(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    code = main(["bench", "generation", "--model", str(tiny_llama), "--num-prompts", "1", "--max-tokens", "8",
+                 "--repeats", "1", "--no-transformers", "--no-suffix", "--spec-length", "3", "--device", "cuda",
+                 "--cuda-graphs", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "generation.json").read_text())
+    modes = {r["mode"] for r in report["results"]}
+    assert {"infer plain (CUDA graphs)", "infer + n-gram K=3 (CUDA graphs)"} <= modes
+    assert report["cuda_graphs_outputs_identical"] is True
+
+
 def test_workloads_and_prompt_files(tmp_path: Path) -> None:
     code = code_prompts(3)
     assert len(code) == 3 and all(p.count("\n") >= 4 for p in code)

@@ -43,6 +43,9 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--compiled", action="store_true",
                      help="also time every infer mode torch.compiled, interleaved with the eager ones (the first "
                      "run of each kind of pass compiles; the warm-up pays for it)")
+    gen.add_argument("--cuda-graphs", action="store_true",
+                     help="also time every infer mode with its decode and verification steps replayed as CUDA "
+                          "graphs, interleaved with the eager ones (CUDA only; each bucket captures on first use)")
     gen.add_argument("--out", default="bench-out", help="folder for generation.json, generation.md and plots")
     gen.add_argument("--profile", action="store_true",
                      help="instead of the comparison, profile infer's decode steps and a (K+1)-token verification "
@@ -88,6 +91,8 @@ def _run_generation(args: argparse.Namespace) -> int:
     from infer.bench.report import generation_table, write_generation_report
     from infer.bench.workloads import load_prompts, repetitive_prompts, workload_prompts
 
+    if args.cuda_graphs and not str(args.device).startswith("cuda"):
+        raise ValueError(f"--cuda-graphs replays CUDA graphs: it needs --device cuda (this run is on {args.device})")
     repetitive = args.workload == "repetitive" and not args.prompts
     warmup: list[str] = []
     if args.prompts:
@@ -112,7 +117,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
         medusa_tree_sizes=args.medusa_tree_size, suffix=not args.no_suffix, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
-        compiled=args.compiled,
+        compiled=args.compiled, cuda_graphs=args.cuda_graphs,
         peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, chat=args.chat, stop_at_eos=repetitive,
         warmup_prompts=warmup,
     )

@@ -82,6 +82,8 @@ class BenchSettings:
     exact_greedy: bool = False
     # Also time every infer mode torch.compiled ("... (compiled)" rows), interleaved.
     compiled: bool = False
+    # Also time every infer mode with its steps replayed as CUDA graphs ("... (CUDA graphs)"; CUDA only).
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -150,6 +152,7 @@ def speculation_stats(outputs: list[Any]) -> dict[str, Any]:
 
 EXACT = "(exact greedy)"  # the suffix of a mode run with exact-greedy kernels
 COMPILED = "(compiled)"  # the suffix of a mode run with its forward torch.compiled
+GRAPHS = "(CUDA graphs)"  # the suffix of a mode whose decode and verify steps replay CUDA graphs
 
 # One timed generation of a prompt (text, or token ids when it went through the chat template):
 # (tokens per second, the infer RequestOutput or None for transformers).
@@ -270,6 +273,8 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
                 variants.append((f"{name} {EXACT}", {"exact_greedy": True}))
             if settings.compiled:
                 variants.append((f"{name} {COMPILED}", {"compile": True}))
+            if settings.cuda_graphs:
+                variants.append((f"{name} {GRAPHS}", {"cuda_graphs": True}))
         results = []
         for label, extra in variants:
             say(f"[{label}] loading")
@@ -394,7 +399,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         elif r.engine == "transformers" and hf_plain is not None:
             r.speedup_vs_transformers = r.tokens_per_s / hf_plain.tokens_per_s
     greedy_identical = None
-    twin_identical: dict[str, bool | None] = {EXACT: None, COMPILED: None}
+    twin_identical: dict[str, bool | None] = {EXACT: None, COMPILED: None, GRAPHS: None}
     if settings.temperature == 0.0:
         # Each kind of twin row runs other kernels, so it is compared with its own plain row.
         greedy_identical = all(r.texts == plain.texts for r in results if r.engine == "infer" and r.dtype == plain.dtype
@@ -428,6 +433,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         "memory": memory,
         "exact_greedy_outputs_identical": twin_identical[EXACT],
         "compiled_outputs_identical": twin_identical[COMPILED],
+        "cuda_graphs_outputs_identical": twin_identical[GRAPHS],
         "results": [{k: v for k, v in asdict(r).items() if k != "texts"} for r in results],
         "sample_output": plain.texts[0] if plain.texts else "",
     }

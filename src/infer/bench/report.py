@@ -53,6 +53,8 @@ def generation_table(report: dict[str, Any]) -> str:
         head += f"; across exact-greedy modes: {report['exact_greedy_outputs_identical']}"
     if report.get("compiled_outputs_identical") is not None:
         head += f"; across compiled modes: {report['compiled_outputs_identical']}"
+    if report.get("cuda_graphs_outputs_identical") is not None:
+        head += f"; across CUDA-graph modes: {report['cuda_graphs_outputs_identical']}"
     if memory:
         head += (f"; memory bandwidth {memory['bandwidth_gb_s']:.1f} GB/s (median of "
                  f"{len(memory['samples_gb_s'])}, a 512 MB reduction), weights read per token: infer "
