@@ -137,10 +137,11 @@ def test_bench_generation_exact_greedy_rows(tiny_llama: Path, tmp_path: Path) ->
     assert "across exact-greedy modes: True" in (out / "generation.md").read_text()
 
 
-def test_bench_generation_cuda_graphs_needs_cuda(tiny_llama: Path, tmp_path: Path,
+@pytest.mark.parametrize("device", ["cpu"] + ([] if torch.cuda.is_available() else ["auto"]))
+def test_bench_generation_cuda_graphs_needs_cuda(tiny_llama: Path, tmp_path: Path, device: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "generation", "--model", str(tiny_llama), "--num-prompts", "1", "--max-tokens", "4",
-                 "--no-transformers", "--device", "cpu", "--cuda-graphs", "--out", str(tmp_path / "r")])
+                 "--no-transformers", "--device", device, "--cuda-graphs", "--out", str(tmp_path / "r")])
     assert code == 2
     assert "--cuda-graphs replays CUDA graphs: it needs --device cuda" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()  # refused before loading anything

@@ -90,8 +90,10 @@ def _run_generation(args: argparse.Namespace) -> int:
     from infer.bench.generation import BenchSettings, run_generation_bench
     from infer.bench.report import generation_table, write_generation_report
     from infer.bench.workloads import load_prompts, repetitive_prompts, workload_prompts
+    from infer.loader import resolve_device
 
-    if args.cuda_graphs and not str(args.device).startswith("cuda"):
+    # The engine refuses it too, but only when the twin loads, after every other mode has loaded.
+    if args.cuda_graphs and resolve_device(args.device).type != "cuda":
         raise ValueError(f"--cuda-graphs replays CUDA graphs: it needs --device cuda (this run is on {args.device})")
     repetitive = args.workload == "repetitive" and not args.prompts
     warmup: list[str] = []
