@@ -15,8 +15,8 @@ from checkpoints import (
     make_tiny_checkpoint,
     shared_tokenizer,
 )
-from infer.train.corpus import stdlib_root
-from infer.train.tokenizer import EOS_ID, IM_END_ID, save_tokenizer
+from infer.data.corpus import stdlib_root
+from infer.data.tokenizer import EOS_ID, IM_END_ID, save_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -10,14 +10,14 @@ import torch
 
 from checkpoints import make_medusa_heads
 from infer import LLM, SamplingParams
-from infer.bench.workloads import (
+from infer.cli import main
+from infer.data.workloads import (
     REPETITIVE_INSTRUCTION,
     code_prompts,
     edit_prompts,
     load_prompts,
     repetitive_prompts,
 )
-from infer.cli import main
 from infer.loader import load_model
 from infer.speculative.budget import expected_speedup_over_rounds
 

@@ -17,9 +17,9 @@ import torch
 
 from checkpoints import make_medusa_heads, make_tiny_checkpoint
 from infer import LLM, SamplingParams
-from infer.bench.workloads import code_prompts, edit_prompts
 from infer.cache import make_pool
 from infer.core.model_runner import ModelRunner
+from infer.data.workloads import code_prompts, edit_prompts
 from infer.engine.config import EngineConfig
 from infer.loader import CheckpointError, load_model
 from infer.loader.convert import convert_gguf

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
+from infer.data.tokenizer import IM_END_ID, IM_START_ID
 from infer.loader import (
     CheckpointError,
     cpu_bf16_feature,
@@ -23,7 +24,6 @@ from infer.loader import (
 )
 from infer.models.cpu_kernels import GemvLinear
 from infer.models.layers import PackedLinear, count_weights, cpu_linear_kernel
-from infer.train.tokenizer import IM_END_ID, IM_START_ID
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

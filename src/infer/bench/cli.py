@@ -54,7 +54,7 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--profile-steps", type=int, default=32, help="decode steps and verification passes profiled")
     gen.add_argument("--peer", choices=["llama.cpp"], default=None,
                      help="add rows for another engine on the same prompts, interleaved with infer's "
-                          "(llama.cpp: llama-cpp-python, pip install 'infer[bench]')")
+                          "(llama.cpp: llama-cpp-python, pip install 'infer[peer]')")
     gen.add_argument("--peer-gguf", nargs="+", default=[], metavar="GGUF",
                      help="GGUF files of the same model the peer runs, a plain row each (the first is what "
                           "'vs llama.cpp' divides by, and gets the prompt lookup row)")
@@ -89,7 +89,7 @@ def add_subparser(sub: Any) -> None:
 def _run_generation(args: argparse.Namespace) -> int:
     from infer.bench.generation import BenchSettings, run_generation_bench
     from infer.bench.report import generation_table, write_generation_report
-    from infer.bench.workloads import load_prompts, repetitive_prompts, workload_prompts
+    from infer.data.workloads import load_prompts, repetitive_prompts, workload_prompts
     from infer.loader import resolve_device
 
     # The engine refuses it too, but only when the twin loads, after every other mode has loaded.
@@ -157,7 +157,7 @@ def _run_compile_eval(args: argparse.Namespace) -> int:
     import json
 
     from infer.bench.compile_eval import compile_table, run_compile_eval
-    from infer.bench.workloads import code_prompts
+    from infer.data.workloads import code_prompts
 
     say = lambda msg: print(f"[compile] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     report = run_compile_eval(args.model, args.dtype, code_prompts(1)[0], args.verify_width, args.steps,

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from infer.extras import pyplot
 from infer.speculative.budget import expected_speedup
 
 
@@ -93,11 +94,9 @@ def write_generation_report(report: dict[str, Any], out_dir: str | Path) -> list
 
 
 def _plot_generation(report: dict[str, Any], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return []
     written = []
     fixed = [r for r in report["results"] if r["engine"] == "infer" and r["spec_length"] and r["policy"] is None
              and "draft" in r["mode"]]

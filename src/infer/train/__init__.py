@@ -1,1 +1,2 @@
-"""Training-side utilities: text corpora and BPE tokenizer training for tiny test/demo models."""
+"""Training (the optional extra ``infer[train]``): pretraining small models, distilling drafts, Medusa
+heads and the reference pair."""

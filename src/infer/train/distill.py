@@ -18,7 +18,6 @@ rate at temperature 1, ``alpha = E[sum_x min(p(x), q(x))]``, and greedy agreemen
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from infer.data.corpus import load_corpus
 from infer.fileio import publish_folder, staging_folder
 from infer.loader import load_model, load_tokenizer, resolve_model_path
 from infer.loader.config import ModelConfig
@@ -43,10 +43,10 @@ from infer.train.common import (
     count_params,
     model_config,
     say,
+    target_training_args,
     write_json,
     write_model_files,
 )
-from infer.train.corpus import load_corpus
 from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus
 from infer.train.pretrain import (
     TOKENIZER_FILES,
@@ -222,17 +222,6 @@ def load_frozen_target(cfg: Any, device: torch.device) -> FrozenTarget:
         # The target's own seed picks the same training subset when the data settings are inherited.
         data_seed=int(targs.get("seed", cfg.seed)) if cfg.max_train_chars is None else cfg.seed,
     )
-
-
-def target_training_args(target: Path) -> dict[str, Any]:
-    path = target / TRAINING_ARGS_FILE
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return {}
-    return raw if isinstance(raw, dict) else {}
 
 
 def draft_config(cfg: DistillConfig, tcfg: ModelConfig, reuse: bool, eos_id: int) -> ModelConfig:
