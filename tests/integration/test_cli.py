@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.cli import build_parser, engine_options, main
+from infer.cli import build_parser, main
 from infer.engine.config import EngineConfig
+from infer.engine.options import engine_options
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -472,14 +472,15 @@ def test_request_rejected_at_admission_is_an_error(serve: Any, tiny_llama: Path)
 # -- the command line -----------------------------------------------------------------------------
 def test_serve_flags_map_to_engine_config(tiny_llama: Path) -> None:
     from infer.cli import build_parser
-    from infer.server.cli import engine_config_from_args, served_model_name
+    from infer.engine.options import engine_config
+    from infer.server.cli import served_model_name
 
     args = build_parser().parse_args([
         "serve", "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu", "--max-batch-size", "3",
         "--block-size", "8", "--num-kv-blocks", "40", "--no-chunked-prefill", "--prefix-caching", "--max-queue", "5",
         "--speculator", "ngram", "--spec-length", "4", "--spec-length-policy", "goodput", "--max-seq-len", "256",
         "--port", "0", "--api-key", "k", "--host", "127.0.0.1"])
-    config = engine_config_from_args(args)
+    config = engine_config(args)
     assert (config.max_batch_size, config.block_size, config.num_kv_blocks, config.chunked_prefill,
             config.prefix_caching, config.max_queue) == (3, 8, 40, False, True, 5)
     assert config.speculative is not None

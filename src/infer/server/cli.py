@@ -10,36 +10,23 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infer.engine.config import EngineConfig
+from infer.engine.options import engine_config
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-_DEFAULTS = EngineConfig(model="")  # the engine's defaults are the flags' defaults
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # app.DEFAULT_MAX_REQUEST_BYTES (not imported: keeps `infer --help` fast)
 
 
 def add_subparser(subparsers: Any) -> None:
-    from infer.cli import add_model_args
+    from infer.engine.options import MODEL_OPTIONS, SERVING_OPTIONS, add_engine_args
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
                               description="Serve a model over the OpenAI HTTP API with continuous batching "
                                           "and optional speculative decoding.")
-    add_model_args(p)
+    add_engine_args(p, MODEL_OPTIONS + SERVING_OPTIONS)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size,
-                   help="most requests decoded together")
-    p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV block (paged)")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks per pool (default: max-batch-size full-length sequences)")
-    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=_DEFAULTS.chunked_prefill,
-                   help="split long prompts across steps so decoding requests keep streaming")
-    p.add_argument("--max-prefill-tokens", type=int, default=_DEFAULTS.max_prefill_tokens,
-                   help="prompt tokens per step with chunked prefill")
-    p.add_argument("--prefix-caching", action="store_true", help="reuse KV blocks of shared prompt prefixes")
-    p.add_argument("--max-queue", type=int, default=_DEFAULTS.max_queue,
-                   help="waiting requests beyond this get HTTP 429")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $INFER_API_KEY, else none; "
                         "prefer the variable: a flag is visible to every user in ps)")
@@ -68,17 +55,6 @@ def add_subparser(subparsers: Any) -> None:
                        help="GPUs Ray reserves for each replica, fractions allowed (default: 1 with --device "
                             "cuda*, else 0)")
     p.set_defaults(func=run_serve)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the serve flags describe (validated)."""
-    from infer.cli import engine_options
-
-    options = engine_options(args)
-    options.update(max_batch_size=args.max_batch_size, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                   chunked_prefill=args.chunked_prefill, max_prefill_tokens=args.max_prefill_tokens,
-                   prefix_caching=args.prefix_caching, max_queue=args.max_queue)
-    return EngineConfig.from_options(**options)
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -125,7 +101,7 @@ def build_app(args: argparse.Namespace, **app_options: Any) -> FastAPI:
     from infer.engine.engine import Engine
     from infer.server.app import create_app
 
-    config = engine_config_from_args(args)
+    config = engine_config(args)
     engine = Engine(config, say)
     spec = "" if config.speculative is None else \
         f", speculation {config.speculative.method} (K={config.speculative.length}, {config.speculative.length_policy})"
@@ -141,7 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
 
     try:  # bad flags fail before the (slow) model load
-        engine_config_from_args(args)
+        engine_config(args)
         args.api_key = api_key_from(args)  # resolved here: replicas on other machines lack our environment
     except ValueError as err:
         return fail(str(err))
