@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infer.bench.report import write_json_and_table
 from infer.extras import pyplot
 
 CONCURRENCY = [1, 2, 4, 8, 16, 32]
@@ -373,15 +374,11 @@ def serving_table(report: dict[str, Any]) -> str:
 
 
 def write_serving_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "serving.json", out / "serving.md"]
-    paths[0].write_text(json.dumps(report, indent=2))
-    paths[1].write_text(serving_table(report))
+    paths = write_json_and_table(report, serving_table(report), out_dir, "serving")
     plt = pyplot()
     if plt is None:
         return paths
-    paths.append(out / "throughput_vs_concurrency.png")
+    paths.append(Path(out_dir) / "throughput_vs_concurrency.png")
     fig, ax = plt.subplots(figsize=(6, 4))
     for run in report["runs"]:
         xs = [lv["concurrency"] for lv in run["levels"]]
