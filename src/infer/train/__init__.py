@@ -1,2 +1,3 @@
-"""Training (the optional extra ``infer[train]``): pretraining small models, distilling drafts, Medusa
-heads and the reference pair."""
+"""Training (the optional extra ``infer[train]``): pretraining small models, a real target's teacher
+cache (its distributions over its own answers to varied prompts), distilling drafts, Medusa heads,
+and the cached reference pair."""

@@ -247,7 +247,7 @@ def reuse_target_weights(draft: DecoderOnlyLM, target: DecoderOnlyLM) -> None:
     and its final norm into a draft of the same layer shape: the target's early exit, which training
     then teaches to finish the target's thought. (Measured on SmolLM2-135M's own held-out answers, before
     training: KL 13.8 nats for layers 0-1, 16.4 for 28-29, 17.4 for 0 and 15, 58.7 for 0 and 29, 74.6 for
-    random layers; docs/benchmarks.md.)"""
+    random layers; docs/benchmarks-history.md.)"""
     draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
     draft.model.embed_tokens.weight.requires_grad_(False)
     if not draft.config.tie_word_embeddings:  # an untied target's head is reused as it is, frozen too
