@@ -80,10 +80,6 @@ def protocol_class(limits: HTTPLimits) -> type[LimitedHttpProtocol]:
     return type("BoundHttpProtocol", (LimitedHttpProtocol,), {"limits": limits, "shared": _Shared()})
 
 
-class _Refused(Exception):
-    """Raised inside a parser callback to stop parsing a refused request."""
-
-
 class LimitedHttpProtocol(HttpToolsProtocol):
     limits: ClassVar[HTTPLimits] = HTTPLimits()
     shared: ClassVar[_Shared] = _Shared()
@@ -150,11 +146,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.data_received(data[room:])
 
     def send_400_response(self, msg: str) -> None:
-        if not self._refused:  # after a refusal the parser's error is ours: the answer is already out
+        if not self._refused:  # a parse error in the rest of a refused read: the answer is already out
             super().send_400_response(msg)
 
     # -- parser callbacks -------------------------------------------------------------------------
     def on_message_begin(self) -> None:
+        if self._refused:
+            return
         super().on_message_begin()
         self._header_count = 0
         self._reading = True
@@ -162,14 +160,18 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._arm_read_timer()
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refused:
+            return
         self._header_count += 1
         if self._header_count > self.limits.max_headers:
             self._refuse(431, f"more than {self.limits.max_headers} request headers (the server's --max-headers)",
                          "request_header_fields_too_large")
-            raise _Refused
+            return  # the parser finishes this read (within the byte cap); the refused request never starts
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         self._head_bytes = None
         self._heads_done += 1
         super().on_headers_complete()
@@ -177,7 +179,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.scope is self.scope and self.scope.get("http_version") == "1.0":
             cycle.__class__ = _Http10Cycle  # before its task first runs (it was only scheduled)
 
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         super().on_message_complete()
         self._reading = False
         self._head_bytes = 0
