@@ -410,8 +410,16 @@ def test_disconnect_mid_stream_aborts(servers: dict[str, Served], kind: str) -> 
     assert served.metrics()['infer_requests_total{finish_reason="abort"}'] == aborted_before + 1
 
 
-def test_disconnect_while_waiting_for_whole_response(servers: dict[str, Served]) -> None:
+def test_disconnect_while_waiting_for_whole_response(servers: dict[str, Served],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     served = servers["plain"]
+    step = served.engine.step
+
+    def slow_step(*args: Any, **kwargs: Any) -> Any:  # the response takes seconds, however fast the machine
+        time.sleep(0.005)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(served.engine, "step", slow_step)
     served.wait_idle()
     initial = served.free_kv()
     aborted_before = served.metrics()['infer_requests_total{finish_reason="abort"}']
