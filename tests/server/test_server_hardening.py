@@ -24,10 +24,10 @@ from typing import Any
 
 import httpx
 import pytest
-from infer.train.tokenizer import IM_END_ID, IM_START_ID
 
 from helpers import wait_serving
 from infer import Engine, EngineConfig
+from infer.data.tokenizer import IM_END_ID, IM_START_ID
 from infer.server.app import create_app
 from infer.server.background import BackgroundServer, bind_socket
 from infer.server.connections import HTTPLimits
