@@ -142,7 +142,8 @@ def test_a_huge_header_gets_431_and_others_are_unaffected(serve: Callable[..., S
     assert answers["health"] == 200 and answers["health_s"] < 2.0
     # A head just under the limit, and a large body after a small head, are fine.
     filler = b"a" * (32 * 1024 - 200)
-    ok = raw_exchange(served.address, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Fill: " + filler + b"\r\nConnection: close\r\n\r\n")
+    ok = raw_exchange(served.address,
+                      b"GET /health HTTP/1.1\r\nHost: x\r\nX-Fill: " + filler + b"\r\nConnection: close\r\n\r\n")
     assert ok.startswith(b"HTTP/1.1 200"), ok[:200]
     response = served.post("/v1/completions", {**INNOCENT, "stream": False, "max_tokens": 2,
                                                "prompt": "x = 1\n" * 20_000})
@@ -389,7 +390,8 @@ def test_http10_streams_without_chunking(serve: Callable[..., Served]) -> None:
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
     assert text == stream_text(served.url, {**INNOCENT, "max_tokens": 8})
     # HTTP/1.1 keeps chunked streaming.
-    request = request.replace(b"HTTP/1.0", b"HTTP/1.1").replace(b"\r\n\r\n", b"\r\nHost: x\r\nConnection: close\r\n\r\n", 1)
+    request = request.replace(b"HTTP/1.0", b"HTTP/1.1").replace(b"\r\n\r\n", b"\r\nHost: x\r\nConnection: close\r\n\r\n",
+                                                                1)
     assert b"transfer-encoding: chunked" in raw_exchange(served.address, request).lower()
 
 

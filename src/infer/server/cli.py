@@ -40,16 +40,19 @@ def add_subparser(subparsers: Any) -> None:
                    help="larger request bodies get HTTP 413 without being read")
     limits = p.add_argument_group("connection limits (one-process server; Ray Serve's proxy has its own)")
     limits.add_argument("--max-header-bytes", type=int, default=HTTP_LIMIT_DEFAULTS["max_header_bytes"],
-                        help="a request line plus headers larger than this gets HTTP 431 and the connection closed (default: %(default)s)")
+                        help="a request line plus headers larger than this gets HTTP 431 and the connection closed "
+                             "(default: %(default)s)")
     limits.add_argument("--max-headers", type=int, default=HTTP_LIMIT_DEFAULTS["max_headers"],
                         help="more request headers than this get HTTP 431 (default: %(default)s)")
     limits.add_argument("--read-timeout", type=float, default=HTTP_LIMIT_DEFAULTS["read_timeout_s"],
                         help="seconds a client has to send a whole request (headers and body) once it has begun; "
                              "then HTTP 408 and the connection closed (default: %(default)s)")
     limits.add_argument("--keep-alive-timeout", type=float, default=HTTP_LIMIT_DEFAULTS["keep_alive_timeout_s"],
-                        help="seconds an idle connection (a new one that sent nothing, or between requests) stays open (default: %(default)s)")
+                        help="seconds an idle connection (a new one that sent nothing, or between requests) stays "
+                             "open (default: %(default)s)")
     limits.add_argument("--max-connections", type=int, default=HTTP_LIMIT_DEFAULTS["max_connections"],
-                        help="open connections beyond this get HTTP 503 at once and are closed (default: %(default)s)")
+                        help="open connections beyond this get HTTP 503 at once and are closed "
+                             "(default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted "
                         "(keep it below the orchestrator's grace period, 30 s in Kubernetes); a second "

@@ -62,6 +62,7 @@ class HTTPLimits:
 def uvicorn_config(app: Any, limits: HTTPLimits | None = None, **options: Any) -> uvicorn.Config:
     """A uvicorn.Config that serves ``app`` through ``LimitedHttpProtocol`` with ``limits``."""
     limits = limits or HTTPLimits()
+    options.setdefault("ws", "none")  # no WebSocket routes: an upgrade must not hand the connection to another protocol
     return uvicorn.Config(app, http=protocol_class(limits),
                           timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
                           **options)

@@ -59,12 +59,14 @@ class SamplingRequest(_Body):
     def check_supported(self) -> None:
         """400 for known fields set to values this server cannot honour."""
         if self.n not in (None, 1):
-            raise bad_request(f"n={short_repr(self.n)} is not supported: this server returns one choice per request (n=1)",
+            raise bad_request(f"n={short_repr(self.n)} is not supported: this server returns one choice per "
+                              "request (n=1)",
                               param="n", code="unsupported_parameter")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
-                raise bad_request(f"{name}={short_repr(value)} is not supported (only 0); use repetition_penalty instead",
+                raise bad_request(f"{name}={short_repr(value)} is not supported (only 0); use repetition_penalty "
+                                  "instead",
                                   param=name, code="unsupported_parameter")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
@@ -142,7 +144,8 @@ class ChatMessage(_Body):
             texts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"content part of type {short_repr(part.get('type'))} is not supported (only text)",
+                    raise bad_request(f"content part of type {short_repr(part.get('type'))} is not supported "
+                                      "(only text)",
                                       param="messages")
                 texts.append(part["text"])
             content = "\n".join(texts)
