@@ -101,6 +101,18 @@ def fixture_imports_of_train(source: str) -> list[str]:
     return [name for name in infer_imports(source) if name == "infer.train" or name.startswith("infer.train.")]
 
 
+def test_the_server_app_is_built_from_an_engine_config() -> None:
+    """The HTTP app is built from an EngineConfig (server.app.build_app), not from parsed flags, so Ray
+    Serve replicas, tests and embedders build it without the command line."""
+    import inspect
+
+    from infer.engine.config import EngineConfig
+    from infer.server import app, cli
+
+    assert inspect.signature(app.build_app).parameters["config"].annotation in (EngineConfig, "EngineConfig")
+    assert not hasattr(cli, "build_app")
+
+
 def test_test_fixtures_do_not_need_the_trainer() -> None:
     """Training is the optional extra infer[train]: the shared fixtures and helpers build their models
     and tokenizer without it, so the engine's tests never import it."""

@@ -19,6 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.sampling.params import short_repr
 from infer.server.engine_loop import EngineService, Progress, Subscription
@@ -75,6 +76,19 @@ def _generation_responses(model: type, auth: bool) -> dict[int | str, dict[str, 
     return {200: {"model": model, "description": "The completion (JSON), or with `stream: true` a stream of "
                                                  "server-sent events", "content": {"text/event-stream": stream}},
             **_errors(400, *((401,) if auth else ()), 413, 429, 500, 503)}
+
+
+def build_app(config: EngineConfig, served_model_name: str, api_key: str | None, *,
+              say: Callable[[str], None] | None = None, **app_options: Any) -> FastAPI:
+    """Load the engine ``config`` describes and wrap it in the HTTP app (``create_app``'s options):
+    what one ``infer serve`` process runs, and what each Ray Serve replica runs."""
+    engine = Engine(config, say)
+    if say is not None:
+        spec = config.speculative
+        drafting = "" if spec is None else f", speculation {spec.method} (K={spec.length}, {spec.length_policy})"
+        say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
+            f"{engine.pool.free_kv_tokens()} KV tokens{drafting}")
+    return create_app(engine, served_model_name, api_key, **app_options)
 
 
 def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 from infer.engine.options import engine_config
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
-
     from infer.server.connections import HTTPLimits
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # app.DEFAULT_MAX_REQUEST_BYTES (not imported: keeps `infer --help` fast)
@@ -149,22 +147,6 @@ def on_ray_serve(args: argparse.Namespace) -> bool:
     return args.replicas is not None or args.autoscale is not None or args.ray_address is not None
 
 
-def build_app(args: argparse.Namespace, **app_options: Any) -> FastAPI:
-    """Load the engine the flags describe and wrap it in the HTTP app: what one ``infer serve``
-    process runs, and what each Ray Serve replica runs. ``args.api_key`` is the resolved key."""
-    from infer.engine.engine import Engine
-    from infer.server.app import create_app
-
-    config = engine_config(args)
-    engine = Engine(config, say)
-    spec = "" if config.speculative is None else \
-        f", speculation {config.speculative.method} (K={config.speculative.length}, {config.speculative.length_policy})"
-    say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
-        f"{engine.pool.free_kv_tokens()} KV tokens{spec}")
-    return create_app(engine, served_model_name(args), args.api_key, max_request_bytes=args.max_request_bytes,
-                      **app_options)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     def fail(message: str) -> int:
         print(f"infer serve: error: {message}", file=sys.stderr)
@@ -209,6 +191,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+    from infer.server.app import build_app
     from infer.server.background import BackgroundServer, DrainingServer, loading_app
     from infer.server.connections import uvicorn_config
     from infer.server.engine_loop import kv_pools, kv_usage
@@ -219,7 +202,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     # While the model loads, a server on another thread answers: /health 503 "loading", the rest 503.
     # The model loads here, on the main thread, as before (Ctrl-C interrupts it).
     with BackgroundServer(loading_app(), sock=sock, limits=limits, log_level=args.log_level, graceful_shutdown_s=1):
-        app = build_app(args)
+        app = build_app(engine_config(args), name, args.api_key, say=say, max_request_bytes=args.max_request_bytes)
     engine = app.state.engine
     host = f"[{args.host}]" if ":" in args.host else args.host
     port = sock.getsockname()[1]
