@@ -10,7 +10,7 @@ import torch
 from infer.cache.protocol import CachePoolProtocol, build_kv_batch
 from infer.core.cuda_graphs import StepGraphs
 from infer.core.request import Request
-from infer.models.cpu_kernels import MAX_ROWS, GemvLinear, kernel_threads_only
+from infer.kernels.cpu import MAX_ROWS, GemvLinear, kernel_threads_only
 from infer.models.layers import DecoderOnlyLM, block_mask_from
 
 
@@ -28,7 +28,7 @@ class ModelRunner:
         self.device = pool.device
         self.vocab_size = model.config.vocab_size
         # Where the CPU kernels carry the matmuls, passes they take whole run torch's own operators
-        # single-threaded (cpu_kernels.kernel_threads_only); elsewhere torch's threading is left alone.
+        # single-threaded (kernels.cpu.kernel_threads_only); elsewhere torch's threading is left alone.
         self.kernels = any(isinstance(m, GemvLinear) for m in model.modules())
         self.graphs: StepGraphs | None = None  # set by the engine with cuda_graphs: passes replayed as graphs
 
