@@ -67,6 +67,17 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="CUDA only: replay decode steps and chain verifications as CUDA graphs, one per "
                         "batch, width and context bucket, captured on first use")
+    add_backend_arg(parser)
+
+
+def add_backend_arg(parser: argparse.ArgumentParser) -> None:
+    """``--backend``, shared with ``infer bench``."""
+    from infer.models.backend import BACKENDS
+
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="what computes the forward pass: auto (the fastest this machine runs; the startup "
+                        "line says which and why), torch (the PyTorch layers) or cpu-kernels (infer's C kernels; "
+                        "an error where they cannot run)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,7 +91,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 tree_attention=args.tree_attention, suffix_tree_size=args.suffix_tree_size,
                 suffix_max_tokens=args.suffix_max_tokens, suffix_max_requests=args.suffix_max_requests,
                 suffix_scope=args.suffix_scope, exact_greedy=args.exact_greedy, compile=args.compile,
-                cuda_graphs=args.cuda_graphs)
+                cuda_graphs=args.cuda_graphs, backend=args.backend)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
