@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -79,21 +80,94 @@ def _threads() -> int:
     return _kernel_threads[0] or torch.get_num_threads()
 
 
+class ThreadChooser:
+    """How many threads the kernels use for a kind of pass, measured rather than assumed.
+
+    On a machine of its own a pass runs fastest on every core. Where another process keeps a core
+    busy, a thread sharing that core is descheduled for whole time slices and every parallel loop
+    waits for it at its end: two threads then ran a SmolLM2 decode step at half the speed of one.
+    So each kind of pass (its label and row count) keeps a moving average of its time on all threads
+    and on one, runs the faster, and now and then runs the other once to notice the machine
+    changing. Exactness does not depend on it: every output of a kernel is computed the same
+    way whichever thread computes it."""
+
+    EXPLORE = 32  # passes between tries of the other count; doubled while the try confirms the choice
+    MAX_EXPLORE = 1024
+    WEIGHT = 0.25  # of the newest time in the moving average
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[Hashable, int], float] = {}
+        self.countdown: dict[Hashable, int] = {}  # passes until the next try of the other count
+        self.interval: dict[Hashable, int] = {}
+        self.best: dict[Hashable, int] = {}
+
+    def pick(self, kind: Hashable, most: int) -> int:
+        if most <= 1:
+            return 1
+        for threads in (most, 1):  # each measured before either is trusted
+            if (kind, threads) not in self.seconds:
+                return threads
+        best = most if self.seconds[(kind, most)] <= self.seconds[(kind, 1)] else 1
+        if self.best.get(kind) != best:  # a new choice: try the other again soon
+            self.best[kind], self.interval[kind] = best, self.EXPLORE
+            self.countdown[kind] = self.EXPLORE
+        self.countdown[kind] -= 1
+        if self.countdown[kind] > 0:
+            return best
+        # A try of the other count; the wait doubles each time the choice stands (a try on a busy
+        # machine costs a slow pass: two threads measured several times one's time there).
+        self.interval[kind] = min(2 * self.interval[kind], self.MAX_EXPLORE)
+        self.countdown[kind] = self.interval[kind]
+        return 1 if best == most else most
+
+    def record(self, kind: Hashable, threads: int, seconds: float) -> None:
+        key = (kind, threads)
+        previous = self.seconds.get(key)
+        self.seconds[key] = seconds if previous is None else previous + self.WEIGHT * (seconds - previous)
+
+    def preferred(self) -> dict[Hashable, int]:
+        """The thread count each kind of pass runs on now (for reports)."""
+        kinds = {kind for kind, _ in self.seconds}
+        return {kind: min((t for k, t in self.seconds if k == kind), key=lambda t: self.seconds[(kind, t)])
+                for kind in kinds}
+
+
+THREADS = ThreadChooser()
+
+
+# The thread count a pass left torch at (None: none lowered it), and the count asked for before.
+_left_at: list[int | None] = [None]
+_wanted: list[int] = [0]
+
+
 @contextlib.contextmanager
-def kernel_threads_only() -> Iterator[None]:
+def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
     """Run a small pass (a decode step, a verification) with PyTorch's operators on one thread and
-    the kernels on all of torch's threads. Those operators work on rows of a few hundred elements,
-    where handing work to another thread costs more than it saves."""
-    threads = torch.get_num_threads()
-    if threads == 1 or _kernel_threads[0] is not None:
+    the kernels on torch's threads, or on one where that measured faster for this ``kind`` of pass
+    (``ThreadChooser``: a shared machine). PyTorch's operators here work on rows of a few hundred
+    elements, where handing work to another thread costs more than it saves. After a pass of a
+    ``kind``, torch keeps the chosen count until the next one: where one thread won, the sampling
+    and the prefill between passes run on one too (two threads lost there alike)."""
+    current = torch.get_num_threads()
+    if _kernel_threads[0] is not None:
         yield
         return
-    _kernel_threads[0] = threads
+    if _left_at[0] is None or current != _left_at[0]:  # no pass lowered it, or someone set it since
+        _wanted[0] = current
+    most = _wanted[0]
+    chosen = THREADS.pick(kind, most) if kind is not None else most
+    _kernel_threads[0] = chosen
     torch.set_num_threads(1)
+    start = time.perf_counter()
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        after = most
+        if kind is not None:
+            THREADS.record(kind, chosen, time.perf_counter() - start)
+            after = chosen
+        torch.set_num_threads(after)
+        _left_at[0] = after if after != most else None
         _kernel_threads[0] = None
 
 

@@ -48,8 +48,11 @@ class Backend:
 
     def detail(self) -> str:
         if self.library is not None:
+            threads = torch.get_num_threads()
             parts = [self.library.variant.description, *(["fused operators"] if self.fused else []),
-                     *(["decoder stack"] if self.stack else [])]
+                     *(["decoder stack"] if self.stack else []),
+                     f"{threads} threads, or 1 per kind of pass where that measures faster (shared cores)"
+                     if threads > 1 else "1 thread"]
             return ", ".join(parts)
         return "oneDNN-packed linears" if self.onednn else "PyTorch operators"
 
