@@ -319,10 +319,14 @@ class KernelLibrary:
         if len(kv.k_layers) != layers or len(kv.v_layers) != layers:
             raise ValueError(f"the cache has {len(kv.k_layers)} layers, the model {layers}")
         storage = kv.k_layers[0].shape[0]
-        for name, stores in (("key", kv.k_layers), ("value", kv.v_layers)):
-            for index, store in enumerate(stores):
-                _check(store, f"layer {index}'s {name} cache", dtype)
-                _check_shape(store, f"layer {index}'s {name} cache", (storage, kv_heads, head_dim))
+        k_pointers, v_pointers = [t.data_ptr() for t in kv.k_layers], [t.data_ptr() for t in kv.v_layers]
+        signature = (tuple(k_pointers), tuple(v_pointers), kv.k_layers[0].dtype, tuple(kv.k_layers[0].shape))
+        if signature != table.checked_cache:  # every store checked once per pool, not per pass
+            for name, stores in (("key", kv.k_layers), ("value", kv.v_layers)):
+                for index, store in enumerate(stores):
+                    _check(store, f"layer {index}'s {name} cache", dtype)
+                    _check_shape(store, f"layer {index}'s {name} cache", (storage, kv_heads, head_dim))
+            table.checked_cache = signature
         context = kv.context_len
         valid = rows if kv.token_valid is None else int(kv.token_valid.sum())
         _check_index(kv.write_index, "write_index", 0, storage)
@@ -347,8 +351,7 @@ class KernelLibrary:
             _check(mask, "mask", torch.bool)
             if mask.numel() != rows * context:
                 raise ValueError(f"mask has shape {tuple(mask.shape)}, expected [{batch}, 1, {width}, {context}]")
-        k_stores = torch.tensor([t.data_ptr() for t in kv.k_layers], dtype=torch.long)
-        v_stores = torch.tensor([t.data_ptr() for t in kv.v_layers], dtype=torch.long)
+        k_stores, v_stores = torch.tensor(k_pointers, dtype=torch.long), torch.tensor(v_pointers, dtype=torch.long)
         out = x.clone()
         args = StackArgs(rows=rows, width=width, batch=batch, hidden=hidden, heads=heads, kv_heads=kv_heads,
                          head_dim=head_dim, inter=shape["inter"], layers=layers, qk_norm=int(table.qk_norm),
@@ -388,6 +391,8 @@ class StackTable:
         self.dtype = first.dtype
         self._pointers: list[int] = []
         self._table = torch.empty(0, dtype=torch.long)
+        # The KV stores last checked (their addresses, dtype and shape): a pool is checked once.
+        self.checked_cache: tuple[object, ...] = ()
 
     def _shapes(self) -> list[tuple[int, ...] | None]:
         s = self.shape
