@@ -53,12 +53,12 @@ def case(request: pytest.FixtureRequest) -> tuple[KernelLibrary, torch.dtype]:
 
 
 def test_every_variant_this_cpu_has_is_tested_here() -> None:
-    """The x86 test machines have AVX-512: there both variants run (the no-BF16 one always, being a
-    build for fewer instructions), so neither goes untested."""
+    """The x86 test machines have AVX-512: there every variant without BF16 runs (builds for fewer
+    instructions than the CPU has), so none goes untested where BF16 is missing either."""
     if "avx512f" not in build.cpu_flags():
         pytest.skip("no AVX-512 on this CPU")
     runnable = [v.name for v in build.VARIANTS if not build.missing_cpu_flags(v)]
-    assert "avx512" in runnable
+    assert "avx512" in runnable and "avx2" in runnable
     assert ("avx512-bf16" in runnable) == ("avx512_bf16" in build.cpu_flags())
 
 
@@ -277,6 +277,26 @@ def test_stack_matches_the_layers_it_replaces(tiny_qwen2: Path, tiny_qwen3: Path
     stack.table._pointers = []
     with pytest.raises(ValueError, match="layers"):  # the cache has two: refused, not misread
         _passes(model, backend, dtype)
+
+
+def test_the_avx2_kernels_carry_a_float32_model_on_a_cpu_without_avx512(tiny_qwen3: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without AVX-512 gets the AVX2 build: products, fused operators and the decoder stack
+    (Qwen3's q/k norms included) against the layers."""
+    if build.missing_cpu_flags(build.VARIANTS[-1]):
+        pytest.skip("this CPU lacks AVX2")
+    flags = frozenset(f for f in build.cpu_flags() if not f.startswith("avx512"))
+    monkeypatch.setattr(build, "cpu_flags", lambda: flags)
+    kernels.reset()
+    try:
+        assert kernels.selection().variant == build.VARIANTS[-1]
+        model, _ = load_model(str(tiny_qwen3), torch.float32, "cpu")
+        assert model.backend is not None and "AVX2 float32 kernels" in model.backend.describe()
+        assert model.backend.stack and "CPU lacks avx512f" in model.backend.describe()
+        _check_stack_against_layers(model, "paged", torch.float32)
+    finally:
+        monkeypatch.undo()
+        kernels.reset()
 
 
 def test_float32_kernels_and_the_stack_run_on_a_cpu_without_bf16(tiny_llama: Path, no_bf16_cpu: None) -> None:

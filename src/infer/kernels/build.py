@@ -2,8 +2,9 @@
 
 Each variant is the same source compiled with explicit ``-m`` flags (never ``-march=native``), so a
 variant holds only the instructions it names: ``avx512-bf16`` has the bfloat16 and float32 kernels,
-``avx512`` the float32 ones for AVX-512 CPUs without BF16 (most of them). The best variant this CPU
-runs is used; an AVX2 or ARM NEON variant is one more ``Variant`` entry and its ``#ifdef`` section.
+``avx512`` the float32 ones for AVX-512 CPUs without BF16 (most of them), ``avx2`` the float32 ones
+for x86-64 CPUs without AVX-512. The best variant this CPU runs is used; an ARM NEON variant is one
+more ``Variant`` entry and its float-vector section in ``cpu_kernels.c``.
 
 Nothing here ever breaks a model load. A missing compiler, an unusable cache directory, a failed
 build, a library that will not ``dlopen`` or whose interface differs from the one Python mirrors:
@@ -62,6 +63,7 @@ VARIANTS = (
     Variant("avx512-bf16", "AVX-512 BF16 kernels (bfloat16 and float32)", (*_AVX512, "-mavx512bf16"),
             (*_AVX512_CPU, "avx512_bf16"), ("f32", "bf16")),
     Variant("avx512", "AVX-512 float32 kernels", _AVX512, _AVX512_CPU, ("f32",)),
+    Variant("avx2", "AVX2 float32 kernels", ("-mavx2", "-mfma"), ("avx2", "fma"), ("f32",)),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 

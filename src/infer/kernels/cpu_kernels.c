@@ -15,12 +15,17 @@
  * final row and stores only the real outputs, so it too runs that sequence.
  *
  * One source, one library per instruction-set variant (infer/kernels/build.py compiles it with
- * explicit -m flags, never -march=native): the float32 kernels need AVX-512 F/BW/VL/DQ and FMA,
- * the bfloat16 ones also AVX512_BF16, so they exist only where the compiler was told the CPU has
- * it (__AVX512BF16__). The type-generic code is cpu_kernels_impl.h, included once per type.
+ * explicit -m flags, never -march=native): the float32 kernels need AVX-512 F/BW/VL/DQ and FMA, or
+ * AVX2 and FMA; the bfloat16 ones also AVX512_BF16, so they exist only where the compiler was told
+ * the CPU has it (__AVX512BF16__). What differs between the ISAs is the float32 vector below (FVEC,
+ * LANES floats); the type-generic code is cpu_kernels_impl.h, included once per type.
  */
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512DQ__)
-#error "cpu_kernels.c is the AVX-512 variant: build it with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__FMA__)
+#define INFER_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define INFER_AVX2 1
+#else
+#error "build cpu_kernels.c for AVX-512 (-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma) or AVX2 (-mavx2 -mfma)"
 #endif
 #include <stddef.h>
 #include <stdio.h>
@@ -53,8 +58,25 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
+/* The float32 vector of this ISA: LANES floats, loads and stores (fvec_load/fvec_store aligned),
+ * a masked load of the first lanes (lanes(n)), a*b+c, and its lanes' sum, always the same tree. */
+#ifdef INFER_AVX512
+#define LANES 16
+typedef __m512 FVEC;
+typedef __mmask16 LMASK;
+static inline FVEC fvec_zero(void) { return _mm512_setzero_ps(); }
+static inline FVEC fvec_set1(float f) { return _mm512_set1_ps(f); }
+static inline FVEC fvec_load(const float *p) { return _mm512_load_ps(p); }
+static inline FVEC fvec_loadu(const float *p) { return _mm512_loadu_ps(p); }
+static inline void fvec_store(float *p, FVEC v) { _mm512_store_ps(p, v); }
+static inline void fvec_storeu(float *p, FVEC v) { _mm512_storeu_ps(p, v); }
+static inline FVEC fvec_fma(FVEC a, FVEC b, FVEC c) { return _mm512_fmadd_ps(a, b, c); }
+static inline FVEC fvec_mul(FVEC a, FVEC b) { return _mm512_mul_ps(a, b); }
+static inline float fvec_sum(FVEC v) { return _mm512_reduce_add_ps(v); }
+static inline LMASK lanes(int64_t n) { return n >= 16 ? (LMASK)0xffff : (LMASK)((1u << n) - 1); }
+static inline FVEC fvec_maskload(const float *p, LMASK m) { return _mm512_maskz_loadu_ps(m, p); }
 /* The four sums of a, b, c, d's lanes, in that order; each is the same tree of additions. */
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+static inline __m128 sum4(FVEC a, FVEC b, FVEC c, FVEC d) {
     __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
     __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
     __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
@@ -62,23 +84,48 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
+#else /* AVX2 */
+#define LANES 8
+typedef __m256 FVEC;
+typedef __m256i LMASK;
+static inline FVEC fvec_zero(void) { return _mm256_setzero_ps(); }
+static inline FVEC fvec_set1(float f) { return _mm256_set1_ps(f); }
+static inline FVEC fvec_load(const float *p) { return _mm256_load_ps(p); }
+static inline FVEC fvec_loadu(const float *p) { return _mm256_loadu_ps(p); }
+static inline void fvec_store(float *p, FVEC v) { _mm256_store_ps(p, v); }
+static inline void fvec_storeu(float *p, FVEC v) { _mm256_storeu_ps(p, v); }
+static inline FVEC fvec_fma(FVEC a, FVEC b, FVEC c) { return _mm256_fmadd_ps(a, b, c); }
+static inline FVEC fvec_mul(FVEC a, FVEC b) { return _mm256_mul_ps(a, b); }
+static inline float fvec_sum(FVEC v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+static inline LMASK lanes(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline FVEC fvec_maskload(const float *p, LMASK m) { return _mm256_maskload_ps(p, m); }
+/* The four sums of a, b, c, d's lanes, in that order; each is the same tree of additions. */
+static inline __m128 sum4(FVEC a, FVEC b, FVEC c, FVEC d) {
+    __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#endif
 
 /* What differs between the dtypes, so that every kernel below is written once: a vector of STEP
  * elements (loaded whole, or its first n elements with the other lanes zero), its dot product into
  * float32 lanes, and the scalar load, store and rounding of one element. float32's rounding to
  * its own dtype is the identity. */
-#define STEP_f32 16
+#define STEP_f32 LANES
 typedef float elem_f32;
-typedef __m512 vec_f32;
-static inline __m512 load_vec_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load_part_f32(const float *p, int64_t n) {
-    return _mm512_maskz_loadu_ps((__mmask16)((1ull << n) - 1), p);
-}
-static inline __m512 mac_f32(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+typedef FVEC vec_f32;
+static inline FVEC load_vec_f32(const float *p) { return fvec_loadu(p); }
+static inline FVEC load_part_f32(const float *p, int64_t n) { return fvec_maskload(p, lanes(n)); }
+static inline FVEC mac_f32(FVEC acc, FVEC w, FVEC x) { return fvec_fma(w, x, acc); }
 static inline float load_f32(const float *p, int64_t i) { return p[i]; }
 static inline float store_f32(float f) { return f; }
 static inline float round_f32(float f) { return f; }
-static inline __m512 widen_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline FVEC widen_f32(const float *p, LMASK m) { return fvec_maskload(p, m); }
 
 #ifdef __AVX512BF16__
 #define STEP_bf16 32
@@ -92,7 +139,7 @@ static inline __m512 mac_bf16(__m512 acc, __m512bh w, __m512bh x) { return _mm51
 static inline float load_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
 static inline uint16_t store_bf16(float f) { return f32_to_bf16(f); }
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-static inline __m512 widen_bf16(const uint16_t *p, __mmask16 m) { /* 16 bfloat16 to float32: a shift */
+static inline FVEC widen_bf16(const uint16_t *p, LMASK m) { /* 16 bfloat16 to float32: a shift */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 #endif
@@ -105,7 +152,11 @@ static inline __m512 widen_bf16(const uint16_t *p, __mmask16 m) { /* 16 bfloat16
 
 #ifndef INFER_NO_LIBMVEC
 /* glibc's libmvec has a 16-lane expf; declaring it lets the omp simd loops below call it. */
+#ifdef INFER_AVX512
 #pragma omp declare simd notinbranch simdlen(16)
+#else
+#pragma omp declare simd notinbranch simdlen(8)
+#endif
 extern float expf(float);
 #endif
 
@@ -149,8 +200,6 @@ typedef struct {
     void *x;                              /* [rows, hidden]: the embeddings in, the stack's output out */
     int threads;
 } StackArgs;
-
-static inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 #define KSFX f32
 #include "cpu_kernels_impl.h"

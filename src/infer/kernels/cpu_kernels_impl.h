@@ -16,9 +16,9 @@
  * Always inlined with a constant R at each call, so the R x JB accumulators stay in registers. */
 static inline __attribute__((always_inline)) void FN(block)(const ELEM *const *w, const ELEM *x, int64_t k,
                                                             float sums[RB][JB], const int R) {
-    __m512 acc[RB][JB];
+    FVEC acc[RB][JB];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < JB; j++) acc[r][j] = _mm512_setzero_ps();
+        for (int j = 0; j < JB; j++) acc[r][j] = fvec_zero();
     int64_t i = 0;
     for (; i + STEP <= k; i += STEP) {
         VEC wv[JB];
@@ -98,7 +98,7 @@ void FN(rope)(const ELEM *x, int64_t sn, int64_t sh, const ELEM *cos, const ELEM
 }
 
 /* SwiGLU's activation: y = silu(gate) * up for gate_up [rows, 2 * inter] (gate first, then up).
- * The loop is vectorised (omp simd with glibc's vector expf where it links), 16 lanes at a time:
+ * The loop is vectorised (omp simd with glibc's vector expf where it links), LANES at a time:
  * a scalar expf per element made this the costliest of the small operators. */
 void FN(silu_mul)(const ELEM *gate_up, ELEM *y, int64_t rows, int64_t inter) {
     for (int64_t r = 0; r < rows; r++) {
@@ -115,8 +115,8 @@ void FN(silu_mul)(const ELEM *gate_up, ELEM *y, int64_t rows, int64_t inter) {
  * Returns 0, or -1 where a thread's scratch memory could not be allocated. */
 static int FN(attention)(const StackArgs *a, const ELEM *qk, const ELEM *ks, const ELEM *vs, ELEM *out) {
     int64_t hd = a->head_dim, heads = a->heads, kvh = a->kv_heads, groups = heads / kvh;
-    int64_t L = a->context, stride = (L + 15) / 16 * 16, chunks = (hd + 15) / 16;
-    int64_t items = a->rows * kvh, width = groups * chunks * 16;
+    int64_t L = a->context, stride = (L + 15) / 16 * 16, chunks = (hd + LANES - 1) / LANES;
+    int64_t items = a->rows * kvh, width = groups * chunks * LANES;
     int failed = 0;
 #pragma omp parallel num_threads(a->threads) if (a->threads > 1 && items > 1) reduction(| : failed)
     {
@@ -141,20 +141,20 @@ static int FN(attention)(const StackArgs *a, const ELEM *qk, const ELEM *ks, con
             for (int64_t j = 0; j < groups; j++) {
                 const ELEM *qh = qk + (r * (heads + kvh) + g * groups + j) * hd;
                 for (int64_t c = 0; c < chunks; c++)
-                    _mm512_store_ps(query + (j * chunks + c) * 16, FN(widen)(qh + 16 * c, lanes(hd - 16 * c)));
+                    fvec_store(query + (j * chunks + c) * LANES, FN(widen)(qh + LANES * c, lanes(hd - LANES * c)));
                 top[j] = -INFINITY;
                 total[j] = 0.0f;
             }
             /* each key (and value) row is read once for all the query heads that share it */
             for (int64_t i = 0; i < n; i++) {
                 const ELEM *kr = ks + (key[i] * kvh + g) * hd;
-                __m512 kc[MAX_HEAD_DIM / 16];
-                for (int64_t c = 0; c < chunks; c++) kc[c] = FN(widen)(kr + 16 * c, lanes(hd - 16 * c));
+                FVEC kc[MAX_HEAD_DIM / LANES];
+                for (int64_t c = 0; c < chunks; c++) kc[c] = FN(widen)(kr + LANES * c, lanes(hd - LANES * c));
                 for (int64_t j = 0; j < groups; j++) {
-                    __m512 acc = _mm512_setzero_ps();
+                    FVEC acc = fvec_zero();
                     for (int64_t c = 0; c < chunks; c++)
-                        acc = _mm512_fmadd_ps(_mm512_load_ps(query + (j * chunks + c) * 16), kc[c], acc);
-                    float s = _mm512_reduce_add_ps(acc) * a->scale;
+                        acc = fvec_fma(fvec_load(query + (j * chunks + c) * LANES), kc[c], acc);
+                    float s = fvec_sum(acc) * a->scale;
                     score[j * stride + i] = s;
                     top[j] = s > top[j] ? s : top[j];
                 }
@@ -164,27 +164,27 @@ static int FN(attention)(const StackArgs *a, const ELEM *qk, const ELEM *ks, con
 #pragma omp simd
                 for (int64_t i = 0; i < n; i++) row[i] = expf(row[i] - peak);
             }
-            for (int64_t e = 0; e < width; e += 16) _mm512_store_ps(sum + e, _mm512_setzero_ps());
+            for (int64_t e = 0; e < width; e += LANES) fvec_store(sum + e, fvec_zero());
             for (int64_t i = 0; i < n; i++) {
                 const ELEM *vr = vs + (key[i] * kvh + g) * hd;
-                __m512 vc[MAX_HEAD_DIM / 16];
-                for (int64_t c = 0; c < chunks; c++) vc[c] = FN(widen)(vr + 16 * c, lanes(hd - 16 * c));
+                FVEC vc[MAX_HEAD_DIM / LANES];
+                for (int64_t c = 0; c < chunks; c++) vc[c] = FN(widen)(vr + LANES * c, lanes(hd - LANES * c));
                 for (int64_t j = 0; j < groups; j++) {
                     float weight = score[j * stride + i];
-                    __m512 w = _mm512_set1_ps(weight);
+                    FVEC w = fvec_set1(weight);
                     total[j] += weight;
                     for (int64_t c = 0; c < chunks; c++) {
-                        float *acc = sum + (j * chunks + c) * 16;
-                        _mm512_store_ps(acc, _mm512_fmadd_ps(w, vc[c], _mm512_load_ps(acc)));
+                        float *acc = sum + (j * chunks + c) * LANES;
+                        fvec_store(acc, fvec_fma(w, vc[c], fvec_load(acc)));
                     }
                 }
             }
             for (int64_t j = 0; j < groups; j++) {
-                float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f, lane[16];
+                float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f, lane[LANES];
                 ELEM *o = out + (r * heads + g * groups + j) * hd;
                 for (int64_t c = 0; c < chunks; c++) {
-                    _mm512_storeu_ps(lane, _mm512_mul_ps(_mm512_load_ps(sum + (j * chunks + c) * 16), _mm512_set1_ps(inv)));
-                    for (int64_t e = 0; e < 16 && 16 * c + e < hd; e++) o[16 * c + e] = FN(store)(lane[e]);
+                    fvec_storeu(lane, fvec_mul(fvec_load(sum + (j * chunks + c) * LANES), fvec_set1(inv)));
+                    for (int64_t e = 0; e < LANES && LANES * c + e < hd; e++) o[LANES * c + e] = FN(store)(lane[e]);
                 }
             }
         }
