@@ -12,6 +12,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 LAYERS: list[tuple[str, ...]] = [
     ("infer.fileio", "infer.extras", "infer.data", "infer.loader.config"),
     ("infer.cache", "infer.sampling"),
+    ("infer.kernels",),
     ("infer.models",),
     ("infer.loader",),
     ("infer.core",),

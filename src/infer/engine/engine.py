@@ -22,6 +22,7 @@ from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepR
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
 from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
 from infer.loader.config import ModelConfig
+from infer.models.backend import choose_backend
 from infer.models.compiled import compile_forward
 from infer.models.invariant import check_invariance, make_exact
 from infer.sampling.params import SamplingParams, short_repr
@@ -92,7 +93,11 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype, dtype_reason = choose_dtype(config.dtype, self.device)
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
-        self.model, self.model_config = load_model(config.model, self.dtype, str(self.device))
+        self.model, self.model_config = load_model(config.model, self.dtype, str(self.device),
+                                                   backend=config.backend, compile=config.compile)
+        self.backend = self.model.backend or choose_backend(self.device, self.dtype, config.backend, config.compile)
+        if config.exact_greedy or config.cuda_graphs:
+            self.backend.mode = "exact" if config.exact_greedy else "cuda-graphs"
         if config.exact_greedy:
             say("exact-greedy kernels: checking that this machine computes a token alike in any pass")
             make_exact(self.model)
@@ -104,7 +109,8 @@ class Engine:
         self.pool = self._make_pool(self.model_config)
         # What was chosen and why, for the run summary (infer generate/chat print it).
         self.summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({dtype_reason}); context "
-                        f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens")
+                        f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens; "
+                        f"{self.backend.describe()}")
         say(self.summary)
         prefix_cache = None
         if config.prefix_caching:
@@ -125,7 +131,7 @@ class Engine:
 
             described = TargetModel(path=config.model, model=self.model, config=self.model_config,
                                     tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
-                                    make_pool=self._make_pool, compile=config.compile)
+                                    make_pool=self._make_pool, compile=config.compile, backend=config.backend)
             self.runner = make_speculative_runner(config.speculative, target, described, say)
         if config.compile:
             width = 1 + (config.speculative.max_length if config.speculative is not None else 1)

@@ -109,6 +109,9 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     if block_size is not None:
         metrics.cache_config.set(1, (("block_size", str(block_size)),
                                      ("num_gpu_blocks", str(getattr(engine.pool, "num_blocks", 0)))))
+    backend = getattr(engine, "backend", None)
+    if backend is not None:
+        metrics.backend_info.set(1, tuple(backend.info().items()))
     service = EngineService(engine, metrics)
 
     @asynccontextmanager
