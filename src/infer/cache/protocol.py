@@ -35,6 +35,7 @@ class KVBatch:
     mask: torch.Tensor | None
     block_mask: Any = None  # the same mask as a FlexAttention BlockMask, when the runner asks for flex
     _folded_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _windowed: dict[int, KVBatch] = field(default_factory=dict, repr=False)
 
     def attention_mask(self, groups: int = 1) -> torch.Tensor | None:
         """``mask`` with each query row repeated ``groups`` times ([B, 1, groups * T, L]), for
@@ -46,6 +47,27 @@ class KVBatch:
         if folded is None:
             folded = self._folded_masks[groups] = self.mask.repeat(1, 1, groups, 1)
         return folded
+
+    def windowed(self, window: int, positions: torch.Tensor) -> KVBatch:
+        """This pass as a sliding-window layer sees it: a query at (RoPE) position p attends only to
+        keys at positions ``p - window + 1 .. p`` (Hugging Face's ``kv_idx > q_idx - window``).
+        ``positions`` [B, T] are the queries' positions; a tree node's is its ancestors' plus its
+        depth, so its ancestors (at most ``depth`` back) stay visible. Made once per window and
+        pass; the same object when the window hides nothing."""
+        cached = self._windowed.get(window)
+        if cached is not None:
+            return cached
+        key_pos = torch.arange(self.context_len, device=positions.device)
+        inside = key_pos.view(1, 1, -1) > (positions - window).unsqueeze(-1)  # [B, T, L]
+        if bool(inside.all()):
+            view = self
+        else:
+            mask = inside.unsqueeze(1) if self.mask is None else self.mask & inside.unsqueeze(1)
+            view = KVBatch(k_layers=self.k_layers, v_layers=self.v_layers, write_index=self.write_index,
+                           token_valid=self.token_valid, read_index=self.read_index, read_start=self.read_start,
+                           context_len=self.context_len, mask=mask)  # no block_mask: SDPA takes the dense mask
+        self._windowed[window] = view
+        return view
 
     def layer(self, index: int) -> LayerKV:
         """Layer ``index``'s storage with this pass's description: what its attention writes and reads."""
