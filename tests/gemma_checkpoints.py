@@ -23,14 +23,14 @@ def make_tiny_gemma3(out_dir: str | Path, *, seed: int = 0, window: int = GEMMA_
     """A Gemma3ForCausalLM (text-only) with layers local, global, local, global ... (pattern 2)."""
     import transformers
 
-    tokenizer = shared_tokenizer()
-    config = transformers.Gemma3TextConfig(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+    settings: dict[str, Any] = dict(
+        vocab_size=shared_tokenizer().get_vocab_size(), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         max_position_embeddings=512, sliding_window=window, sliding_window_pattern=2,
         query_pre_attn_scalar=24, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
         final_logit_softcapping=softcap, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-        tie_word_embeddings=True, dtype="float32", **overrides)
+        tie_word_embeddings=True, dtype="float32")
+    config = transformers.Gemma3TextConfig(**{**settings, **overrides})
     return _save(config, out_dir, seed)
 
 
