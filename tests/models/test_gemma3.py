@@ -156,10 +156,85 @@ def _drafter(name: str, tiny_gemma3: Path, gemma_draft: Path, tmp_path: Path) ->
 @pytest.mark.parametrize("drafter", ["ngram", "suffix", "draft", "draft-self", "medusa"])
 def test_greedy_speculation_on_gemma3_equals_plain(tiny_gemma3: Path, gemma_draft: Path, gemma_plain: list[list[int]],
                                                     drafter: str, backend: str, tmp_path: Path) -> None:
+    # Short prefill chunks: the sliding-window layers' blocks are sized for window + slack + one pass,
+    # so speculation runs with them freed and reused throughout.
     llm = LLM(str(tiny_gemma3), dtype="float32", device="cpu", block_size=4, kv_cache_backend=backend,
-              **_drafter(drafter, tiny_gemma3, gemma_draft, tmp_path))
+              max_prefill_tokens=16, **_drafter(drafter, tiny_gemma3, gemma_draft, tmp_path))
     outputs = llm.generate(PROMPTS, _greedy())
     assert [o.token_ids for o in outputs] == gemma_plain
     assert sum(o.metrics.num_rounds for o in outputs) > 0
+    for pool in llm.engine.kv_pools().values():  # target and draft: every block back, none leaked
+        if isinstance(pool, PagedKVCachePool):
+            assert pool.num_local_blocks < pool.num_blocks
+            assert len(pool._free_local) == pool.num_local_blocks and pool.num_free_blocks() == pool.num_blocks
     if drafter == "draft-self":
         assert min(o.metrics.mean_accepted_tokens or 0 for o in outputs) > 4  # long accepted runs past the window
+
+
+# ----------------------------------------------------------------- sliding-window blocks in the paged pool
+
+def _windowed_pool(config: ModelConfig, slack: int, num_blocks: int = 16) -> PagedKVCachePool:
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    return PagedKVCachePool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks=num_blocks,
+                            block_size=4, max_seq_len=64, dtype=torch.float32, device="cpu", layer_windows=windows,
+                            window_slack=slack)
+
+
+def test_local_blocks_are_freed_while_decoding_and_logits_still_match(windowed: Path) -> None:
+    model, config = load_model(windowed, "float32", "cpu")
+    ids = _ids(48, 11)
+    with torch.no_grad():
+        ref = _hf_model(windowed)(input_ids=ids).logits[0]
+    pool = _windowed_pool(config, slack=0)
+    runner = ModelRunner(model, pool)
+    slot = pool.allocate()
+    tokens = ids[0].tolist()
+    got = [runner.logits(runner.forward([slot], [tokens[:6]]))[0]]
+    most = 0
+    for token in tokens[6:]:
+        got.append(runner.logits(runner.forward([slot], [[token]]))[0])
+        most = max(most, pool.live_local_blocks(slot))
+    torch.testing.assert_close(torch.cat(got), ref, atol=ATOL, rtol=0)
+    assert len(pool.block_tables[slot]) == 12  # the global layers keep every position (Mistral's: none use them)
+    # window 8 in blocks of 4: at most the window's blocks, the one being written and one straddling the edge
+    assert most <= 4 and pool.local_tables[slot].count(-1) == 12 - pool.live_local_blocks(slot) >= 8
+    pool.free(slot)
+    assert len(pool._free_local) == pool.num_local_blocks and pool.num_free_blocks() == pool.num_blocks  # no leak
+
+
+@pytest.mark.parametrize("slack", [0, 4])
+def test_rollback_across_the_window_edge(tiny_gemma3: Path, slack: int) -> None:
+    """A draft model's chain: passes start past the committed length, then the cache rolls back to it.
+    With ``window_slack`` covering the chain nothing it needs was freed; without, the rollback reads
+    freed rows (the negative control: the test can tell)."""
+    model, config = load_model(tiny_gemma3, "float32", "cpu")
+    ids = _ids(40, 3)
+    with torch.no_grad():
+        ref = _hf_model(tiny_gemma3)(input_ids=ids).logits[0]
+    pool = _windowed_pool(config, slack=slack)
+    runner = ModelRunner(model, pool)
+    slot = pool.allocate()
+    tokens = ids[0].tolist()
+    runner.forward([slot], [tokens[:20]])
+    drafted = torch.randint(5, 512, (5,), generator=torch.Generator().manual_seed(9)).tolist()
+    for token in drafted:  # a 5-token chain from position 20: passes start at 20..24
+        runner.forward([slot], [[token]])
+    pool.truncate_to(slot, 20)  # every draft rejected
+    got = runner.logits(runner.forward([slot], [tokens[20:]]))[0]
+    if slack:
+        torch.testing.assert_close(got, ref[20:], atol=ATOL, rtol=0)
+    else:
+        assert not torch.allclose(got, ref[20:], atol=ATOL, rtol=0)
+
+
+def test_engine_frees_window_blocks_and_turns_prefix_caching_off(tiny_gemma3: Path, gemma_plain: list[list[int]]) -> None:
+    llm = LLM(str(tiny_gemma3), dtype="float32", device="cpu", block_size=4, max_batch_size=4, max_seq_len=512,
+              max_prefill_tokens=32)
+    pool = llm.engine.pool
+    assert isinstance(pool, PagedKVCachePool)
+    # The local layers' storage holds max_batch_size sequences of window + one pass, not of 512 tokens.
+    assert pool.num_local_blocks < pool.num_blocks
+    outputs = llm.generate(PROMPTS + PROMPTS, _greedy())  # each prompt twice: a prefix cache would hit
+    assert [o.token_ids for o in outputs] == gemma_plain + gemma_plain
+    assert all(not o.metrics.prefix_cached_tokens for o in outputs)
+    assert len(pool._free_local) == pool.num_local_blocks and pool.num_free_blocks() == pool.num_blocks
