@@ -74,6 +74,27 @@ def test_config_reads_gemma3_fields(tiny_gemma3: Path) -> None:
         ModelConfig.from_dict({**raw, "attn_logit_softcapping": 50.0})
 
 
+def test_multimodal_checkpoint_loads_its_language_model(tiny_gemma3: Path, tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration folder: text_config nests the config, the language model's
+    tensors sit under model.language_model.*, and the vision tower is skipped."""
+    from safetensors.torch import load_file, save_file
+
+    raw = json.loads((tiny_gemma3 / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                                                      "text_config": {**raw, "model_type": "gemma3_text"},
+                                                      "vision_config": {"model_type": "siglip_vision_model"}}))
+    tensors = {name.replace("model.", "model.language_model.", 1): t
+               for name, t in load_file(tiny_gemma3 / "model.safetensors").items()}
+    tensors["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(2, 3)
+    save_file(tensors, tmp_path / "model.safetensors")
+    text, _ = load_model(tiny_gemma3, "float32", "cpu")
+    multimodal, config = load_model(tmp_path, "float32", "cpu")
+    assert config.model_type == "gemma3" and config.sliding_window == 8
+    ids = _ids(12, 4)
+    with torch.no_grad():
+        assert torch.equal(multimodal.compute_logits(multimodal(ids)), text.compute_logits(text(ids)))
+
+
 def test_logits_match_transformers_without_cache(windowed: Path) -> None:
     model, config = load_model(windowed, "float32", "cpu")
     ids = torch.cat([_ids(23, 0), _ids(23, 1)])
