@@ -259,3 +259,15 @@ def test_engine_frees_window_blocks_and_turns_prefix_caching_off(tiny_gemma3: Pa
     assert [o.token_ids for o in outputs] == gemma_plain + gemma_plain
     assert all(not o.metrics.prefix_cached_tokens for o in outputs)
     assert len(pool._free_local) == pool.num_local_blocks and pool.num_free_blocks() == pool.num_blocks
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_audit_passes_on_gemma3(tiny_gemma3: Path, gemma_draft: Path, drafter: str) -> None:
+    from infer.audit import AuditSettings, run_audit
+
+    engine = {"speculator": "ngram"} if drafter == "ngram" else {"draft_model": str(gemma_draft)}
+    settings = AuditSettings(engine=dict(model=str(tiny_gemma3), dtype="float32", device="cpu", spec_length=4, **engine),
+                             prompts=PROMPTS, contexts=1, checks=("greedy", "acceptance"), max_tokens=40)
+    report = run_audit(settings)
+    assert report["verdict"] == "PASS", json.dumps(report["checks"], indent=1)[:3000]
+    assert report["checks"]["acceptance"]["proposed_tokens"] > 0

@@ -222,3 +222,20 @@ def test_real_file_against_live_transformers() -> None:
             out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24)
             torch.testing.assert_close(model.compute_logits(model(ids)), hf(input_ids=ids).logits, atol=2e-3, rtol=0)
         assert out[0, ids.shape[1]:].tolist() == expected, prompt
+
+
+def test_convert_gemma3_gguf_to_a_folder_transformers_loads(tiny_gemma3_gguf: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from infer.loader.convert import convert_gguf
+
+    out = convert_gguf(tiny_gemma3_gguf, tmp_path / "hf")
+    ours, _ = load_model(tiny_gemma3_gguf, "float32", "cpu")
+    folder, _ = load_model(out, "float32", "cpu")
+    ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(7, VOCAB_SIZE, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ours.compute_logits(ours(ids))
+        torch.testing.assert_close(folder.compute_logits(folder(ids)), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ref(input_ids=ids).logits, expected, atol=1e-4, rtol=0)
+    assert load_tokenizer(out).encode(TEXTS[1]) == load_tokenizer(tiny_gemma3_gguf).encode(TEXTS[1])

@@ -155,7 +155,8 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
         if self.model_type == "gemma3":
             out.update(hidden_activation=self.hidden_act, layer_types=self.layer_types,
-                       query_pre_attn_scalar=self.query_pre_attn_scalar,
+                       # transformers checks the type: an int where it is whole, as configs write it
+                       query_pre_attn_scalar=_whole(self.query_pre_attn_scalar),
                        final_logit_softcapping=self.final_logit_softcapping,
                        rope_local_base_freq=self.rope_local_theta)
             del out["hidden_act"]
@@ -209,6 +210,10 @@ def _gemma3_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
             "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", 256)),
             "final_logit_softcapping": raw.get("final_logit_softcapping"),
             "rope_theta": theta, "rope_scaling": scaling}
+
+
+def _whole(value: float | None) -> float | int | None:
+    return int(value) if value is not None and float(value).is_integer() else value
 
 
 def _positive(value: Any, name: str, source: str) -> int:
