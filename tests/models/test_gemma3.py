@@ -271,3 +271,13 @@ def test_audit_passes_on_gemma3(tiny_gemma3: Path, gemma_draft: Path, drafter: s
     report = run_audit(settings)
     assert report["verdict"] == "PASS", json.dumps(report["checks"], indent=1)[:3000]
     assert report["checks"]["acceptance"]["proposed_tokens"] > 0
+
+
+def test_exact_greedy_bfloat16_speculation_on_gemma3(tiny_gemma3: Path) -> None:
+    """Exact-greedy mode (row-count-invariant kernels) covers Gemma's extra norms and scaled attention:
+    bfloat16 speculation gives plain decoding's tokens (the engine refuses a machine where it cannot)."""
+    def run(**drafter: Any) -> list[list[int]]:
+        llm = LLM(str(tiny_gemma3), dtype="bfloat16", device="cpu", exact_greedy=True, block_size=4, **drafter)
+        return [o.token_ids for o in llm.generate(PROMPTS, _greedy())]
+
+    assert run(speculator="ngram", spec_length=5) == run()
