@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from checkpoints import load_hf_model, make_medusa_heads
-from gemma_checkpoints import make_tiny_gemma3, make_tiny_mistral
+from gemma_checkpoints import GEMMA_WINDOW, make_tiny_gemma3, make_tiny_mistral
 from infer import LLM, SamplingParams
 from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.core.model_runner import ModelRunner
@@ -281,3 +281,23 @@ def test_exact_greedy_bfloat16_speculation_on_gemma3(tiny_gemma3: Path) -> None:
         return [o.token_ids for o in llm.generate(PROMPTS, _greedy())]
 
     assert run(speculator="ngram", spec_length=5) == run()
+
+
+def test_batched_passes_of_unequal_lengths_past_the_window(tiny_gemma3: Path) -> None:
+    """One pass over sequences whose new runs differ by more than the window: no query row of the
+    window's mask is empty (a padding query would otherwise see no key: NaN on some attention
+    kernels), and every real row equals its own single-sequence pass."""
+    from infer.cache.protocol import build_kv_batch
+
+    model, config = load_model(tiny_gemma3, "float32", "cpu")
+    long, short = _ids(20, 1)[0].tolist(), _ids(3, 2)[0].tolist()
+    pool = _windowed_pool(config, slack=0)
+    probe = [pool.allocate(), pool.allocate()]
+    kv = build_kv_batch(pool, probe, [0, 0], [20, 3])
+    assert kv.windowed(GEMMA_WINDOW, torch.arange(20).expand(2, 20)).mask.any(-1).all()  # type: ignore[union-attr]
+    runner = ModelRunner(model, pool)
+    slots = [pool.allocate(), pool.allocate()]
+    hidden = runner.forward(slots, [long, short])
+    with torch.no_grad():
+        ref = _hf_model(tiny_gemma3)(input_ids=torch.tensor([short])).logits[0]
+    torch.testing.assert_close(runner.logits(hidden)[1, :3], ref, atol=ATOL, rtol=0)

@@ -68,6 +68,10 @@ class KVBatch:
             view = self
         else:
             mask = inside.unsqueeze(1) if self.mask is None else self.mask & inside.unsqueeze(1)
+            if self.mask is not None:
+                # A padding query far past its sequence's end would see no key at all (NaN rows);
+                # it keeps its causal row instead. A real query always sees itself.
+                mask = mask | (self.mask & ~mask.any(-1, keepdim=True))
             # no block_mask: SDPA takes the dense mask
             local = None if self.local is None else dataclasses.replace(
                 self.local, mask=mask, block_mask=None, _folded_masks={}, _windowed={})
