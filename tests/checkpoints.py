@@ -25,8 +25,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from infer.train.corpus import read_texts, stdlib_root, stdlib_source_files
-from infer.train.tokenizer import BOS_ID, EOS_ID, PAD_ID, save_tokenizer, train_bpe_tokenizer
+from infer.data.corpus import read_texts, stdlib_root, stdlib_source_files
+from infer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, save_tokenizer, train_bpe_tokenizer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -277,7 +277,7 @@ def small_vocab_tokenizer(vocab_size: int) -> Tokenizer:
     """
     from tokenizers import decoders, models, pre_tokenizers
 
-    from infer.train.tokenizer import SPECIAL_TOKENS
+    from infer.data.tokenizer import SPECIAL_TOKENS
 
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be > {len(SPECIAL_TOKENS)} (the special tokens), got {vocab_size}")

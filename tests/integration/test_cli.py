@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.cli import build_parser, engine_options, main
+from infer.cli import build_parser, main
 from infer.engine.config import EngineConfig
+from infer.engine.options import engine_options
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -151,3 +152,26 @@ def test_console_entry_subprocess(tiny_llama: Path, llm: LLM) -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["token_ids"] == llm.generate(PROMPT, greedy())[0].token_ids
+
+
+def test_every_command_takes_the_engine_options_with_the_engines_defaults() -> None:
+    """The option registry: each command that loads a model declares every model flag, and with no flags
+    given each builds the engine's default config (a flag's default can never drift from EngineConfig's)."""
+    from infer.engine.options import MODEL_OPTIONS, OPTIONS, SERVING_OPTIONS, engine_config
+    from infer.loader.hub import DEFAULT_MODEL
+
+    default = EngineConfig.from_options(model=DEFAULT_MODEL)
+    commands = {"generate": ["--prompt", "x"], "chat": [], "audit": [], "serve": []}
+    for command, required in commands.items():
+        args = build_parser().parse_args([command, *required])
+        assert set(MODEL_OPTIONS) <= set(vars(args)), command
+        assert engine_config(args) == default, command
+    serve = build_parser().parse_args(["serve", "--max-batch-size", "3", "--no-chunked-prefill", "--speculator",
+                                       "ngram", "--spec-length", "7"])
+    config = engine_config(serve)
+    assert (config.max_batch_size, config.chunked_prefill) == (3, False)
+    assert config.speculative is not None and (config.speculative.method, config.speculative.length) == ("ngram", 7)
+    assert set(SERVING_OPTIONS) <= set(vars(serve))
+    # Every registered option is something EngineConfig.from_options takes.
+    for name in OPTIONS:
+        EngineConfig.from_options(**{"model": "m", name: OPTIONS[name].default()})

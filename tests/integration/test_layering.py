@@ -10,8 +10,9 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # Lowest first; a module may import from its own layer or a lower one. The first matching prefix
 # names a module's layer; a module no prefix matches counts as a front end (the top).
 LAYERS: list[tuple[str, ...]] = [
-    ("infer.fileio", "infer.loader.config"),
+    ("infer.fileio", "infer.extras", "infer.data", "infer.loader.config"),
     ("infer.cache", "infer.sampling"),
+    ("infer.kernels",),
     ("infer.models",),
     ("infer.loader",),
     ("infer.core",),
@@ -21,6 +22,19 @@ LAYERS: list[tuple[str, ...]] = [
 TOP = len(LAYERS)
 # Within a layer: the scheduler and the plain runner never know about speculation.
 FORBIDDEN = [("infer.engine.scheduler", "infer.speculative"), ("infer.engine.continuous_runner", "infer.speculative")]
+# The front ends (the top): each is a command or service; they share code through the layers below,
+# never through each other. `infer` (the package's front door) re-exports the engine for users.
+FRONT_ENDS = {"infer.cli": "cli", "infer.chat": "cli", "infer.demo": "demo", "infer.server": "server",
+              "infer.bench": "bench", "infer.audit": "audit", "infer.train": "train"}
+# The one crossing, by design: the demo builds the small reference pair with the trainer.
+ALLOWED_CROSSINGS = {("demo", "train")}
+
+
+def front_end(module: str) -> str | None:
+    for prefix, name in FRONT_ENDS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return name
+    return None
 
 
 def layer(module: str) -> int:
@@ -43,9 +57,14 @@ def infer_imports(source: str) -> list[str]:
     return sorted(name for name in found if name == "infer" or name.startswith("infer."))
 
 
+def crosses_front_ends(module: str, target: str) -> bool:
+    here, there = front_end(module), front_end(target)
+    return here is not None and there is not None and here != there and (here, there) not in ALLOWED_CROSSINGS
+
+
 def violations(module: str, source: str) -> list[str]:
     return [f"{module} imports {target}" for target in infer_imports(source)
-            if layer(target) > layer(module)
+            if layer(target) > layer(module) or crosses_front_ends(module, target)
             or any(module.startswith(low) and target.startswith(high) for low, high in FORBIDDEN)]
 
 
@@ -70,3 +89,35 @@ def test_the_check_finds_hidden_upward_imports() -> None:
     assert violations("infer.engine.scheduler", "from infer.speculative.proposer import Proposer\n")
     assert violations("infer.core.request", "from infer import LLM\n")
     assert not violations("infer.engine.engine", "from infer.speculative.budget import BudgetController\n")
+    # Front ends: one reaching into another is caught; its own modules and lower layers are not.
+    assert violations("infer.audit.checks", "from infer.bench.generation import run_generation_bench\n")
+    assert violations("infer.server.cli", "def f():\n    from infer.cli import main\n")
+    assert not violations("infer.server.ray_serve", "from infer.server.app import build_app\n")
+    assert not violations("infer.bench.cli", "from infer.data.workloads import code_prompts\n")
+    # Fixtures build models without the trainer (an optional extra).
+    assert fixture_imports_of_train("from infer.train.common import build_model\n")
+
+
+def fixture_imports_of_train(source: str) -> list[str]:
+    return [name for name in infer_imports(source) if name == "infer.train" or name.startswith("infer.train.")]
+
+
+def test_the_server_app_is_built_from_an_engine_config() -> None:
+    """The HTTP app is built from an EngineConfig (server.app.build_app), not from parsed flags, so Ray
+    Serve replicas, tests and embedders build it without the command line."""
+    import inspect
+
+    from infer.engine.config import EngineConfig
+    from infer.server import app, cli
+
+    assert inspect.signature(app.build_app).parameters["config"].annotation in (EngineConfig, "EngineConfig")
+    assert not hasattr(cli, "build_app")
+
+
+def test_test_fixtures_do_not_need_the_trainer() -> None:
+    """Training is the optional extra infer[train]: the shared fixtures and helpers build their models
+    and tokenizer without it, so the engine's tests never import it."""
+    tests = SRC.parent / "tests"
+    found = {path.name: fixture_imports_of_train(path.read_text())
+             for path in (tests / "conftest.py", tests / "checkpoints.py", tests / "helpers.py")}
+    assert not any(found.values()), found

@@ -410,9 +410,17 @@ def test_disconnect_mid_stream_aborts(servers: dict[str, Served], kind: str) -> 
     assert served.metrics()['infer_requests_total{finish_reason="abort"}'] == aborted_before + 1
 
 
-def test_disconnect_while_waiting_for_whole_response(servers: dict[str, Served]) -> None:
+def test_disconnect_while_waiting_for_whole_response(servers: dict[str, Served],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     served = servers["plain"]
     served.wait_idle()
+    step = served.engine.step
+
+    def slow_step() -> Any:  # the request must outlast the client's 0.2 s (the tiny model needs less)
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(served.engine, "step", slow_step)
     initial = served.free_kv()
     aborted_before = served.metrics()['infer_requests_total{finish_reason="abort"}']
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
@@ -472,14 +480,15 @@ def test_request_rejected_at_admission_is_an_error(serve: Any, tiny_llama: Path)
 # -- the command line -----------------------------------------------------------------------------
 def test_serve_flags_map_to_engine_config(tiny_llama: Path) -> None:
     from infer.cli import build_parser
-    from infer.server.cli import engine_config_from_args, served_model_name
+    from infer.engine.options import engine_config
+    from infer.server.cli import served_model_name
 
     args = build_parser().parse_args([
         "serve", "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu", "--max-batch-size", "3",
         "--block-size", "8", "--num-kv-blocks", "40", "--no-chunked-prefill", "--prefix-caching", "--max-queue", "5",
         "--speculator", "ngram", "--spec-length", "4", "--spec-length-policy", "goodput", "--max-seq-len", "256",
         "--port", "0", "--api-key", "k", "--host", "127.0.0.1"])
-    config = engine_config_from_args(args)
+    config = engine_config(args)
     assert (config.max_batch_size, config.block_size, config.num_kv_blocks, config.chunked_prefill,
             config.prefix_caching, config.max_queue) == (3, 8, 40, False, True, 5)
     assert config.speculative is not None

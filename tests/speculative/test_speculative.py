@@ -23,13 +23,13 @@ from safetensors.torch import load_file, save_file
 from checkpoints import make_tiny_checkpoint, small_vocab_tokenizer
 from infer import LLM, EngineConfig, RequestOutput, SamplingParams
 from infer.core.request import Request
+from infer.data.tokenizer import IM_END_ID
 from infer.speculative.budget import (
     BudgetController,
     EntropyStop,
     expected_speedup,
     expected_speedup_over_rounds,
 )
-from infer.train.tokenizer import IM_END_ID
 
 PROMPTS = [
     "a",

@@ -470,12 +470,12 @@ def test_proposer_checks_its_arguments() -> None:
 
 
 def test_cli_flags_reach_the_engine(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from infer.server.cli import engine_config_from_args
+    from infer.engine.options import engine_config
 
     args = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--speculator", "suffix",
                                       "--suffix-tree-size", "12", "--suffix-max-tokens", "999",
                                       "--suffix-max-requests", "7", "--suffix-scope", "request"])
-    spec = engine_config_from_args(args).speculative
+    spec = engine_config(args).speculative
     assert spec is not None
     assert (spec.method, spec.suffix_tree_size, spec.suffix_max_tokens, spec.suffix_max_requests,
             spec.suffix_scope) == ("suffix", 12, 999, 7, "request")

@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import torch
 
+from infer.data.corpus import stdlib_root
+from infer.data.tokenizer import BOS_ID, EOS_ID
 from infer.loader import load_model, load_tokenizer
 from infer.train import distill as distill_module
 from infer.train import medusa as medusa_train_module
 from infer.train import pretrain as pretrain_module
 from infer.train import reference as reference_module
 from infer.train.common import CHECKPOINT_DIR, MODEL_FILES, build_model, model_config
-from infer.train.corpus import stdlib_root
 from infer.train.data import TOKENS_FILE, WindowSampler
 from infer.train.distill import DistillConfig, distill, pair_metrics
 from infer.train.pretrain import PretrainConfig, pretrain
@@ -31,7 +32,6 @@ from infer.train.reference import (
     build_reference_pair,
     reference_pair_dir,
 )
-from infer.train.tokenizer import BOS_ID, EOS_ID
 
 TINY_MODEL: dict[str, Any] = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 TINY_DRAFT: dict[str, Any] = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
+from infer.data.corpus import stdlib_root
 from infer.engine.llm import LLM
 from infer.loader import load_model
 from infer.sampling.params import SamplingParams
 from infer.train import teacher as teacher_module
 from infer.train.common import build_model
-from infer.train.corpus import stdlib_root
 from infer.train.distill import (
     DistillConfig,
     cache_pair_metrics,

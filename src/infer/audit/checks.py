@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from infer.audit.stats import ChiSquare, cell_chisquare, detectable_tv
-from infer.bench.generation import speculation_stats
+from infer.core.request import speculation_stats
 from infer.engine.llm import LLM, RequestOutput
 from infer.models.layers import DecoderOnlyLM
 from infer.sampling.params import SamplingParams

@@ -12,18 +12,15 @@ from infer.audit.checks import CHECKS, AuditSettings, exit_code, run_audit
 
 
 def add_subparser(sub: Any) -> None:
-    from infer.cli import add_model_args
+    from infer.engine.options import add_engine_args
+    from infer.sampling.options import add_sampling_args
 
     p = sub.add_parser("audit", help="check that speculation is lossless on your target, drafter and sampling settings",
                        description="Distribution (chi-square against the target's exact next-token distributions), "
                        "greedy identity, and acceptance/speedup checks. Exit status: 0 passed, 1 a check failed, "
                        "3 no failure but too little statistical power to pass, 2 bad arguments.")
-    add_model_args(p)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    add_engine_args(p)
+    add_sampling_args(p, ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"))
     p.add_argument("--samples", type=int, default=3000, help="speculative samples per context (distribution check)")
     p.add_argument("--contexts", type=int, default=3, help="how many of the prompts the distribution check uses")
     p.add_argument("--prompts", default=None,
@@ -45,13 +42,12 @@ def add_subparser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.bench.workloads import load_prompts
-    from infer.cli import engine_options
+    from infer.data.workloads import load_prompts
     from infer.engine.config import EngineConfig
-    from infer.sampling.params import SamplingParams
+    from infer.engine.options import engine_options
+    from infer.sampling.options import sampling_params
 
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty)
+    sampling = sampling_params(args)
     options = engine_options(args)
     EngineConfig.from_options(**options)  # validate the flags before the (slow) model loads
     extra: dict[str, Any] = {"prompts": load_prompts(args.prompts)} if args.prompts else {}

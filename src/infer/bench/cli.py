@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from infer.engine.options import add_engine_args
+
 
 def add_subparser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks (generation vs transformers; serving load)")
@@ -46,6 +48,7 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--cuda-graphs", action="store_true",
                      help="also time every infer mode with its decode and verification steps replayed as CUDA "
                           "graphs, interleaved with the eager ones (CUDA only; each bucket captures on first use)")
+    add_engine_args(gen, ("backend",))  # as for infer generate; recorded in the environment
     gen.add_argument("--out", default="bench-out", help="folder for generation.json, generation.md and plots")
     gen.add_argument("--profile", action="store_true",
                      help="instead of the comparison, profile infer's decode steps and a (K+1)-token verification "
@@ -54,7 +57,7 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--profile-steps", type=int, default=32, help="decode steps and verification passes profiled")
     gen.add_argument("--peer", choices=["llama.cpp"], default=None,
                      help="add rows for another engine on the same prompts, interleaved with infer's "
-                          "(llama.cpp: llama-cpp-python, pip install 'infer[bench]')")
+                          "(llama.cpp: llama-cpp-python, pip install 'infer[peer]')")
     gen.add_argument("--peer-gguf", nargs="+", default=[], metavar="GGUF",
                      help="GGUF files of the same model the peer runs, a plain row each (the first is what "
                           "'vs llama.cpp' divides by, and gets the prompt lookup row)")
@@ -89,7 +92,7 @@ def add_subparser(sub: Any) -> None:
 def _run_generation(args: argparse.Namespace) -> int:
     from infer.bench.generation import BenchSettings, run_generation_bench
     from infer.bench.report import generation_table, write_generation_report
-    from infer.bench.workloads import load_prompts, repetitive_prompts, workload_prompts
+    from infer.data.workloads import load_prompts, repetitive_prompts, workload_prompts
     from infer.loader import resolve_device
 
     # The engine refuses it too, but only when the twin loads, after every other mode has loaded.
@@ -119,7 +122,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
         medusa_tree_sizes=args.medusa_tree_size, suffix=not args.no_suffix, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
-        compiled=args.compiled, cuda_graphs=args.cuda_graphs,
+        compiled=args.compiled, cuda_graphs=args.cuda_graphs, backend=args.backend,
         peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, chat=args.chat, stop_at_eos=repetitive,
         warmup_prompts=warmup,
     )
@@ -157,7 +160,7 @@ def _run_compile_eval(args: argparse.Namespace) -> int:
     import json
 
     from infer.bench.compile_eval import compile_table, run_compile_eval
-    from infer.bench.workloads import code_prompts
+    from infer.data.workloads import code_prompts
 
     say = lambda msg: print(f"[compile] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     report = run_compile_eval(args.model, args.dtype, code_prompts(1)[0], args.verify_width, args.steps,

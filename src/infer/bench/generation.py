@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from infer.bench.peer import gguf_weight_bytes_per_token, memory_bandwidth, weight_bytes_per_token
+from infer.core.request import speculation_stats
 from infer.engine.llm import LLM
 from infer.engine.speculative_runner import SpeculativeRunner
 from infer.sampling.params import SamplingParams
@@ -82,6 +83,7 @@ class BenchSettings:
     exact_greedy: bool = False
     # Also time every infer mode torch.compiled ("... (compiled)" rows), interleaved.
     compiled: bool = False
+    backend: str = "auto"  # what computes infer's forward passes (models.backend); recorded in the environment
     # Also time every infer mode with its steps replayed as CUDA graphs ("... (CUDA graphs)"; CUDA only).
     cuda_graphs: bool = False
 
@@ -124,32 +126,6 @@ def _params(settings: BenchSettings, seed: int) -> SamplingParams:
                           ignore_eos=not settings.stop_at_eos, seed=seed)
 
 
-def speculation_stats(outputs: list[Any]) -> dict[str, Any]:
-    """α, acceptance rate, tokens per target pass and acceptance by draft position over ``outputs``."""
-    accepted = sum(o.metrics.accepted_tokens for o in outputs)
-    proposed = sum(o.metrics.proposed_tokens for o in outputs)
-    rounds = sum(o.metrics.num_rounds for o in outputs)
-    rejected = sum(o.metrics.rejected_rounds for o in outputs)
-    width = max((len(o.metrics.proposed_per_position) for o in outputs), default=0)
-    by_pos: list[float | None] = []
-    for i in range(width):
-        prop = sum(o.metrics.proposed_per_position[i] for o in outputs if i < len(o.metrics.proposed_per_position))
-        acc = sum(o.metrics.accepted_per_position[i] for o in outputs if i < len(o.metrics.accepted_per_position))
-        by_pos.append(acc / prop if prop else None)
-    rounds_by_length = [rounds] + [0] * width
-    for i in range(width):  # rounds that drafted exactly i + 1 tokens: at least i + 1, not i + 2
-        at_least = sum(o.metrics.proposed_per_position[i] for o in outputs if i < len(o.metrics.proposed_per_position))
-        rounds_by_length[i + 1] = at_least
-        rounds_by_length[i] -= at_least
-    return {
-        "rounds_by_length": rounds_by_length,
-        "alpha": accepted / (accepted + rejected) if accepted + rejected else None,
-        "acceptance_rate": accepted / proposed if proposed else None,
-        "mean_accepted_tokens": (accepted + rounds) / rounds if rounds else None,
-        "acceptance_by_position": by_pos,
-    }
-
-
 EXACT = "(exact greedy)"  # the suffix of a mode run with exact-greedy kernels
 COMPILED = "(compiled)"  # the suffix of a mode run with its forward torch.compiled
 GRAPHS = "(CUDA graphs)"  # the suffix of a mode whose decode and verify steps replay CUDA graphs
@@ -188,7 +164,7 @@ class _Mode:
 
 def _infer_runner(settings: BenchSettings, model: str, dtype: str, **options: Any) -> tuple[RunFn, LLM]:
     # One request at a time: a batch of one needs only one sequence's KV cache.
-    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1, **options)
+    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1, backend=settings.backend, **options)
 
     def run(prompt: str | list[int], seed: int) -> tuple[float, Any]:
         start = time.perf_counter()
@@ -427,7 +403,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     return {
         "settings": {k: v for k, v in asdict(settings).items() if k not in ("prompts", "warmup_prompts")}
         | {"num_prompts": len(prompts), "num_warmup_prompts": len(history)},
-        "environment": environment(settings.device),
+        "environment": environment(settings.device) | {"backend": plain_llm.engine.backend.info()},
         "cost_ratio_c": cost,
         "greedy_outputs_identical": greedy_identical,
         "memory": memory,

@@ -1,6 +1,6 @@
 """The llama.cpp peer of ``infer bench generation --peer llama.cpp``, and what both engines are held to.
 
-* ``LlamaCppRunner`` times llama-cpp-python (an optional extra: ``pip install infer[bench]``) on a
+* ``LlamaCppRunner`` times llama-cpp-python (an optional extra: ``pip install 'infer[peer]'``) on a
   GGUF of the same model. It is fed infer's own prompt token ids, decodes greedily with the same
   thread count, and, like infer's rows, generates exactly ``max_tokens`` tokens past EOS.
 * ``export_bf16_gguf`` writes a BF16 GGUF of a Hugging Face folder's weights, with the metadata
@@ -103,7 +103,7 @@ class LlamaCppRunner:
         try:
             from llama_cpp import Llama
         except ImportError:
-            raise SystemExit("--peer llama.cpp needs llama-cpp-python: pip install 'infer[bench]' "
+            raise SystemExit("--peer llama.cpp needs llama-cpp-python: pip install 'infer[peer]' "
                              "(it builds llama.cpp from source, ~10+ minutes on 2 cores)") from None
         draft: Any = None
         if lookup:

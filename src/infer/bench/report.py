@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from infer.extras import pyplot
 from infer.speculative.budget import expected_speedup
 
 
@@ -82,22 +83,26 @@ def _rounds_table(report: dict[str, Any]) -> str:
         + "\n".join(rows) + "\n"
 
 
-def write_generation_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+def write_json_and_table(report: dict[str, Any], table: str, out_dir: str | Path, name: str) -> list[Path]:
+    """``out_dir/name.json`` (the report) and ``out_dir/name.md`` (its table): what every benchmark writes."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "generation.json", out / "generation.md"]
+    paths = [out / f"{name}.json", out / f"{name}.md"]
     paths[0].write_text(json.dumps(report, indent=2))
-    paths[1].write_text(generation_table(report))
-    paths += _plot_generation(report, out)
+    paths[1].write_text(table)
+    return paths
+
+
+def write_generation_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    paths = write_json_and_table(report, generation_table(report), out_dir, "generation")
+    paths += _plot_generation(report, Path(out_dir))
     return paths
 
 
 def _plot_generation(report: dict[str, Any], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return []
     written = []
     fixed = [r for r in report["results"] if r["engine"] == "infer" and r["spec_length"] and r["policy"] is None
              and "draft" in r["mode"]]

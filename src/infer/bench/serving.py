@@ -35,6 +35,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infer.bench.report import write_json_and_table
+from infer.extras import pyplot
+
 CONCURRENCY = [1, 2, 4, 8, 16, 32]
 
 
@@ -172,13 +175,14 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600.0)
 
 
 def _offline_engine(serve_args: list[str]) -> Any:
-    """An engine built from the same ``infer serve`` flags, for the offline side of the comparison."""
+    """An engine built from the engine options among the same ``infer serve`` flags (its HTTP and
+    scale-out flags have no offline meaning), for the offline side of the comparison."""
     from infer.engine.engine import Engine
-    from infer.server.cli import add_subparser, engine_config_from_args
+    from infer.engine.options import MODEL_OPTIONS, SERVING_OPTIONS, add_engine_args, engine_config
 
     parser = argparse.ArgumentParser()
-    add_subparser(parser.add_subparsers(dest="command"))
-    return Engine(engine_config_from_args(parser.parse_args(["serve", *serve_args])))
+    add_engine_args(parser, MODEL_OPTIONS + SERVING_OPTIONS)
+    return Engine(engine_config(parser.parse_known_args(serve_args)[0]))
 
 
 def single_stream_vs_offline(url: str, model: str, engine: Any, prompts: list[str], repeats: int, max_tokens: int,
@@ -221,7 +225,7 @@ def single_stream_vs_offline(url: str, model: str, engine: Any, prompts: list[st
 
 
 def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from infer.bench.workloads import code_prompts, load_prompts, repetitive_prompts
+    from infer.data.workloads import code_prompts, load_prompts, repetitive_prompts
 
     warmup: list[str] = []
     sizes = [max(args.requests_per_level, c) for c in args.concurrency]  # requests per level and repeat
@@ -370,16 +374,11 @@ def serving_table(report: dict[str, Any]) -> str:
 
 
 def write_serving_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "serving.json", out / "serving.md", out / "throughput_vs_concurrency.png"]
-    paths[0].write_text(json.dumps(report, indent=2))
-    paths[1].write_text(serving_table(report))
+    paths = write_json_and_table(report, serving_table(report), out_dir, "serving")
+    plt = pyplot()
+    if plt is None:
+        return paths
+    paths.append(Path(out_dir) / "throughput_vs_concurrency.png")
     fig, ax = plt.subplots(figsize=(6, 4))
     for run in report["runs"]:
         xs = [lv["concurrency"] for lv in run["levels"]]

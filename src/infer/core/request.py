@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
@@ -188,3 +189,30 @@ class Request:
         self.finish_reason = reason
         self.error = error
         self.metrics.finish_time = time.perf_counter()
+
+
+def speculation_stats(outputs: Sequence[Any]) -> dict[str, Any]:
+    """α, acceptance rate, tokens per target pass and acceptance by draft position over ``outputs``
+    (anything with a ``metrics: RequestMetrics``: requests, or the engine's outputs)."""
+    accepted = sum(o.metrics.accepted_tokens for o in outputs)
+    proposed = sum(o.metrics.proposed_tokens for o in outputs)
+    rounds = sum(o.metrics.num_rounds for o in outputs)
+    rejected = sum(o.metrics.rejected_rounds for o in outputs)
+    width = max((len(o.metrics.proposed_per_position) for o in outputs), default=0)
+    by_pos: list[float | None] = []
+    for i in range(width):
+        prop = sum(o.metrics.proposed_per_position[i] for o in outputs if i < len(o.metrics.proposed_per_position))
+        acc = sum(o.metrics.accepted_per_position[i] for o in outputs if i < len(o.metrics.accepted_per_position))
+        by_pos.append(acc / prop if prop else None)
+    rounds_by_length = [rounds] + [0] * width
+    for i in range(width):  # rounds that drafted exactly i + 1 tokens: at least i + 1, not i + 2
+        at_least = sum(o.metrics.proposed_per_position[i] for o in outputs if i < len(o.metrics.proposed_per_position))
+        rounds_by_length[i + 1] = at_least
+        rounds_by_length[i] -= at_least
+    return {
+        "rounds_by_length": rounds_by_length,
+        "alpha": accepted / (accepted + rejected) if accepted + rejected else None,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_accepted_tokens": (accepted + rounds) / rounds if rounds else None,
+        "acceptance_by_position": by_pos,
+    }

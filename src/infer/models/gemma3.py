@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from infer.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+
+if TYPE_CHECKING:
+    from infer.models.backend import Backend
 
 
 class GemmaRMSNorm(nn.Module):
@@ -145,8 +149,8 @@ class Gemma3ForCausalLM(DecoderOnlyLM):
             x = layer(x, cos, sin, None if kv is None else self.layer_kv(kv, index, positions))
         return self.model.norm(x)  # type: ignore[no-any-return]
 
-    def pack_for_cpu(self) -> None:
-        super().pack_for_cpu()
+    def pack_for_cpu(self, backend: Backend) -> None:
+        super().pack_for_cpu(backend)
         self.cpu_stack = None  # see the module docstring: the C stack computes the Llama block only
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,11 @@ refused with a 400 that names the field, rather than silently ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infer.sampling.params import SamplingParams
+from infer.sampling.params import SamplingParams, short_repr
 from infer.server.errors import APIError, bad_request, from_sampling_error
 
 
@@ -47,6 +47,10 @@ class SamplingRequest(_Body):
     cache_salt: str | None = Field(default=None, min_length=1, description=(
         "extension (as vLLM): with prefix caching, only requests with the same salt share cached prompt "
         "blocks, so tenants with different salts never reuse each other's KV cache"))
+    parse_special_tokens: bool | None = Field(default=False, description=(
+        "extension: tokenize special-token text in the prompt or message contents (such as '<|im_end|>') as "
+        "control tokens. By default it is plain text, so text from users cannot end a turn or forge one; "
+        "only the chat template writes control tokens"))
 
     @property
     def include_usage(self) -> bool:
@@ -55,18 +59,24 @@ class SamplingRequest(_Body):
     def check_supported(self) -> None:
         """400 for known fields set to values this server cannot honour."""
         if self.n not in (None, 1):
-            raise bad_request(f"n={self.n} is not supported: this server returns one choice per request (n=1)",
+            raise bad_request(f"n={short_repr(self.n)} is not supported: this server returns one choice per "
+                              "request (n=1)",
                               param="n", code="unsupported_parameter")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
-                raise bad_request(f"{name}={value} is not supported (only 0); use repetition_penalty instead",
+                raise bad_request(f"{name}={short_repr(value)} is not supported (only 0); use repetition_penalty "
+                                  "instead",
                                   param=name, code="unsupported_parameter")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_field(self) -> str | None:
+        """The field that set max_tokens, or None when the server's default applies."""
+        return "max_tokens" if self.max_tokens is not None else None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         top_k = self.top_k
@@ -105,7 +115,7 @@ class CompletionRequest(SamplingRequest):
         if self.logprobs is not None:
             raise bad_request("logprobs is not supported", param="logprobs", code="unsupported_parameter")
         if self.best_of not in (None, 1):
-            raise bad_request(f"best_of={self.best_of} is not supported (only 1)", param="best_of",
+            raise bad_request(f"best_of={short_repr(self.best_of)} is not supported (only 1)", param="best_of",
                               code="unsupported_parameter")
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
@@ -124,7 +134,8 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatMessage(_Body):
-    role: str
+    # A closed set: the template writes the role between control tokens, so free text there could forge a turn.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
@@ -133,7 +144,8 @@ class ChatMessage(_Body):
             texts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"content part of type {part.get('type')!r} is not supported (only text)",
+                    raise bad_request(f"content part of type {short_repr(part.get('type'))} is not supported "
+                                      "(only text)",
                                       param="messages")
                 texts.append(part["text"])
             content = "\n".join(texts)
@@ -168,7 +180,7 @@ class ChatCompletionRequest(SamplingRequest):
             name = "tool_choice" if self.tool_choice not in (None, "none") else "function_call"
             raise bad_request("tool calling is not supported", param=name, code="unsupported_parameter")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(f"response_format type {self.response_format.get('type')!r} is not supported "
+            raise bad_request(f"response_format type {short_repr(self.response_format.get('type'))} is not supported "
                               "(only text)", param="response_format", code="unsupported_parameter")
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -176,6 +188,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_field(self) -> str | None:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else super().max_tokens_field()
 
 
 # -- response bodies (they document /openapi.json; app.py builds the same shapes) -----------------
@@ -261,5 +276,5 @@ class Health(BaseModel):
 
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
-        raise APIError(400, f"the model {requested!r} does not exist; this server serves {served!r}",
+        raise APIError(400, f"the model {short_repr(requested)} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")

@@ -16,6 +16,8 @@ import argparse
 import json
 from typing import Any
 
+from infer.extras import require
+
 # Flag -> config field (flags whose names differ from the field).
 _RENAMES = {"layers": "num_layers", "heads": "num_heads", "kv_heads": "num_kv_heads",
             "tie_embeddings": "tie_word_embeddings"}
@@ -104,6 +106,16 @@ def add_subparser(sub: Any) -> None:
     r.add_argument("--device", default=None, help="cpu, cuda or auto (default)")
     r.add_argument("--quiet", action="store_true", help="no progress output")
     r.set_defaults(func=_run_reference_pair)
+    for command in tsub.choices.values():  # say at once, not after minutes of tokenizer training
+        command.set_defaults(func=_with_train_extra(command.get_default("func")))
+
+
+def _with_train_extra(run: Any) -> Any:
+    def checked(args: argparse.Namespace) -> int:
+        require("tqdm", "train", "training")
+        return int(run(args))
+
+    return checked
 
 
 def _model_flags(p: argparse.ArgumentParser, what: str) -> None:

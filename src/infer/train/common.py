@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
+from infer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from infer.extras import require
 from infer.loader import resolve_device
 from infer.loader.config import ModelConfig
 from infer.loader.save import write_model_files as write_hf_model_files
 from infer.models.layers import DecoderOnlyLM
-from infer.train.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 CHECKPOINT_DIR = ".checkpoint"
 CHECKPOINT_FILE = "state.pt"
@@ -392,7 +392,7 @@ def run_loop(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer, settin
     base_elapsed = state.elapsed
     last_ckpt = session_start
     state.sessions += 1
-    bar = tqdm(total=1000, desc=desc, disable=not progress, dynamic_ncols=True, leave=True,
+    bar = progress_bar(total=1000, desc=desc, disable=not progress, dynamic_ncols=True, leave=True,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining} {postfix}")
     shown = 0
     window_loss, window_n, window_start, window_tokens = 0.0, 0, time.perf_counter(), 0
@@ -477,3 +477,20 @@ def run_loop(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer, settin
     state.elapsed = base_elapsed + time.perf_counter() - session_start
     model.eval()
     return state
+
+
+def target_training_args(target: Path) -> dict[str, Any]:
+    """The settings a target infer trained was trained with (its training_args.json), or {}."""
+    path = target / TRAINING_ARGS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def progress_bar(**options: Any) -> Any:
+    """A tqdm progress bar (imported on first use: building the ``infer train`` flags needs no extra)."""
+    return require("tqdm", "train", "training").tqdm(**options)

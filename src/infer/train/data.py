@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from infer.train.corpus import Corpus
+from infer.data.corpus import Corpus
 
 TOKENS_FILE = "tokens.npz"
 

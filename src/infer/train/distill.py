@@ -18,7 +18,6 @@ rate at temperature 1, ``alpha = E[sum_x min(p(x), q(x))]``, and greedy agreemen
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from infer.data.corpus import load_corpus
 from infer.fileio import publish_folder, staging_folder
 from infer.loader import load_model, load_tokenizer, resolve_model_path
 from infer.loader.config import ModelConfig
@@ -43,10 +43,10 @@ from infer.train.common import (
     count_params,
     model_config,
     say,
+    target_training_args,
     write_json,
     write_model_files,
 )
-from infer.train.corpus import load_corpus
 from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus
 from infer.train.pretrain import (
     TOKENIZER_FILES,
@@ -224,17 +224,6 @@ def load_frozen_target(cfg: Any, device: torch.device) -> FrozenTarget:
     )
 
 
-def target_training_args(target: Path) -> dict[str, Any]:
-    path = target / TRAINING_ARGS_FILE
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return {}
-    return raw if isinstance(raw, dict) else {}
-
-
 def draft_config(cfg: DistillConfig, tcfg: ModelConfig, reuse: bool, eos_id: int) -> ModelConfig:
     """The draft's Llama config: the target's vocabulary, EOS, RoPE base and context; its own depth;
     the target's layer shape when it reuses the target's embeddings, else the configured one."""
@@ -258,7 +247,7 @@ def reuse_target_weights(draft: DecoderOnlyLM, target: DecoderOnlyLM) -> None:
     and its final norm into a draft of the same layer shape: the target's early exit, which training
     then teaches to finish the target's thought. (Measured on SmolLM2-135M's own held-out answers, before
     training: KL 13.8 nats for layers 0-1, 16.4 for 28-29, 17.4 for 0 and 15, 58.7 for 0 and 29, 74.6 for
-    random layers; docs/benchmarks.md.)"""
+    random layers; docs/benchmarks-history.md.)"""
     draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
     draft.model.embed_tokens.weight.requires_grad_(False)
     if not draft.config.tie_word_embeddings:  # an untied target's head is reused as it is, frozen too

@@ -153,8 +153,8 @@ class _LiveTarget:
     """Batches of corpus windows run through the target at every step (infer's own small targets)."""
 
     def __init__(self, cfg: MedusaTrainConfig, device: torch.device, progress: bool) -> None:
+        from infer.data.corpus import load_corpus
         from infer.train.common import say
-        from infer.train.corpus import load_corpus
         from infer.train.data import TOKENS_FILE, WindowSampler, tokenize_corpus
         from infer.train.distill import load_frozen_target
         from infer.train.pretrain import pick_eval_windows

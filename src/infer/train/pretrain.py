@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from infer.data.corpus import Corpus, load_corpus
+from infer.data.tokenizer import EOS_ID, save_tokenizer, train_bpe_tokenizer
 from infer.fileio import publish_folder, staging_folder
 from infer.loader.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
@@ -49,9 +51,7 @@ from infer.train.common import (
     write_json,
     write_model_files,
 )
-from infer.train.corpus import Corpus, load_corpus
 from infer.train.data import TOKENS_FILE, TokenData, WindowSampler, cap_texts, eval_windows, tokenize_corpus
-from infer.train.tokenizer import EOS_ID, save_tokenizer, train_bpe_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

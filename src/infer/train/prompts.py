@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import random
 
-from infer.train.corpus import split_files, stdlib_source_files
+from infer.data.corpus import split_files, stdlib_source_files
 
 TOPICS = (
     "staying healthy", "learning a new language", "saving money", "growing tomatoes", "the water cycle",

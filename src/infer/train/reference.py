@@ -99,7 +99,8 @@ class ReferenceSettings:
 # Step budgets, so a seed gives the same pair on any machine. The expected times are only shown: for
 # ``small`` the CPU seconds of one thread measured on the 2-core AMD EPYC machine (an idle core's wall
 # time); for ``large`` the wall time of the time-budgeted recipe its step counts were sized to match. ``large`` trains under bfloat16 autocast
-# even on CPU: on this avx512_bf16 machine that is 2.5x the tokens/s of float32 for its 40M target.
+# even on CPU: where the CPU computes bfloat16 natively that is faster than float32 for its 40M
+# target (docs/benchmarks-history.md, "The reference pairs").
 REFERENCE_SIZES: dict[str, ReferenceSettings] = {
     "small": ReferenceSettings(
         description="~10M target, ~0.7M draft, 4 Medusa heads",

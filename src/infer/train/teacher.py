@@ -44,12 +44,18 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from infer.fileio import default_cache_dir
 from infer.loader import ModelConfig, load_config, load_model, load_tokenizer, resolve_model_path
 from infer.loader.hub import model_slug
-from infer.train.common import configure_threads, pick_device, say, write_json
+from infer.train.common import (
+    configure_threads,
+    pick_device,
+    progress_bar,
+    say,
+    target_training_args,
+    write_json,
+)
 
 MANIFEST_FILE = "teacher_cache.json"
 BUILDING_FILE = "building.json"
@@ -132,7 +138,6 @@ def default_teacher_dir(cfg: TeacherCacheConfig) -> Path:
 
 def trained_by_infer(target: str) -> bool:
     """Whether ``infer train pretrain`` made this model (then its own corpus is the natural data)."""
-    from infer.train.distill import target_training_args
 
     path = resolve_model_path(target)
     return path.is_dir() and target_training_args(path).get("kind") == "pretrain"
@@ -221,7 +226,7 @@ def self_generated(cfg: TeacherCacheConfig, folder: Path, progress: bool) -> Str
             f"from {cfg.target} ({llm.engine.dtype}, batch {cfg.gen_batch_size}, "
             f"{'its chat template' if chat else 'plain prompts: no chat template'})", progress)
         budget = (len(encoded) - len(done)) * cfg.max_new_tokens
-        bar = tqdm(total=budget, desc="generate", unit="tok", disable=not progress, dynamic_ncols=True)
+        bar = progress_bar(total=budget, desc="generate", unit="tok", disable=not progress, dynamic_ncols=True)
         start, made = time.perf_counter(), 0
         with open(path, "a") as handle:
             chunk = 2 * cfg.gen_batch_size
@@ -253,9 +258,8 @@ def corpus_text(cfg: TeacherCacheConfig) -> Streams:
     """Token streams of a text corpus (the target's own by default), every token a training token."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from infer.train.corpus import load_corpus
+    from infer.data.corpus import load_corpus
     from infer.train.data import tokenize_corpus
-    from infer.train.distill import target_training_args
 
     folder = resolve_model_path(cfg.target)
     targs = target_training_args(folder) if folder.is_dir() else {}
@@ -338,7 +342,7 @@ def build_teacher_cache(cfg: TeacherCacheConfig, progress: bool = True, force: b
     say(f"teacher cache: {total} windows of {width} tokens from {streams.description}; top-{cfg.top_k} of "
         f"{mcfg.vocab_size} tokens{' + hidden states' if cfg.hidden_states else ''}, {cfg.dtype} on {device}, "
         f"into {folder}", progress)
-    bar = tqdm(total=total * width, desc="teacher", unit="tok", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=total * width, desc="teacher", unit="tok", disable=not progress, dynamic_ncols=True)
     forward_start, computed = time.perf_counter(), 0
     shards: dict[str, list[str]] = {}
     for split, (ids, answer) in windows.items():

@@ -9,7 +9,7 @@ import random
 import textwrap
 from pathlib import Path
 
-from infer.train.corpus import split_files, stdlib_source_files
+from infer.data.corpus import split_files, stdlib_source_files
 
 WORKLOADS = ("code", "edit", "sample", "repetitive")
 # The repetitive workload's one instruction, applied to a different function in every request: the

