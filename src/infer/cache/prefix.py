@@ -47,6 +47,9 @@ class PrefixCache:
         # evictable count is its length, eviction pops from the front.
         self._idle: OrderedDict[bytes, None] = OrderedDict()
         self.hit_tokens = 0  # prompt tokens served from the cache
+        # Off for a pool whose sliding-window layers free their blocks: a prompt's early blocks are
+        # gone from those layers by the time it is cached, and a hit would need them.
+        self.enabled = not pool.local_layers
         pool.evictor = self
 
     def _chain(self, tokens: Sequence[int], num_blocks: int, cache_salt: str | None) -> list[bytes]:
@@ -62,6 +65,8 @@ class PrefixCache:
         At least one prompt token is always left to compute, since its logits give the first
         generated token.
         """
+        if not self.enabled:
+            return 0
         usable = (len(prompt) - 1) // self.block_size
         blocks = []
         for key in self._chain(prompt, usable, cache_salt):
@@ -77,6 +82,8 @@ class PrefixCache:
 
     def insert(self, slot: int, prompt: Sequence[int], cache_salt: str | None = None) -> None:
         """Register the full prompt blocks of ``slot`` (call once its prompt is in the cache)."""
+        if not self.enabled:
+            return
         table = self.pool.block_tables[slot]
         full = min(len(prompt) // self.block_size, len(table))
         for key, block in zip(self._chain(prompt, full, cache_salt), table, strict=False):

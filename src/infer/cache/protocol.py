@@ -8,6 +8,7 @@ matter of moving a length (``truncate_to``) and makes the two backends interchan
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,6 +36,11 @@ class KVBatch:
     mask: torch.Tensor | None
     block_mask: Any = None  # the same mask as a FlexAttention BlockMask, when the runner asks for flex
     _folded_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _windowed: dict[int, KVBatch] = field(default_factory=dict, repr=False)
+    # A pool whose sliding-window layers keep their own blocks (PagedKVCachePool.local_layers): those
+    # layers read and write through ``local``, the same pass over their storage rows.
+    local: KVBatch | None = None
+    local_layers: frozenset[int] = frozenset()
 
     def attention_mask(self, groups: int = 1) -> torch.Tensor | None:
         """``mask`` with each query row repeated ``groups`` times ([B, 1, groups * T, L]), for
@@ -47,9 +53,36 @@ class KVBatch:
             folded = self._folded_masks[groups] = self.mask.repeat(1, 1, groups, 1)
         return folded
 
+    def windowed(self, window: int, positions: torch.Tensor) -> KVBatch:
+        """This pass as a sliding-window layer sees it: a query at (RoPE) position p attends only to
+        keys at positions ``p - window + 1 .. p`` (Hugging Face's ``kv_idx > q_idx - window``).
+        ``positions`` [B, T] are the queries' positions; a tree node's is its ancestors' plus its
+        depth, so its ancestors (at most ``depth`` back) stay visible. Made once per window and
+        pass; the same object when the window hides nothing."""
+        cached = self._windowed.get(window)
+        if cached is not None:
+            return cached
+        key_pos = torch.arange(self.context_len, device=positions.device)
+        inside = key_pos.view(1, 1, -1) > (positions - window).unsqueeze(-1)  # [B, T, L]
+        if bool(inside.all()):
+            view = self
+        else:
+            mask = inside.unsqueeze(1) if self.mask is None else self.mask & inside.unsqueeze(1)
+            if self.mask is not None:
+                # A padding query far past its sequence's end would see no key at all (NaN rows);
+                # it keeps its causal row instead. A real query always sees itself.
+                mask = mask | (self.mask & ~mask.any(-1, keepdim=True))
+            # no block_mask: SDPA takes the dense mask
+            local = None if self.local is None else dataclasses.replace(
+                self.local, mask=mask, block_mask=None, _folded_masks={}, _windowed={})
+            view = dataclasses.replace(self, mask=mask, block_mask=None, _folded_masks={}, _windowed={}, local=local)
+        self._windowed[window] = view
+        return view
+
     def layer(self, index: int) -> LayerKV:
         """Layer ``index``'s storage with this pass's description: what its attention writes and reads."""
-        return LayerKV(self, self.k_layers[index], self.v_layers[index])
+        batch = self.local if self.local is not None and index in self.local_layers else self
+        return LayerKV(batch, self.k_layers[index], self.v_layers[index])
 
 
 @dataclass
@@ -170,10 +203,22 @@ def build_kv_batch(
             tree_vis = tree_mask.gather(2, rel.unsqueeze(1).expand(-1, width, -1))  # [B, T, L]
             causal &= ~in_new.unsqueeze(1) | tree_vis
         mask = causal.unsqueeze(1)
-    return KVBatch(
+    kv = KVBatch(
         k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write_index, token_valid=token_valid,
         read_index=read_index, read_start=read_start, context_len=context, mask=mask,
     )
+    local_layers: frozenset[int] = getattr(pool, "local_layers", frozenset())
+    if local_layers:  # the sliding-window layers' own rows (PagedKVCachePool)
+        local_rows = [pool.local_storage_rows(slot, end)  # type: ignore[attr-defined]
+                      for slot, end in zip(slots, ends, strict=True)]
+        local_read = torch.full((batch, context), pool.local_scratch_row, dtype=torch.long,  # type: ignore[attr-defined]
+                                device=device)
+        for b, r in enumerate(local_rows):
+            local_read[b, : r.numel()] = r
+        kv.local = dataclasses.replace(kv, write_index=torch.cat([r[s:] for r, s in zip(local_rows, starts, strict=True)]),
+                                       read_index=local_read, read_start=None, _folded_masks={}, _windowed={})
+        kv.local_layers = local_layers
+    return kv
 
 
 def _causal_mask(starts: torch.Tensor, width: int, context: int) -> torch.Tensor:
@@ -198,6 +243,8 @@ def padded_kv_batch(pool: CachePoolProtocol, slots: Sequence[int], starts: Seque
     sequences' lengths. Padding tokens write to the pool's scratch row, and keys past a sequence's
     end read it (masked). Every tensor's shape then depends on (batch, width, context) alone, and
     nothing else in the description changes: what a captured CUDA graph needs to be replayed."""
+    if getattr(pool, "local_layers", None):
+        raise ValueError("fixed-shape (CUDA graph) passes over a pool with sliding-window blocks are not supported")
     if len(slots) > batch or max(starts) + width > context:
         raise ValueError(f"{len(slots)} sequences up to position {max(starts) + width} do not fit a pass of "
                          f"{batch} rows x {context} keys")
@@ -226,6 +273,9 @@ def copy_positions(pool: CachePoolProtocol, moves: Sequence[tuple[int, Sequence[
     """
     src_rows: list[torch.Tensor] = []
     dst_rows: list[torch.Tensor] = []
+    local_layers: frozenset[int] = getattr(pool, "local_layers", frozenset())
+    local_src: list[torch.Tensor] = []
+    local_dst: list[torch.Tensor] = []
     for slot, src, dst in moves:
         if len(src) != len(dst):
             raise ValueError(f"slot {slot}: {len(src)} source positions but {len(dst)} destinations")
@@ -239,9 +289,21 @@ def copy_positions(pool: CachePoolProtocol, moves: Sequence[tuple[int, Sequence[
         rows = pool.storage_rows(slot, length)
         src_rows.append(rows[torch.tensor(list(src), device=rows.device)])
         dst_rows.append(rows[torch.tensor(list(dst), device=rows.device)])
+        if local_layers:  # positions a pass just wrote: inside the window, never freed
+            rows = pool.local_storage_rows(slot, length)  # type: ignore[attr-defined]
+            local_src.append(rows[torch.tensor(list(src), device=rows.device)])
+            local_dst.append(rows[torch.tensor(list(dst), device=rows.device)])
     if not src_rows:
         return
     source, dest = torch.cat(src_rows), torch.cat(dst_rows)
-    for store in (*pool.k_layers, *pool.v_layers):
-        store.index_copy_(0, dest, store.index_select(0, source))
+    for index in range(len(pool.k_layers)):
+        if index in local_layers:
+            continue
+        for store in (pool.k_layers[index], pool.v_layers[index]):
+            store.index_copy_(0, dest, store.index_select(0, source))
+    if local_layers:
+        source, dest = torch.cat(local_src), torch.cat(local_dst)
+        for index in local_layers:
+            for store in (pool.k_layers[index], pool.v_layers[index]):
+                store.index_copy_(0, dest, store.index_select(0, source))
 

@@ -315,11 +315,27 @@ class Engine:
             if budget is not None:
                 per_sequence = -(-self.max_seq_len // config.block_size)
                 num_blocks = max(per_sequence, min(config.max_batch_size * per_sequence, budget // config.block_size))
+        # Sliding-window layers (Gemma 3, Mistral) free their blocks as the window moves on. A draft
+        # model's chain starts passes up to max_length past a committed length; the longest pass is a
+        # prefill chunk or a verification (a chain, or a tree of at most _MAX_TREE_PASS nodes).
+        spec = config.speculative
+        windows = [model_config.layer_window(i) for i in range(model_config.num_hidden_layers)]
+        longest = config.max_prefill_tokens if config.chunked_prefill else self.max_seq_len
+        if spec is not None:
+            tree = {"medusa": spec.medusa_tree_size or _MAX_TREE_PASS, "suffix": spec.suffix_tree_size}
+            longest = max(longest, 1 + spec.max_length, 1 + tree.get(spec.method, 0))
         return make_pool(config.kv_cache_backend, num_layers=model_config.num_hidden_layers,
                          num_kv_heads=model_config.num_key_value_heads, head_dim=model_config.head_dim,
                          max_seq_len=self.max_seq_len, max_batch_size=config.max_batch_size,
                          block_size=config.block_size, num_blocks=num_blocks, dtype=self.dtype,
-                         device=self.device)
+                         device=self.device, layer_windows=windows,
+                         window_slack=0 if spec is None else spec.max_length + 1,
+                         max_pass_tokens=longest)
+
+
+# Medusa's tree comes with its heads (loaded after the pools): a bound on it for sizing sliding-window
+# KV blocks (a larger tree's pass would find them short and fail with CacheFullError).
+_MAX_TREE_PASS = 256
 
 
 def _describe(err: Exception) -> str:

@@ -130,6 +130,10 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     for name, (tensor, source) in tensors.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
+        if config.model_type == "gemma3":
+            name = _gemma3_text_name(name)
+            if not name:  # the image tower and projector of a multimodal checkpoint
+                continue
         if name not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {name!r} for a {config.model_type} model")
         if tuple(tensor.shape) != tuple(expected[name].shape):
@@ -159,6 +163,19 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
         model.pack_for_cpu(chosen)
     model.backend = chosen
     return model.eval(), config
+
+
+def _gemma3_text_name(name: str) -> str:
+    """A multimodal Gemma 3 checkpoint's language-model tensor under the text model's name (transformers
+    5 writes ``model.language_model.*``, 4.x ``language_model.model.*``); "" for the vision parts."""
+    for prefix, renamed in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return renamed + name[len(prefix):]
+    if name.startswith(("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                        "multi_modal_projector.")):
+        return ""
+    return name
 
 
 def load_tokenizer(ref: str | os.PathLike[str], config: ModelConfig | None = None) -> Tokenizer:

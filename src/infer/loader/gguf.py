@@ -9,9 +9,11 @@ converter (``convert_hf_to_gguf.py``) backwards:
 * tensors: ``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight`` and so on. For the
   ``llama`` architecture the converter reorders each head's q/k rows so that GGML's RoPE, which
   rotates adjacent pairs, computes what Hugging Face's rotate-half RoPE computes; the rows are put
-  back here. ``qwen2``/``qwen3`` files use GGML's rotate-half RoPE and are stored as they are;
+  back here. ``qwen2``/``qwen3``/``gemma3`` files use GGML's rotate-half RoPE and are stored as they
+  are; ``gemma3`` norms are stored as ``1 + w`` and its four per-layer norms have their own names;
 * tokenizer: ``tokenizer.ggml.tokens``/``merges``/``token_type`` become a byte-level BPE
-  ``tokenizers`` object, split the way ``tokenizer.ggml.pre`` says llama.cpp splits text.
+  ``tokenizers`` object, split the way ``tokenizer.ggml.pre`` says llama.cpp splits text; a
+  SentencePiece vocabulary (``llama`` tokenizer model, Gemma's) a BPE with byte fallback.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from infer.loader.config import SUPPORTED_MODEL_TYPES, CheckpointError, ModelConfig
+from infer.loader.config import CheckpointError, ModelConfig
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # general.architecture values infer reads
 
 # Tensor storage types infer dequantizes (with gguf.quants). Others (the IQ and ternary families,
 # MXFP4, integer tensors) are refused by name rather than guessed at.
@@ -47,6 +51,13 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma 3 names its four per-layer norms differently: its ffn_norm is the norm before the MLP.
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -127,9 +138,9 @@ def open_gguf(path: Path) -> GGUFFile:
 
 def gguf_config(f: GGUFFile) -> ModelConfig:
     """The model configuration the metadata describes, checked like a ``config.json``."""
-    if f.architecture not in SUPPORTED_MODEL_TYPES:
+    if f.architecture not in GGUF_ARCHITECTURES:
         raise CheckpointError(f"{f.path}: GGUF architecture {f.architecture!r} is not supported; infer reads "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                              f"{', '.join(GGUF_ARCHITECTURES)}")
     heads = int(f.require(f.arch_key("attention.head_count")))
     hidden = int(f.require(f.arch_key("embedding_length")))
     kv_heads = _one_per_model(f, "attention.head_count_kv", heads)
@@ -139,6 +150,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         raise CheckpointError(f"{f.path}: RoPE on {rotary} of {head_dim} head dimensions (partial rotary) "
                               "is not supported")
     tokens = f.get("tokenizer.ggml.tokens")
+    extra = _gemma3_metadata(f, hidden, heads, head_dim) if f.architecture == "gemma3" else {}
     raw: dict[str, Any] = {
         "model_type": f.architecture,
         "vocab_size": f.get(f.arch_key("vocab_size")) or (len(tokens) if tokens else None),
@@ -158,11 +170,36 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": _eos_ids(f),
         "torch_dtype": "float32",
+        **extra,
     }
     if raw["vocab_size"] is None:
         raise CheckpointError(f"{f.path}: neither {f.arch_key('vocab_size')} nor tokenizer.ggml.tokens "
                               "gives the vocabulary size")
     return ModelConfig.from_dict({k: v for k, v in raw.items() if v is not None}, str(f.path))
+
+
+def _gemma3_metadata(f: GGUFFile, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """The config.json fields of a ``gemma3`` file beyond the common ones. The file stores the window
+    but not which layers slide, the local RoPE base or the attention scale: those are what llama.cpp
+    assumes for Gemma 3 (every sixth layer global, base 10,000, 1/sqrt(head_dim), or
+    1/sqrt(hidden / heads) for the 62-layer 27B), and transformers reads the file alike."""
+    layers = int(f.require(f.arch_key("block_count")))
+    pattern = f.get(f.arch_key("attention.sliding_window_pattern"))
+    if isinstance(pattern, list):  # newer files: one flag per layer, True = sliding
+        layer_types = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    else:
+        period = int(pattern or 6)
+        layer_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+    out: dict[str, Any] = {
+        "sliding_window": f.get(f.arch_key("attention.sliding_window")), "layer_types": layer_types,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "final_logit_softcapping": f.get(f.arch_key("final_logit_softcapping")),
+        "attn_logit_softcapping": f.get(f.arch_key("attn_logit_softcapping")),
+    }
+    if out["sliding_window"] is not None:
+        out["sliding_window"] = int(out["sliding_window"])
+    return out
 
 
 def _one_per_model(f: GGUFFile, suffix: str, default: int | None) -> int | None:
@@ -213,10 +250,12 @@ def gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: t
         if name == ROPE_FREQS_TENSOR:
             divisors = dequantize(f, tensor)
             continue
-        hf_name = hf_tensor_name(name)
+        hf_name = hf_tensor_name(name, config.model_type)
         if hf_name is None:
             raise CheckpointError(f"{f.path}: unexpected tensor {name!r} for a {config.model_type} model")
         weight = dequantize(f, tensor)
+        if config.model_type == "gemma3" and name.endswith("norm.weight"):
+            weight = weight - 1  # llama.cpp's converter stores Gemma's norms as 1 + w; the model adds the 1
         if config.model_type == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             weight = undo_rope_row_order(weight, heads)
@@ -224,15 +263,16 @@ def gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: t
     return GGUFWeights(state, divisors)
 
 
-def hf_tensor_name(name: str) -> str | None:
+def hf_tensor_name(name: str, model_type: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown."""
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
+    parts = _GEMMA3_LAYER_TENSORS if model_type == "gemma3" else _LAYER_TENSORS
     match = _LAYER_NAME.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_TENSORS:
+    if match is None or match.group(2) not in parts:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+    return f"model.layers.{layer}.{parts[part]}.{kind}"
 
 
 def dequantize(f: GGUFFile, tensor: Any) -> torch.Tensor:
@@ -268,10 +308,11 @@ def undo_rope_row_order(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def gguf_tokenizer(f: GGUFFile) -> tuple[HFTokenizer, dict[str, Any]]:
     """A ``tokenizers`` object plus the ``tokenizer_config.json`` fields (special tokens, chat template)."""
     kind = f.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _with_specials(f, sentencepiece_bpe(f))
     if kind != "gpt2":
-        what = "SentencePiece" if kind == "llama" else "this"
-        raise CheckpointError(f"{f.path}: tokenizer model {kind!r} is not supported ({what} tokenizer); infer "
-                              "builds byte-level BPE tokenizers (tokenizer.ggml.model 'gpt2') from GGUF files")
+        raise CheckpointError(f"{f.path}: tokenizer model {kind!r} is not supported; infer builds byte-level BPE "
+                              "(tokenizer.ggml.model 'gpt2') and SentencePiece BPE ('llama') tokenizers from GGUF files")
     tokens: list[str] = list(f.require("tokenizer.ggml.tokens"))
     merges: list[str] = list(f.require("tokenizer.ggml.merges"))
     types: list[int] = list(f.get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -306,13 +347,21 @@ def gguf_tokenizer(f: GGUFFile) -> tuple[HFTokenizer, dict[str, Any]]:
         if tok.token_to_id(tokens[index]) != index:  # a duplicate spelling would renumber the vocabulary
             raise CheckpointError(f"{f.path}: added token {tokens[index]!r} would get id "
                                   f"{tok.token_to_id(tokens[index])}, the file says {index}")
+    return _with_specials(f, tok)
+
+
+def _with_specials(f: GGUFFile, tok: HFTokenizer) -> tuple[HFTokenizer, dict[str, Any]]:
+    """BOS/EOS added as the file says (a post-processor) and the ``tokenizer_config.json`` fields."""
+    tokens: list[str] = list(f.require("tokenizer.ggml.tokens"))
+    vocab = tok.get_vocab(with_added_tokens=True)
 
     def token_at(key: str) -> str | None:
         index = f.get(f"tokenizer.ggml.{key}")
         return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
 
     bos, eos = token_at("bos_token_id"), token_at("eos_token_id")
-    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False))
+    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise (so does transformers).
+    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", f.get("tokenizer.ggml.model") == "llama"))
     add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False))
     template = [*([f"{bos}:0"] if add_bos and bos else []), "$A:0", *([f"{eos}:0"] if add_eos and eos else [])]
     specials = [(t, vocab[t]) for t in {bos, eos} if t is not None and t in vocab]
@@ -332,6 +381,51 @@ def gguf_tokenizer(f: GGUFFile) -> tuple[HFTokenizer, dict[str, Any]]:
     if isinstance(chat_template, str):
         config["chat_template"] = chat_template
     return tok, {k: v for k, v in config.items() if v is not None}
+
+
+def sentencepiece_bpe(f: GGUFFile) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary (``tokenizer.ggml.model`` 'llama') as a ``tokenizers`` BPE with
+    byte fallback, built the way transformers builds it from the same file (the reference the tests
+    compare with): spaces become U+2581 before BPE runs over the whole text, and the merges, which
+    the file does not list, are every split of a vocabulary entry into two entries, best first.
+
+    Only Gemma's form is read: no space prefix (``add_space_prefix`` false). Its merge order is the
+    vocabulary's order (Gemma's scores do not follow it), and its all-space entries are stored as
+    spaces although BPE meets them as U+2581 runs, so they are respelled.
+    """
+    if f.get("tokenizer.ggml.add_space_prefix", True) or not f.architecture.startswith("gemma"):
+        raise CheckpointError(f"{f.path}: SentencePiece vocabulary of a {f.architecture!r} model (tokenizer.ggml.model "
+                              "'llama' with a space prefix, Llama 2 style) is not supported; infer reads Gemma's")
+    raw: list[str] = list(f.require("tokenizer.ggml.tokens"))
+    types: list[int] = list(f.get("tokenizer.ggml.token_type") or [1] * len(raw))
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in raw]
+    vocab = {token: index for index, token in enumerate(tokens)}  # a repeated spelling keeps its last id
+    unk = f.get("tokenizer.ggml.unknown_token_id")
+    model = models.BPE(vocab=vocab, merges=_merges_by_rank(vocab), byte_fallback=True, fuse_unk=True,  # type: ignore[arg-type]
+                       unk_token=raw[int(unk)] if unk is not None else None)
+    tok = HFTokenizer(model)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # Control tokens are special; user-defined ones ("\n\n", "<start_of_turn>" in Gemma) are matched whole.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(raw, types, strict=True) if k == _CONTROL])
+    known = tok.get_vocab(with_added_tokens=True)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(raw, types, strict=True) if k == _USER_DEFINED and t in known])
+    return tok
+
+
+def _merges_by_rank(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every (left, right) split of an entry into two entries, ordered by the entry's id, then the
+    longer left piece first (SentencePiece merges the best-ranked pair; rank = position here)."""
+    merges: list[tuple[int, int, str, str]] = []
+    for token, index in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((index, -len(left), left, right))
+    merges.sort(key=lambda m: (m[0], m[1]))
+    return [(left, right) for _, _, left, right in merges]
 
 
 def _pre_tokenizer(style: str) -> pre_tokenizers.PreTokenizer:

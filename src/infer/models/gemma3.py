@@ -1,0 +1,159 @@
+"""Gemma 3 (text): the decoder block with Gemma's differences from Llama.
+
+* RMSNorm scales by ``1 + weight`` (checkpoints store the offset from one), computed in float32
+  and rounded once at the end, and there are four per layer: before and after attention, before
+  and after the MLP (the "sandwich"); q and k get the same norm per head before RoPE;
+* embeddings are multiplied by sqrt(hidden), rounded to the embedding dtype first as transformers does;
+* the MLP gates with GELU (tanh approximation) instead of SiLU;
+* sliding-window ("local") layers, ``ModelConfig.layer_types``, attend to the last
+  ``sliding_window`` positions and rotate with their own RoPE base (``rope_local_theta``); the
+  global layers see everything and use ``rope_theta`` (with any scaling);
+* attention scores are scaled by ``query_pre_attn_scalar ** -0.5``; logits optionally soft-capped.
+
+Gemma 3 runs layer by layer in PyTorch: the C decoder stack (``CpuStack``) implements the Llama
+block only (one norm kind, SiLU, one RoPE table, attention over every key), so ``pack_for_cpu``
+gives it the fast projections but never the stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.cache.protocol import KVBatch, LayerKV
+from infer.loader.config import ModelConfig
+from infer.models.layers import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    DecoderOnlyLM,
+    apply_rope,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+if TYPE_CHECKING:
+    from infer.models.backend import Backend
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm scaling by ``1 + weight``; the weight is stored as Hugging Face stores it (zeros = identity)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(Attention):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)  # type: ignore[assignment]
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)  # type: ignore[assignment]
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = config.layer_window(layer_idx)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
+        batch, width, _ = x.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(batch, width, heads + 2 * kv_heads, self.head_dim)
+            q, k, v = qkv[:, :, :heads], qkv[:, :, heads: heads + kv_heads], qkv[:, :, heads + kv_heads:]
+        else:
+            q = self.q_proj(x).view(batch, width, heads, self.head_dim)
+            k = self.k_proj(x).view(batch, width, kv_heads, self.head_dim)
+            v = self.v_proj(x).view(batch, width, kv_heads, self.head_dim)
+        assert self.q_norm is not None and self.k_norm is not None
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        if kv is None:  # the whole sequence at once: causal, within the window for a local layer
+            attn_mask: torch.Tensor | None = torch.ones(width, width, dtype=torch.bool, device=x.device).tril()
+            if self.window is not None:
+                attn_mask = attn_mask.triu(1 - self.window)  # type: ignore[union-attr]
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        else:  # the layer's view already carries the window in its mask (DecoderOnlyLM.layer_kv)
+            kv.write(k, v)
+            keys, values = kv.gather()
+            attn_mask = kv.batch.mask
+            if self.attend is not None:  # exact-greedy attention scales by 1/sqrt(head_dim): fold the difference into q
+                out = self.attend(q.transpose(1, 2) * (self.scale * math.sqrt(self.head_dim)), keys, values, attn_mask)
+                return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=attn_mask, scale=self.scale,
+                                             enable_gqa=heads != kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
+
+
+class Gemma3MLP(MLP):
+    """GELU (tanh approximation)-gated feed-forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(DecoderLayer):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        nn.Module.__init__(self)  # DecoderLayer's own modules are Llama's; these replace them
+        self.self_attn = Gemma3Attention(config, layer_idx)
+        self.mlp = Gemma3MLP(config)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)  # type: ignore[assignment]
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)  # type: ignore[assignment]
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(DecoderOnlyLM):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        body = self.model
+        body.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        body.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # type: ignore[assignment]
+        # The local layers' RoPE: their own base, never scaled. Made on first use (on the device the
+        # model runs on), since the loader builds models on the meta device.
+        self._local_inv_freq: torch.Tensor | None = None
+
+    def local_inv_freq(self, device: torch.device) -> torch.Tensor:
+        if self._local_inv_freq is None or self._local_inv_freq.device != device:
+            theta = self.config.rope_local_theta or self.config.rope_theta
+            local = dataclasses.replace(self.config, rope_theta=theta, rope_scaling=None)
+            self._local_inv_freq = rope_inv_freq(local).to(device)
+        return self._local_inv_freq
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                kv: KVBatch | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        embed = self.model.embed_tokens
+        x = embed(input_ids) * torch.tensor(self.config.hidden_size ** 0.5, dtype=embed.weight.dtype)
+        tables = {False: rope_cos_sin(self.inv_freq, positions, x.dtype),  # type: ignore[arg-type]
+                  True: rope_cos_sin(self.local_inv_freq(x.device), positions, x.dtype)}
+        for index, layer in enumerate(self.model.layers):
+            cos, sin = tables[self.config.layer_window(index) is not None]
+            x = layer(x, cos, sin, None if kv is None else self.layer_kv(kv, index, positions))
+        return self.model.norm(x)  # type: ignore[no-any-return]
+
+    def pack_for_cpu(self, backend: Backend) -> None:
+        super().pack_for_cpu(backend)
+        self.cpu_stack = None  # see the module docstring: the C stack computes the Llama block only
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,303 @@
+"""Gemma 3 and Mistral-style sliding-window models against transformers, and every drafter on Gemma 3.
+
+The tiny checkpoints (``gemma_checkpoints``) have 8-token windows, so every prompt and generation
+here runs well past them: a model that attended beyond the window (or not far enough) fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoints import load_hf_model, make_medusa_heads
+from gemma_checkpoints import GEMMA_WINDOW, make_tiny_gemma3, make_tiny_mistral
+from infer import LLM, SamplingParams
+from infer.cache import PagedKVCachePool, SlottedKVCache
+from infer.core.model_runner import ModelRunner
+from infer.loader import load_model
+from infer.loader.config import CheckpointError, ModelConfig
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+ATOL = 1e-4
+NEW_TOKENS = 32
+PROMPTS = ["class Foo:\n    def __init__(self, x):",
+           "The quick brown fox jumps over the lazy dog, and then it returns None.",
+           "x = 1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Local/global layers alternating, logit soft-capping on."""
+    return make_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3"), softcap=30.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_mistral(tmp_path_factory.mktemp("tiny_mistral"))
+
+
+@pytest.fixture(params=["tiny_gemma3", "tiny_mistral"])
+def windowed(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
+
+
+_hf_model = functools.lru_cache(maxsize=4)(load_hf_model)
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(5, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_config_reads_gemma3_fields(tiny_gemma3: Path) -> None:
+    raw = json.loads((tiny_gemma3 / "config.json").read_text())
+    config = ModelConfig.from_dict(raw)
+    assert (config.model_type, config.sliding_window, config.query_pre_attn_scalar) == ("gemma3", 8, 24.0)
+    assert (config.rope_theta, config.rope_local_theta, config.final_logit_softcapping) == (1e6, 1e4, 30.0)
+    assert [config.layer_window(i) for i in range(4)] == [8, None, 8, None]
+    assert config.tie_word_embeddings and config.qk_norm
+    # transformers 4's layout: a pattern instead of layer_types, top-level RoPE bases.
+    legacy = {k: v for k, v in raw.items() if k not in ("layer_types", "rope_parameters")}
+    legacy.update(sliding_window_pattern=3, rope_theta=5e5, rope_local_base_freq=2e4, num_hidden_layers=6)
+    old = ModelConfig.from_dict(legacy)
+    assert [old.layer_window(i) for i in range(6)] == [8, 8, None, 8, 8, None]
+    assert (old.rope_theta, old.rope_local_theta) == (5e5, 2e4)
+    # A multimodal checkpoint: the language model's fields nest under text_config.
+    nested = ModelConfig.from_dict({"model_type": "gemma3", "text_config": raw, "eos_token_id": [1, 106]})
+    assert nested.model_type == "gemma3" and nested.eos_token_ids == [1] and nested.num_hidden_layers == 4
+    with pytest.raises(CheckpointError, match="attn_logit_softcapping"):
+        ModelConfig.from_dict({**raw, "attn_logit_softcapping": 50.0})
+
+
+def test_multimodal_checkpoint_loads_its_language_model(tiny_gemma3: Path, tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration folder: text_config nests the config, the language model's
+    tensors sit under model.language_model.*, and the vision tower is skipped."""
+    from safetensors.torch import load_file, save_file
+
+    raw = json.loads((tiny_gemma3 / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                                                      "text_config": {**raw, "model_type": "gemma3_text"},
+                                                      "vision_config": {"model_type": "siglip_vision_model"}}))
+    tensors = {name.replace("model.", "model.language_model.", 1): t
+               for name, t in load_file(tiny_gemma3 / "model.safetensors").items()}
+    tensors["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(2, 3)
+    save_file(tensors, tmp_path / "model.safetensors")
+    text, _ = load_model(tiny_gemma3, "float32", "cpu")
+    multimodal, config = load_model(tmp_path, "float32", "cpu")
+    assert config.model_type == "gemma3" and config.sliding_window == 8
+    ids = _ids(12, 4)
+    with torch.no_grad():
+        assert torch.equal(multimodal.compute_logits(multimodal(ids)), text.compute_logits(text(ids)))
+
+
+def test_logits_match_transformers_without_cache(windowed: Path) -> None:
+    model, config = load_model(windowed, "float32", "cpu")
+    ids = torch.cat([_ids(23, 0), _ids(23, 1)])
+    with torch.no_grad():
+        ours = model.compute_logits(model(ids))
+        ref = _hf_model(windowed)(input_ids=ids).logits
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+    assert ref.std(dim=-1).min() > 0.5  # far from flat: the match means something
+
+
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+def test_cached_prefill_and_decode_past_the_window_match_transformers(windowed: Path, backend: str) -> None:
+    model, config = load_model(windowed, "float32", "cpu")
+    ids = _ids(30, 7)
+    with torch.no_grad():
+        ref = _hf_model(windowed)(input_ids=ids).logits[0]
+    shape = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+    pool = (SlottedKVCache(*shape, num_slots=1, max_seq_len=32, dtype=torch.float32, device="cpu")
+            if backend == "slotted" else
+            PagedKVCachePool(*shape, num_blocks=8, block_size=4, max_seq_len=32, dtype=torch.float32, device="cpu"))
+    runner = ModelRunner(model, pool)
+    slot = pool.allocate()
+    tokens = ids[0].tolist()
+    # a prefill longer than the window, a chunk that straddles it, then decode steps
+    got = [runner.logits(runner.forward([slot], [tokens[:11]]))[0], runner.logits(runner.forward([slot], [tokens[11:17]]))[0]]
+    got += [runner.logits(runner.forward([slot], [[t]]))[0] for t in tokens[17:]]
+    torch.testing.assert_close(torch.cat(got), ref, atol=ATOL, rtol=0)
+
+
+@functools.lru_cache(maxsize=16)
+def _hf_greedy(path: Path, prompt: tuple[int, ...]) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = _hf_model(path).generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=2)
+    return out[0, len(prompt):].tolist()  # type: ignore[no-any-return]
+
+
+def test_greedy_generation_matches_transformers(windowed: Path) -> None:
+    llm = LLM(str(windowed), dtype="float32", device="cpu", block_size=4, max_batch_size=4)
+    prompts = [llm.tokenizer.encode(t) for t in PROMPTS]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    eos = set(llm.engine.tokenizer.eos_token_ids)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        cut = next((i for i, t in enumerate(out.token_ids) if t in eos), NEW_TOKENS)  # HF's min_new_tokens masks EOS
+        assert cut > NEW_TOKENS // 2
+        assert out.token_ids[:cut] == _hf_greedy(windowed, tuple(prompt))[:cut]
+        assert len(set(out.token_ids)) > 4
+
+
+# ----------------------------------------------------------------------------- drafters on Gemma 3
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma_plain(tiny_gemma3: Path) -> list[list[int]]:
+    llm = LLM(str(tiny_gemma3), dtype="float32", device="cpu", block_size=4)
+    return [o.token_ids for o in llm.generate(PROMPTS, _greedy())]
+
+
+@pytest.fixture(scope="module")
+def gemma_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another tiny random Gemma 3 over the same vocabulary: two layers, its own weights."""
+    return make_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3_draft"), seed=5, num_layers=2, hidden_size=32)
+
+
+def _drafter(name: str, tiny_gemma3: Path, gemma_draft: Path, tmp_path: Path) -> dict[str, Any]:
+    if name == "draft":
+        return {"draft_model": str(gemma_draft), "spec_length": 4}
+    if name == "draft-self":  # the target drafting for itself: every draft accepted, rounds cross the window
+        return {"draft_model": str(tiny_gemma3), "spec_length": 5}
+    if name == "medusa":
+        return {"speculator": "medusa", "medusa_heads": str(make_medusa_heads(tiny_gemma3, tmp_path / "heads"))}
+    return {"speculator": name, "spec_length": 5}
+
+
+@pytest.mark.parametrize("backend", ["paged", "slotted"])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "draft", "draft-self", "medusa"])
+def test_greedy_speculation_on_gemma3_equals_plain(tiny_gemma3: Path, gemma_draft: Path, gemma_plain: list[list[int]],
+                                                    drafter: str, backend: str, tmp_path: Path) -> None:
+    # Short prefill chunks: the sliding-window layers' blocks are sized for window + slack + one pass,
+    # so speculation runs with them freed and reused throughout.
+    llm = LLM(str(tiny_gemma3), dtype="float32", device="cpu", block_size=4, kv_cache_backend=backend,
+              max_prefill_tokens=16, **_drafter(drafter, tiny_gemma3, gemma_draft, tmp_path))
+    outputs = llm.generate(PROMPTS, _greedy())
+    assert [o.token_ids for o in outputs] == gemma_plain
+    assert sum(o.metrics.num_rounds for o in outputs) > 0
+    for pool in llm.engine.kv_pools().values():  # target and draft: every block back, none leaked
+        if isinstance(pool, PagedKVCachePool):
+            assert pool.num_local_blocks < pool.num_blocks
+            assert len(pool._free_local) == pool.num_local_blocks and pool.num_free_blocks() == pool.num_blocks
+    if drafter == "draft-self":
+        assert min(o.metrics.mean_accepted_tokens or 0 for o in outputs) > 4  # long accepted runs past the window
+
+
+# ----------------------------------------------------------------- sliding-window blocks in the paged pool
+
+def _windowed_pool(config: ModelConfig, slack: int, num_blocks: int = 16) -> PagedKVCachePool:
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    return PagedKVCachePool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks=num_blocks,
+                            block_size=4, max_seq_len=64, dtype=torch.float32, device="cpu", layer_windows=windows,
+                            window_slack=slack)
+
+
+def test_local_blocks_are_freed_while_decoding_and_logits_still_match(windowed: Path) -> None:
+    model, config = load_model(windowed, "float32", "cpu")
+    ids = _ids(48, 11)
+    with torch.no_grad():
+        ref = _hf_model(windowed)(input_ids=ids).logits[0]
+    pool = _windowed_pool(config, slack=0)
+    runner = ModelRunner(model, pool)
+    slot = pool.allocate()
+    tokens = ids[0].tolist()
+    got = [runner.logits(runner.forward([slot], [tokens[:6]]))[0]]
+    most = 0
+    for token in tokens[6:]:
+        got.append(runner.logits(runner.forward([slot], [[token]]))[0])
+        most = max(most, pool.live_local_blocks(slot))
+    torch.testing.assert_close(torch.cat(got), ref, atol=ATOL, rtol=0)
+    assert len(pool.block_tables[slot]) == 12  # the global layers keep every position (Mistral's: none use them)
+    # window 8 in blocks of 4: at most the window's blocks, the one being written and one straddling the edge
+    assert most <= 4 and pool.local_tables[slot].count(-1) == 12 - pool.live_local_blocks(slot) >= 8
+    pool.free(slot)
+    assert len(pool._free_local) == pool.num_local_blocks and pool.num_free_blocks() == pool.num_blocks  # no leak
+
+
+@pytest.mark.parametrize("slack", [0, 4])
+def test_rollback_across_the_window_edge(tiny_gemma3: Path, slack: int) -> None:
+    """A draft model's chain: passes start past the committed length, then the cache rolls back to it.
+    With ``window_slack`` covering the chain nothing it needs was freed; without, the rollback reads
+    freed rows (the negative control: the test can tell)."""
+    model, config = load_model(tiny_gemma3, "float32", "cpu")
+    ids = _ids(40, 3)
+    with torch.no_grad():
+        ref = _hf_model(tiny_gemma3)(input_ids=ids).logits[0]
+    pool = _windowed_pool(config, slack=slack)
+    runner = ModelRunner(model, pool)
+    slot = pool.allocate()
+    tokens = ids[0].tolist()
+    runner.forward([slot], [tokens[:20]])
+    drafted = torch.randint(5, 512, (5,), generator=torch.Generator().manual_seed(9)).tolist()
+    for token in drafted:  # a 5-token chain from position 20: passes start at 20..24
+        runner.forward([slot], [[token]])
+    pool.truncate_to(slot, 20)  # every draft rejected
+    got = runner.logits(runner.forward([slot], [tokens[20:]]))[0]
+    if slack:
+        torch.testing.assert_close(got, ref[20:], atol=ATOL, rtol=0)
+    else:
+        assert not torch.allclose(got, ref[20:], atol=ATOL, rtol=0)
+
+
+def test_engine_frees_window_blocks_and_turns_prefix_caching_off(tiny_gemma3: Path, gemma_plain: list[list[int]]) -> None:
+    llm = LLM(str(tiny_gemma3), dtype="float32", device="cpu", block_size=4, max_batch_size=4, max_seq_len=512,
+              max_prefill_tokens=32)
+    pool = llm.engine.pool
+    assert isinstance(pool, PagedKVCachePool)
+    # The local layers' storage holds max_batch_size sequences of window + one pass, not of 512 tokens.
+    assert pool.num_local_blocks < pool.num_blocks
+    outputs = llm.generate(PROMPTS + PROMPTS, _greedy())  # each prompt twice: a prefix cache would hit
+    assert [o.token_ids for o in outputs] == gemma_plain + gemma_plain
+    assert all(not o.metrics.prefix_cached_tokens for o in outputs)
+    assert len(pool._free_local) == pool.num_local_blocks and pool.num_free_blocks() == pool.num_blocks
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_audit_passes_on_gemma3(tiny_gemma3: Path, gemma_draft: Path, drafter: str) -> None:
+    from infer.audit import AuditSettings, run_audit
+
+    engine = {"speculator": "ngram"} if drafter == "ngram" else {"draft_model": str(gemma_draft)}
+    settings = AuditSettings(engine=dict(model=str(tiny_gemma3), dtype="float32", device="cpu", spec_length=4, **engine),
+                             prompts=PROMPTS, contexts=1, checks=("greedy", "acceptance"), max_tokens=40)
+    report = run_audit(settings)
+    assert report["verdict"] == "PASS", json.dumps(report["checks"], indent=1)[:3000]
+    assert report["checks"]["acceptance"]["proposed_tokens"] > 0
+
+
+def test_exact_greedy_bfloat16_speculation_on_gemma3(tiny_gemma3: Path) -> None:
+    """Exact-greedy mode (row-count-invariant kernels) covers Gemma's extra norms and scaled attention:
+    bfloat16 speculation gives plain decoding's tokens (the engine refuses a machine where it cannot)."""
+    def run(**drafter: Any) -> list[list[int]]:
+        llm = LLM(str(tiny_gemma3), dtype="bfloat16", device="cpu", exact_greedy=True, block_size=4, **drafter)
+        return [o.token_ids for o in llm.generate(PROMPTS, _greedy())]
+
+    assert run(speculator="ngram", spec_length=5) == run()
+
+
+def test_batched_passes_of_unequal_lengths_past_the_window(tiny_gemma3: Path) -> None:
+    """One pass over sequences whose new runs differ by more than the window: no query row of the
+    window's mask is empty (a padding query would otherwise see no key: NaN on some attention
+    kernels), and every real row equals its own single-sequence pass."""
+    from infer.cache.protocol import build_kv_batch
+
+    model, config = load_model(tiny_gemma3, "float32", "cpu")
+    long, short = _ids(20, 1)[0].tolist(), _ids(3, 2)[0].tolist()
+    pool = _windowed_pool(config, slack=0)
+    probe = [pool.allocate(), pool.allocate()]
+    kv = build_kv_batch(pool, probe, [0, 0], [20, 3])
+    assert kv.windowed(GEMMA_WINDOW, torch.arange(20).expand(2, 20)).mask.any(-1).all()  # type: ignore[union-attr]
+    runner = ModelRunner(model, pool)
+    slots = [pool.allocate(), pool.allocate()]
+    hidden = runner.forward(slots, [long, short])
+    with torch.no_grad():
+        ref = _hf_model(tiny_gemma3)(input_ids=torch.tensor([short])).logits[0]
+    torch.testing.assert_close(runner.logits(hidden)[1, :3], ref, atol=ATOL, rtol=0)
