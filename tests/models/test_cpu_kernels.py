@@ -460,6 +460,16 @@ def test_a_library_others_can_write_is_refused(tiny_llama: Path, built_library: 
     assert kernels.selection().library is not None  # the same file, private: taken
 
 
+def test_a_library_that_does_not_load_is_refused(tiny_llama: Path, built_library: tuple[build.Variant, str],
+                                                 private_cache: Path) -> None:
+    """A file dlopen rejects (a shared home on a host without a library it needs, say): refused
+    with dlopen's reason, no crash."""
+    target = _plant(built_library)
+    target.write_bytes(b"not an ELF file")
+    kernels.reset()
+    _refuses_planted(tiny_llama, built_library[0], "failed")
+
+
 def test_a_library_owned_by_another_user_is_refused(tiny_llama: Path, built_library: tuple[build.Variant, str],
                                                     private_cache: Path) -> None:
     if os.getuid() != 0:
