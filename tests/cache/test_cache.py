@@ -11,7 +11,7 @@ from infer.cache import CacheFullError, PagedKVCachePool, SlottedKVCache, build_
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.model_runner import ModelRunner
 from infer.loader import load_model
-from infer.loader.config import ModelConfig
+from infer.models.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")

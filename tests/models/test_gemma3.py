@@ -20,7 +20,7 @@ from infer import LLM, SamplingParams
 from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.core.model_runner import ModelRunner
 from infer.loader import load_model
-from infer.loader.config import CheckpointError, ModelConfig
+from infer.models.config import CheckpointError, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -19,8 +19,8 @@ from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.model_runner import ModelRunner
 from infer.loader import load_model
-from infer.loader.config import ModelConfig
 from infer.loader.tokenizer import Tokenizer
+from infer.models.config import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -17,8 +17,8 @@ from infer.engine.config import SpeculativeConfig
 from infer.engine.continuous_runner import ContinuousRunner
 from infer.engine.speculative_runner import SpeculativeRunner
 from infer.loader import Tokenizer, load_model, load_tokenizer
-from infer.loader.config import ModelConfig
 from infer.models.compiled import compile_forward
+from infer.models.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM, count_weights
 from infer.speculative.budget import BudgetController, EntropyStop
 from infer.speculative.proposer import Proposer

@@ -21,9 +21,9 @@ from infer.engine.config import EngineConfig
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
 from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
-from infer.loader.config import ModelConfig
 from infer.models.backend import choose_backend
 from infer.models.compiled import compile_forward
+from infer.models.config import ModelConfig
 from infer.models.invariant import check_invariance, make_exact
 from infer.sampling.params import SamplingParams, short_repr
 

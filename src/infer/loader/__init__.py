@@ -8,10 +8,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.loader.config import CheckpointError, ModelConfig
 from infer.loader.hub import DEFAULT_MODEL, is_gguf_file, resolve_model_path
 from infer.loader.tokenizer import Tokenizer
 from infer.loader.weights import load_safetensors
+from infer.models import MODEL_REGISTRY
+from infer.models.backend import Backend, choose_backend
+from infer.models.config import CheckpointError, ModelConfig
+from infer.models.layers import rope_inv_freq
 
 if TYPE_CHECKING:
     from infer.models.layers import DecoderOnlyLM
@@ -95,11 +98,6 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     form of ``backend`` (``models.backend``: ``auto``, ``torch``, ``cpu-kernels``; ``compile`` says
     it will run compiled), recorded as ``model.backend``; the default packs a fused CPU model.
     """
-    # Imported here: the model modules import loader.config, so a top-level import would be circular.
-    from infer.models import MODEL_REGISTRY
-    from infer.models.backend import Backend, choose_backend
-    from infer.models.layers import rope_inv_freq
-
     path = resolve_model_path(ref)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from infer.loader import DTYPES, load_model, load_tokenizer, resolve_model_path
-from infer.loader.config import CheckpointError
 from infer.loader.gguf import ROPE_FREQS_TENSOR, open_gguf
 from infer.loader.save import write_model_files
+from infer.models.config import CheckpointError
 
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

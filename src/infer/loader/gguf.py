@@ -29,7 +29,7 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from infer.loader.config import CheckpointError, ModelConfig
+from infer.models.config import CheckpointError, ModelConfig
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # general.architecture values infer reads
 

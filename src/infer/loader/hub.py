@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer.fileio import default_cache_dir
-from infer.loader.config import CheckpointError
+from infer.models.config import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import save_file
 
-from infer.loader.config import ModelConfig
+from infer.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from infer.models.layers import DecoderOnlyLM

@@ -14,7 +14,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from infer.loader.config import CheckpointError
+from infer.models.config import CheckpointError
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 5 saves the template
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from infer.loader.config import CheckpointError
+from infer.models.config import CheckpointError
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -24,7 +24,7 @@ import infer.kernels as kernels
 from infer.cache import make_pool
 from infer.cache.protocol import build_kv_batch
 from infer.kernels.cpu import KernelLibrary
-from infer.loader.config import ModelConfig
+from infer.models.config import ModelConfig
 from infer.models.layers import RMSNorm, apply_rope, cpu_packing_available, rope_cos_sin
 
 BACKENDS = ("auto", "torch", "cpu-kernels")

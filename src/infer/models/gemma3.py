@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.cache.protocol import KVBatch, LayerKV
-from infer.loader.config import ModelConfig
+from infer.models.config import ModelConfig
 from infer.models.layers import (
     MLP,
     Attention,

@@ -17,7 +17,7 @@ from torch import nn
 
 from infer.cache.protocol import KVBatch, LayerKV
 from infer.kernels.cpu import MAX_ROWS, GemvLinear, KernelLibrary, StackTable
-from infer.loader.config import CheckpointError, ModelConfig
+from infer.models.config import CheckpointError, ModelConfig
 
 if TYPE_CHECKING:
     from infer.models.backend import Backend

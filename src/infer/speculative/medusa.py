@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from infer.core.request import Request
-from infer.loader.config import ModelConfig
+from infer.models.config import ModelConfig
 from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads
 from infer.speculative.proposer import DrafterInfo, Proposal, Proposer
 from infer.speculative.tree import CandidateTree, build_tree, default_rank_accuracy

@@ -28,8 +28,8 @@ import torch
 from infer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from infer.extras import require
 from infer.loader import resolve_device
-from infer.loader.config import ModelConfig
 from infer.loader.save import write_model_files as write_hf_model_files
+from infer.models.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 
 CHECKPOINT_DIR = ".checkpoint"

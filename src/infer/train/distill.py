@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from infer.data.corpus import load_corpus
 from infer.fileio import publish_folder, staging_folder
 from infer.loader import load_model, load_tokenizer, resolve_model_path
-from infer.loader.config import ModelConfig
+from infer.models.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
     CHECKPOINT_DIR,

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from infer.data.corpus import Corpus, load_corpus
 from infer.data.tokenizer import EOS_ID, save_tokenizer, train_bpe_tokenizer
 from infer.fileio import publish_folder, staging_folder
-from infer.loader.config import ModelConfig
+from infer.models.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 from infer.train.common import (
     CHECKPOINT_DIR,
