@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from infer.core.detokenizer import IncrementalDetokenizer
+from infer.sampling.grammar import GrammarMatcher
 from infer.sampling.params import SamplingParams
 
 
@@ -134,6 +135,8 @@ class Request:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # The structured_output grammar's state, fed every emitted token (the engine sets it).
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -176,6 +179,8 @@ class Request:
             self.metrics.first_token_time = time.perf_counter()
         self.output_token_ids.append(token_id)
         self.metrics.generated_tokens = len(self.output_token_ids)
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
         stop_hit = self.detokenizer.append(token_id, self.params.stop)
         if token_id in self.stop_token_ids or token_id in self.eos_token_ids or stop_hit:
             self.finish("stop")

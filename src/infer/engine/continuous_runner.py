@@ -10,6 +10,7 @@ from infer.cache.prefix import PrefixCache
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.model_runner import ModelRunner
 from infer.core.request import Request, StepOutput
+from infer.sampling.grammar import unpack_bitmasks
 from infer.sampling.sampler import sample_next_tokens
 
 StepResult = list[tuple[Request, StepOutput]]
@@ -108,8 +109,23 @@ class ContinuousRunner:
         return self._sample(requests, hidden[:, -1])
 
     def _sample(self, requests: list[Request], hidden: torch.Tensor) -> Sampled:
+        logits = self.runner.logits(hidden)
         tokens = sample_next_tokens(
-            self.runner.logits(hidden),
-            [r.params for r in requests], [r.all_token_ids for r in requests], [r.generator for r in requests],
+            logits, [r.params for r in requests], [r.all_token_ids for r in requests], [r.generator for r in requests],
+            grammar_masks(requests, logits.shape[-1], logits.device),
         ).tolist()
         return Sampled([(r, StepOutput(t)) for r, t in zip(requests, tokens, strict=True)], hidden)
+
+
+def grammar_masks(requests: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """[B, V] bool: the tokens each request's grammar allows next (every token for a request without
+    one); None when no request has a grammar."""
+    if all(r.grammar is None for r in requests):
+        return None
+    words = max([(vocab_size + 31) // 32] + [r.grammar.words for r in requests if r.grammar is not None])
+    bitmasks = torch.full((len(requests), words), -1, dtype=torch.int32)
+    for b, request in enumerate(requests):
+        if request.grammar is not None:
+            bitmasks[b] = 0  # ids past the tokenizer's vocabulary are never allowed
+            bitmasks[b, : request.grammar.words] = request.grammar.bitmask()
+    return unpack_bitmasks(bitmasks, vocab_size, device)

@@ -24,6 +24,7 @@ from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, re
 from infer.loader.config import ModelConfig
 from infer.models.compiled import compile_forward
 from infer.models.invariant import check_invariance, make_exact
+from infer.sampling.grammar import GrammarCompiler
 from infer.sampling.params import SamplingParams
 
 
@@ -132,6 +133,8 @@ class Engine:
                                    max_prefill_tokens=config.max_prefill_tokens)
         self._ids = itertools.count()
         self.lock = threading.RLock()
+        self.grammars = GrammarCompiler(self.tokenizer.backend, self.tokenizer.eos_token_ids,
+                                        self.model_config.vocab_size)
 
     # -- requests --------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -158,8 +161,11 @@ class Engine:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {self.max_seq_len} "
                              "(max_seq_len), leaving no room to generate")
         rid = request_id or f"req-{next(self._ids)}"
-        return Request(rid, ids, params, IncrementalDetokenizer(self.tokenizer, ids), self.tokenizer.eos_token_ids,
-                       self.max_seq_len, self.device, prompt=text, cache_salt=cache_salt)
+        request = Request(rid, ids, params, IncrementalDetokenizer(self.tokenizer, ids), self.tokenizer.eos_token_ids,
+                          self.max_seq_len, self.device, prompt=text, cache_salt=cache_salt)
+        if params.structured_output is not None:
+            request.grammar = self.grammars.matcher(params.structured_output)  # type: ignore[arg-type]
+        return request
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a chat prompt (the tokenizer's template); ValueError naming the problem."""

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from infer.sampling.grammar import StructuredOutput
 
 # A temperature below this is greedy decoding: dividing logits by a smaller number overflows the
 # float32 sampling transform (1e-45 is a float32 denormal, logits / 1e-45 = inf -> NaN
@@ -23,7 +26,8 @@ class SamplingParams:
 
     ``temperature == 0`` (or any temperature below ``GREEDY_TEMPERATURE``) means greedy decoding. Every transform (penalty, temperature, top-k,
     top-p, min-p) maps logits to a probability distribution; speculative decoding applies the very
-    same transform to draft and target so rejection sampling compares like with like.
+    same transform to draft and target so rejection sampling compares like with like. A
+    ``structured_output`` grammar first removes the tokens it forbids (see ``sampling/grammar.py``).
     """
 
     max_tokens: int = 64
@@ -36,8 +40,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    # Restrict every token to a grammar (JSON Schema, any JSON object, regex, Lark): a
+    # StructuredOutput, or a dict of its fields.
+    structured_output: StructuredOutput | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_output is not None:
+            self.structured_output = StructuredOutput.coerce(self.structured_output)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -71,8 +71,10 @@ def sample_next_tokens(
     params: Sequence[SamplingParams],
     contexts: Sequence[Sequence[int]],
     generators: Sequence[torch.Generator | None],
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next token for each row of ``logits`` [B, V]; greedy rows take the argmax and draw nothing."""
+    """Next token for each row of ``logits`` [B, V]; greedy rows take the argmax and draw nothing.
+    ``allowed`` [B, V] bool: the tokens each row's grammar allows (None: no grammar)."""
     batch = SamplingBatch.from_params(params, logits.device)
     presence = context_presence(batch, contexts, logits.shape[-1], logits.device)
-    return sample_rows(probs_from_logits(logits, batch, presence), [p.greedy for p in params], generators)
+    return sample_rows(probs_from_logits(logits, batch, presence, allowed), [p.greedy for p in params], generators)

@@ -1,6 +1,7 @@
 """Logits -> probability distribution, vectorised over a batch of rows with per-row parameters.
 
-Order of transforms (as in vLLM): repetition penalty, temperature, top-k, top-p, min-p. Greedy rows
+Order of transforms (as in vLLM): repetition penalty, the grammar's allowed-token mask,
+temperature, top-k, top-p, min-p. Greedy rows
 (temperature 0) become a one-hot distribution on the argmax of the penalised logits, so greedy and
 sampled rows flow through the same code and the same rejection sampler.
 """
@@ -70,9 +71,9 @@ class SamplingBatch:
 
 
 def argmax_only(params: Sequence[SamplingParams]) -> bool:
-    """Every row greedy without a repetition penalty: each distribution is the one-hot argmax of the
-    raw logits, so a caller may take the argmax and skip forming distributions."""
-    return all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+    """Every row greedy without a repetition penalty or a grammar: each distribution is the one-hot
+    argmax of the raw logits, so a caller may take the argmax and skip forming distributions."""
+    return all(p.greedy and p.repetition_penalty == 1.0 and p.structured_output is None for p in params)
 
 
 def token_presence(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
@@ -108,14 +109,21 @@ def apply_repetition_penalty(logits: torch.Tensor, presence: torch.Tensor, penal
 
 
 def probs_from_logits(
-    logits: torch.Tensor, batch: SamplingBatch, presence: torch.Tensor | None = None
+    logits: torch.Tensor, batch: SamplingBatch, presence: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The sampling transform: ``logits`` [N, V] -> probabilities [N, V] (float32)."""
+    """The sampling transform: ``logits`` [N, V] -> probabilities [N, V] (float32).
+
+    ``allowed`` [N, V] bool (a grammar's mask; None: every token) restricts each row to its allowed
+    tokens before temperature and truncation, so the result is the row's distribution over them.
+    """
     logits = logits.float()
     if batch.use_penalty:
         if presence is None:
             raise ValueError("repetition_penalty needs the context tokens (presence mask)")
         logits = apply_repetition_penalty(logits, presence, batch.repetition_penalty)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if batch.all_greedy:
         return _one_hot_argmax(logits)
     logits = logits / batch.temperature.unsqueeze(-1)
