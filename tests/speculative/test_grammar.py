@@ -23,10 +23,18 @@ import torch
 
 import infer.engine.speculative_runner as speculative_runner
 from checkpoints import load_hf_model, make_medusa_heads
-from helpers import P_CONTROL, PROMPT, Reference, V, assert_follows_reference, grouped_chisquare
+from helpers import (
+    P_CONTROL,
+    PENALTY_CONFIG,
+    PROMPT,
+    Reference,
+    V,
+    assert_follows_reference,
+    grouped_chisquare,
+)
 from infer import LLM, SamplingParams
 from infer.sampling.grammar import GrammarCompiler, StructuredOutput, unpack_bitmasks
-from infer.sampling.transforms import SamplingBatch, probs_from_logits
+from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_counts
 from infer.train.tokenizer import SPECIAL_TOKENS, save_tokenizer
 
 A, B, C, D, E = range(5, 10)
@@ -80,7 +88,9 @@ def constrained_reference(model_path: Path, params: SamplingParams,
         mask = torch.zeros(len(generated), V, dtype=torch.bool)
         for row, g in enumerate(generated):
             mask[row, sorted(allowed(g))] = True
-        probs = probs_from_logits(logits, SamplingBatch.from_params([params] * len(generated), "cpu"), None, mask)
+        batch = SamplingBatch.from_params([params] * len(generated), "cpu")
+        counts = token_counts(generated, V, "cpu") if batch.use_counts else None
+        probs = probs_from_logits(logits, batch, None, mask, counts)
         probs = torch.nan_to_num(probs.double())  # rows after an impossible prefix
         return probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-300)
 
@@ -111,10 +121,9 @@ def letters_engines(letters_pair: tuple[Path, Path], tmp_path_factory: pytest.Te
     }
 
 
-@pytest.mark.parametrize("drafter", ["draft", "medusa"])
+@pytest.mark.parametrize(("drafter", "params"), [("draft", {"temperature": 1.0}), ("medusa", PENALTY_CONFIG)])
 def test_constrained_samples_follow_restricted_target(letters_engines: dict[str, LLM], letters_pair: tuple[Path, Path],
-                                                      drafter: str) -> None:
-    params = {"temperature": 1.0}
+                                                      drafter: str, params: dict[str, Any]) -> None:
     samples, proposed, accepted = sample(letters_engines[drafter], params)
     assert proposed > NUM_SAMPLES // 2 and 0 < accepted < proposed  # speculation ran, both verdicts seen
     for x1, x2, x3 in samples:  # never a forbidden token

@@ -218,22 +218,26 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError as err:
             print(f"{make.__name__}: not installed ({err})")
             continue
-        doc = json.dumps(PERSON_DOC, indent=1)
+        doc = json.dumps(PERSON_DOC)  # json.dumps's layout, which every engine's default whitespace allows
         tokens = tokenizer.encode(doc, add_special_tokens=False)
         start = time.perf_counter()
         compiled = engine.compile(PERSON)
         compile_s = time.perf_counter() - start
         samples: list[float] = []
+        firsts: list[float] = []
         ok = True
         for _ in range(args.repeats):
+            # A fresh matcher per walk; its first mask includes any lazy grammar work, so it is apart.
             times, accepted = walk(engine, compiled, tokens)
-            samples += times
+            firsts.append(times[0])
+            samples += times[1:]
             ok &= accepted
         samples.sort()
         print(f"{engine.name}: tokenizer setup {setup * 1e3:.0f} ms, schema compile {compile_s * 1e3:.1f} ms, "
-              f"mask per token over {len(tokens)} tokens x {args.repeats}: median "
-              f"{statistics.median(samples) * 1e6:.0f} us, p99 {samples[int(0.99 * (len(samples) - 1))] * 1e6:.0f} us, "
-              f"max {samples[-1] * 1e6:.0f} us; document accepted: {ok}")
+              f"first mask of a matcher median {statistics.median(firsts) * 1e6:.0f} us, then per token over "
+              f"{len(tokens) - 1} tokens x {args.repeats}: median {statistics.median(samples) * 1e6:.0f} us, "
+              f"p99 {samples[int(0.99 * (len(samples) - 1))] * 1e6:.0f} us, max {samples[-1] * 1e6:.0f} us; "
+              f"document accepted: {ok}")
         passed = []
         for feature, schema, good, bad in FEATURES:
             try:

@@ -13,6 +13,7 @@ import torch
 from infer.core.detokenizer import IncrementalDetokenizer
 from infer.sampling.grammar import GrammarMatcher
 from infer.sampling.params import SamplingParams
+from infer.sampling.sampler import TokenLogprobs
 
 
 class RequestStatus(Enum):
@@ -30,6 +31,7 @@ class StepOutput:
     """
 
     token_id: int
+    logprobs: TokenLogprobs | None = None  # when the request asks for logprobs
 
 
 @dataclass
@@ -121,6 +123,7 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprobs] = []  # one per generated token when params.logprobs is set
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -173,8 +176,10 @@ class Request:
         """The most tokens this request can ever hold in a KV cache."""
         return min(self.max_seq_len, len(self.prompt_token_ids) + self.params.max_tokens)
 
-    def append_token(self, token_id: int) -> bool:
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> bool:
         """Record a generated token and apply the stop rules; True when the request is now finished."""
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         if not self.output_token_ids:
             self.metrics.first_token_time = time.perf_counter()
         self.output_token_ids.append(token_id)

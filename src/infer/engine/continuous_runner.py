@@ -11,7 +11,7 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.core.model_runner import ModelRunner
 from infer.core.request import Request, StepOutput
 from infer.sampling.grammar import unpack_bitmasks
-from infer.sampling.sampler import sample_next_tokens
+from infer.sampling.sampler import sample_with_logprobs
 
 StepResult = list[tuple[Request, StepOutput]]
 
@@ -110,11 +110,12 @@ class ContinuousRunner:
 
     def _sample(self, requests: list[Request], hidden: torch.Tensor) -> Sampled:
         logits = self.runner.logits(hidden)
-        tokens = sample_next_tokens(
+        tokens, logprobs = sample_with_logprobs(
             logits, [r.params for r in requests], [r.all_token_ids for r in requests], [r.generator for r in requests],
-            grammar_masks(requests, logits.shape[-1], logits.device),
-        ).tolist()
-        return Sampled([(r, StepOutput(t)) for r, t in zip(requests, tokens, strict=True)], hidden)
+            grammar_masks(requests, logits.shape[-1], logits.device), [r.output_token_ids for r in requests],
+        )
+        return Sampled([(r, StepOutput(t, lp)) for r, t, lp in zip(requests, tokens.tolist(), logprobs, strict=True)],
+                       hidden)
 
 
 def grammar_masks(requests: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor | None:

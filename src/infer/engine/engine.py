@@ -155,6 +155,10 @@ class Engine:
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+        outside = [t for t in params.logit_bias if t >= self.model_config.vocab_size]
+        if outside:
+            raise ValueError(f"SamplingParams.logit_bias names token ids {outside[:5]} outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
         if len(ids) >= self.max_seq_len:
@@ -224,7 +228,7 @@ class Engine:
                 update = updates.setdefault(request.request_id, RequestUpdate(request, [], False))
                 if update.finished:
                     continue  # a stop rule fired earlier in this round: the rest is discarded
-                request.append_token(out.token_id)
+                request.append_token(out.token_id, out.logprobs)
                 update.new_token_ids.append(out.token_id)
                 update.finished = request.is_finished
             self.scheduler.retire()

@@ -28,8 +28,14 @@ from infer.core.request import Request, StepOutput
 from infer.core.timing import device_clock
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, Sampled, StepResult
 from infer.sampling.grammar import unpack_bitmasks
-from infer.sampling.sampler import context_presence
-from infer.sampling.transforms import SamplingBatch, argmax_only, presence_with_drafts, probs_from_logits
+from infer.sampling.sampler import TokenLogprobs, context_presence, gather_logprobs, output_counts
+from infer.sampling.transforms import (
+    SamplingBatch,
+    argmax_only,
+    drafts_on_path,
+    probs_from_processed,
+    process_logits,
+)
 from infer.speculative.budget import BudgetController
 from infer.speculative.proposer import Proposal, Proposer
 from infer.speculative.rejection import verify_drafts, verify_greedy
@@ -167,13 +173,14 @@ class SpeculativeRunner:
         drafts = proposal.tokens[:, : width - 1]
         hidden = self.target.runner.forward([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens))  # type: ignore[misc]
         num_draft = torch.tensor(proposal.num_tokens, device=self.device)
+        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
         if argmax_only([r.params for r in requests]):
             # Greedy rows only compare drafts with the target's argmax: no distributions needed.
-            verdict = verify_greedy(drafts, num_draft, self.target.runner.logits(hidden).argmax(dim=-1))
+            processed = self.target.runner.logits(hidden)  # no processor applies: the raw logits
+            verdict = verify_greedy(drafts, num_draft, processed.argmax(dim=-1))
         else:
-            sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
             allowed = None if grammar is None else grammar.allowed[:, :width]
-            target_probs = self._target_probs(requests, hidden, drafts, sampling, allowed=allowed)
+            target_probs, processed = self._target_probs(requests, hidden, drafts, sampling, allowed=allowed)
             draft_probs = None if proposal.probs is None else proposal.probs[:, : width - 1]
             if draft_probs is not None and allowed is not None:
                 # A kept draft t_i was drawn from q_i and found allowed: it is distributed as q_i
@@ -186,8 +193,9 @@ class SpeculativeRunner:
         emitted = [row[: kept + 1] for row, kept in zip(verdict.output_tokens.tolist(), accepted, strict=True)]
         # Row i's logits (p_{i+1}) gave the final token after i accepted drafts.
         self._store_hidden(requests, hidden, accepted)
+        logprobs = self._logprobs(requests, processed, sampling, [list(range(n + 1)) for n in accepted], emitted)
         return self._finish_round(requests, proposal.num_tokens, proposal.num_tokens, accepted, emitted,
-                                  None if grammar is None else grammar.drafted)
+                                  None if grammar is None else grammar.drafted, logprobs)
 
     def verify_tree(self, requests: list[Request], proposal: Proposal, grammar: GrammarRound | None = None) -> StepResult:
         """One batched target pass over [g, tree nodes] with tree attention, tree acceptance, and
@@ -205,8 +213,8 @@ class SpeculativeRunner:
         positions = torch.tensor(starts, device=self.device).unsqueeze(1) + depths
         hidden = runner.forward(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask)
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-        target_probs = self._target_probs(requests, hidden, tokens, sampling, mask,
-                                          None if grammar is None else grammar.allowed[:, : width + 1])
+        target_probs, processed = self._target_probs(requests, hidden, tokens, sampling, mask,
+                                                     None if grammar is None else grammar.allowed[:, : width + 1])
         verdict = verify_tree(tokens, counts, parents, target_probs, sampling.greedy,
                               [r.generator for r in requests], mask)
         batch = len(requests)
@@ -224,8 +232,12 @@ class SpeculativeRunner:
         # Per-depth metrics: a tree of depth d "proposes" d positions, of which `kept` survive.
         tree_depth = [max(depth_lists[b][1: 1 + counts[b]], default=0) for b in range(batch)]
         kept = [len(path) for path in verdict.paths]
+        # A path node's token was judged by its parent's row; the final token came from last_rows.
+        rows = [[0] + [node + 1 for node in path[:-1]] + [last] if path else [last]
+                for path, last in zip(verdict.paths, verdict.last_rows, strict=True)]
+        logprobs = self._logprobs(requests, processed, sampling, rows, verdict.tokens)
         return self._finish_round(requests, counts, tree_depth, kept, verdict.tokens,
-                                  None if grammar is None else grammar.drafted)
+                                  None if grammar is None else grammar.drafted, logprobs)
 
     # -- shared by chain and tree rounds ---------------------------------------------------------
     @staticmethod
@@ -236,28 +248,53 @@ class SpeculativeRunner:
 
     def _target_probs(self, requests: list[Request], hidden: torch.Tensor, nodes: torch.Tensor,
                       sampling: SamplingBatch, ancestors: torch.Tensor | None = None,
-                      allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Target distributions [B, R, V] of the verification rows through the request's own transform.
+                      allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target distributions [B, R, V] of the verification rows through the request's own transform,
+        and the processed logits [B, R, V] they came from (for logprobs).
 
-        Row i's repetition-penalty context is the request's tokens plus the drafted tokens on its
-        path: t_1..t_i for a chain, the node's ancestors (``ancestors`` [B, R, R]) for a tree.
+        Row i's penalty context is the request's tokens plus the drafted tokens on its path:
+        t_1..t_i for a chain, the node's ancestors (``ancestors`` [B, R, R]) for a tree.
         ``allowed`` [B, R, V]: the grammar's tokens at each row (None: no grammar).
         """
         logits = self.target.runner.logits(hidden)  # [B, R, V]
         batch, rows, vocab = logits.shape
-        presence = None
+        presence = counts = None
         base = context_presence(sampling, [r.all_token_ids for r in requests], vocab, self.device)
-        if base is not None:
+        generated = output_counts(sampling, [r.output_token_ids for r in requests], vocab, self.device)
+        if base is not None or generated is not None:
             if ancestors is None:
-                presence = presence_with_drafts(base, nodes)
+                path = drafts_on_path(nodes, vocab)  # [B, R, V] drafted tokens before each row
             else:
                 on_path = torch.zeros(batch, rows, vocab, device=self.device)
                 on_path[:, 1:].scatter_(2, nodes.unsqueeze(2), 1.0)
-                presence = (torch.bmm(ancestors.float(), on_path) > 0) | base.unsqueeze(1)
-            presence = presence.flatten(0, 1)
-        probs = probs_from_logits(logits.flatten(0, 1), sampling.repeat_rows(rows), presence,
-                                  None if allowed is None else allowed.flatten(0, 1))
-        return probs.view(batch, rows, vocab)
+                path = torch.bmm(ancestors.float(), on_path)
+            if base is not None:
+                presence = ((path > 0) | base.unsqueeze(1)).flatten(0, 1)
+            if generated is not None:
+                counts = (path + generated.unsqueeze(1)).flatten(0, 1)
+        repeated = sampling.repeat_rows(rows)
+        processed = process_logits(logits.flatten(0, 1), repeated, presence,
+                                   None if allowed is None else allowed.flatten(0, 1), counts)
+        probs = probs_from_processed(processed, repeated)
+        return probs.view(batch, rows, vocab), processed.view(batch, rows, vocab)
+
+    @staticmethod
+    def _logprobs(requests: list[Request], processed: torch.Tensor, sampling: SamplingBatch, rows: list[list[int]],
+                  emitted: list[list[int]]) -> list[list[TokenLogprobs | None]] | None:
+        """Each emitted token's logprobs from the verification row whose distribution produced it
+        (``rows[b][i]`` for ``emitted[b][i]``): the target's processed distribution, as a plain
+        step computes it, so logprobs do not depend on speculation."""
+        want = [b for b, r in enumerate(requests) if r.params.logprobs is not None]
+        if not want:
+            return None
+        picks = [(b, row, token) for b in want for row, token in zip(rows[b], emitted[b], strict=True)]
+        device = processed.device
+        index = torch.tensor([b for b, _, _ in picks], device=device)
+        chosen = processed[index, torch.tensor([row for _, row, _ in picks], device=device)]
+        found = iter(gather_logprobs(chosen, sampling.select(index), [t for _, _, t in picks],
+                                     [requests[b].params.logprobs for b, _, _ in picks]))
+        return [[next(found) for _ in emitted[b]] if b in want else [None] * len(emitted[b])
+                for b in range(len(requests))]
 
     def _check_grammar(self, requests: list[Request], proposal: Proposal) -> tuple[Proposal, GrammarRound]:
         """Drop the drafts a request's grammar forbids (a chain is cut at the first, a tree loses the
@@ -304,7 +341,8 @@ class SpeculativeRunner:
         return pruned, GrammarRound(unpack_bitmasks(bitmask, vocab, self.device), drafted)
 
     def _finish_round(self, requests: list[Request], proposed: list[int], judged: list[int], kept: list[int],
-                      emitted: list[list[int]], drafted: list[int] | None = None) -> StepResult:
+                      emitted: list[list[int]], drafted: list[int] | None = None,
+                      logprobs: list[list[TokenLogprobs | None]] | None = None) -> StepResult:
         """Roll the target cache back to g + the kept drafts, inform proposer/budget/metrics, emit.
         ``drafted``: what the drafter proposed, when a grammar dropped some drafts (default ``proposed``)."""
         outputs: StepResult = []
@@ -314,7 +352,8 @@ class SpeculativeRunner:
             self.target.pool.truncate_to(request.slot, request.num_computed_tokens)  # type: ignore[arg-type]
             self.proposer.accepted(request, proposed[b] if drafted is None else drafted[b], kept[b])
             request.metrics.record_round(judged[b], kept[b], proposed[b])
-            outputs.extend((request, StepOutput(t)) for t in emitted[b])
+            found = logprobs[b] if logprobs is not None else [None] * len(emitted[b])
+            outputs.extend((request, StepOutput(t, lp)) for t, lp in zip(emitted[b], found, strict=True))
         self.budget.observe_round(requests, proposed, judged, kept)
         return outputs
 

@@ -18,6 +18,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+MAX_ADDITIVE_PENALTY = 2.0  # presence/frequency penalty bounds, as OpenAI's
+MAX_LOGIT_BIAS = 100.0  # as OpenAI's: -100 bans a token, +100 all but forces it
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
 @dataclass
@@ -36,6 +39,11 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's: subtract presence_penalty from the logit of every token generated so far, and
+    # frequency_penalty times the number of times it was generated (the prompt does not count).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -43,6 +51,10 @@ class SamplingParams:
     # Restrict every token to a grammar (JSON Schema, any JSON object, regex, Lark): a
     # StructuredOutput, or a dict of its fields.
     structured_output: StructuredOutput | dict[str, Any] | None = None
+    # Per generated token its log-probability and the ``logprobs`` likeliest alternatives (0: the
+    # chosen token's alone; None: off), from the processed distribution (see
+    # ``transforms.processed_logprobs``).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.structured_output is not None:
@@ -63,6 +75,18 @@ class SamplingParams:
                  and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
                  "repetition_penalty", self.repetition_penalty,
                  f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value) and abs(value) <= MAX_ADDITIVE_PENALTY, name, value,
+                     f"must be in [-{MAX_ADDITIVE_PENALTY:g}, {MAX_ADDITIVE_PENALTY:g}] (0 disables it)")
+        self.logit_bias = dict(self.logit_bias or {})
+        _require(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(b)
+                     and abs(b) <= MAX_LOGIT_BIAS for t, b in self.logit_bias.items()),
+                 "logit_bias", self.logit_bias,
+                 f"must map token ids (integers >= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        _require(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                           and 0 <= self.logprobs <= MAX_LOGPROBS),
+                 "logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                  "must be a list of non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -73,6 +97,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def counts_output(self) -> bool:
+        """The transform reads how often each token was generated (presence/frequency penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _is_number(value: object) -> bool:
