@@ -33,9 +33,9 @@ from helpers import (
     grouped_chisquare,
 )
 from infer import LLM, SamplingParams
+from infer.data.tokenizer import SPECIAL_TOKENS, save_tokenizer
 from infer.sampling.grammar import GrammarCompiler, StructuredOutput, unpack_bitmasks
 from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_counts
-from infer.train.tokenizer import SPECIAL_TOKENS, save_tokenizer
 
 A, B, C, D, E = range(5, 10)
 # x1 in {c, d, e}; x2 depends on x1; x3 in {a, b, c, e}; x4 anything: the state matters, not just the
