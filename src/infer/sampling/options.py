@@ -40,10 +40,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = 
     base = SamplingParams()
     for name in names:
         if name in _STRUCTURED:
-            default = False if name == "json_object" else None
-            parser.add_argument("--" + name.replace("_", "-"), dest=name, default=default, **_STRUCTURED[name])
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, **_STRUCTURED[name])
             continue
-        default = defaults.get(name, getattr(base, name))
+        default: Any = defaults.get(name, getattr(base, name))
         if name == "stop":
             default = list(default or [])
         parser.add_argument("--" + name.replace("_", "-"), dest=name, default=default, **_FLAGS[name])
