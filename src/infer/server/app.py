@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer.engine.engine import Engine
+from infer.sampling.params import SamplingParams
 from infer.server.engine_loop import EngineService, Progress, Subscription
 from infer.server.errors import (
     APIError,
@@ -73,7 +74,7 @@ def _generation_responses(model: type, auth: bool) -> dict[int | str, dict[str, 
     stream = {"schema": event}
     return {200: {"model": model, "description": "The completion (JSON), or with `stream: true` a stream of "
                                                  "server-sent events", "content": {"text/event-stream": stream}},
-            **_errors(400, *((401,) if auth else ()), 413, 429, 500, 503)}
+            **_errors(400, *((401,) if auth else ()), 404, 413, 429, 500, 503)}
 
 
 def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
@@ -187,10 +188,11 @@ class _Api:
         body.check_supported()
         prompt = body.single_prompt()
         params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
+        await self._check_grammar(body, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         sub = await self.service.submit(prompt, params, rid, prompt_param="prompt", cache_salt=body.cache_salt)
         stream = _Stream("text_completion", rid, self.model_name, body, chat=False,
-                         holdback=_holdback(params.stop))
+                         holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer)
         return await self._respond(sub, body, http, stream)
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
@@ -203,11 +205,23 @@ class _Api:
         except ValueError as err:
             raise bad_request(str(err), param="messages") from None
         params = body.sampling_params(max(1, self.engine.max_seq_len - len(ids)))
+        await self._check_grammar(body, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await self.service.submit(ids, params, rid, prompt_param="messages", cache_salt=body.cache_salt)
         stream = _Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
-                         holdback=_holdback(params.stop))
+                         holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer)
         return await self._respond(sub, body, http, stream)
+
+    async def _check_grammar(self, body: SamplingRequest, params: SamplingParams) -> None:
+        """A 400 naming the request's field for an invalid grammar or schema (compiled in a worker
+        thread: the first one also builds the tokenizer's table for the grammar engine)."""
+        structured = body.structured_output()
+        if params.structured_output is None or structured is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammars.matcher, params.structured_output)  # type: ignore[arg-type]
+        except ValueError as err:
+            raise bad_request(str(err), param=structured[1]) from None
 
     async def _respond(self, sub: Subscription, body: SamplingRequest, http: Request, stream: _Stream) -> Response:
         if body.stream:
@@ -250,7 +264,7 @@ class _Stream:
     """Builds the response bodies of one request, streamed (SSE chunks) or whole."""
 
     def __init__(self, object_name: str, request_id: str, model: str, body: SamplingRequest, *, chat: bool,
-                 holdback: int) -> None:
+                 holdback: int, tokenizer: Any) -> None:
         self.object = object_name
         self.id = request_id
         self.model = model
@@ -258,6 +272,33 @@ class _Stream:
         self.include_usage = body.include_usage
         self.holdback = holdback
         self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.logprobs_sent = 0  # tokens whose logprobs a chunk carried
+        self.text_offset = 0  # completions' text_offset of the next token
+
+    def _logprobs(self, progress: Progress) -> dict[str, Any] | None:
+        """The OpenAI ``logprobs`` object of the tokens not yet sent (None when not asked for)."""
+        if progress.logprobs is None:
+            return None
+        new = progress.logprobs[self.logprobs_sent: progress.completion_tokens]
+        self.logprobs_sent += len(new)
+        text = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict[str, Any]:
+                piece = text([token])
+                return {"token": piece, "logprob": _finite(logprob), "bytes": list(piece.encode())}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in new], "refusal": None}
+        tokens, offsets = [], []
+        for lp in new:
+            piece = text([lp.token_id])
+            tokens.append(piece)
+            offsets.append(self.text_offset)
+            self.text_offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in new],
+                "top_logprobs": [{text([t]): _finite(v) for t, v in lp.top} for lp in new],
+                "text_offset": offsets}
 
     # -- whole (stream=false) ---------------------------------------------------------------------
     def whole(self, final: Progress) -> dict[str, Any]:
@@ -266,7 +307,7 @@ class _Stream:
             choice["message"] = {"role": "assistant", "content": final.text}
         else:
             choice["text"] = final.text
-        choice["logprobs"] = None
+        choice["logprobs"] = self._logprobs(final)
         choice["finish_reason"] = final.finish_reason
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                                "created": self.created, "model": self.model, "choices": [choice],
@@ -292,9 +333,9 @@ class _Stream:
                 visible = text if progress.finished else text[: max(0, len(text) - self.holdback)]
                 if len(visible) > sent:
                     delta, sent = visible[sent:], len(visible)
-                    yield self._chunk({"content": delta} if self.chat else delta, None)
+                    yield self._chunk({"content": delta} if self.chat else delta, None, self._logprobs(progress))
                 if progress.finished:
-                    yield self._chunk({} if self.chat else "", progress.finish_reason)
+                    yield self._chunk({} if self.chat else "", progress.finish_reason, self._logprobs(progress))
                     if self.include_usage:
                         yield self._usage_chunk(progress)
                     break
@@ -302,13 +343,14 @@ class _Stream:
         finally:
             sub.close()
 
-    def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None) -> str:
+    def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None,
+               logprobs: dict[str, Any] | None = None) -> str:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["delta"] = delta
         else:
             choice["text"] = delta
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                                  "choices": [choice]}
@@ -322,6 +364,11 @@ class _Stream:
         if final.spec is not None:
             chunk["speculative"] = final.spec.to_dict()
         return _sse(chunk)
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token the grammar or truncation forbids gets OpenAI's floor, -9999."""
+    return max(logprob, -9999.0)
 
 
 def _sse(payload: dict[str, Any]) -> str:

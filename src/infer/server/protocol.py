@@ -2,8 +2,9 @@
 
 Bodies are validated strictly (no "5" for 5, no 1 for true, no NaN/Infinity); unknown fields are
 ignored because OpenAI clients send many optional ones. Known fields that ask for something the
-engine cannot do (``n=2``, ``logprobs``, penalties other than repetition_penalty, tools...) are
-refused with a 400 that names the field, rather than silently ignored.
+engine cannot do (``n=2``, ``echo``, tools...) are refused with a 400 that names the field, rather
+than silently ignored. Structured output comes from ``response_format`` (chat) or the extension
+fields ``structured_outputs`` / ``guided_json`` / ``guided_regex`` / ``guided_grammar`` (as vLLM's).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infer.sampling.params import SamplingParams
+from infer.sampling.params import MAX_LOGPROBS, SamplingParams
 from infer.server.errors import APIError, bad_request, from_sampling_error
 
 
@@ -47,6 +48,14 @@ class SamplingRequest(_Body):
     cache_salt: str | None = Field(default=None, min_length=1, description=(
         "extension (as vLLM): with prefix caching, only requests with the same salt share cached prompt "
         "blocks, so tenants with different salts never reuse each other's KV cache"))
+    structured_outputs: dict[str, Any] | None = Field(default=None, description=(
+        "extension (as vLLM): exactly one of json (a JSON Schema), json_object (true), regex, grammar (Lark "
+        "or GBNF); every token is drawn from the model's distribution restricted to it, with or without "
+        "speculation"))
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="extension (vLLM's older "
+                                                     "spelling): structured_outputs.json")
+    guided_regex: str | None = Field(default=None, description="extension: structured_outputs.regex")
+    guided_grammar: str | None = Field(default=None, description="extension: structured_outputs.grammar")
 
     @property
     def include_usage(self) -> bool:
@@ -57,16 +66,36 @@ class SamplingRequest(_Body):
         if self.n not in (None, 1):
             raise bad_request(f"n={self.n} is not supported: this server returns one choice per request (n=1)",
                               param="n", code="unsupported_parameter")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise bad_request(f"{name}={value} is not supported (only 0); use repetition_penalty instead",
-                                  param=name, code="unsupported_parameter")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return None
+
+    def structured_output(self) -> tuple[dict[str, Any], str] | None:
+        """The structured-output constraint and the field it came from (400 when several are set)."""
+        found: list[tuple[dict[str, Any], str]] = []
+        if self.structured_outputs is not None:
+            found.append((dict(self.structured_outputs), "structured_outputs"))
+        if self.guided_json is not None:
+            found.append(({"json": self.guided_json}, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(({"regex": self.guided_regex}, "guided_regex"))
+        if self.guided_grammar is not None:
+            found.append(({"grammar": self.guided_grammar}, "guided_grammar"))
+        if len(found) > 1:
+            raise bad_request(f"set one structured-output field, not {', '.join(name for _, name in found)}",
+                              param=found[1][1])
+        return found[0] if found else None
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise bad_request(f"logit_bias key {key!r} is not a token id", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         top_k = self.top_k
@@ -74,6 +103,7 @@ class SamplingRequest(_Body):
             top_k = 0  # vLLM's spelling of "disabled"
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.requested_max_tokens()
+        structured = self.structured_output()
         try:
             return SamplingParams(
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens,
@@ -86,8 +116,15 @@ class SamplingRequest(_Body):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=bool(self.ignore_eos),
                 seed=self.seed,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                logit_bias=self.logit_bias_ids(),
+                logprobs=self.requested_logprobs(),
+                structured_output=None if structured is None else structured[0],
             )
         except ValueError as err:
+            if structured is not None and "structured_output" in str(err):
+                raise bad_request(str(err), param=structured[1]) from None
             raise from_sampling_error(err) from None
 
 
@@ -102,13 +139,14 @@ class CompletionRequest(SamplingRequest):
         super().check_supported()
         if self.echo:
             raise bad_request("echo=true is not supported", param="echo", code="unsupported_parameter")
-        if self.logprobs is not None:
-            raise bad_request("logprobs is not supported", param="logprobs", code="unsupported_parameter")
         if self.best_of not in (None, 1):
             raise bad_request(f"best_of={self.best_of} is not supported (only 1)", param="best_of",
                               code="unsupported_parameter")
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: a string, or token ids. Batches of prompts are refused."""
@@ -158,18 +196,42 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            name = "logprobs" if self.logprobs else "top_logprobs"
-            raise bad_request(f"{name} is not supported", param=name, code="unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_LOGPROBS}]",
+                              param="top_logprobs")
         if self.tools or self.functions:
             name = "tools" if self.tools else "functions"
             raise bad_request("tool calling is not supported", param=name, code="unsupported_parameter")
         if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
             name = "tool_choice" if self.tool_choice not in (None, "none") else "function_call"
             raise bad_request("tool calling is not supported", param=name, code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(f"response_format type {self.response_format.get('type')!r} is not supported "
-                              "(only text)", param="response_format", code="unsupported_parameter")
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def structured_output(self) -> tuple[dict[str, Any], str] | None:
+        """``response_format`` json_object / json_schema (strict or not: either way the output
+        follows the schema), else the extension fields."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type", "text")
+        found = super().structured_output()
+        if kind in (None, "text"):
+            return found
+        if found is not None:
+            raise bad_request(f"set response_format or {found[1]}, not both", param=found[1])
+        assert fmt is not None
+        if kind == "json_object":
+            return {"json_object": True}, "response_format"
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad_request("response_format.json_schema must be an object with a 'schema' object",
+                                  param="response_format")
+            return {"json": spec.get("schema", {})}, "response_format"
+        raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                          param="response_format", code="unsupported_parameter")
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
@@ -195,10 +257,20 @@ class SpeculativeStats(BaseModel):
     accepted_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """Per generated token (the processed distribution: penalties, logit bias, grammar mask and
+    temperature, before top-k/top-p truncation; see docs/usage.md)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 
@@ -220,10 +292,27 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Per generated token (the processed distribution, as for completions)."""
+
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
@@ -261,5 +350,5 @@ class Health(BaseModel):
 
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
-        raise APIError(400, f"the model {requested!r} does not exist; this server serves {served!r}",
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")
