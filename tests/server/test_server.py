@@ -296,7 +296,7 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"model": MODEL, "prompt": "word " * 2000}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
-    ({"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+    ({"model": MODEL, "prompt": "hi", "echo": True, "max_tokens": -1}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1.0}}, "prompt"),

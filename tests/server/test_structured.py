@@ -168,3 +168,30 @@ def test_openapi_documents_the_new_fields(urls: dict[str, str]) -> None:
     assert {"response_format", "logprobs", "top_logprobs", "logit_bias", "structured_outputs"} <= set(chat)
     assert "ChatLogprobs" in schemas and "CompletionLogprobs" in schemas
     assert "404" in spec["paths"]["/v1/chat/completions"]["post"]["responses"]
+
+
+def test_echo_with_max_tokens_0_gives_prompt_logprobs(urls: dict[str, str], reference: LLM) -> None:
+    """lm-eval's loglikelihood request: echo, max_tokens=0, logprobs: the prompt's raw logprobs."""
+    prompt = "def add(a, b):\n    return a + b"
+    want = reference.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert want.prompt_logprobs is not None
+    expected = [None] + [lp.logprob for lp in want.prompt_logprobs[1:] if lp is not None]
+    api = client(urls["ngram"])
+    out = api.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0, logprobs=1, temperature=0)
+    choice = out.choices[0]
+    assert choice.text == prompt and out.usage is not None and out.usage.completion_tokens == 0
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-4)
+    assert choice.logprobs.top_logprobs is not None and choice.logprobs.top_logprobs[0] is None
+    streamed = list(api.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0, logprobs=1,
+                                           temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt
+    values = [v for c in streamed if c.choices and c.choices[0].logprobs
+              for v in c.choices[0].logprobs.token_logprobs or []]
+    assert values[0] is None and values[1:] == pytest.approx(expected[1:], abs=1e-4)
+    # echo with a completion: the prompt, then the generated text and its logprobs after the prompt's.
+    both = api.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=3, logprobs=0, temperature=0)
+    assert both.choices[0].text.startswith(prompt) and len(both.choices[0].text) > len(prompt)
+    assert both.choices[0].logprobs is not None and both.choices[0].logprobs.token_logprobs is not None
+    assert len(both.choices[0].logprobs.token_logprobs) == len(want.prompt_token_ids) + 3

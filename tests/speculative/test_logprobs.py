@@ -82,3 +82,24 @@ def test_logprobs_identical_with_speculation(plain: LLM, tiny_llama: Path, draft
 def test_logprobs_bounds() -> None:
     with pytest.raises(ValueError, match="SamplingParams.logprobs=21"):
         SamplingParams(logprobs=21)
+
+
+@pytest.mark.parametrize("options", [{}, {"max_prefill_tokens": 5, "prefix_caching": True}])
+def test_prompt_logprobs_are_the_raw_log_softmax(tiny_llama: Path, options: dict[str, Any]) -> None:
+    """Whole-prompt and chunked prefill alike, and a prompt whose blocks are cached is recomputed."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", **options)
+    prompt = PROMPTS[0] + " a + b  # the sum"
+    model = load_hf_model(tiny_llama)
+    for _ in range(2):  # the second time its blocks are in the prefix cache (when enabled)
+        out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2, temperature=0.5,
+                                                  frequency_penalty=1.0))[0]
+        ids = out.prompt_token_ids
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
+        assert out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            expect = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+        for i in range(1, len(ids)):
+            lp = out.prompt_logprobs[i]
+            assert lp is not None and lp.token_id == ids[i]
+            assert lp.logprob == pytest.approx(float(expect[i - 1, ids[i]]), abs=1e-4)  # raw: no penalty, no temperature
+            assert [t for t, _ in lp.top] == expect[i - 1].topk(2).indices.tolist()

@@ -124,6 +124,8 @@ class Request:
         self.params = params
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[TokenLogprobs] = []  # one per generated token when params.logprobs is set
+        # With params.prompt_logprobs: None for the first prompt token, then one per prompt token.
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None] if params.prompt_logprobs is not None else []
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None

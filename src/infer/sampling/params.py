@@ -55,6 +55,10 @@ class SamplingParams:
     # chosen token's alone; None: off), from the processed distribution (see
     # ``transforms.processed_logprobs``).
     logprobs: int | None = None
+    # Per prompt token after the first, its log-probability given the tokens before it and the
+    # ``prompt_logprobs`` likeliest alternatives, from the raw distribution (no processors: nothing
+    # was sampled there). Such a request computes its whole prompt (no prefix-cache reuse).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.structured_output is not None:
@@ -84,9 +88,11 @@ class SamplingParams:
                      and abs(b) <= MAX_LOGIT_BIAS for t, b in self.logit_bias.items()),
                  "logit_bias", self.logit_bias,
                  f"must map token ids (integers >= 0) to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        _require(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
-                                           and 0 <= self.logprobs <= MAX_LOGPROBS),
-                 "logprobs", self.logprobs, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                       and 0 <= value <= MAX_LOGPROBS),
+                     name, value, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                  "must be a list of non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

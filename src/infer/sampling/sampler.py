@@ -27,6 +27,17 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token id, logprob), likeliest first; as many as asked
 
 
+def raw_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """``TokenLogprobs`` of ``tokens[i]`` under row i of raw ``logits`` [N, V] (log-softmax, no processor)."""
+    if not len(tokens):
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
+    return [TokenLogprobs(int(t), float(v), list(zip(i, tv, strict=True)))
+            for t, v, i, tv in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True)]
+
+
 def gather_logprobs(processed: torch.Tensor, batch: SamplingBatch, tokens: Sequence[int],
                     tops: Sequence[int | None]) -> list[TokenLogprobs | None]:
     """``TokenLogprobs`` of ``tokens[i]`` under row i of ``processed`` logits [N, V] for the rows whose

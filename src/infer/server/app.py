@@ -191,8 +191,12 @@ class _Api:
         await self._check_grammar(body, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         sub = await self.service.submit(prompt, params, rid, prompt_param="prompt", cache_salt=body.cache_salt)
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
         stream = _Stream("text_completion", rid, self.model_name, body, chat=False,
-                         holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer)
+                         holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer, echo=echo,
+                         prompt_only=body.prompt_only)
         return await self._respond(sub, body, http, stream)
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
@@ -264,7 +268,7 @@ class _Stream:
     """Builds the response bodies of one request, streamed (SSE chunks) or whole."""
 
     def __init__(self, object_name: str, request_id: str, model: str, body: SamplingRequest, *, chat: bool,
-                 holdback: int, tokenizer: Any) -> None:
+                 holdback: int, tokenizer: Any, echo: str | None = None, prompt_only: bool = False) -> None:
         self.object = object_name
         self.id = request_id
         self.model = model
@@ -275,6 +279,33 @@ class _Stream:
         self.tokenizer = tokenizer
         self.logprobs_sent = 0  # tokens whose logprobs a chunk carried
         self.text_offset = 0  # completions' text_offset of the next token
+        self.echo = echo  # completions' echo: the prompt text, sent before the completion
+        self.prompt_only = prompt_only  # echo with max_tokens=0: the generated token is left out
+
+    def _usage(self, progress: Progress) -> dict[str, int]:
+        usage = progress.usage()
+        if self.prompt_only:
+            usage["completion_tokens"], usage["total_tokens"] = 0, usage["prompt_tokens"]
+        return usage
+
+    def _prompt_logprobs(self, progress: Progress) -> dict[str, Any] | None:
+        """Completions' ``logprobs`` of the echoed prompt (None when not asked for)."""
+        if progress.prompt_logprobs is None:
+            return None
+        tokens: list[str] = []
+        offsets: list[int] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        for i, token in enumerate(progress.prompt_token_ids or []):
+            piece = self.tokenizer.decode([token], skip_special_tokens=False)
+            lp = progress.prompt_logprobs[i] if i < len(progress.prompt_logprobs) else None
+            tokens.append(piece)
+            offsets.append(self.text_offset)
+            self.text_offset += len(piece)
+            values.append(None if lp is None else _finite(lp.logprob))
+            tops.append(None if lp is None else {self.tokenizer.decode([t], skip_special_tokens=False): _finite(v)
+                                                 for t, v in lp.top})
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def _logprobs(self, progress: Progress) -> dict[str, Any] | None:
         """The OpenAI ``logprobs`` object of the tokens not yet sent (None when not asked for)."""
@@ -305,13 +336,16 @@ class _Stream:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": final.text}
+            choice["logprobs"] = self._logprobs(final)
         else:
-            choice["text"] = final.text
-        choice["logprobs"] = self._logprobs(final)
+            echoed = self._prompt_logprobs(final) if self.echo is not None else None
+            generated = None if self.prompt_only else self._logprobs(final)
+            choice["text"] = (self.echo or "") + ("" if self.prompt_only else final.text)
+            choice["logprobs"] = _joined(echoed, generated)
         choice["finish_reason"] = final.finish_reason
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                                "created": self.created, "model": self.model, "choices": [choice],
-                               "usage": final.usage()}
+                               "usage": self._usage(final)}
         if final.spec is not None:
             out["speculative"] = final.spec.to_dict()
         return out
@@ -324,18 +358,23 @@ class _Stream:
             sent = 0
             while True:
                 progress = await sub.next()
+                if self.echo is not None and (progress.completion_tokens or progress.finished):
+                    # The prompt's logprobs are complete once it has been computed.
+                    yield self._chunk(self.echo, None, self._prompt_logprobs(progress))
+                    self.echo = None
                 if progress.finished and progress.finish_reason not in ("stop", "length"):
                     message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
                     code = "server_shutting_down" if progress.shutdown else "internal_error"
                     yield _sse(error_body(message, "server_error", None, code))
                     break
-                text = progress.text
+                text = "" if self.prompt_only else progress.text
                 visible = text if progress.finished else text[: max(0, len(text) - self.holdback)]
                 if len(visible) > sent:
                     delta, sent = visible[sent:], len(visible)
                     yield self._chunk({"content": delta} if self.chat else delta, None, self._logprobs(progress))
                 if progress.finished:
-                    yield self._chunk({} if self.chat else "", progress.finish_reason, self._logprobs(progress))
+                    rest = None if self.prompt_only else self._logprobs(progress)
+                    yield self._chunk({} if self.chat else "", progress.finish_reason, rest)
                     if self.include_usage:
                         yield self._usage_chunk(progress)
                     break
@@ -360,10 +399,17 @@ class _Stream:
 
     def _usage_chunk(self, final: Progress) -> str:
         chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                                 "choices": [], "usage": final.usage()}
+                                 "choices": [], "usage": self._usage(final)}
         if final.spec is not None:
             chunk["speculative"] = final.spec.to_dict()
         return _sse(chunk)
+
+
+def _joined(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions ``logprobs`` objects as one (the echoed prompt's, then the completion's)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
 
 
 def _finite(logprob: float) -> float:

@@ -72,6 +72,8 @@ class Progress:
     # The request's growing per-token logprobs list (when it asked for them): its first
     # completion_tokens entries are this progress's (a reference, never copied per step).
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # likewise, complete once the prompt is computed
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the tokens they are of
 
     @classmethod
     def of(cls, request: Request, speculative: bool, shutdown: bool = False) -> Progress:
@@ -80,7 +82,9 @@ class Progress:
         wants = request.params.logprobs is not None
         return cls(request.text, len(request.prompt_token_ids), len(request.output_token_ids), request.is_finished,
                    request.finish_reason, request.error, spec, shutdown,
-                   request.output_logprobs if wants else None)
+                   request.output_logprobs if wants else None,
+                   request.prompt_logprobs if request.params.prompt_logprobs is not None else None,
+                   request.prompt_token_ids if request.params.prompt_logprobs is not None else None)
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

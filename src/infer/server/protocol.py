@@ -73,6 +73,9 @@ class SamplingRequest(_Body):
     def requested_logprobs(self) -> int | None:
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        return None
+
     def structured_output(self) -> tuple[dict[str, Any], str] | None:
         """The structured-output constraint and the field it came from (400 when several are set)."""
         found: list[tuple[dict[str, Any], str]] = []
@@ -120,6 +123,7 @@ class SamplingRequest(_Body):
                 frequency_penalty=self.frequency_penalty or 0.0,
                 logit_bias=self.logit_bias_ids(),
                 logprobs=self.requested_logprobs(),
+                prompt_logprobs=self.requested_prompt_logprobs(),
                 structured_output=None if structured is None else structured[0],
             )
         except ValueError as err:
@@ -137,8 +141,6 @@ class CompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo=true is not supported", param="echo", code="unsupported_parameter")
         if self.best_of not in (None, 1):
             raise bad_request(f"best_of={self.best_of} is not supported (only 1)", param="best_of",
                               code="unsupported_parameter")
@@ -147,6 +149,18 @@ class CompletionRequest(SamplingRequest):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens=0`` (lm-eval's loglikelihood): the prompt and its logprobs alone.
+        The engine still generates one token (it always does), which the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.prompt_only else self.max_tokens
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: a string, or token ids. Batches of prompts are refused."""
@@ -262,8 +276,8 @@ class CompletionLogprobs(BaseModel):
     temperature, before top-k/top-p truncation; see docs/usage.md)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None for the first prompt token when echo is set
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
