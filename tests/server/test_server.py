@@ -291,10 +291,11 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"model": MODEL, "prompt": 42}, "prompt"),
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
-    ({"model": MODEL, "prompt": ["one", "two"]}, "prompt"),
+    ({"model": MODEL, "prompt": ["one", ""]}, "prompt"),
+    ({"model": MODEL, "prompt": ["one"] * 40, "n": 2}, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 10**9]}, "prompt"),
     ({"model": MODEL, "prompt": "word " * 2000}, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "echo": True, "max_tokens": -1}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
@@ -361,8 +362,8 @@ def test_invalid_json_and_unknown_fields(servers: dict[str, Served]) -> None:
     assert ok.json()["usage"]["completion_tokens"] == 2
     assert_error(httpx.get(f"{servers['plain'].url}/v1/nothing-here", timeout=10), 404)
     with pytest.raises(openai.BadRequestError) as err:
-        servers["plain"].client().completions.create(model=MODEL, prompt="hi", n=3)
-    assert err.value.status_code == 400 and "n=3" in err.value.message
+        servers["plain"].client().completions.create(model=MODEL, prompt="hi", n=65)
+    assert err.value.status_code == 400 and "n=65" in err.value.message
 
 
 def test_api_key(serve: Any, tiny_llama: Path) -> None:

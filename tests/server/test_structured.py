@@ -195,3 +195,36 @@ def test_echo_with_max_tokens_0_gives_prompt_logprobs(urls: dict[str, str], refe
     assert both.choices[0].text.startswith(prompt) and len(both.choices[0].text) > len(prompt)
     assert both.choices[0].logprobs is not None and both.choices[0].logprobs.token_logprobs is not None
     assert len(both.choices[0].logprobs.token_logprobs) == len(want.prompt_token_ids) + 3
+
+
+def test_prompt_list_and_n_give_one_choice_each(urls: dict[str, str], reference: LLM) -> None:
+    """lm-eval batch_size > 1 and LangChain's OpenAI.batch send a list of prompts; n copies each."""
+    prompts = ["def add(a, b):", "import os", "class Stack:"]
+    want = reference.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    api = client(urls["ngram"])
+    out = api.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [w.text for w in want]
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert out.usage.completion_tokens == 18
+    streamed: dict[int, str] = {}
+    usage = None
+    for chunk in api.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert [streamed[i] for i in range(3)] == [w.text for w in want]
+    assert usage is not None and usage.completion_tokens == 18
+    # n=2 seeded: the copies draw from seed and seed + 1, each as a request with that seed would (on the
+    # plain server: speculation draws other random numbers, so seeded tokens differ from plain decoding's).
+    two = client(urls["plain"]).completions.create(model=MODEL, prompt=prompts[:2], max_tokens=6, temperature=1.0, seed=5, n=2)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    for c in two.choices:
+        alone = reference.generate(prompts[c.index // 2], SamplingParams(max_tokens=6, temperature=1.0,
+                                                                        seed=5 + c.index % 2))[0]
+        assert c.text == alone.text
+    chat = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=1.0, seed=1, n=3)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(reference.engine.encode_chat(MESSAGES))

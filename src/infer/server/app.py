@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import json
@@ -186,18 +187,26 @@ class _Api:
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         check_model(body.model, self.model_name)
         body.check_supported()
-        prompt = body.single_prompt()
+        prompts = body.prompts()
         params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
         await self._check_grammar(body, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        sub = await self.service.submit(prompt, params, rid, prompt_param="prompt", cache_salt=body.cache_salt)
-        echo = None
-        if body.echo:
-            echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
-        stream = _Stream("text_completion", rid, self.model_name, body, chat=False,
-                         holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer, echo=echo,
-                         prompt_only=body.prompt_only)
-        return await self._respond(sub, body, http, stream)
+        n = body.n or 1
+        jobs, streams = [], []
+        for index in range(len(prompts) * n):
+            prompt = prompts[index // n]
+            echo = None
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else \
+                    self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+            jobs.append((prompt, _choice_params(params, index % n)))
+            streams.append(_Stream("text_completion", rid, self.model_name, body, chat=False,
+                                   holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer, echo=echo,
+                                   prompt_only=body.prompt_only, index=index))
+        if len(jobs) > 1:
+            return await self._respond_many(jobs, body, http, streams, "prompt", n)
+        sub = await self.service.submit(prompts[0], params, rid, prompt_param="prompt", cache_salt=body.cache_salt)
+        return await self._respond(sub, body, http, streams[0])
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model, self.model_name)
@@ -211,6 +220,13 @@ class _Api:
         params = body.sampling_params(max(1, self.engine.max_seq_len - len(ids)))
         await self._check_grammar(body, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        n = body.n or 1
+        if n > 1:
+            streams = [_Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
+                               holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer, index=i)
+                       for i in range(n)]
+            jobs: list[tuple[str | list[int], SamplingParams]] = [(ids, _choice_params(params, i)) for i in range(n)]
+            return await self._respond_many(jobs, body, http, streams, "messages", n)
         sub = await self.service.submit(ids, params, rid, prompt_param="messages", cache_salt=body.cache_salt)
         stream = _Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
                          holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer)
@@ -226,6 +242,41 @@ class _Api:
             await asyncio.to_thread(self.engine.grammars.matcher, params.structured_output)  # type: ignore[arg-type]
         except ValueError as err:
             raise bad_request(str(err), param=structured[1]) from None
+
+    async def _respond_many(self, jobs: list[tuple[str | list[int], SamplingParams]], body: SamplingRequest,
+                            http: Request, streams: list[_Stream], prompt_param: str, n: int) -> Response:
+        """Several choices (a list of prompts, n > 1): one engine request each, answered together."""
+        subs: list[Subscription] = []
+        try:
+            for i, (prompt, params) in enumerate(jobs):
+                subs.append(await self.service.submit(prompt, params, f"{streams[i].id}-{i}", prompt_param=prompt_param,
+                                                      cache_salt=body.cache_salt))
+        except BaseException:
+            for sub in subs:
+                sub.close()
+            raise
+
+        def close_all() -> None:
+            for sub in subs:
+                sub.close()
+
+        if body.stream:
+            return EventStreamResponse(_merged_events(streams, subs, body.include_usage, n), on_close=close_all)
+        try:
+            finals = await _wait_all(subs, http)
+        finally:
+            close_all()
+        if finals is None:
+            return Response(status_code=499)
+        for final in finals:
+            if final.finish_reason not in ("stop", "length"):
+                message = final.error or f"the request ended with finish_reason={final.finish_reason!r}"
+                raise shutting_down(message) if final.shutdown else server_error(message)
+        out = streams[0].whole(finals[0])
+        out["choices"] = [stream.whole(final)["choices"][0] for stream, final in zip(streams, finals, strict=True)]
+        out["usage"] = _summed_usage([s._usage(f) for s, f in zip(streams, finals, strict=True)], n)
+        out.pop("speculative", None)
+        return JSONResponse(out)
 
     async def _respond(self, sub: Subscription, body: SamplingRequest, http: Request, stream: _Stream) -> Response:
         if body.stream:
@@ -259,6 +310,70 @@ async def _wait_final(sub: Subscription, http: Request) -> Progress | None:
     return final.result() if final.done() and not final.cancelled() else None
 
 
+def _choice_params(params: SamplingParams, copy: int) -> SamplingParams:
+    """Choice ``copy`` of n: a seeded request's copies draw from seed, seed + 1, ... (else identical)."""
+    if copy == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + copy) % 2**63)
+
+
+def _summed_usage(usages: list[dict[str, int]], n: int) -> dict[str, int]:
+    """Every prompt's tokens once (the n choices of a prompt share it), every choice's completion."""
+    prompt = sum(u["prompt_tokens"] for u in usages[::n])
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _wait_all(subs: list[Subscription], http: Request) -> list[Progress] | None:
+    """The finished progress of every subscription, or None if the client disconnects first."""
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    finals: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(sub.final() for sub in subs)))
+    watcher: asyncio.Future[Any] = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({finals, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (finals, watcher):
+            task.cancel()
+    return list(finals.result()) if finals.done() and not finals.cancelled() else None
+
+
+async def _merged_events(streams: list[_Stream], subs: list[Subscription], include_usage: bool,
+                         n: int) -> AsyncIterator[str]:
+    """The SSE chunks of several choices as they come, then one usage chunk (if asked) and [DONE]."""
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def pump(stream: _Stream, sub: Subscription) -> None:
+        try:
+            async for item in stream.events(sub, last=False):
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(stream, sub)) for stream, sub in zip(streams, subs, strict=True)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+        if include_usage and all(stream.final is not None for stream in streams):
+            usage = _summed_usage([s._usage(s.final) for s in streams if s.final is not None], n)
+            yield _sse({"id": streams[0].id, "object": streams[0].object, "created": streams[0].created,
+                        "model": streams[0].model, "choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for sub in subs:
+            sub.close()
+
+
 def _holdback(stop: list[str]) -> int:
     """Characters a stream keeps back so it never sends the start of a stop string that later matches."""
     return max((len(s) for s in stop), default=1) - 1
@@ -268,7 +383,8 @@ class _Stream:
     """Builds the response bodies of one request, streamed (SSE chunks) or whole."""
 
     def __init__(self, object_name: str, request_id: str, model: str, body: SamplingRequest, *, chat: bool,
-                 holdback: int, tokenizer: Any, echo: str | None = None, prompt_only: bool = False) -> None:
+                 holdback: int, tokenizer: Any, echo: str | None = None, prompt_only: bool = False,
+                 index: int = 0) -> None:
         self.object = object_name
         self.id = request_id
         self.model = model
@@ -281,6 +397,8 @@ class _Stream:
         self.text_offset = 0  # completions' text_offset of the next token
         self.echo = echo  # completions' echo: the prompt text, sent before the completion
         self.prompt_only = prompt_only  # echo with max_tokens=0: the generated token is left out
+        self.index = index  # the choice's index (several prompts, or n > 1)
+        self.final: Progress | None = None  # the finished progress, once streamed
 
     def _usage(self, progress: Progress) -> dict[str, int]:
         usage = progress.usage()
@@ -333,7 +451,7 @@ class _Stream:
 
     # -- whole (stream=false) ---------------------------------------------------------------------
     def whole(self, final: Progress) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": final.text}
             choice["logprobs"] = self._logprobs(final)
@@ -351,7 +469,8 @@ class _Stream:
         return out
 
     # -- streamed ---------------------------------------------------------------------------------
-    async def events(self, sub: Subscription) -> AsyncIterator[str]:
+    async def events(self, sub: Subscription, last: bool = True) -> AsyncIterator[str]:
+        """This choice's chunks; ``last``: then its usage chunk (if asked) and [DONE]."""
         try:
             if self.chat:
                 yield self._chunk({"role": "assistant", "content": ""}, None)
@@ -373,18 +492,20 @@ class _Stream:
                     delta, sent = visible[sent:], len(visible)
                     yield self._chunk({"content": delta} if self.chat else delta, None, self._logprobs(progress))
                 if progress.finished:
+                    self.final = progress
                     rest = None if self.prompt_only else self._logprobs(progress)
                     yield self._chunk({} if self.chat else "", progress.finish_reason, rest)
-                    if self.include_usage:
+                    if self.include_usage and last:
                         yield self._usage_chunk(progress)
                     break
-            yield "data: [DONE]\n\n"
+            if last:
+                yield "data: [DONE]\n\n"
         finally:
             sub.close()
 
     def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None,
                logprobs: dict[str, Any] | None = None) -> str:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = delta
         else:

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from infer.sampling.params import MAX_LOGPROBS, SamplingParams
 from infer.server.errors import APIError, bad_request, from_sampling_error
 
+MAX_CHOICES = 64  # n, and prompts x n in one completions request
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -63,9 +65,8 @@ class SamplingRequest(_Body):
 
     def check_supported(self) -> None:
         """400 for known fields set to values this server cannot honour."""
-        if self.n not in (None, 1):
-            raise bad_request(f"n={self.n} is not supported: this server returns one choice per request (n=1)",
-                              param="n", code="unsupported_parameter")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise bad_request(f"n={self.n} must be in [1, {MAX_CHOICES}]", param="n")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -162,17 +163,16 @@ class CompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return 1 if self.prompt_only else self.max_tokens
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: a string, or token ids. Batches of prompts are refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token-id list, or a list of them (one choice each, in order)."""
         prompt: Any = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request(f"got {len(prompt)} prompts; this server takes one prompt per request",
-                                  param="prompt", code="unsupported_parameter")
-            prompt = prompt[0]
-        if not prompt:
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if any(not p for p in prompts):
             raise bad_request("the prompt is empty", param="prompt")
-        return prompt  # type: ignore[no-any-return]
+        if len(prompts) * (self.n or 1) > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={self.n or 1} is more than {MAX_CHOICES} choices",
+                              param="prompt")
+        return prompts  # type: ignore[no-any-return]
 
 
 class ChatMessage(_Body):
