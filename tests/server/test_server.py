@@ -323,7 +323,7 @@ BAD_CHATS: list[tuple[Any, str | None]] = [
      "response_format"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5}, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+      "tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}]}, "messages"),

@@ -171,10 +171,11 @@ class Engine:
             request.grammar = self.grammars.matcher(params.structured_output)  # type: ignore[arg-type]
         return request
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat prompt (the tokenizer's template); ValueError naming the problem."""
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        """Token ids of a chat prompt (the tokenizer's template, given ``tools`` as its ``tools``
+        variable); ValueError naming the problem."""
         self._check_fits("".join(str(m.get("content") or "") for m in messages))
-        return self.tokenizer.encode_chat(messages)
+        return self.tokenizer.encode_chat(messages, tools)
 
     def _check_fits(self, text: str) -> None:
         """Refuse text that surely has too many tokens for the context, without tokenizing it all."""

@@ -105,7 +105,8 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[Any] | None = None) -> str:
         if not self.chat_template:
             raise ValueError(f"this tokenizer has no chat_template (looked in {self.source}); use a plain prompt")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -113,14 +114,14 @@ class Tokenizer:
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools,
             )
         except TemplateError as err:
             raise ValueError(f"chat template failed: {err}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
         # The template already writes any BOS, so no special tokens are added again (as transformers does).
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
 def _invalid_text(text: str) -> str:

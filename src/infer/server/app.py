@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -45,6 +46,7 @@ from infer.server.protocol import (
     SamplingRequest,
     check_model,
 )
+from infer.server.tools import ToolCall, parse_calls, prompt_messages
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Larger bodies get a 413 before they are read. 1 MiB (nginx's default too) is far more than a
@@ -211,10 +213,12 @@ class _Api:
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model, self.model_name)
         body.check_supported()
-        messages = body.template_messages()
+        fns = body.tool_functions()
+        template = self.engine.tokenizer.chat_template
+        messages, tools = prompt_messages(body.template_messages(), body.tools if fns else None, template)
         self.service.check_admitting()  # before spending a worker thread on the template and tokenizer
         try:
-            ids = await asyncio.to_thread(self.engine.encode_chat, messages)
+            ids = await asyncio.to_thread(self.engine.encode_chat, messages, tools)
         except ValueError as err:
             raise bad_request(str(err), param="messages") from None
         params = body.sampling_params(max(1, self.engine.max_seq_len - len(ids)))
@@ -223,13 +227,15 @@ class _Api:
         n = body.n or 1
         if n > 1:
             streams = [_Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
-                               holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer, index=i)
+                               holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer, index=i,
+                               tools=_ToolMode(fns, template) if fns else None)
                        for i in range(n)]
             jobs: list[tuple[str | list[int], SamplingParams]] = [(ids, _choice_params(params, i)) for i in range(n)]
             return await self._respond_many(jobs, body, http, streams, "messages", n)
         sub = await self.service.submit(ids, params, rid, prompt_param="messages", cache_salt=body.cache_salt)
         stream = _Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
-                         holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer)
+                         holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer,
+                         tools=_ToolMode(fns, template) if fns else None)
         return await self._respond(sub, body, http, stream)
 
     async def _check_grammar(self, body: SamplingRequest, params: SamplingParams) -> None:
@@ -310,6 +316,12 @@ async def _wait_final(sub: Subscription, http: Request) -> Progress | None:
     return final.result() if final.done() and not final.cancelled() else None
 
 
+@dataclass
+class _ToolMode:
+    functions: dict[str, dict[str, Any]]
+    template: str | None
+
+
 def _choice_params(params: SamplingParams, copy: int) -> SamplingParams:
     """Choice ``copy`` of n: a seeded request's copies draw from seed, seed + 1, ... (else identical)."""
     if copy == 0 or params.seed is None:
@@ -384,7 +396,7 @@ class _Stream:
 
     def __init__(self, object_name: str, request_id: str, model: str, body: SamplingRequest, *, chat: bool,
                  holdback: int, tokenizer: Any, echo: str | None = None, prompt_only: bool = False,
-                 index: int = 0) -> None:
+                 index: int = 0, tools: _ToolMode | None = None) -> None:
         self.object = object_name
         self.id = request_id
         self.model = model
@@ -399,6 +411,14 @@ class _Stream:
         self.prompt_only = prompt_only  # echo with max_tokens=0: the generated token is left out
         self.index = index  # the choice's index (several prompts, or n > 1)
         self.final: Progress | None = None  # the finished progress, once streamed
+        self.tools = tools  # chat with tools: the answer may be tool calls (sent whole, once finished)
+
+    def _tool_calls(self, final: Progress) -> tuple[str | None, list[ToolCall]] | None:
+        """The answer's content and tool calls, when tools are on and it made calls."""
+        if self.tools is None or final.finish_reason != "stop":
+            return None
+        content, calls = parse_calls(final.text, self.tools.template, self.tools.functions)
+        return (content, calls) if calls else None
 
     def _usage(self, progress: Progress) -> dict[str, int]:
         usage = progress.usage()
@@ -455,12 +475,16 @@ class _Stream:
         if self.chat:
             choice["message"] = {"role": "assistant", "content": final.text}
             choice["logprobs"] = self._logprobs(final)
+            calls = self._tool_calls(final)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": calls[0],
+                                     "tool_calls": [c.to_openai() for c in calls[1]]}
         else:
             echoed = self._prompt_logprobs(final) if self.echo is not None else None
             generated = None if self.prompt_only else self._logprobs(final)
             choice["text"] = (self.echo or "") + ("" if self.prompt_only else final.text)
             choice["logprobs"] = _joined(echoed, generated)
-        choice["finish_reason"] = final.finish_reason
+        choice["finish_reason"] = "tool_calls" if self.chat and self._tool_calls(final) else final.finish_reason
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                                "created": self.created, "model": self.model, "choices": [choice],
                                "usage": self._usage(final)}
@@ -475,6 +499,31 @@ class _Stream:
             if self.chat:
                 yield self._chunk({"role": "assistant", "content": ""}, None)
             sent = 0
+            while self.tools is not None:  # tool calls can only be told once the answer is whole
+                progress = await sub.next()
+                if not progress.finished:
+                    continue
+                if progress.finish_reason not in ("stop", "length"):
+                    message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
+                    code = "server_shutting_down" if progress.shutdown else "internal_error"
+                    yield _sse(error_body(message, "server_error", None, code))
+                    if last:
+                        yield "data: [DONE]\n\n"
+                    return
+                self.final = progress
+                calls = self._tool_calls(progress)
+                if calls is None:
+                    yield self._chunk({"content": progress.text}, None, self._logprobs(progress))
+                else:
+                    if calls[0]:
+                        yield self._chunk({"content": calls[0]}, None)
+                    yield self._chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls[1])]}, None)
+                yield self._chunk({}, "tool_calls" if calls else progress.finish_reason)
+                if self.include_usage and last:
+                    yield self._usage_chunk(progress)
+                if last:
+                    yield "data: [DONE]\n\n"
+                return
             while True:
                 progress = await sub.next()
                 if self.echo is not None and (progress.completion_tokens or progress.finished):

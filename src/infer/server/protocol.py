@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from infer.sampling.params import MAX_LOGPROBS, SamplingParams
 from infer.server.errors import APIError, bad_request, from_sampling_error
+from infer.server.tools import forced_schema, functions
 
 MAX_CHOICES = 64  # n, and prompts x n in one completions request
 
@@ -179,6 +180,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's call
 
     def for_template(self) -> dict[str, Any]:
         if isinstance(self.content, list):
@@ -194,6 +197,10 @@ class ChatMessage(_Body):
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -207,6 +214,13 @@ class ChatCompletionRequest(SamplingRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_functions(self) -> dict[str, dict[str, Any]]:
+        """name -> function of ``tools`` (empty without tools, or with tool_choice none)."""
+        if not self.tools or self.tool_choice == "none":
+            return {}
+        return functions(self.tools)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -215,12 +229,11 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_LOGPROBS}]",
                               param="top_logprobs")
-        if self.tools or self.functions:
-            name = "tools" if self.tools else "functions"
-            raise bad_request("tool calling is not supported", param=name, code="unsupported_parameter")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            name = "tool_choice" if self.tool_choice not in (None, "none") else "function_call"
-            raise bad_request("tool calling is not supported", param=name, code="unsupported_parameter")
+        if self.functions or self.function_call not in (None, "none"):
+            raise bad_request("the legacy functions/function_call fields are not supported; use tools",
+                              param="functions" if self.functions else "function_call", code="unsupported_parameter")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise bad_request("tool_choice needs tools", param="tool_choice")
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -231,6 +244,13 @@ class ChatCompletionRequest(SamplingRequest):
         fmt = self.response_format
         kind = None if fmt is None else fmt.get("type", "text")
         found = super().structured_output()
+        fns = self.tool_functions()
+        forced = forced_schema(fns, self.tool_choice, self.parallel_tool_calls is not False) if fns else None
+        if forced is not None:
+            if found is not None or kind not in (None, "text"):
+                raise bad_request("tool_choice required or named cannot be combined with another output format",
+                                  param="tool_choice")
+            return {"json": forced}, "tools"
         if kind in (None, "text"):
             return found
         if found is not None:
