@@ -226,7 +226,7 @@ def test_plain_constrained_output_is_valid_json(tiny_llama: Path, plain_constrai
 
 @pytest.mark.parametrize(("spec", "field"), [
     ({"regex": "(("}, "regex"), ({"grammar": "start: undefined_rule"}, "grammar"),
-    ({"json": {"type": "no-such-type"}}, "json"),
+    ({"json": {"type": "no-such-type"}}, "json"), ({"grammar": 'root ::= "a" | undefined'}, "grammar"),
 ])
 def test_invalid_grammar_is_a_value_error_naming_it(letters_pair: tuple[Path, Path], spec: dict[str, Any],
                                                     field: str) -> None:
@@ -261,3 +261,19 @@ def test_draft_bitmasks_prune_a_tree_and_leave_the_state_alone() -> None:
     # A chain is cut at its first forbidden token.
     keep, _ = matcher.draft_bitmasks([D, B, D, A], None)
     assert keep == [True, True, False, False]
+
+
+def test_gbnf_and_lark_grammars_mean_what_the_regex_does() -> None:
+    compiler = GrammarCompiler(letters_tokenizer(), [1], V)
+    specs = [StructuredOutput(regex=REGEX),
+             StructuredOutput(grammar='root ::= ("c" [a-d] | "d" [b-e] | "e" [acde]) [abce] [a-e]'),
+             StructuredOutput(grammar='start: ("c" /[a-d]/ | "d" /[b-e]/ | "e" /[acde]/) /[abce]/ /[a-e]/')]
+    for prefix in ([], [C], [D, E], [E, A, B], [E, A, B, C]):
+        masks = []
+        for spec in specs:
+            matcher = compiler.matcher(spec)
+            for token in prefix:
+                matcher.consume(token)
+            masks.append(set(unpack_bitmasks(matcher.bitmask(), V, "cpu").nonzero().flatten().tolist()))
+        # Once the grammar is complete only EOS (id 1) may follow.
+        assert masks[0] == masks[1] == masks[2] == (allowed_after(prefix) if len(prefix) < 4 else {1}), prefix

@@ -113,20 +113,20 @@ class GrammarCompiler:
         assert spec.grammar is not None
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
-        lark = gbnf_to_lark(spec.grammar) if "::=" in spec.grammar else spec.grammar
+        try:
+            lark = gbnf_to_lark(spec.grammar) if "::=" in spec.grammar else spec.grammar
+        except Exception as err:  # the converter raises plain Exceptions for a bad GBNF grammar
+            raise ValueError(f"SamplingParams.structured_output.grammar is invalid: {err}") from None
         return str(matcher.grammar_from_lark(lark))
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher; ValueError naming the field when the grammar or schema is invalid."""
         import llguidance
 
-        grammar = self.grammar_text(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
-        if error:
-            raise ValueError(f"SamplingParams.structured_output.{spec.kind} is invalid: {error.strip()}")
-        ll = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        # The constructor compiles the grammar and never raises: a bad one leaves it in its error state.
+        ll = llguidance.LLMatcher(self.ll_tokenizer, self.grammar_text(spec), log_level=0)
         if ll.is_error():
-            raise ValueError(f"SamplingParams.structured_output.{spec.kind} is invalid: {ll.get_error()}")
+            raise ValueError(f"SamplingParams.structured_output.{spec.kind} is invalid: {ll.get_error().strip()}")
         return GrammarMatcher(ll, (int(self.ll_tokenizer.vocab_size) + 31) // 32)
 
 
