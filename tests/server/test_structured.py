@@ -228,3 +228,18 @@ def test_prompt_list_and_n_give_one_choice_each(urls: dict[str, str], reference:
     chat = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=1.0, seed=1, n=3)
     assert [c.index for c in chat.choices] == [0, 1, 2]
     assert chat.usage is not None and chat.usage.prompt_tokens == len(reference.engine.encode_chat(MESSAGES))
+
+
+def test_best_of_answers_the_likeliest_of_its_candidates(urls: dict[str, str], reference: LLM) -> None:
+    prompt = "def add(a, b):"
+    candidates = reference.generate([prompt] * 3, [SamplingParams(max_tokens=6, temperature=1.0, seed=9 + i, logprobs=0)
+                                                   for i in range(3)])
+    best = max(candidates, key=lambda o: sum(lp.logprob for lp in o.logprobs or []))
+    out = client(urls["plain"]).completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0,
+                                                   seed=9, best_of=3)
+    assert [c.text for c in out.choices] == [best.text] and out.choices[0].index == 0
+    assert out.choices[0].logprobs is None  # computed for the ranking only
+    assert out.usage is not None and out.usage.completion_tokens == sum(len(c.token_ids) for c in candidates)
+    response = httpx.post(f"{urls['plain']}/v1/completions", timeout=10, json={
+        "model": MODEL, "prompt": prompt, "best_of": 2, "stream": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"

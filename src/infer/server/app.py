@@ -194,19 +194,22 @@ class _Api:
         await self._check_grammar(body, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = body.n or 1
+        width = max(n, body.best_of or 1)  # best_of: generate width per prompt, answer the n likeliest
+        scored = params if width == n or params.logprobs is not None else dataclasses.replace(params, logprobs=0)
         jobs, streams = [], []
-        for index in range(len(prompts) * n):
-            prompt = prompts[index // n]
+        for index in range(len(prompts) * width):
+            prompt = prompts[index // width]
             echo = None
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else \
                     self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
-            jobs.append((prompt, _choice_params(params, index % n)))
+            jobs.append((prompt, _choice_params(scored, index % width)))
             streams.append(_Stream("text_completion", rid, self.model_name, body, chat=False,
                                    holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer, echo=echo,
-                                   prompt_only=body.prompt_only, index=index))
+                                   prompt_only=body.prompt_only, index=index,
+                                   show_logprobs=params.logprobs is not None))
         if len(jobs) > 1:
-            return await self._respond_many(jobs, body, http, streams, "prompt", n)
+            return await self._respond_many(jobs, body, http, streams, "prompt", width, keep=n)
         sub = await self.service.submit(prompts[0], params, rid, prompt_param="prompt", cache_salt=body.cache_salt)
         return await self._respond(sub, body, http, streams[0])
 
@@ -250,8 +253,11 @@ class _Api:
             raise bad_request(str(err), param=structured[1]) from None
 
     async def _respond_many(self, jobs: list[tuple[str | list[int], SamplingParams]], body: SamplingRequest,
-                            http: Request, streams: list[_Stream], prompt_param: str, n: int) -> Response:
-        """Several choices (a list of prompts, n > 1): one engine request each, answered together."""
+                            http: Request, streams: list[_Stream], prompt_param: str, n: int,
+                            keep: int | None = None) -> Response:
+        """Several choices (a list of prompts, n > 1): one engine request each, answered together.
+        ``n`` requests per prompt; with ``keep`` < n (best_of), the ``keep`` with the highest
+        cumulative logprob of each prompt are answered (usage counts every generated token)."""
         subs: list[Subscription] = []
         try:
             for i, (prompt, params) in enumerate(jobs):
@@ -278,9 +284,18 @@ class _Api:
             if final.finish_reason not in ("stop", "length"):
                 message = final.error or f"the request ended with finish_reason={final.finish_reason!r}"
                 raise shutting_down(message) if final.shutdown else server_error(message)
+        usage = _summed_usage([s._usage(f) for s, f in zip(streams, finals, strict=True)], n)
+        chosen = list(range(len(jobs)))
+        if keep is not None and keep < n:
+            chosen = []
+            for start in range(0, len(jobs), n):
+                group = sorted(range(start, start + n), key=lambda i: -_cumulative_logprob(finals[i]))
+                chosen += sorted(group[:keep])
+        for new, i in enumerate(chosen):
+            streams[i].index = new
         out = streams[0].whole(finals[0])
-        out["choices"] = [stream.whole(final)["choices"][0] for stream, final in zip(streams, finals, strict=True)]
-        out["usage"] = _summed_usage([s._usage(f) for s, f in zip(streams, finals, strict=True)], n)
+        out["choices"] = [streams[i].whole(finals[i])["choices"][0] for i in chosen]
+        out["usage"] = usage
         out.pop("speculative", None)
         return JSONResponse(out)
 
@@ -327,6 +342,11 @@ def _choice_params(params: SamplingParams, copy: int) -> SamplingParams:
     if copy == 0 or params.seed is None:
         return params
     return dataclasses.replace(params, seed=(params.seed + copy) % 2**63)
+
+
+def _cumulative_logprob(final: Progress) -> float:
+    """Sum of the generated tokens' logprobs (best_of's ranking)."""
+    return sum(lp.logprob for lp in (final.logprobs or [])[: final.completion_tokens])
 
 
 def _summed_usage(usages: list[dict[str, int]], n: int) -> dict[str, int]:
@@ -396,7 +416,7 @@ class _Stream:
 
     def __init__(self, object_name: str, request_id: str, model: str, body: SamplingRequest, *, chat: bool,
                  holdback: int, tokenizer: Any, echo: str | None = None, prompt_only: bool = False,
-                 index: int = 0, tools: _ToolMode | None = None) -> None:
+                 index: int = 0, tools: _ToolMode | None = None, show_logprobs: bool = True) -> None:
         self.object = object_name
         self.id = request_id
         self.model = model
@@ -412,6 +432,7 @@ class _Stream:
         self.index = index  # the choice's index (several prompts, or n > 1)
         self.final: Progress | None = None  # the finished progress, once streamed
         self.tools = tools  # chat with tools: the answer may be tool calls (sent whole, once finished)
+        self.show_logprobs = show_logprobs  # False: computed for best_of's ranking only
 
     def _tool_calls(self, final: Progress) -> tuple[str | None, list[ToolCall]] | None:
         """The answer's content and tool calls, when tools are on and it made calls."""
@@ -447,7 +468,7 @@ class _Stream:
 
     def _logprobs(self, progress: Progress) -> dict[str, Any] | None:
         """The OpenAI ``logprobs`` object of the tokens not yet sent (None when not asked for)."""
-        if progress.logprobs is None:
+        if progress.logprobs is None or not self.show_logprobs:
             return None
         new = progress.logprobs[self.logprobs_sent: progress.completion_tokens]
         self.logprobs_sent += len(new)

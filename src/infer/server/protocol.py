@@ -143,9 +143,12 @@ class CompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of not in (None, 1):
-            raise bad_request(f"best_of={self.best_of} is not supported (only 1)", param="best_of",
-                              code="unsupported_parameter")
+        if self.best_of is not None and not (self.n or 1) <= self.best_of <= MAX_CHOICES:
+            raise bad_request(f"best_of={self.best_of} must be in [n, {MAX_CHOICES}] (n={self.n or 1})",
+                              param="best_of")
+        if self.stream and (self.best_of or 1) > (self.n or 1):
+            raise bad_request("best_of above n cannot be streamed (the best are known once all are done)",
+                              param="best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
 
@@ -170,8 +173,9 @@ class CompletionRequest(SamplingRequest):
         prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         if any(not p for p in prompts):
             raise bad_request("the prompt is empty", param="prompt")
-        if len(prompts) * (self.n or 1) > MAX_CHOICES:
-            raise bad_request(f"{len(prompts)} prompts x n={self.n or 1} is more than {MAX_CHOICES} choices",
+        width = max(self.n or 1, self.best_of or 1)
+        if len(prompts) * width > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={width} is more than {MAX_CHOICES} choices",
                               param="prompt")
         return prompts  # type: ignore[no-any-return]
 
