@@ -125,3 +125,21 @@ def torch_single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def no_bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This CPU without ``avx512_bf16`` (as most CPUs are): the kernels choose again, and the
+    choice is forgotten afterwards. The variant then built uses explicit flags without BF16, so its
+    library really lacks the BF16 instructions, whatever this CPU has."""
+    from infer import kernels
+    from infer.kernels import build
+
+    flags = build.cpu_flags() - {"avx512_bf16", "amx_bf16", "bf16"}
+    monkeypatch.setattr(build, "cpu_flags", lambda: flags)
+    kernels.reset()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        kernels.reset()

@@ -176,4 +176,5 @@ def wait_serving(proc: subprocess.Popen[str], port: int, timeout: float = 120.0)
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)  # refused, or 503 while the model loads

@@ -57,6 +57,7 @@ def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_
     assert all(modes[m]["round_ms"]["verification"] > 0 for m in ("infer + draft K=2", "infer + draft K=3"))
     assert k2["verify_vs_decode_step"] > 0 and k2["draft_step_vs_alone"] > 0
     assert report["environment"]["torch"]
+    assert report["environment"]["backend"]["backend"] in ("torch", "cpu-kernels")  # what ran, and why
     # Plain rows know their share of the measured memory bandwidth; every row its CPU time per token.
     assert report["memory"]["bandwidth_gb_s"] > 0 and report["memory"]["infer_weight_bytes_per_token"] > 0
     assert modes["infer plain"]["bandwidth_fraction"] > 0 and modes["infer + draft K=2"]["bandwidth_fraction"] is None

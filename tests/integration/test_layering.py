@@ -12,6 +12,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 LAYERS: list[tuple[str, ...]] = [
     ("infer.fileio", "infer.extras", "infer.data", "infer.loader.config"),
     ("infer.cache", "infer.sampling"),
+    ("infer.kernels",),
     ("infer.models",),
     ("infer.loader",),
     ("infer.core",),
@@ -99,6 +100,18 @@ def test_the_check_finds_hidden_upward_imports() -> None:
 
 def fixture_imports_of_train(source: str) -> list[str]:
     return [name for name in infer_imports(source) if name == "infer.train" or name.startswith("infer.train.")]
+
+
+def test_the_server_app_is_built_from_an_engine_config() -> None:
+    """The HTTP app is built from an EngineConfig (server.app.build_app), not from parsed flags, so Ray
+    Serve replicas, tests and embedders build it without the command line."""
+    import inspect
+
+    from infer.engine.config import EngineConfig
+    from infer.server import app, cli
+
+    assert inspect.signature(app.build_app).parameters["config"].annotation in (EngineConfig, "EngineConfig")
+    assert not hasattr(cli, "build_app")
 
 
 def test_test_fixtures_do_not_need_the_trainer() -> None:

@@ -6,9 +6,6 @@ bfloat16 emits plain decoding's tokens. The same holds by default where the CPU 
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +13,7 @@ import pytest
 import torch
 
 from checkpoints import make_medusa_heads, make_tiny_checkpoint
-from infer import LLM, SamplingParams
+from infer import LLM, SamplingParams, kernels
 from infer.cache import make_pool
 from infer.core.model_runner import ModelRunner
 from infer.data.workloads import code_prompts, edit_prompts
@@ -50,20 +47,6 @@ def bf16_model(path: Path, exact: bool, stack: bool = True) -> DecoderOnlyLM:
     if exact:
         make_exact(model)
     return model
-
-
-@contextlib.contextmanager
-def layer_by_layer() -> Iterator[None]:
-    """Engines loaded inside run without the C decoder stack (INFER_CPU_STACK=0)."""
-    previous = os.environ.get("INFER_CPU_STACK")
-    os.environ["INFER_CPU_STACK"] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["INFER_CPU_STACK"]
-        else:
-            os.environ["INFER_CPU_STACK"] = previous
 
 
 def runner_for(model: DecoderOnlyLM, backend: str) -> ModelRunner:
@@ -296,15 +279,15 @@ SPEC_LENGTH = 3  # 4 verified rows per request: 16 for the batch, two of exact m
 
 
 # How a real-model engine computes: "exact" is exact-greedy mode on its portable kernels (layer by
-# layer), "stack" the default kernels where the C decoder stack runs, "layers" the default kernels
+# layer), "stack" the default kernels where the C decoder stack runs, "layers" the PyTorch layers
 # layer by layer (the negative control).
 MODES = ("exact", "stack", "layers")
 
 
 def real_llm(folder: Path, mode: str, **options: Any) -> LLM:
-    with contextlib.nullcontext() if mode == "stack" else layer_by_layer():
-        llm = LLM(str(folder), dtype="bfloat16", device="cpu", exact_greedy=mode == "exact", max_batch_size=4,
-                  **options)
+    # "exact" and "layers" run the PyTorch layers (backend torch): exact mode its portable kernels.
+    llm = LLM(str(folder), dtype="bfloat16", device="cpu", exact_greedy=mode == "exact", max_batch_size=4,
+              backend="cpu-kernels" if mode == "stack" and kernels.library_for(torch.bfloat16) else "torch", **options)
     if mode == "stack" and llm.engine.model.cpu_stack is None:
         pytest.skip("the CPU decoder stack does not run here (needs the AVX-512 BF16 kernels)")
     return llm

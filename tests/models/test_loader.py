@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infer import LLM, SamplingParams
+from infer import LLM, SamplingParams, kernels
 from infer.data.tokenizer import IM_END_ID, IM_START_ID
+from infer.kernels.cpu import GemvLinear
 from infer.loader import (
     CheckpointError,
     cpu_bf16_feature,
@@ -22,8 +23,7 @@ from infer.loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from infer.models.cpu_kernels import GemvLinear
-from infer.models.layers import PackedLinear, count_weights, cpu_linear_kernel
+from infer.models.layers import PackedLinear, count_weights, cpu_packing_available
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -228,12 +228,12 @@ def test_dtype_is_applied(tiny_llama: Path) -> None:
 @pytest.mark.parametrize("kernel", ["gemv", "onednn"])
 # bfloat16: the two paths round partial sums differently; one ulp of a logit near 4 is 0.03.
 @pytest.mark.parametrize(("dtype", "tol"), [("bfloat16", 3e-2), ("float32", 1e-5)])
-def test_cpu_weights_are_packed_and_compute_the_same(tiny_llama: Path, dtype: str, tol: float, kernel: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("INFER_CPU_GEMV", "1" if kernel == "gemv" else "0")
-    if cpu_linear_kernel(getattr(torch, dtype)) != kernel:
+def test_cpu_weights_are_packed_and_compute_the_same(tiny_llama: Path, dtype: str, tol: float, kernel: str) -> None:
+    available = (kernels.library_for(getattr(torch, dtype)) is not None if kernel == "gemv"
+                 else cpu_packing_available(getattr(torch, dtype)))
+    if not available:
         pytest.skip(f"this machine does not run {dtype} CPU linears with {kernel}")
-    packed, _ = load_model(tiny_llama, dtype, "cpu")
+    packed, _ = load_model(tiny_llama, dtype, "cpu", backend="cpu-kernels" if kernel == "gemv" else "torch")
     unpacked, _ = load_model(tiny_llama, dtype, "cpu", pack=False)
     assert isinstance(packed.lm_head, GemvLinear if kernel == "gemv" else PackedLinear)
     assert type(unpacked.lm_head) is torch.nn.Linear

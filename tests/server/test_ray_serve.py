@@ -358,7 +358,9 @@ def test_two_replicas_answer_like_one_process(ray_server: RayServer, single: str
 
 @pytest.mark.ray
 def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_server: RayServer, single: str) -> None:
-    long = [Ask(i, chat=i % 2 == 0, stream=True, max_tokens=160, seed=None) for i in range(16)]
+    # Long enough that the victim is still decoding when it is killed, however fast the machine (the tiny
+    # model finishes 160 tokens in a fraction of a second).
+    long = [Ask(i, chat=i % 2 == 0, stream=True, max_tokens=400, seed=None) for i in range(16)]
     expected = asyncio.run(ask_all(AsyncOpenAI(base_url=f"{single}/v1", api_key="x", max_retries=0), long))
     before = {p.pid for p in ray_server.replica_processes()}
     labels_before = set(ray_server.requests_by_replica())

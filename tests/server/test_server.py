@@ -430,9 +430,17 @@ def test_disconnect_mid_stream_aborts(servers: dict[str, Served], kind: str) -> 
     assert served.metrics()['infer_requests_total{finish_reason="abort"}'] == aborted_before + 1
 
 
-def test_disconnect_while_waiting_for_whole_response(servers: dict[str, Served]) -> None:
+def test_disconnect_while_waiting_for_whole_response(servers: dict[str, Served],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     served = servers["plain"]
     served.wait_idle()
+    step = served.engine.step
+
+    def slow_step() -> Any:  # the request must outlast the client's 0.2 s (the tiny model needs less)
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(served.engine, "step", slow_step)
     initial = served.free_kv()
     aborted_before = served.metrics()['infer_requests_total{finish_reason="abort"}']
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}

@@ -356,8 +356,25 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_serve(model: Path, port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "infer.cli", "serve", "--model", str(model), "--dtype", "float32", "--device", "cpu",
+# Runs `infer serve` with every engine step slowed by argv[1] seconds: a drain test needs streams that
+# outlast its signals however fast the machine generates (the tiny model does 480 tokens in 0.2 s).
+SLOW_STEPS = """
+import sys, time
+from infer.cli import main
+from infer.engine.engine import Engine
+delay, real_step = float(sys.argv[1]), Engine.step
+def slow_step(self):
+    time.sleep(delay)
+    return real_step(self)
+Engine.step = slow_step
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def start_serve(model: Path, port: int, *extra: str, env: dict[str, str] | None = None,
+                step_delay: float = 0.0) -> subprocess.Popen[str]:
+    launch = ["-c", SLOW_STEPS, str(step_delay)] if step_delay else ["-m", "infer.cli"]
+    cmd = [sys.executable, *launch, "serve", "--model", str(model), "--dtype", "float32", "--device", "cpu",
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
@@ -418,7 +435,7 @@ STREAMS = [{"prompt": f"def f{i}(x):", "max_tokens": 12 if i % 2 else 480, "igno
 def test_sigterm_drains_then_aborts_at_the_deadline(tiny_llama: Path, tiny_draft: Path) -> None:
     port = free_port()
     proc = start_serve(tiny_llama, port, "--draft-model", str(tiny_draft), "--spec-length", "2",
-                       "--max-batch-size", "2", "--shutdown-timeout", "3")
+                       "--max-batch-size", "2", "--shutdown-timeout", "3", step_delay=0.02)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_serving(proc, port)
@@ -455,7 +472,7 @@ def test_sigterm_drains_then_aborts_at_the_deadline(tiny_llama: Path, tiny_draft
 
 def test_second_signal_aborts_at_once(tiny_llama: Path) -> None:
     port = free_port()
-    proc = start_serve(tiny_llama, port, "--max-batch-size", "4", "--shutdown-timeout", "600")
+    proc = start_serve(tiny_llama, port, "--max-batch-size", "4", "--shutdown-timeout", "600", step_delay=0.02)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_serving(proc, port)
@@ -564,7 +581,7 @@ def test_schemathesis_finds_no_server_error(fuzz_target: Served) -> None:
             tested[case.operation.label] = tested.get(case.operation.label, 0) + 1
 
         fuzz()
-    assert len(tested) == 6 and sum(tested.values()) >= 250, tested  # GETs without inputs run once
+    assert len(tested) == 7 and sum(tested.values()) >= 250, tested  # GETs without inputs run once
     assert time.monotonic() - started < 120
     fuzz_target.wait_idle()
     assert all(pool.num_active == 0 for _, pool in kv_pools(fuzz_target.engine))  # nothing leaked

@@ -27,7 +27,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
 def _runner(path: Path, compiled: bool) -> tuple[ModelRunner, PagedKVCachePool]:
-    model, config = load_model(str(path), torch.float32, "cpu")
+    model, config = load_model(str(path), torch.float32, "cpu", compile=compiled)
     if compiled:
         compile_forward(model)
     pool = PagedKVCachePool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks=32,
@@ -37,6 +37,9 @@ def _runner(path: Path, compiled: bool) -> tuple[ModelRunner, PagedKVCachePool]:
 
 @torch.inference_mode()
 def test_compiled_forward_computes_eager_logits_for_every_kind_of_pass(tiny_llama: Path) -> None:
+    """The default backend (the C product as an opaque operator where the kernels run, else
+    PyTorch's linears, kept plain nn.Linear in compiled mode; the PyTorch path is compiled in
+    bfloat16 below)."""
     (eager, eager_pool), (compiled, compiled_pool) = _runner(tiny_llama, False), _runner(tiny_llama, True)
     graphs_before = graphs_compiled()
     slots = [(eager_pool.allocate(), compiled_pool.allocate()) for _ in range(2)]
@@ -80,6 +83,21 @@ def test_compiled_speculative_samples_follow_target_distribution(small_target: P
     assert sum(o.metrics.proposed_tokens for o in outputs) > n // 4
     samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
     assert_follows_reference(samples, reference(small_target, PROMPT, SamplingParams(**params)))  # type: ignore[arg-type]
+
+
+def test_compiled_mode_runs_without_bf16_kernels_and_refuses_packed_linears(tiny_llama: Path,
+                                                                           no_bf16_cpu: None) -> None:
+    """bfloat16 on a CPU without BF16 kernels runs the PyTorch layers: compiled, their linears stay
+    nn.Linear (oneDNN-packed ones made Inductor assert); compiling a packed model is refused."""
+    llm = LLM(str(tiny_llama), dtype="bfloat16", device="cpu", compile=True, max_batch_size=2)
+    assert llm.engine.backend.name == "torch" and not llm.engine.backend.onednn
+    eager = LLM(str(tiny_llama), dtype="bfloat16", device="cpu", max_batch_size=2)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:1], params)] == [o.token_ids for o in eager.generate(PROMPTS[:1],
+                                                                                                         params)]
+    if eager.engine.backend.onednn:
+        with pytest.raises(ValueError, match="compile=True"):
+            compile_forward(eager.engine.model)
 
 
 def test_compile_and_exact_greedy_are_refused_together(tiny_llama: Path) -> None:

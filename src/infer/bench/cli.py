@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from infer.engine.options import add_engine_args
+
 
 def add_subparser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks (generation vs transformers; serving load)")
@@ -46,6 +48,7 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--cuda-graphs", action="store_true",
                      help="also time every infer mode with its decode and verification steps replayed as CUDA "
                           "graphs, interleaved with the eager ones (CUDA only; each bucket captures on first use)")
+    add_engine_args(gen, ("backend",))  # as for infer generate; recorded in the environment
     gen.add_argument("--out", default="bench-out", help="folder for generation.json, generation.md and plots")
     gen.add_argument("--profile", action="store_true",
                      help="instead of the comparison, profile infer's decode steps and a (K+1)-token verification "
@@ -119,7 +122,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
         medusa_tree_sizes=args.medusa_tree_size, suffix=not args.no_suffix, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
-        compiled=args.compiled, cuda_graphs=args.cuda_graphs,
+        compiled=args.compiled, cuda_graphs=args.cuda_graphs, backend=args.backend,
         peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, chat=args.chat, stop_at_eos=repetitive,
         warmup_prompts=warmup,
     )

@@ -83,6 +83,7 @@ class BenchSettings:
     exact_greedy: bool = False
     # Also time every infer mode torch.compiled ("... (compiled)" rows), interleaved.
     compiled: bool = False
+    backend: str = "auto"  # what computes infer's forward passes (models.backend); recorded in the environment
     # Also time every infer mode with its steps replayed as CUDA graphs ("... (CUDA graphs)"; CUDA only).
     cuda_graphs: bool = False
 
@@ -163,7 +164,7 @@ class _Mode:
 
 def _infer_runner(settings: BenchSettings, model: str, dtype: str, **options: Any) -> tuple[RunFn, LLM]:
     # One request at a time: a batch of one needs only one sequence's KV cache.
-    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1, **options)
+    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1, backend=settings.backend, **options)
 
     def run(prompt: str | list[int], seed: int) -> tuple[float, Any]:
         start = time.perf_counter()
@@ -402,7 +403,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     return {
         "settings": {k: v for k, v in asdict(settings).items() if k not in ("prompts", "warmup_prompts")}
         | {"num_prompts": len(prompts), "num_warmup_prompts": len(history)},
-        "environment": environment(settings.device),
+        "environment": environment(settings.device) | {"backend": plain_llm.engine.backend.info()},
         "cost_ratio_c": cost,
         "greedy_outputs_identical": greedy_identical,
         "memory": memory,

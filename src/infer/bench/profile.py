@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from infer.core.model_runner import ModelRunner
 from infer.engine.engine import Engine
-from infer.models.cpu_kernels import PROFILER_EVENT, STACK_EVENT
+from infer.kernels.cpu import PROFILER_EVENT, STACK_EVENT
 from infer.sampling.params import SamplingParams
 
 # Operators that carry the weight matmuls, whichever kernel the model's linears ended up on.

@@ -10,7 +10,7 @@ import torch
 from infer.cache.protocol import CachePoolProtocol, build_kv_batch
 from infer.core.cuda_graphs import StepGraphs
 from infer.core.request import Request
-from infer.models.cpu_kernels import MAX_ROWS, GemvLinear, kernel_threads_only
+from infer.kernels.cpu import MAX_ROWS, GemvLinear, kernel_threads_only
 from infer.models.layers import DecoderOnlyLM, block_mask_from
 
 
@@ -28,12 +28,14 @@ class ModelRunner:
         self.device = pool.device
         self.vocab_size = model.config.vocab_size
         # Where the CPU kernels carry the matmuls, passes they take whole run torch's own operators
-        # single-threaded (cpu_kernels.kernel_threads_only); elsewhere torch's threading is left alone.
+        # single-threaded (kernels.cpu.kernel_threads_only); elsewhere torch's threading is left alone.
         self.kernels = any(isinstance(m, GemvLinear) for m in model.modules())
         self.graphs: StepGraphs | None = None  # set by the engine with cuda_graphs: passes replayed as graphs
 
-    def _threads_for(self, rows: int) -> contextlib.AbstractContextManager[None]:
-        return kernel_threads_only() if self.kernels and rows <= MAX_ROWS else contextlib.nullcontext()
+    def _threads_for(self, rows: int, kind: str) -> contextlib.AbstractContextManager[None]:
+        # A kind of pass for the kernels' thread choice: this model's, of this many rows.
+        key = (id(self.model), kind, rows)
+        return kernel_threads_only(key) if self.kernels and rows <= MAX_ROWS else contextlib.nullcontext()
 
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], runs: Sequence[Sequence[int]] | torch.Tensor,
@@ -67,12 +69,12 @@ class ModelRunner:
         if tree_mask is not None and self.tree_attention == "flex":
             assert kv.mask is not None  # a tree pass always has one
             kv.block_mask = block_mask_from(kv.mask)
-        with self._threads_for(ids.numel()):
+        with self._threads_for(ids.numel(), "forward"):
             return self.model(ids, positions, kv)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with self._threads_for(hidden.numel() // hidden.shape[-1]):
+        with self._threads_for(hidden.numel() // hidden.shape[-1], "logits"):
             return self.model.compute_logits(hidden).float()
 
     def warm_up(self, width: int) -> None:

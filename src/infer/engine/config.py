@@ -132,6 +132,9 @@ class EngineConfig:
     compile: bool = False
     # CUDA only: replay decode steps and chain verifications as CUDA graphs (core.cuda_graphs).
     cuda_graphs: bool = False
+    # What computes the forward pass (models.backend): auto, torch or cpu-kernels. auto picks the
+    # fastest this machine runs; naming one it cannot run is an error that says why.
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_backend not in KV_BACKENDS:
@@ -162,6 +165,10 @@ class EngineConfig:
         if self.cuda_graphs and (self.compile or self.exact_greedy):
             raise ValueError("cuda_graphs runs the eager model's passes as graphs; it cannot be combined with "
                              f"{'compile' if self.compile else 'exact_greedy'}")
+        from infer.models.backend import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is invalid: use {', '.join(BACKENDS)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
 

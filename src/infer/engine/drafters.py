@@ -36,6 +36,7 @@ class TargetModel:
     dtype: torch.dtype
     make_pool: Callable[[ModelConfig], CachePoolProtocol]  # a KV pool like the target's, for another model
     compile: bool = False  # compiled mode: a draft model is compiled like the target
+    backend: str = "auto"  # the backend asked for (models.backend): a draft model runs on the same
 
 
 def make_speculative_runner(spec: SpeculativeConfig, target_runner: ContinuousRunner, target: TargetModel,
@@ -55,7 +56,8 @@ def make_proposer(spec: SpeculativeConfig, target: TargetModel, say: Callable[[s
 
         assert spec.draft_model is not None
         say(f"loading draft model {spec.draft_model}")
-        model, config = load_model(spec.draft_model, target.dtype, str(target.device))
+        model, config = load_model(spec.draft_model, target.dtype, str(target.device), backend=target.backend,
+                                   compile=target.compile)
         check_compatible(spec.draft_model, target.path, config.vocab_size, target.config.vocab_size,
                          load_tokenizer(spec.draft_model, config), target.tokenizer)
         if target.compile:

@@ -22,10 +22,11 @@ from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepR
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
 from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
 from infer.loader.config import ModelConfig
+from infer.models.backend import choose_backend
 from infer.models.compiled import compile_forward
 from infer.models.invariant import check_invariance, make_exact
 from infer.sampling.grammar import GrammarCompiler
-from infer.sampling.params import SamplingParams
+from infer.sampling.params import SamplingParams, short_repr
 
 
 @dataclass
@@ -80,6 +81,10 @@ def choose_max_seq_len(config: EngineConfig, model_config: ModelConfig, device: 
     return min(fitted, limit), f"{budget_text}, below the model's {limit}"
 
 
+class ContextLengthError(ValueError):
+    """A prompt plus the tokens asked for do not fit the context (``fit_context=True``)."""
+
+
 class Engine:
     """Continuous-batching engine. Thread-safe entry points: ``add_request``, ``abort``, ``step``."""
 
@@ -89,7 +94,11 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype, dtype_reason = choose_dtype(config.dtype, self.device)
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
-        self.model, self.model_config = load_model(config.model, self.dtype, str(self.device))
+        self.model, self.model_config = load_model(config.model, self.dtype, str(self.device),
+                                                   backend=config.backend, compile=config.compile)
+        self.backend = self.model.backend or choose_backend(self.device, self.dtype, config.backend, config.compile)
+        if config.exact_greedy or config.cuda_graphs:
+            self.backend.mode = "exact" if config.exact_greedy else "cuda-graphs"
         if config.exact_greedy:
             say("exact-greedy kernels: checking that this machine computes a token alike in any pass")
             make_exact(self.model)
@@ -101,7 +110,8 @@ class Engine:
         self.pool = self._make_pool(self.model_config)
         # What was chosen and why, for the run summary (infer generate/chat print it).
         self.summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({dtype_reason}); context "
-                        f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens")
+                        f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens; "
+                        f"{self.backend.describe()}")
         say(self.summary)
         prefix_cache = None
         if config.prefix_caching:
@@ -122,7 +132,7 @@ class Engine:
 
             described = TargetModel(path=config.model, model=self.model, config=self.model_config,
                                     tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
-                                    make_pool=self._make_pool, compile=config.compile)
+                                    make_pool=self._make_pool, compile=config.compile, backend=config.backend)
             self.runner = make_speculative_runner(config.speculative, target, described, say)
         if config.compile:
             width = 1 + (config.speculative.max_length if config.speculative is not None else 1)
@@ -138,18 +148,22 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                     cache_salt: str | None = None) -> Request:
+                     cache_salt: str | None = None, *, parse_special: bool = True,
+                     fit_context: bool = False) -> Request:
         """Tokenize and validate a prompt; raises ValueError naming the problem.
 
         ``cache_salt`` keeps the request's prompt blocks apart in the prefix cache: only requests
-        with the same salt (or none) share cached KV blocks.
+        with the same salt (or none) share cached KV blocks. ``parse_special=False`` tokenizes
+        special-token text in a string prompt as plain text (a server's untrusted input).
+        ``fit_context=True`` refuses a prompt plus ``max_tokens`` over the context
+        (``ContextLengthError``) instead of stopping generation at the context's end.
         """
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt={cache_salt!r} is invalid: must be a non-empty string or None")
+            raise ValueError(f"cache_salt={short_repr(cache_salt)} is invalid: must be a non-empty string or None")
         if isinstance(prompt, str):
             text: str | None = prompt
             self._check_fits(prompt)
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, parse_special=parse_special)
         else:
             text, ids = None, list(prompt)
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
@@ -164,6 +178,10 @@ class Engine:
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {self.max_seq_len} "
                              "(max_seq_len), leaving no room to generate")
+        if fit_context and len(ids) + params.max_tokens > self.max_seq_len:
+            raise ContextLengthError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is more "
+                                     f"than the context of {self.max_seq_len} tokens (max_seq_len); ask for at most "
+                                     f"{self.max_seq_len - len(ids)} tokens")
         rid = request_id or f"req-{next(self._ids)}"
         request = Request(rid, ids, params, IncrementalDetokenizer(self.tokenizer, ids), self.tokenizer.eos_token_ids,
                           self.max_seq_len, self.device, prompt=text, cache_salt=cache_salt)
@@ -171,11 +189,13 @@ class Engine:
             request.grammar = self.grammars.matcher(params.structured_output)  # type: ignore[arg-type]
         return request
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], parse_special: bool = True,
+                    tools: list[Any] | None = None) -> list[int]:
         """Token ids of a chat prompt (the tokenizer's template, given ``tools`` as its ``tools``
-        variable); ValueError naming the problem."""
+        variable); ValueError naming the problem. ``parse_special=False``: special-token text in
+        messages is plain text (see Tokenizer.encode_chat)."""
         self._check_fits("".join(str(m.get("content") or "") for m in messages))
-        return self.tokenizer.encode_chat(messages, tools)
+        return self.tokenizer.encode_chat(messages, parse_special=parse_special, tools=tools)
 
     def _check_fits(self, text: str) -> None:
         """Refuse text that surely has too many tokens for the context, without tokenizing it all."""
@@ -184,8 +204,10 @@ class Engine:
                              "(max_seq_len) can hold")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str | None = None) -> Request:
-        request = self.make_request(prompt, params, request_id, cache_salt)
+                    cache_salt: str | None = None, *, parse_special: bool = True,
+                    fit_context: bool = False) -> Request:
+        request = self.make_request(prompt, params, request_id, cache_salt, parse_special=parse_special,
+                                    fit_context=fit_context)
         with self.lock:
             self.scheduler.add(request)
         return request

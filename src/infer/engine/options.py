@@ -19,6 +19,7 @@ from infer.engine.config import (
     SpeculativeConfig,
 )
 from infer.loader.hub import DEFAULT_MODEL
+from infer.models.backend import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "eager where the CPU decoder stack runs, see docs/benchmarks.md)"),
     Option("cuda_graphs", "CUDA only: replay decode steps and chain verifications as CUDA graphs, one per batch, "
            "width and context bucket, captured on first use"),
+    Option("backend", "what computes the forward pass: auto (the fastest this machine runs; the startup line says "
+           "which and why), torch (the PyTorch layers) or cpu-kernels (infer's C kernels; an error where they "
+           "cannot run)", choices=BACKENDS),
     # Batching and the KV pool: what a server tunes.
     Option("max_batch_size", "most requests decoded together", type=int),
     Option("block_size", "tokens per KV block (paged)", type=int),
@@ -96,7 +100,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
 MODEL_OPTIONS = ("model", "dtype", "device", "use_speculative_decoding", "draft_model", "speculator", "spec_length",
                  "spec_length_policy", "medusa_heads", "medusa_tree_size", "tree_attention", "suffix_tree_size",
                  "suffix_max_tokens", "suffix_max_requests", "suffix_scope", "max_seq_len", "kv_memory_fraction",
-                 "kv_cache_backend", "exact_greedy", "compile", "cuda_graphs")
+                 "kv_cache_backend", "exact_greedy", "compile", "cuda_graphs", "backend")
 SERVING_OPTIONS = ("max_batch_size", "block_size", "num_kv_blocks", "chunked_prefill", "max_prefill_tokens",
                    "prefix_caching", "max_queue")
 

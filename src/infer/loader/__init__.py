@@ -58,10 +58,10 @@ def choose_dtype(dtype: str | torch.dtype, device: torch.device) -> tuple[torch.
 
 
 def cpu_bf16_feature() -> str | None:
-    """The CPU flag that gives native bfloat16 arithmetic, or None (``models.cpu_kernels.cpu_flags``)."""
-    from infer.models.cpu_kernels import cpu_flags
+    """The CPU flag that gives native bfloat16 arithmetic, or None (``kernels.build.cpu_flags``)."""
+    from infer.kernels import build
 
-    flags = cpu_flags()
+    flags = build.cpu_flags()
     return next((flag for flag in ("amx_bf16", "avx512_bf16", "bf16") if flag in flags), None)
 
 
@@ -85,22 +85,32 @@ def load_config(ref: str | os.PathLike[str]) -> ModelConfig:
 
 
 def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
-               device: str = "auto", fuse: bool = True, pack: bool | None = None) -> tuple[DecoderOnlyLM, ModelConfig]:
+               device: str = "auto", fuse: bool = True, pack: bool | None = None, backend: str = "auto",
+               compile: bool = False) -> tuple[DecoderOnlyLM, ModelConfig]:
     """Build the architecture the checkpoint names and fill it: a folder's safetensors, or a GGUF's
     tensors dequantized into ``dtype``.
 
     ``fuse`` merges q/k/v and gate/up projections for faster inference; pass False to get the
-    Hugging Face module layout (training, saving). ``pack`` pre-packs the fused weights for oneDNN
-    (``DecoderOnlyLM.pack_for_cpu``); the default does so for bfloat16 and float32 on CPU where torch
-    supports it.
+    Hugging Face module layout (training, saving). ``pack`` gives a fused model on CPU the inference
+    form of ``backend`` (``models.backend``: ``auto``, ``torch``, ``cpu-kernels``; ``compile`` says
+    it will run compiled), recorded as ``model.backend``; the default packs a fused CPU model.
     """
     # Imported here: the model modules import loader.config, so a top-level import would be circular.
     from infer.models import MODEL_REGISTRY
-    from infer.models.layers import cpu_linear_kernel, rope_inv_freq
+    from infer.models.backend import Backend, choose_backend
+    from infer.models.layers import rope_inv_freq
 
     path = resolve_model_path(ref)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    if pack is None:
+        pack = fuse and dev.type == "cpu"
+    if pack or dev.type != "cpu":  # chosen before the weights are read: a refusal comes quickly
+        chosen = choose_backend(dev, torch_dtype, backend, compile)
+    elif backend == "cpu-kernels":
+        raise ValueError("backend 'cpu-kernels' needs the packed inference layout (fuse=True, pack=True)")
+    else:
+        chosen = Backend("torch", reasons=["loaded unpacked (training or conversion layout)"])
     config = load_config(path)
     with torch.device("meta"):
         model = MODEL_REGISTRY[config.model_type](config)
@@ -145,10 +155,9 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     model.inv_freq = inv_freq.to(dev)
     if fuse:
         model.fuse_projections()
-    if pack is None:
-        pack = fuse and dev.type == "cpu" and cpu_linear_kernel(torch_dtype) is not None
     if pack:
-        model.pack_for_cpu()
+        model.pack_for_cpu(chosen)
+    model.backend = chosen
     return model.eval(), config
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -76,17 +78,39 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return dict(self._tok.get_vocab(with_added_tokens=True))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``; ValueError for text the tokenizer cannot take (a lone surrogate).
 
+        ``parse_special=False`` reads special-token text (``<|im_end|>``) as plain characters, so
+        untrusted text cannot inject control tokens; ``add_special_tokens`` (BOS) is a separate matter.
         ``encode_batch`` releases the GIL while ``encode`` holds it (seconds for a long text, which
         would stall a server's event loop even from a worker thread); the ids are the same.
         """
+        backend = self._tok if parse_special else self._plain_backend
         try:
-            encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         except TypeError:  # tokenizers refuses str objects that are not valid Unicode
             raise ValueError(_invalid_text(text)) from None
         return list(encoding.ids)
+
+    @functools.cached_property
+    def _plain_backend(self) -> HFTokenizer:
+        """A copy of the backend that tokenizes special-token text like any other text (the
+        setting is per object, so the shared backend keeps parsing them for templates)."""
+        plain = HFTokenizer.from_str(self._tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @functools.cached_property
+    def _special_text(self) -> re.Pattern[str] | None:
+        """Matches the text of any special token (None if there are none)."""
+        texts = sorted({t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content},
+                       key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether ``text`` contains the text of a special token (``<|im_end|>``)."""
+        return self._special_text is not None and self._special_text.search(text) is not None
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -119,9 +143,43 @@ class Tokenizer:
         except TemplateError as err:
             raise ValueError(f"chat template failed: {err}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], parse_special: bool = True,
+                    tools: list[Any] | None = None) -> list[int]:
+        """Token ids of the rendered chat template. With ``parse_special=False`` only the template
+        writes control tokens: special-token text in a message's ``content`` or ``name`` is plain text,
+        so a user cannot close their turn and open a fake system turn."""
         # The template already writes any BOS, so no special tokens are added again (as transformers does).
-        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+        if parse_special or not any(self.has_special_text(v) for m in messages for k, v in m.items()
+                                    if k in _MESSAGE_TEXT and isinstance(v, str)):
+            return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+        # Mark each text with a random fence, render, then tokenize the fenced parts as plain text
+        # and the template's own text with its control tokens. (Only taken when a message holds
+        # special-token text: tokenizing in pieces may split differently at the fences.)
+        nonce = secrets.token_hex(8)
+        start, end = f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000"
+        fenced = [{k: f"{start}{v}{end}" if k in _MESSAGE_TEXT and isinstance(v, str) else v for k, v in m.items()}
+                  for m in messages]
+        rendered = self.apply_chat_template(fenced, tools=tools)
+        ids: list[int] = []
+        pos = 0
+        for match in re.finditer(f"{re.escape(start)}(.*?){re.escape(end)}", rendered, re.DOTALL):
+            ids += self._template_ids(rendered[pos:match.start()], nonce)
+            inner = match.group(1)
+            if nonce in inner:
+                raise ValueError(_FENCE_BROKEN)
+            ids += self.encode(inner, add_special_tokens=False, parse_special=False)
+            pos = match.end()
+        return ids + self._template_ids(rendered[pos:], nonce)
+
+    def _template_ids(self, text: str, nonce: str) -> list[int]:
+        if nonce in text:  # the template cut or reordered a message's text: refuse rather than guess
+            raise ValueError(_FENCE_BROKEN)
+        return self.encode(text, add_special_tokens=False) if text else []
+
+
+_MESSAGE_TEXT = ("content", "name")  # the message fields a request supplies as free text
+_FENCE_BROKEN = ("a message holds special-token text (such as '<|im_end|>') and this chat template rewrites "
+                 "message text, so it cannot be kept as plain text; remove it from the message")
 
 
 def _invalid_text(text: str) -> str:

@@ -9,7 +9,10 @@ pass runs and then reused (the engine runs the common kinds at load: ``ModelRunn
 Inductor's on-disk caches make a restart's compiles cheaper.
 
 The CPU matrix-vector kernel is an opaque custom operator to the compiler (``infer::gemv``); what
-Inductor gains on CPU is fusing the small operators between the matmuls. It measured no faster
+Inductor gains on CPU is fusing the small operators between the matmuls. oneDNN-packed linears
+(``PackedLinear``) cannot be compiled (Inductor's lowering expects a packed weight to be a graph
+constant it packed itself), so a model to compile is loaded with ``compile=True``
+(``models.backend``), which keeps plain ``nn.Linear`` where the C kernels do not run. It measured no faster
 than eager on the project's 2-core CPU (docs/benchmarks.md): the mode is for CUDA, where fusion
 and fewer kernel launches pay, and so that exactness holds, and is tested, in both modes.
 """
@@ -60,8 +63,15 @@ def _install_progress() -> None:
 
 
 def compile_forward(model: nn.Module, say: Callable[[str], None] | None = None) -> None:
-    """Replace ``model.forward`` by its compiled form (in place; weights are shared, not copied)."""
+    """Replace ``model.forward`` by its compiled form (in place; weights are shared, not copied).
+    A model with oneDNN-packed linears is refused (ValueError): load it with ``compile=True``."""
     import torch._dynamo
+
+    from infer.models.layers import PackedLinear
+
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        raise ValueError("this model's linears are pre-packed for oneDNN, which torch.compile cannot lower; "
+                         "load it with load_model(..., compile=True) so they stay nn.Linear")
 
     config = torch._dynamo.config
     limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"

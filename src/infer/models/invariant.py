@@ -36,7 +36,7 @@ from torch import nn
 
 from infer.cache import make_pool
 from infer.cache.protocol import build_kv_batch
-from infer.models.cpu_kernels import GemvLinear
+from infer.kernels.cpu import GemvLinear
 from infer.models.layers import DecoderLayer, DecoderOnlyLM
 
 # Rows per matmul call: every pass is cut into (zero-padded) blocks of this many rows. 8 covers a

@@ -8,28 +8,30 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infer.cache.protocol import KVBatch, LayerKV
+from infer.kernels.cpu import MAX_ROWS, GemvLinear, KernelLibrary, StackTable
 from infer.loader.config import CheckpointError, ModelConfig
-from infer.models import cpu_kernels
-from infer.models.cpu_kernels import GemvLinear, gemv_available
+
+if TYPE_CHECKING:
+    from infer.models.backend import Backend
 
 # enable_gqa arrived in torch 2.5; older versions repeat K/V heads instead.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def _run_fused(enabled: bool, *tensors: torch.Tensor) -> bool:
-    """Whether a module runs its CPU fused kernel (``cpu_kernels``): ``pack_for_cpu`` enabled it, the
-    inputs are contiguous, torch.compile is not tracing (Inductor fuses these operators itself) and
-    autograd does not need the operators recorded."""
-    return (enabled and not torch.compiler.is_compiling() and all(t.is_contiguous() for t in tensors)
+def _run_fused(kernels: KernelLibrary | None, *tensors: torch.Tensor) -> bool:
+    """Whether a module runs its CPU fused kernel: ``pack_for_cpu`` gave it the kernels, the inputs
+    are contiguous CPU tensors of a dtype they take, torch.compile is not tracing (Inductor fuses
+    these operators itself) and autograd does not need the operators recorded."""
+    return (kernels is not None and not torch.compiler.is_compiling()
+            and all(t.is_contiguous() and t.device.type == "cpu" and t.dtype in kernels.dtypes for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
@@ -38,11 +40,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.cpu_fused = False  # set by DecoderOnlyLM.pack_for_cpu where the CPU kernels run
+        self.kernels: KernelLibrary | None = None  # set by DecoderOnlyLM.pack_for_cpu where the CPU kernels run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _run_fused(self.cpu_fused, x, self.weight):
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        if self.kernels is not None and _run_fused(self.kernels, x, self.weight):
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 like the reference implementation, then cast back. The mean of
         # squares is sum / dim: bit-identical to ``mean`` (which is exactly that) at a fraction of
         # its CPU cost, and F.rms_norm is no faster here (on CPU it decomposes into the same steps)
@@ -112,7 +114,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): one matmul instead of three
-        self.cpu_fused = False  # RoPE by the CPU kernel (pack_for_cpu)
+        self.kernels: KernelLibrary | None = None  # RoPE by the CPU kernel (pack_for_cpu)
         # Set by models.invariant.make_exact: attention whose rows do not depend on the pass's shape.
         self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
@@ -129,7 +131,8 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x).view(batch, width, heads + 2 * kv_heads, self.head_dim)
             if self.q_norm is None:
                 # The kernel reads q and k where they lie in the projection's output (contiguous).
-                rope = cpu_kernels.rope if _run_fused(self.cpu_fused, qkv, cos, sin) else apply_rope
+                fused = self.kernels is not None and _run_fused(self.kernels, qkv, cos, sin)
+                rope = self.kernels.rope if fused and self.kernels is not None else apply_rope
                 qk = rope(qkv[:, :, : heads + kv_heads], cos, sin)
                 q, k = qk[:, :, :heads], qk[:, :, heads:]
             else:
@@ -229,7 +232,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse()
-        self.cpu_fused = False  # SwiGLU's activation by the CPU kernel (pack_for_cpu)
+        self.kernels: KernelLibrary | None = None  # SwiGLU's activation by the CPU kernel (pack_for_cpu)
 
     def fuse(self) -> None:
         self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
@@ -237,8 +240,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            if _run_fused(self.cpu_fused, gate_up):
-                return self.down_proj(cpu_kernels.silu_mul(gate_up))
+            if self.kernels is not None and _run_fused(self.kernels, gate_up):
+                return self.down_proj(self.kernels.silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -312,43 +315,6 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")  # type: ignore[no-any-return]
 
 
-def cpu_linear_kernel(dtype: torch.dtype) -> str | None:
-    """Which CPU inference form ``pack_for_cpu`` gives ``dtype`` linears: ``gemv`` (the streaming
-    kernel, ``infer.models.cpu_kernels``), ``onednn`` (``PackedLinear``) or None (plain ``nn.Linear``).
-    ``INFER_CPU_GEMV=0`` turns the kernel off (to compare, or where it misbehaves)."""
-    if os.environ.get("INFER_CPU_GEMV", "1") != "0" and gemv_available(dtype):
-        return "gemv"
-    return "onednn" if cpu_packing_available(dtype) else None
-
-
-@functools.cache
-def cpu_fused_available(dtype: torch.dtype) -> bool:
-    """Whether ``pack_for_cpu`` runs RMSNorm, RoPE and SwiGLU's activation through the C kernels
-    (``cpu_kernels``): the library builds here and agrees with this module's operators on a probe.
-    ``INFER_CPU_FUSED=0`` turns them off."""
-    if os.environ.get("INFER_CPU_FUSED", "1") == "0" or not gemv_available(dtype):
-        return False
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 100, generator=gen).to(dtype)
-    norm = RMSNorm(100, 1e-6).to(dtype)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(100, generator=gen))
-    heads = torch.randn(2, 3, 5, 16, generator=gen).to(dtype)
-    cos, sin = rope_cos_sin(torch.rand(8, generator=gen), torch.arange(6).view(2, 3), dtype)
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    checks = [(cpu_kernels.rms_norm(x, norm.weight, norm.eps), norm(x)),
-              (cpu_kernels.rope(heads[:, :, :3], cos, sin), apply_rope(heads[:, :, :3], cos, sin)),
-              (cpu_kernels.silu_mul(x), F.silu(x[..., :50]) * x[..., 50:])]
-    return all(torch.allclose(ours.float(), ref.float(), rtol=tol, atol=tol) for ours, ref in checks)
-
-
-def cpu_linear(linear: nn.Linear) -> nn.Module:
-    kernel = cpu_linear_kernel(linear.weight.dtype)
-    if kernel == "gemv":
-        return GemvLinear(linear)
-    return PackedLinear(linear) if kernel == "onednn" else linear
-
-
 def count_weights(model: nn.Module) -> int:
     """Parameters, counting pre-packed linear weights (which are not ``nn.Parameter``s) too."""
     packed = sum(m.weight_numel for m in model.modules() if isinstance(m, PackedLinear))
@@ -369,52 +335,58 @@ class DecoderLayer(nn.Module):
 
 
 class CpuStack:
-    """Every decoder layer as one C call (``cpu_kernels.decoder_stack``) for passes of up to
+    """Every decoder layer as one C call (``KernelLibrary.decoder_stack``) for passes of up to
     ``MAX_ROWS`` tokens: the same kernels in the same order as the layers' own forward, minus
-    the Python and PyTorch operators between them (a third of a SmolLM2 decode step), and an
-    attention that computes each token alone, so a token's logits are the same bits in a decode
-    step and in any verification pass. ``INFER_CPU_STACK=0`` turns it off."""
+    the Python and PyTorch operators between them, and an attention that computes each token alone,
+    so a token's logits are the same bits in a decode step and in any verification pass. The
+    backend (``models.backend``) turns it on where it passed its probe against these layers."""
 
-    def __init__(self, tensors: list[torch.Tensor | None], shape: dict[str, int], eps: float) -> None:
-        self.tensors = tensors  # kept: the table below holds their addresses
-        self.table = torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.long)
-        self.shape = shape
-        self.eps = eps
-        self.dtype = tensors[0].dtype if tensors[0] is not None else None
+    def __init__(self, library: KernelLibrary, table: StackTable) -> None:
+        self.library = library
+        self.table = table
+        self.dtype = table.dtype
         # Passes of more rows run layer by layer (prefill: oneDNN's GEMM is faster there). Exact-greedy
         # mode lifts the limit (None): every pass then computes a token the same way.
-        self.max_rows: int | None = cpu_kernels.MAX_ROWS
+        self.max_rows: int | None = MAX_ROWS
 
     @classmethod
-    def build(cls, model: DecoderOnlyLM) -> CpuStack | None:
+    def build(cls, model: DecoderOnlyLM, library: KernelLibrary) -> CpuStack | None:
         """The stack for ``model`` (fused, packed, CPU kernels on), or None where it does not apply:
-        a per-head norm (Qwen3), a projection not on the kernel, a head too wide, more than 16 query heads
-        per KV head, or the switch off."""
+        a projection not on the kernel, a head too wide, more than 16 query heads per KV head, or
+        norms with different epsilons."""
+        from infer.kernels.cpu import MAX_STACK_GROUP, MAX_STACK_HEAD_DIM
+
         config = model.config
         layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
-        if (os.environ.get("INFER_CPU_STACK", "1") == "0" or config.qk_norm
-                or config.head_dim > cpu_kernels.MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers)
-                or config.num_attention_heads > cpu_kernels.MAX_STACK_GROUP * config.num_key_value_heads):
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if (config.head_dim > MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers) or kv_heads < 1
+                or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads):
             return None
         tensors: list[torch.Tensor | None] = []
         eps = layers[0].input_layernorm.eps
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if attn.q_norm is not None and attn.k_norm is not None:
+                norms += [attn.q_norm, attn.k_norm]
             if (not all(isinstance(m, GemvLinear) for m in linears) or not all(isinstance(n, RMSNorm) for n in norms)
                     or any(n.eps != eps for n in norms) or attn.attend is not None):
                 return None
             qkv, o, gate_up, down = linears
-            tensors += [layer.input_layernorm.weight, qkv.weight, qkv.bias, o.weight, o.bias,  # type: ignore[union-attr]
-                        layer.post_attention_layernorm.weight, gate_up.weight, gate_up.bias,  # type: ignore[union-attr]
-                        down.weight, down.bias]  # type: ignore[union-attr]
-        assert len(tensors) == len(layers) * len(cpu_kernels.STACK_TENSORS)
-        if not all(t is None or t.is_contiguous() for t in tensors):
+            tensors += [layer.input_layernorm.weight, qkv.weight, qkv.bias,  # type: ignore[union-attr]
+                        None if attn.q_norm is None else attn.q_norm.weight,
+                        None if attn.k_norm is None else attn.k_norm.weight,
+                        o.weight, o.bias, layer.post_attention_layernorm.weight,  # type: ignore[union-attr]
+                        gate_up.weight, gate_up.bias, down.weight, down.bias]  # type: ignore[union-attr]
+        shape = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=config.head_dim,
+                     inter=config.intermediate_size, layers=len(layers))
+        try:
+            table = StackTable(tensors, shape, eps, qk_norm=config.qk_norm)
+            table.addresses()  # checks every tensor now
+        except ValueError:
             return None
-        shape = dict(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-                     head_dim=config.head_dim, inter=config.intermediate_size, layers=len(layers))
-        return cls(tensors, shape, eps)
+        return cls(library, table)
 
     def takes(self, x: torch.Tensor, kv: KVBatch) -> bool:
         """Whether this pass runs here: few enough rows, no FlexAttention mask, not traced by
@@ -423,11 +395,11 @@ class CpuStack:
         return ((self.max_rows is None or x.shape[0] * x.shape[1] <= self.max_rows) and kv.block_mask is None
                 and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
                 and x.device.type == "cpu" and x.dtype == self.dtype == kv.k_layers[0].dtype
-                and kv.k_layers[0].device.type == "cpu")
+                and kv.k_layers[0].device.type == "cpu" and self.table.tensors[0] is not None
+                and self.table.tensors[0].dtype == self.dtype and self.table.tensors[0].device.type == "cpu")
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch) -> torch.Tensor:
-        return cpu_kernels.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv,
-                                         self.shape, self.eps)
+        return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv)
 
 
 class DecoderBody(nn.Module):
@@ -457,6 +429,7 @@ class DecoderOnlyLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.fused = False
         self.cpu_stack: CpuStack | None = None  # set by pack_for_cpu where the whole stack runs in C
+        self.backend: Backend | None = None  # set by the loader: what runs the forward pass, and why
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv: KVBatch | None = None) -> torch.Tensor:
@@ -487,24 +460,34 @@ class DecoderOnlyLM(nn.Module):
                 delattr(layer.mlp, name)
         self.fused = True
 
-    def pack_for_cpu(self) -> None:
-        """Replace every projection and the LM head by its CPU inference form (fused, bfloat16 or
-        float32): a ``GemvLinear`` where this CPU runs the streaming kernel, else a ``PackedLinear``;
-        and where the kernels run, RMSNorm, RoPE and SwiGLU's activation through them too."""
+    def pack_for_cpu(self, backend: Backend) -> None:
+        """Give every projection and the LM head the CPU inference form ``backend`` chose (fused
+        layout first): a ``GemvLinear`` on the C kernels, a oneDNN ``PackedLinear``, or plain
+        ``nn.Linear``; where the kernels run, RMSNorm, RoPE and SwiGLU's activation through them
+        too, and the whole decoder stack in one call where the backend probed it."""
         if not self.fused:
             raise RuntimeError("pack_for_cpu needs the fused inference layout (fuse_projections first)")
+        library = backend.library
+
+        def convert(linear: nn.Module) -> nn.Module:
+            if not isinstance(linear, nn.Linear) or isinstance(linear, GemvLinear):
+                return linear
+            if library is not None:
+                return GemvLinear(linear, library)
+            return PackedLinear(linear) if backend.onednn else linear
+
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
-            attn.qkv_proj, attn.o_proj = cpu_linear(attn.qkv_proj), cpu_linear(attn.o_proj)  # type: ignore[assignment]
-            mlp.gate_up_proj, mlp.down_proj = cpu_linear(mlp.gate_up_proj), cpu_linear(mlp.down_proj)  # type: ignore[assignment]
-        self.lm_head = cpu_linear(self.lm_head)  # type: ignore[assignment]  # a packed head gets its own copy
-        if cpu_fused_available(self.model.embed_tokens.weight.dtype):
+            attn.qkv_proj, attn.o_proj = convert(attn.qkv_proj), convert(attn.o_proj)  # type: ignore[assignment]
+            mlp.gate_up_proj, mlp.down_proj = convert(mlp.gate_up_proj), convert(mlp.down_proj)  # type: ignore[assignment]
+        self.lm_head = convert(self.lm_head)  # type: ignore[assignment]  # a packed head gets its own copy
+        if library is not None and backend.fused:
             for module in self.modules():
                 if isinstance(module, (RMSNorm, Attention, MLP)):
-                    module.cpu_fused = True
-            self.cpu_stack = CpuStack.build(self)
+                    module.kernels = library
+        self.cpu_stack = CpuStack.build(self, library) if library is not None and backend.stack else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -115,6 +115,19 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def short_repr(value: object, limit: int = 100) -> str:
+    """``repr(value)`` cut to ``limit`` characters (and "…"): error messages name a bad value
+    without echoing a megabyte of it back. Long containers are cut before ``repr`` runs."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:  # repr of a huge int is slow, then refused
+        return f"<an integer of {value.bit_length()} bits>"
+    if isinstance(value, (list, tuple)) and len(value) > limit:
+        value = value[:limit]
+    elif isinstance(value, str) and len(value) > limit:
+        value = value[: limit + 1]
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def _require(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {rule}")
+        raise ValueError(f"SamplingParams.{name}={short_repr(value)} is invalid: {rule}")

@@ -21,8 +21,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
-from infer.sampling.params import SamplingParams
+from infer.sampling.params import SamplingParams, short_repr
 from infer.server.engine_loop import EngineService, Progress, Subscription
 from infer.server.errors import (
     APIError,
@@ -80,6 +81,19 @@ def _generation_responses(model: type, auth: bool) -> dict[int | str, dict[str, 
             **_errors(400, *((401,) if auth else ()), 404, 413, 429, 500, 503)}
 
 
+def build_app(config: EngineConfig, served_model_name: str, api_key: str | None, *,
+              say: Callable[[str], None] | None = None, **app_options: Any) -> FastAPI:
+    """Load the engine ``config`` describes and wrap it in the HTTP app (``create_app``'s options):
+    what one ``infer serve`` process runs, and what each Ray Serve replica runs."""
+    engine = Engine(config, say)
+    if say is not None:
+        spec = config.speculative
+        drafting = "" if spec is None else f", speculation {spec.method} (K={spec.length}, {spec.length_policy})"
+        say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
+            f"{engine.pool.free_kv_tokens()} KV tokens{drafting}")
+    return create_app(engine, served_model_name, api_key, **app_options)
+
+
 def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None = None) -> FastAPI:
@@ -98,6 +112,9 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     if block_size is not None:
         metrics.cache_config.set(1, (("block_size", str(block_size)),
                                      ("num_gpu_blocks", str(getattr(engine.pool, "num_blocks", 0)))))
+    backend = getattr(engine, "backend", None)
+    if backend is not None:
+        metrics.backend_info.set(1, tuple(backend.info().items()))
     service = EngineService(engine, metrics)
 
     @asynccontextmanager
@@ -108,11 +125,14 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
         finally:
             await asyncio.to_thread(service.stop)
 
-    app = FastAPI(title="infer", description="OpenAI-compatible LLM server", lifespan=lifespan)
+    # No /docs or /redoc: their pages load Swagger UI and ReDoc from a public CDN. /openapi.json stays.
+    app = FastAPI(title="infer", description="OpenAI-compatible LLM server", lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
     app.state.engine = engine
     app.state.service = service
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(RequireJSON, paths=("/v1/completions", "/v1/chat/completions"))
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key is not None:  # outermost: an unauthenticated body is never read
         app.add_middleware(BearerAuth, api_key=api_key)
@@ -135,15 +155,27 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(404, *((401,) if auth else ())))
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != served_model_name:
-            raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+            raise APIError(404, f"the model {short_repr(model_id)} does not exist", param="model",
+                           code="model_not_found")
         return api.model_card()
 
     @app.get("/health", response_model=None,
-             responses={200: {"model": Health, "description": "Serving"},
-                        503: {"model": Health, "description": "Draining for shutdown, or the engine is not running"}})
+             responses={200: {"model": Health, "description": "Ready: serving requests"},
+                        503: {"model": Health, "description": "Not ready: `loading` the model, `draining` for "
+                                                              "shutdown, or the engine is not running"}})
     async def health() -> Response:
         if service.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if not service.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/livez", response_model=None,
+             responses={200: {"model": Health, "description": "The process answers: `ok`, `loading` or `draining`"},
+                        503: {"model": Health, "description": "The engine thread is not running"}})
+    async def livez() -> Response:
+        if service.draining:
+            return JSONResponse({"status": "draining"})
         if not service.alive:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -193,6 +225,10 @@ class _Api:
         params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
         await self._check_grammar(body, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        # An explicit max_tokens must fit the context with the prompt (a 400 naming both otherwise);
+        # the default (16) stops at the context's end.
+        submit: dict[str, Any] = {"cache_salt": body.cache_salt, "parse_special": bool(body.parse_special_tokens),
+                                  "max_tokens_param": body.max_tokens_field()}
         n = body.n or 1
         width = max(n, body.best_of or 1)  # best_of: generate width per prompt, answer the n likeliest
         scored = params if width == n or params.logprobs is not None else dataclasses.replace(params, logprobs=0)
@@ -209,8 +245,8 @@ class _Api:
                                    prompt_only=body.prompt_only, index=index,
                                    show_logprobs=params.logprobs is not None))
         if len(jobs) > 1:
-            return await self._respond_many(jobs, body, http, streams, "prompt", width, keep=n)
-        sub = await self.service.submit(prompts[0], params, rid, prompt_param="prompt", cache_salt=body.cache_salt)
+            return await self._respond_many(jobs, body, http, streams, "prompt", width, keep=n, submit=submit)
+        sub = await self.service.submit(prompts[0], params, rid, prompt_param="prompt", **submit)
         return await self._respond(sub, body, http, streams[0])
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
@@ -221,12 +257,13 @@ class _Api:
         messages, tools = prompt_messages(body.template_messages(), body.tools if fns else None, template)
         self.service.check_admitting()  # before spending a worker thread on the template and tokenizer
         try:
-            ids = await asyncio.to_thread(self.engine.encode_chat, messages, tools)
+            ids = await asyncio.to_thread(self.engine.encode_chat, messages, bool(body.parse_special_tokens), tools)
         except ValueError as err:
             raise bad_request(str(err), param="messages") from None
         params = body.sampling_params(max(1, self.engine.max_seq_len - len(ids)))
         await self._check_grammar(body, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        submit: dict[str, Any] = {"cache_salt": body.cache_salt, "max_tokens_param": body.max_tokens_field()}
         n = body.n or 1
         if n > 1:
             streams = [_Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
@@ -234,8 +271,8 @@ class _Api:
                                tools=_ToolMode(fns, template) if fns else None)
                        for i in range(n)]
             jobs: list[tuple[str | list[int], SamplingParams]] = [(ids, _choice_params(params, i)) for i in range(n)]
-            return await self._respond_many(jobs, body, http, streams, "messages", n)
-        sub = await self.service.submit(ids, params, rid, prompt_param="messages", cache_salt=body.cache_salt)
+            return await self._respond_many(jobs, body, http, streams, "messages", n, submit=submit)
+        sub = await self.service.submit(ids, params, rid, prompt_param="messages", **submit)
         stream = _Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
                          holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer,
                          tools=_ToolMode(fns, template) if fns else None)
@@ -254,7 +291,7 @@ class _Api:
 
     async def _respond_many(self, jobs: list[tuple[str | list[int], SamplingParams]], body: SamplingRequest,
                             http: Request, streams: list[_Stream], prompt_param: str, n: int,
-                            keep: int | None = None) -> Response:
+                            keep: int | None = None, submit: dict[str, Any] | None = None) -> Response:
         """Several choices (a list of prompts, n > 1): one engine request each, answered together.
         ``n`` requests per prompt; with ``keep`` < n (best_of), the ``keep`` with the highest
         cumulative logprob of each prompt are answered (usage counts every generated token)."""
@@ -262,7 +299,7 @@ class _Api:
         try:
             for i, (prompt, params) in enumerate(jobs):
                 subs.append(await self.service.submit(prompt, params, f"{streams[i].id}-{i}", prompt_param=prompt_param,
-                                                      cache_salt=body.cache_salt))
+                                                      **(submit or {})))
         except BaseException:
             for sub in subs:
                 sub.close()
@@ -655,11 +692,37 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            sent = [value for name, value in scope.get("headers") or [] if name == b"authorization"]
+            if len(sent) > 1:  # a proxy that checks the first and this server the last must not disagree
+                error = bad_request(f"{len(sent)} Authorization headers; send exactly one", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+            given = sent[0] if sent else b""
             scheme, _, credentials = given.strip().partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(credentials.strip(), self.expected):
                 reason = "missing API key" if not given else "invalid API key"
                 error = APIError(401, f"{reason}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequireJSON:
+    """ASGI middleware: a POST to ``paths`` must say its body is JSON (``Content-Type:
+    application/json``); otherwise a 400 that says so, not a schema error about the body's shape."""
+
+    def __init__(self, app: ASGIApp, paths: tuple[str, ...]) -> None:
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
+            given = dict(scope.get("headers") or []).get(b"content-type", b"")
+            media = given.partition(b";")[0].strip().lower()
+            if media != b"application/json" and not (media.startswith(b"application/") and media.endswith(b"+json")):
+                shown = short_repr(given.decode("latin-1")) if given else "none"
+                error = bad_request(f"the request body must be JSON: send 'Content-Type: application/json' "
+                                    f"(got {shown})", code="invalid_content_type")
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

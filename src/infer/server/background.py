@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from infer.server.connections import HTTPLimits, uvicorn_config
+from infer.server.errors import APIError, SafeJSONResponse
+
 if TYPE_CHECKING:
     from infer.server.engine_loop import EngineService
 
@@ -32,6 +35,30 @@ def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def loading_app() -> Any:
+    """The ASGI app that answers while the model loads: ``/health`` 503 ``{"status": "loading"}``,
+    ``/livez`` 200 ``{"status": "loading"}`` (the process is alive), anything else a 503 error body."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        retry = {"Retry-After": "5"}
+        if scope["path"] in ("/health", "/livez"):
+            status = 503 if scope["path"] == "/health" else 200
+            response: Any = SafeJSONResponse({"status": "loading"}, status_code=status, headers=retry)
+        else:
+            response = APIError(503, "the model is still loading; retry shortly", type="server_error",
+                                code="model_loading", headers=retry).response()
+        await response(scope, receive, send)
+
+    return app
 
 
 class DrainingServer(uvicorn.Server):
@@ -85,11 +112,14 @@ class BackgroundServer:
     """``with BackgroundServer(app) as server: ... server.url ...`` serves ``app`` on 127.0.0.1:<free port>."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 graceful_shutdown_s: int = 10) -> None:
-        self.host = host
-        self._socket = bind_socket(host, port)
+                 graceful_shutdown_s: int = 10, limits: HTTPLimits | None = None,
+                 sock: socket.socket | None = None) -> None:
+        """``sock``: serve on this listening socket (a duplicate: the caller's stays open and listening
+        after ``stop``) instead of binding ``host:port``."""
+        self._socket = bind_socket(host, port) if sock is None else sock.dup()
+        self.host = str(self._socket.getsockname()[0])
         self.port = int(self._socket.getsockname()[1])
-        config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level, lifespan="on",
+        config = uvicorn_config(app, limits, host=self.host, port=self.port, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=graceful_shutdown_s)
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

@@ -13,9 +13,13 @@ from typing import TYPE_CHECKING, Any
 from infer.engine.options import engine_config
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
+    from infer.server.connections import HTTPLimits
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # app.DEFAULT_MAX_REQUEST_BYTES (not imported: keeps `infer --help` fast)
+# connections.HTTPLimits' defaults, for the same reason (a test checks they agree)
+HTTP_LIMIT_DEFAULTS = {"max_header_bytes": 32 * 1024, "max_headers": 100, "read_timeout_s": 30.0,
+                       "keep_alive_timeout_s": 5.0, "max_connections": 1024}
+FD_RESERVE = 256  # descriptors for model files, threads' pipes, logs: beyond two per allowed connection
 
 
 def add_subparser(subparsers: Any) -> None:
@@ -32,6 +36,21 @@ def add_subparser(subparsers: Any) -> None:
                         "prefer the variable: a flag is visible to every user in ps)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get HTTP 413 without being read")
+    limits = p.add_argument_group("connection limits (one-process server; Ray Serve's proxy has its own)")
+    limits.add_argument("--max-header-bytes", type=int, default=HTTP_LIMIT_DEFAULTS["max_header_bytes"],
+                        help="a request line plus headers larger than this gets HTTP 431 and the connection closed "
+                             "(default: %(default)s)")
+    limits.add_argument("--max-headers", type=int, default=HTTP_LIMIT_DEFAULTS["max_headers"],
+                        help="more request headers than this get HTTP 431 (default: %(default)s)")
+    limits.add_argument("--read-timeout", type=float, default=HTTP_LIMIT_DEFAULTS["read_timeout_s"],
+                        help="seconds a client has to send a whole request (headers and body) once it has begun; "
+                             "then HTTP 408 and the connection closed (default: %(default)s)")
+    limits.add_argument("--keep-alive-timeout", type=float, default=HTTP_LIMIT_DEFAULTS["keep_alive_timeout_s"],
+                        help="seconds an idle connection (a new one that sent nothing, or between requests) stays "
+                             "open (default: %(default)s)")
+    limits.add_argument("--max-connections", type=int, default=HTTP_LIMIT_DEFAULTS["max_connections"],
+                        help="open connections beyond this get HTTP 503 at once and are closed "
+                             "(default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted "
                         "(keep it below the orchestrator's grace period, 30 s in Kubernetes); a second "
@@ -55,6 +74,39 @@ def add_subparser(subparsers: Any) -> None:
                        help="GPUs Ray reserves for each replica, fractions allowed (default: 1 with --device "
                             "cuda*, else 0)")
     p.set_defaults(func=run_serve)
+
+
+def http_limits_from(args: argparse.Namespace) -> HTTPLimits:
+    """The connection limits the flags describe; ValueError naming a bad one."""
+    from infer.server.connections import HTTPLimits
+
+    try:
+        return HTTPLimits(max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
+                          read_timeout_s=args.read_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                          max_connections=args.max_connections)
+    except ValueError as err:
+        flag = "--" + str(err).split(" ", 1)[0].removesuffix("_s").replace("_", "-")
+        raise ValueError(f"{flag} {str(err).split(' ', 1)[1]}") from None
+
+
+def ensure_fd_capacity(max_connections: int) -> None:
+    """Raise this process's soft limit on open files to what ``max_connections`` needs (as Go's runtime
+    does), within the hard limit; warn if even that is too low: past it, accepting fails for everyone."""
+    import resource
+
+    needed = 2 * max_connections + FD_RESERVE  # admitted plus refused ones lingering
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+        if soft < needed:
+            say(f"WARNING: --max-connections {max_connections} needs about {needed} open files, but this process "
+                f"may open {soft} (ulimit -n); lower --max-connections to {max(1, (soft - FD_RESERVE) // 2)} or "
+                "raise the limit")
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -95,22 +147,6 @@ def on_ray_serve(args: argparse.Namespace) -> bool:
     return args.replicas is not None or args.autoscale is not None or args.ray_address is not None
 
 
-def build_app(args: argparse.Namespace, **app_options: Any) -> FastAPI:
-    """Load the engine the flags describe and wrap it in the HTTP app: what one ``infer serve``
-    process runs, and what each Ray Serve replica runs. ``args.api_key`` is the resolved key."""
-    from infer.engine.engine import Engine
-    from infer.server.app import create_app
-
-    config = engine_config(args)
-    engine = Engine(config, say)
-    spec = "" if config.speculative is None else \
-        f", speculation {config.speculative.method} (K={config.speculative.length}, {config.speculative.length_policy})"
-    say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
-        f"{engine.pool.free_kv_tokens()} KV tokens{spec}")
-    return create_app(engine, served_model_name(args), args.api_key, max_request_bytes=args.max_request_bytes,
-                      **app_options)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     def fail(message: str) -> int:
         print(f"infer serve: error: {message}", file=sys.stderr)
@@ -119,6 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:  # bad flags fail before the (slow) model load
         engine_config(args)
         args.api_key = api_key_from(args)  # resolved here: replicas on other machines lack our environment
+        http_limits_from(args)
     except ValueError as err:
         return fail(str(err))
     if args.max_request_bytes < 1 or args.shutdown_timeout < 0:
@@ -154,18 +191,23 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
-    import uvicorn
-
-    from infer.server.background import DrainingServer
+    from infer.server.app import build_app
+    from infer.server.background import BackgroundServer, DrainingServer, loading_app
+    from infer.server.connections import uvicorn_config
     from infer.server.engine_loop import kv_pools, kv_usage
 
     name = served_model_name(args)
-    app = build_app(args)
+    limits = http_limits_from(args)
+    ensure_fd_capacity(limits.max_connections)
+    # While the model loads, a server on another thread answers: /health 503 "loading", the rest 503.
+    # The model loads here, on the main thread, as before (Ctrl-C interrupts it).
+    with BackgroundServer(loading_app(), sock=sock, limits=limits, log_level=args.log_level, graceful_shutdown_s=1):
+        app = build_app(engine_config(args), name, args.api_key, say=say, max_request_bytes=args.max_request_bytes)
     engine = app.state.engine
     host = f"[{args.host}]" if ":" in args.host else args.host
     port = sock.getsockname()[1]
     ready = f"serving {name!r} at http://{host}:{port}/v1" + (" (API key required)" if args.api_key else "")
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
+    server = DrainingServer(uvicorn_config(app, limits, host=args.host, port=port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5),
                             app.state.service, args.shutdown_timeout, on_ready=lambda: say(ready), say=say)
     server.run(sockets=[sock])

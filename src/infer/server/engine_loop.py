@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infer.core.request import Request
-from infer.engine.engine import Engine, RequestUpdate
+from infer.engine.engine import ContextLengthError, Engine, RequestUpdate
 from infer.engine.scheduler import QueueFullError
 from infer.sampling.params import SamplingParams
 from infer.sampling.sampler import TokenLogprobs
@@ -217,15 +217,21 @@ class EngineService:
             raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
 
     async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                     prompt_param: str = "prompt", cache_salt: str | None = None) -> Subscription:
+                     prompt_param: str = "prompt", cache_salt: str | None = None, *, parse_special: bool = False,
+                     max_tokens_param: str | None = None) -> Subscription:
         """Admit a request to the engine's queue; 400 if the engine refuses it, 429 if the queue is
-        full, 503 while draining. Tokenization runs on a worker thread."""
+        full, 503 while draining. Tokenization runs on a worker thread.
+
+        Special-token text in a string prompt is plain text unless ``parse_special``. With
+        ``max_tokens_param`` (the field the client set) a prompt plus max_tokens over the context
+        is a 400 naming that field; without it generation stops at the context's end."""
         self.check_admitting()
         loop = asyncio.get_running_loop()
         sub = Subscription(self, request_id, loop)
         with self._subs_lock:
             self._subs[request_id] = sub
-        add = loop.run_in_executor(None, functools.partial(self._add, prompt, params, request_id, cache_salt))
+        add = loop.run_in_executor(None, functools.partial(self._add, prompt, params, request_id, cache_salt,
+                                                           parse_special, max_tokens_param is not None))
         try:
             request = await asyncio.shield(add)
         except asyncio.CancelledError:
@@ -237,6 +243,9 @@ class EngineService:
             sub.close()
             self.metrics.rejected.inc()
             raise APIError(429, f"{err}; retry later", type="rate_limit_error", code="queue_full") from None
+        except ContextLengthError as err:
+            sub.close()
+            raise bad_request(str(err), param=max_tokens_param, code="context_length_exceeded") from None
         except ValueError as err:
             sub.close()
             raise bad_request(str(err), param=prompt_param) from None
@@ -248,12 +257,14 @@ class EngineService:
         self._wake.set()
         return sub
 
-    def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str, cache_salt: str | None) -> Request:
+    def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str, cache_salt: str | None,
+             parse_special: bool, fit_context: bool) -> Request:
         """Worker thread: ``Engine.add_request``, counted while it runs (see ``_adding``)."""
         with self._adding_lock:
             self._adding += 1
         try:
-            return self.engine.add_request(prompt, params, request_id, cache_salt)
+            return self.engine.add_request(prompt, params, request_id, cache_salt, parse_special=parse_special,
+                                           fit_context=fit_context)
         finally:
             with self._adding_lock:
                 self._adding -= 1

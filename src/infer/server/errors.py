@@ -14,8 +14,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from infer.sampling.params import short_repr
+
 log = logging.getLogger("infer.server")
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
+MAX_MESSAGE_CHARS = 1000
 
 
 class ErrorDetail(BaseModel):
@@ -45,6 +48,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
                  headers: Mapping[str, str] | None = None) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:  # a backstop: messages quote client input only cut short
+            message = message[:MAX_MESSAGE_CHARS] + "…"
         super().__init__(message)
         self.status = status
         self.message = message
@@ -100,7 +105,7 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     parts = []
     param: str | None = None
     for e in errors[:5]:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        loc = [_short(x) if not isinstance(x, (str, int)) else str(x)[:60] for x in e.get("loc", ()) if x != "body"]
         if param is None and loc:
             param = loc[0]
         where = ".".join(loc) or "body"
@@ -111,6 +116,12 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, int) and value.bit_length() > 200:  # json.dumps refuses ints over 4300 digits
+        return short_repr(value)
+    if isinstance(value, (list, tuple)) and len(value) > 60:  # cut first: never serialise a megabyte
+        value = list(value[:60])
+    elif isinstance(value, str) and len(value) > 60:
+        value = value[:60]
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):

@@ -180,6 +180,7 @@ class ServerMetrics:
         self.gateway_gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc",
                                              "Same as vllm:kv_cache_usage_perc (the name older gateways read).")
         self.cache_config = Gauge("vllm:cache_config_info", "KV cache configuration (labels); value 1.")
+        self.backend_info = Gauge("infer_backend_info", "What computes the forward pass, and why (labels); value 1.")
 
     def all(self) -> list[_Metric]:
         return [self.requests, self.rejected, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
@@ -187,7 +188,7 @@ class ServerMetrics:
                 self.kv_blocks_total, self.spec_rounds, self.spec_proposed, self.spec_accepted,
                 self.spec_draft_nodes, self.spec_proposed_by_position, self.spec_accepted_by_position,
                 self.spec_acceptance, self.spec_per_round, self.gateway_waiting, self.gateway_running,
-                self.gateway_kv_usage, self.gateway_gpu_cache_usage, self.cache_config]
+                self.gateway_kv_usage, self.gateway_gpu_cache_usage, self.cache_config, self.backend_info]
 
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.set(running)

@@ -9,11 +9,11 @@ fields ``structured_outputs`` / ``guided_json`` / ``guided_regex`` / ``guided_gr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infer.sampling.params import MAX_LOGPROBS, SamplingParams
+from infer.sampling.params import MAX_LOGPROBS, SamplingParams, short_repr
 from infer.server.errors import APIError, bad_request, from_sampling_error
 from infer.server.tools import forced_schema, functions
 
@@ -51,6 +51,10 @@ class SamplingRequest(_Body):
     cache_salt: str | None = Field(default=None, min_length=1, description=(
         "extension (as vLLM): with prefix caching, only requests with the same salt share cached prompt "
         "blocks, so tenants with different salts never reuse each other's KV cache"))
+    parse_special_tokens: bool | None = Field(default=False, description=(
+        "extension: tokenize special-token text in the prompt or message contents (such as '<|im_end|>') as "
+        "control tokens. By default it is plain text, so text from users cannot end a turn or forge one; "
+        "only the chat template writes control tokens"))
     structured_outputs: dict[str, Any] | None = Field(default=None, description=(
         "extension (as vLLM): exactly one of json (a JSON Schema), json_object (true), regex, grammar (Lark "
         "or GBNF); every token is drawn from the model's distribution restricted to it, with or without "
@@ -67,10 +71,14 @@ class SamplingRequest(_Body):
     def check_supported(self) -> None:
         """400 for known fields set to values this server cannot honour."""
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
-            raise bad_request(f"n={self.n} must be in [1, {MAX_CHOICES}]", param="n")
+            raise bad_request(f"n={short_repr(self.n)} must be in [1, {MAX_CHOICES}]", param="n")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_field(self) -> str | None:
+        """The field that set max_tokens, or None when the server's default applies."""
+        return "max_tokens" if self.max_tokens is not None else None
 
     def requested_logprobs(self) -> int | None:
         return None
@@ -98,7 +106,7 @@ class SamplingRequest(_Body):
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
             if not key.lstrip("-").isdigit():
-                raise bad_request(f"logit_bias key {key!r} is not a token id", param="logit_bias")
+                raise bad_request(f"logit_bias key {short_repr(key)} is not a token id", param="logit_bias")
             bias[int(key)] = value
         return bias
 
@@ -144,7 +152,7 @@ class CompletionRequest(SamplingRequest):
     def check_supported(self) -> None:
         super().check_supported()
         if self.best_of is not None and not (self.n or 1) <= self.best_of <= MAX_CHOICES:
-            raise bad_request(f"best_of={self.best_of} must be in [n, {MAX_CHOICES}] (n={self.n or 1})",
+            raise bad_request(f"best_of={short_repr(self.best_of)} must be in [n, {MAX_CHOICES}] (n={self.n or 1})",
                               param="best_of")
         if self.stream and (self.best_of or 1) > (self.n or 1):
             raise bad_request("best_of above n cannot be streamed (the best are known once all are done)",
@@ -181,7 +189,8 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatMessage(_Body):
-    role: str
+    # A closed set: the template writes the role between control tokens, so free text there could forge a turn.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None  # an assistant's earlier calls
@@ -192,7 +201,8 @@ class ChatMessage(_Body):
             texts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"content part of type {part.get('type')!r} is not supported (only text)",
+                    raise bad_request(f"content part of type {short_repr(part.get('type'))} is not supported "
+                                      "(only text)",
                                       param="messages")
                 texts.append(part["text"])
             content = "\n".join(texts)
@@ -231,7 +241,7 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs={self.top_logprobs} must be in [0, {MAX_LOGPROBS}]",
+            raise bad_request(f"top_logprobs={short_repr(self.top_logprobs)} must be in [0, {MAX_LOGPROBS}]",
                               param="top_logprobs")
         if self.functions or self.function_call not in (None, "none"):
             raise bad_request("the legacy functions/function_call fields are not supported; use tools",
@@ -268,7 +278,7 @@ class ChatCompletionRequest(SamplingRequest):
                 raise bad_request("response_format.json_schema must be an object with a 'schema' object",
                                   param="response_format")
             return {"json": spec.get("schema", {})}, "response_format"
-        raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+        raise bad_request(f"response_format type {short_repr(kind)} is not supported (text, json_object, json_schema)",
                           param="response_format", code="unsupported_parameter")
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -276,6 +286,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_field(self) -> str | None:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else super().max_tokens_field()
 
 
 # -- response bodies (they document /openapi.json; app.py builds the same shapes) -----------------
@@ -388,5 +401,5 @@ class Health(BaseModel):
 
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
-        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served!r}",
+        raise APIError(404, f"the model {short_repr(requested)} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")

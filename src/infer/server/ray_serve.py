@@ -1,6 +1,6 @@
 """``infer serve --replicas N``: N engines behind one OpenAI endpoint, on Ray Serve.
 
-Each Ray Serve replica runs what one ``infer serve`` process runs: ``cli.build_app`` loads the
+Each Ray Serve replica runs what one ``infer serve`` process runs: ``app.build_app`` loads the
 engine from the same flags and returns the same FastAPI app, which ``serve.ingress`` mounts (the app
 is built on the replica, not shipped from here). Ray Serve's HTTP proxy listens on ``--host:--port``
 and routes each request to a replica; the controller restarts replicas that die or fail
@@ -43,7 +43,9 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from ray.serve.schema import LoggingConfig
 
-from infer.server.cli import build_app, say, served_model_name
+from infer.engine.options import engine_config
+from infer.server.app import build_app
+from infer.server.cli import say, served_model_name
 from infer.server.metrics import ServerMetrics, merge_expositions
 
 log = logging.getLogger("infer.server")
@@ -211,7 +213,8 @@ def infer_deployment(args: argparse.Namespace, scale: ScaleOut, hub: Any) -> Any
         torch.set_num_threads(max(1, int(scale.cpus)))  # the CPUs Ray reserved for this replica, no more
         replica = serve.get_replica_context().replica_id.unique_id
         publisher = MetricsPublisher(hub, replica)
-        app = build_app(args, metrics_exposition=publisher.exposition)
+        app = build_app(engine_config(args), args.served_model_name, args.api_key, say=say,
+                        max_request_bytes=args.max_request_bytes, metrics_exposition=publisher.exposition)
         publisher.start(app.state.metrics)
         return app
 

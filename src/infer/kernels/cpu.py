@@ -1,0 +1,491 @@
+"""The CPU kernels as Python calls: every input checked before a pointer is taken.
+
+A decode step of a small model is a stream of weights through a handful of input rows, so tokens/s
+is the speed those weights are read at. ``gemv`` runs the streaming dot-product loop of
+``cpu_kernels.c`` for up to ``MAX_ROWS`` rows (decode steps, verification passes, draft trees);
+``GemvLinear`` sends bigger products to ``F.linear`` (prefill, where oneDNN's GEMM is as fast).
+``rms_norm``, ``rope`` and ``silu_mul`` are the small operators between the matmuls as one C call
+each, and ``decoder_stack`` is every decoder layer in one call.
+
+The C functions take raw pointers, so each wrapper checks device, dtype, contiguity, shapes and
+index ranges first and raises ``ValueError`` naming the problem (plain ``if``s: ``assert`` would
+vanish under ``python -O``) instead of letting a wrong input write past a buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import time
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.cache.protocol import KVBatch
+from infer.kernels import build
+
+# Rows above this go to F.linear: beyond a few dozen rows a product is bound by arithmetic, not by
+# reading the weight, and oneDNN's blocked GEMM catches up.
+MAX_ROWS = 64
+SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}  # each kernel's C name ends in its dtype's
+
+# The kernels are plain C calls, invisible to torch.profiler: under the profiler each call is
+# recorded as one of these events (``infer bench generation --profile`` counts the first with the
+# weight matmuls).
+PROFILER_EVENT = "infer::cpu_gemv"
+FUSED_EVENT = "infer::cpu_fused"  # RMSNorm, RoPE, SwiGLU's activation
+STACK_EVENT = "infer::cpu_stack"  # the whole decoder stack in one call (matmuls included)
+
+
+class StackArgs(ctypes.Structure):
+    """``StackArgs`` of cpu_kernels.c: one pass through the whole decoder stack."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("rows", "width", "batch", "hidden", "heads", "kv_heads", "head_dim",
+                                              "inter", "layers", "qk_norm")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in ("tensors", "k_stores", "v_stores", "write_rows", "read_rows")),
+        ("read_start", ctypes.c_int64), ("context", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in ("mask", "cos", "sin", "x")),
+        ("threads", ctypes.c_int)]
+
+
+# The per-layer tensors of ``decoder_stack``'s table, in the C enum's order.
+STACK_TENSORS = ("input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias", "post_norm",
+                 "gate_up_weight", "gate_up_bias", "down_weight", "down_bias")
+_C_TENSOR_NAMES = ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "ln2", "gate_up_w", "gate_up_b",
+                   "down_w", "down_b")
+MAX_STACK_HEAD_DIM = 256  # the attention keeps a key or value row in 16 registers of 16 floats
+MAX_STACK_GROUP = 16  # query heads per KV head the attention takes (cpu_kernels.c's MAX_GROUP)
+
+
+def expected_layout(dtypes: Sequence[str]) -> str:
+    """``infer_kernels_layout()``'s text for the interface mirrored here (see cpu_kernels.c)."""
+    fields = " ".join(f"{field[0]}={getattr(StackArgs, field[0]).offset}" for field in StackArgs._fields_)
+    tensors = ",".join(f"{name}:{i}" for i, name in enumerate(_C_TENSOR_NAMES))
+    return (f"size={ctypes.sizeof(StackArgs)} {fields} tensors={tensors}/{len(_C_TENSOR_NAMES)} "
+            f"max_group={MAX_STACK_GROUP} max_head_dim={MAX_STACK_HEAD_DIM} dtypes={','.join(dtypes)}")
+
+
+# Set while ``kernel_threads_only`` runs a pass: the thread count the kernels use instead of torch's.
+_kernel_threads: list[int | None] = [None]
+
+
+def _threads() -> int:
+    """The threads a kernel call uses: ``kernel_threads_only``'s count inside it, else torch's."""
+    return _kernel_threads[0] or torch.get_num_threads()
+
+
+class ThreadChooser:
+    """How many threads the kernels use for a kind of pass, measured rather than assumed.
+
+    On a machine of its own a pass runs fastest on every core. Where another process keeps a core
+    busy, a thread sharing that core is descheduled for whole time slices and every parallel loop
+    waits for it at its end: two threads then ran a SmolLM2 decode step at half the speed of one.
+    So each kind of pass (its label and row count) keeps a moving average of its time on all threads
+    and on one, runs the faster, and now and then runs the other once to notice the machine
+    changing. Exactness does not depend on it: every output of a kernel is computed the same
+    way whichever thread computes it."""
+
+    EXPLORE = 32  # passes between tries of the other count; doubled while the try confirms the choice
+    MAX_EXPLORE = 1024
+    WEIGHT = 0.25  # of the newest time in the moving average
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[Hashable, int], float] = {}
+        self.countdown: dict[Hashable, int] = {}  # passes until the next try of the other count
+        self.interval: dict[Hashable, int] = {}
+        self.best: dict[Hashable, int] = {}
+
+    def pick(self, kind: Hashable, most: int) -> int:
+        if most <= 1:
+            return 1
+        for threads in (most, 1):  # each measured before either is trusted
+            if (kind, threads) not in self.seconds:
+                return threads
+        best = most if self.seconds[(kind, most)] <= self.seconds[(kind, 1)] else 1
+        if self.best.get(kind) != best:  # a new choice: try the other again soon
+            self.best[kind], self.interval[kind] = best, self.EXPLORE
+            self.countdown[kind] = self.EXPLORE
+        self.countdown[kind] -= 1
+        if self.countdown[kind] > 0:
+            return best
+        # A try of the other count; the wait doubles each time the choice stands (a try on a busy
+        # machine costs a slow pass: two threads measured several times one's time there).
+        self.interval[kind] = min(2 * self.interval[kind], self.MAX_EXPLORE)
+        self.countdown[kind] = self.interval[kind]
+        return 1 if best == most else most
+
+    def record(self, kind: Hashable, threads: int, seconds: float) -> None:
+        key = (kind, threads)
+        previous = self.seconds.get(key)
+        self.seconds[key] = seconds if previous is None else previous + self.WEIGHT * (seconds - previous)
+
+    def preferred(self) -> dict[Hashable, int]:
+        """The thread count each kind of pass runs on now (for reports)."""
+        kinds = {kind for kind, _ in self.seconds}
+        return {kind: min((t for k, t in self.seconds if k == kind), key=lambda t: self.seconds[(kind, t)])
+                for kind in kinds}
+
+
+THREADS = ThreadChooser()
+
+
+# The thread count a pass left torch at (None: none lowered it), and the count asked for before.
+_left_at: list[int | None] = [None]
+_wanted: list[int] = [0]
+
+
+@contextlib.contextmanager
+def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
+    """Run a small pass (a decode step, a verification) with PyTorch's operators on one thread and
+    the kernels on torch's threads, or on one where that measured faster for this ``kind`` of pass
+    (``ThreadChooser``: a shared machine). PyTorch's operators here work on rows of a few hundred
+    elements, where handing work to another thread costs more than it saves. After a pass of a
+    ``kind``, torch keeps the chosen count until the next one: where one thread won, the sampling
+    and the prefill between passes run on one too (two threads lost there alike)."""
+    current = torch.get_num_threads()
+    if _kernel_threads[0] is not None:
+        yield
+        return
+    if _left_at[0] is None or current != _left_at[0]:  # no pass lowered it, or someone set it since
+        _wanted[0] = current
+    most = _wanted[0]
+    chosen = THREADS.pick(kind, most) if kind is not None else most
+    _kernel_threads[0] = chosen
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        after = most
+        if kind is not None:
+            THREADS.record(kind, chosen, time.perf_counter() - start)
+            after = chosen
+        torch.set_num_threads(after)
+        _left_at[0] = after if after != most else None
+        _kernel_threads[0] = None
+
+
+def _recorded(event: str) -> contextlib.AbstractContextManager[Any]:
+    return torch.profiler.record_function(event) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+def _check(tensor: torch.Tensor, what: str, dtype: torch.dtype, *, contiguous: bool = True) -> None:
+    """ValueError unless ``tensor`` is a CPU tensor of ``dtype`` (and contiguous, unless told not)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{what} must be a tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{what} is on {tensor.device}; the CPU kernels take CPU tensors")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{what} is {tensor.dtype}, expected {dtype}")
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")
+
+
+def _check_shape(tensor: torch.Tensor, what: str, shape: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{what} has shape {tuple(tensor.shape)}, expected {shape}")
+
+
+def _check_index(index: torch.Tensor, what: str, low: int, high: int) -> None:
+    """ValueError unless every element of the int64 ``index`` lies in [low, high)."""
+    _check(index, what, torch.long)
+    if index.numel() and (int(index.min()) < low or int(index.max()) >= high):
+        raise ValueError(f"{what} holds {int(index.min())}..{int(index.max())}, outside [{low}, {high})")
+
+
+class KernelLibrary:
+    """One loaded variant of ``cpu_kernels.c``: its functions typed, its interface checked."""
+
+    def __init__(self, variant: build.Variant, lib: ctypes.CDLL) -> None:
+        self.variant = variant
+        self.lib = lib
+        try:
+            layout_fn = lib.infer_kernels_layout
+        except AttributeError:
+            raise build.KernelUnavailable("the library has no infer_kernels_layout (an older build)") from None
+        layout_fn.argtypes, layout_fn.restype = [], ctypes.c_char_p
+        found = (layout_fn() or b"").decode()
+        expected = expected_layout(variant.dtypes)
+        if found != expected:
+            raise build.KernelUnavailable(f"the C interface differs from the Python mirror: C says {found!r}, "
+                                          f"Python expects {expected!r}")
+        self.dtypes = tuple(dtype for dtype, suffix in SUFFIX.items() if suffix in variant.dtypes)
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        for suffix in variant.dtypes:
+            for name, argtypes in (("gemv", [pointer] * 4 + [size] * 3 + [ctypes.c_int]),
+                                   ("rmsnorm", [pointer] * 3 + [size] * 2 + [ctypes.c_float]),
+                                   ("rope", [pointer, size, size] + [pointer] * 3 + [size] * 3),
+                                   ("silu_mul", [pointer] * 2 + [size] * 2)):
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+            stack = getattr(lib, f"decoder_stack_{suffix}")
+            stack.argtypes, stack.restype = [ctypes.POINTER(StackArgs)], ctypes.c_int
+
+    def __repr__(self) -> str:
+        return f"KernelLibrary({self.variant.name})"
+
+    def _fn(self, name: str, dtype: torch.dtype) -> Any:
+        if dtype not in self.dtypes:
+            raise ValueError(f"the {self.variant.name} kernels have no {dtype} version "
+                             f"(they take {', '.join(str(d) for d in self.dtypes)})")
+        return getattr(self.lib, f"{name}_{SUFFIX[dtype]}")
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` (``x`` any leading dims, ``weight``'s dtype)."""
+        fn = self._fn("gemv", weight.dtype)
+        _check(weight, "weight", weight.dtype)
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+        out_features, in_features = weight.shape
+        _check(x, "x", weight.dtype, contiguous=False)
+        if x.dim() == 0 or x.shape[-1] != in_features:
+            raise ValueError(f"x has shape {tuple(x.shape)}; its last dimension must be the weight's {in_features}")
+        if bias is not None:
+            _check(bias, "bias", weight.dtype)
+            _check_shape(bias, "bias", (out_features,))
+        rows = x.reshape(-1, in_features).contiguous()
+        out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+        if rows.shape[0] and out_features:
+            with _recorded(PROFILER_EVENT):
+                fn(weight.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                   rows.shape[0], out_features, in_features, _threads())
+        return out.view(*x.shape[:-1], out_features)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of ``x`` (contiguous, ``weight``'s dtype) as ``layers.RMSNorm`` computes it."""
+        fn = self._fn("rmsnorm", x.dtype)
+        _check(x, "x", x.dtype)
+        _check(weight, "weight", x.dtype)
+        _check_shape(weight, "weight", (x.shape[-1],))
+        out = torch.empty_like(x)
+        with _recorded(FUSED_EVENT):
+            fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(x.shape[-1], 1), x.shape[-1], eps)
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``layers.apply_rope`` for ``x`` [B, T, heads, head_dim], a view whose heads and head
+        elements lie like a contiguous tensor's but whose tokens may be strided (heads sliced out of
+        the fused projection); cos/sin [B, T, 1, head_dim] contiguous. Returns a contiguous tensor."""
+        fn = self._fn("rope", x.dtype)
+        _check(x, "x", x.dtype, contiguous=False)
+        if x.dim() != 4 or x.shape[-1] % 2:
+            raise ValueError(f"x must be [batch, tokens, heads, head_dim] with an even head_dim, got {tuple(x.shape)}")
+        batch, width, heads, dim = x.shape
+        if x.stride(3) != 1 or (heads > 1 and x.stride(2) != dim) or (batch > 1 and x.stride(0) != width * x.stride(1)):
+            raise ValueError(f"x's heads must lie contiguously within each token (strides {x.stride()})")
+        for name, table in (("cos", cos), ("sin", sin)):
+            _check(table, name, x.dtype)
+            _check_shape(table, name, (batch, width, 1, dim))
+        out = torch.empty(batch, width, heads, dim, dtype=x.dtype)
+        with _recorded(FUSED_EVENT):
+            fn(x.data_ptr(), x.stride(1), x.stride(2), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+               batch * width, heads, dim)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` [..., 2 * inter] (contiguous; gate first)."""
+        fn = self._fn("silu_mul", gate_up.dtype)
+        _check(gate_up, "gate_up", gate_up.dtype)
+        if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+            raise ValueError(f"gate_up's last dimension must be even (gate then up), got {tuple(gate_up.shape)}")
+        inter = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+        with _recorded(FUSED_EVENT):
+            fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(gate_up.shape[-1], 1), inter)
+        return out
+
+    def decoder_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: StackTable,
+                      kv: KVBatch) -> torch.Tensor:
+        """Every decoder layer over ``x`` [B, T, hidden] (contiguous) in one C call: ``table`` holds
+        each layer's tensors, ``kv`` says where the new keys and values go and which cached ones
+        each token sees. Returns the last layer's output (a new tensor)."""
+        dtype, shape = table.dtype, table.shape
+        fn = self._fn("decoder_stack", dtype)
+        heads, kv_heads, head_dim, layers = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["layers"]
+        _check(x, "x", dtype)
+        if x.dim() != 3 or x.shape[2] != shape["hidden"]:
+            raise ValueError(f"x has shape {tuple(x.shape)}, expected [batch, tokens, {shape['hidden']}]")
+        batch, width, hidden = x.shape
+        rows = batch * width
+        for name, rope_table in (("cos", cos), ("sin", sin)):
+            _check(rope_table, name, dtype)
+            _check_shape(rope_table, name, (batch, width, 1, head_dim))
+        if len(kv.k_layers) != layers or len(kv.v_layers) != layers:
+            raise ValueError(f"the cache has {len(kv.k_layers)} layers, the model {layers}")
+        storage = kv.k_layers[0].shape[0]
+        k_pointers, v_pointers = [t.data_ptr() for t in kv.k_layers], [t.data_ptr() for t in kv.v_layers]
+        signature = (tuple(k_pointers), tuple(v_pointers), kv.k_layers[0].dtype, tuple(kv.k_layers[0].shape))
+        if signature != table.checked_cache:  # every store checked once per pool, not per pass
+            for name, stores in (("key", kv.k_layers), ("value", kv.v_layers)):
+                for index, store in enumerate(stores):
+                    _check(store, f"layer {index}'s {name} cache", dtype)
+                    _check_shape(store, f"layer {index}'s {name} cache", (storage, kv_heads, head_dim))
+            table.checked_cache = signature
+        context = kv.context_len
+        valid = rows if kv.token_valid is None else int(kv.token_valid.sum())
+        _check_index(kv.write_index, "write_index", 0, storage)
+        _check_shape(kv.write_index, "write_index", (valid,))
+        write_rows = kv.write_index
+        if kv.token_valid is not None:  # padding tokens write nothing
+            _check(kv.token_valid, "token_valid", torch.bool)
+            _check_shape(kv.token_valid, "token_valid", (batch, width))
+            write_rows = torch.full((rows,), -1, dtype=torch.long)
+            write_rows[kv.token_valid.flatten()] = kv.write_index
+        read_rows = None
+        if kv.read_index is not None:
+            read_rows = kv.read_index.contiguous()
+            _check_index(read_rows, "read_index", 0, storage)
+            _check_shape(read_rows, "read_index", (batch, context))
+        elif kv.read_start is None or batch != 1 or not 0 <= kv.read_start <= storage - context:
+            raise ValueError(f"read_start={kv.read_start} with context {context}, batch {batch} does not fit the "
+                             f"{storage} cache rows (a contiguous context needs one sequence)")
+        mask = None
+        if kv.mask is not None:
+            mask = kv.mask.contiguous()
+            _check(mask, "mask", torch.bool)
+            if mask.numel() != rows * context:
+                raise ValueError(f"mask has shape {tuple(mask.shape)}, expected [{batch}, 1, {width}, {context}]")
+        k_stores, v_stores = torch.tensor(k_pointers, dtype=torch.long), torch.tensor(v_pointers, dtype=torch.long)
+        out = x.clone()
+        args = StackArgs(rows=rows, width=width, batch=batch, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                         head_dim=head_dim, inter=shape["inter"], layers=layers, qk_norm=int(table.qk_norm),
+                         eps=table.eps, scale=head_dim ** -0.5, tensors=table.addresses().data_ptr(),
+                         k_stores=k_stores.data_ptr(), v_stores=v_stores.data_ptr(), write_rows=write_rows.data_ptr(),
+                         read_rows=None if read_rows is None else read_rows.data_ptr(),
+                         read_start=kv.read_start or 0, context=context,
+                         mask=None if mask is None else mask.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+                         x=out.data_ptr(), threads=_threads())
+        with _recorded(STACK_EVENT):
+            status = fn(ctypes.byref(args))
+        if status != 0:
+            raise MemoryError("the C decoder stack could not allocate its scratch memory")
+        return out
+
+
+class StackTable:
+    """The per-layer tensors of a decoder stack and their addresses for the C call.
+
+    It holds the Parameters (modules), not their storage: ``model.to(...)`` or a dtype round trip
+    gives a Parameter new storage in place, so the address table is rebuilt, after checking every
+    tensor again, whenever an address changed (a list of ``data_ptr``s per call: microseconds)."""
+
+    def __init__(self, tensors: list[torch.Tensor | None], shape: dict[str, int], eps: float, qk_norm: bool) -> None:
+        if len(tensors) != shape["layers"] * len(STACK_TENSORS):
+            raise ValueError(f"{len(tensors)} tensors for {shape['layers']} layers of {len(STACK_TENSORS)}")
+        heads, kv_heads = shape["heads"], shape["kv_heads"]
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
+        if heads // kv_heads > MAX_STACK_GROUP or shape["head_dim"] > MAX_STACK_HEAD_DIM:
+            raise ValueError(f"the C stack takes at most {MAX_STACK_GROUP} query heads per KV head and head_dim "
+                             f"{MAX_STACK_HEAD_DIM}, got {heads // kv_heads} and {shape['head_dim']}")
+        first = tensors[0]
+        if first is None:
+            raise ValueError("the stack needs each layer's input norm")
+        self.tensors, self.shape, self.eps, self.qk_norm = tensors, shape, eps, qk_norm
+        self.dtype = first.dtype
+        self._pointers: list[int] = []
+        self._table = torch.empty(0, dtype=torch.long)
+        # The KV stores last checked (their addresses, dtype and shape): a pool is checked once.
+        self.checked_cache: tuple[object, ...] = ()
+
+    def _shapes(self) -> list[tuple[int, ...] | None]:
+        s = self.shape
+        hidden, hd, inter = s["hidden"], s["head_dim"], s["inter"]
+        qkv = (s["heads"] + 2 * s["kv_heads"]) * hd
+        norm = (hd,) if self.qk_norm else None
+        return [(hidden,), (qkv, hidden), (qkv,), norm, norm, (hidden, s["heads"] * hd), (hidden,), (hidden,),
+                (2 * inter, hidden), (2 * inter,), (hidden, inter), (hidden,)]
+
+    def addresses(self) -> torch.Tensor:
+        pointers = [0 if t is None else t.data_ptr() for t in self.tensors]
+        if pointers != self._pointers:
+            self._validate()
+            self._table = torch.tensor(pointers, dtype=torch.long)
+            self._pointers = pointers
+        return self._table
+
+    def _validate(self) -> None:
+        shapes = self._shapes()
+        for index, tensor in enumerate(self.tensors):
+            layer, slot = divmod(index, len(STACK_TENSORS))
+            name = f"layer {layer}'s {STACK_TENSORS[slot]}"
+            expected = shapes[slot]
+            required = slot in (0, 1, 5, 7, 8, 10) or (self.qk_norm and slot in (3, 4))
+            if tensor is None:
+                if required:
+                    raise ValueError(f"{name} is missing")
+                continue
+            if expected is None:
+                raise ValueError(f"{name} is given but this stack has no such tensor")
+            _check(tensor, name, self.dtype)
+            _check_shape(tensor, name, expected)
+
+
+def probe_gemv(library: KernelLibrary, dtype: torch.dtype) -> str | None:
+    """None if ``library``'s product agrees with ``F.linear`` on small cases, else what differed:
+    an odd inner size (the masked tail), a partial block of weight rows, with and without a bias,
+    and every row count of an input block."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(38, 75, generator=gen).to(dtype)
+    bias = torch.randn(38, generator=gen).to(dtype)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, 75, generator=gen).to(dtype)
+        for b in (bias, None):
+            ours, ref = library.gemv(x, weight, b).float(), F.linear(x, weight, b).float()
+            if not torch.allclose(ours, ref, rtol=tol, atol=tol):
+                return (f"the {dtype} product differs from F.linear on a {rows}-row probe "
+                        f"({'with' if b is not None else 'without'} bias; max error "
+                        f"{(ours - ref).abs().max().item():.3g})")
+    return None
+
+
+class GemvLinear(nn.Linear):
+    """``nn.Linear`` whose products of up to ``MAX_ROWS`` rows run the streaming kernel. It shares
+    the weight (and bias) of the linear it replaces: a tied LM head stays tied, nothing is copied."""
+
+    def __init__(self, linear: nn.Linear, library: KernelLibrary) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.library = library
+        # Products of more rows go to F.linear (faster there); None sends every product to the
+        # kernel, whose rows then never depend on the row count (exact-greedy mode).
+        self.max_rows: int | None = MAX_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if ((self.max_rows is not None and rows > self.max_rows) or (torch.is_grad_enabled() and self.weight.requires_grad)
+                or x.device.type != "cpu" or self.weight.dtype not in self.library.dtypes):
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            return gemv_op(x, self.weight, self.bias)
+        return self.library.gemv(x, self.weight, self.bias)
+
+
+@functools.cache
+def _library_for_op(dtype: torch.dtype) -> KernelLibrary:
+    from infer.kernels import library_for
+
+    library = library_for(dtype)
+    if library is None:
+        raise ValueError(f"no CPU kernel for {dtype} here")
+    return library
+
+
+@torch.library.custom_op("infer::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel as an operator torch.compile keeps whole (it cannot trace into a C call)."""
+    return _library_for_op(weight.dtype).gemv(x, weight, bias)
+
+
+@gemv_op.register_fake
+def _gemv_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,270 @@
+/* The kernels for one element type, included by cpu_kernels.c once per type it builds.
+ *
+ * Before including, cpu_kernels.c defines KSFX (the type's suffix: f32, bf16), and for that suffix
+ * elem_<KSFX>, vec_<KSFX>, STEP_<KSFX> and the helpers load_vec_, load_part_, mac_, load_, store_,
+ * round_ and widen_ (see there). Every function below is then named <name>_<KSFX>: real functions,
+ * which a debugger and a profiler see line by line, written once for all types.
+ */
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, KSFX)
+#define ELEM FN(elem)
+#define VEC FN(vec)
+#define STEP FN(STEP)
+
+/* One weight block (JB rows at w[0..3]) against R input rows; sums[r][jj] = dot(x_r, w_jj).
+ * Always inlined with a constant R at each call, so the R x JB accumulators stay in registers. */
+static inline __attribute__((always_inline)) void FN(block)(const ELEM *const *w, const ELEM *x, int64_t k,
+                                                            float sums[RB][JB], const int R) {
+    FVEC acc[RB][JB];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < JB; j++) acc[r][j] = fvec_zero();
+    int64_t i = 0;
+    for (; i + STEP <= k; i += STEP) {
+        VEC wv[JB];
+        for (int j = 0; j < JB; j++) wv[j] = FN(load_vec)(w[j] + i);
+        for (int j = 0; j < JB; j++) _mm_prefetch((const char *)(w[j] + AHEAD * k + i), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            VEC xv = FN(load_vec)(x + r * k + i);
+            for (int j = 0; j < JB; j++) acc[r][j] = FN(mac)(acc[r][j], wv[j], xv);
+        }
+    }
+    if (i < k) { /* the last k % STEP elements: partial loads, the other lanes zero */
+        VEC wv[JB];
+        for (int j = 0; j < JB; j++) wv[j] = FN(load_part)(w[j] + i, k - i);
+        for (int r = 0; r < R; r++) {
+            VEC xv = FN(load_part)(x + r * k + i, k - i);
+            for (int j = 0; j < JB; j++) acc[r][j] = FN(mac)(acc[r][j], wv[j], xv);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm_storeu_ps(sums[r], sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
+
+/* Row-major contiguous w [n, k], x [m, k], y [m, n]; bias [n] or NULL. */
+void FN(gemv)(const ELEM *w, const ELEM *x, const ELEM *bias, ELEM *y, int64_t m, int64_t n, int64_t k,
+              int threads) {
+    int64_t blocks = (n + JB - 1) / JB;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t j0 = b * JB, valid = n - j0 < JB ? n - j0 : JB;
+        const ELEM *rows[JB];
+        for (int j = 0; j < JB; j++) rows[j] = w + (j0 + (j < valid ? j : valid - 1)) * k;
+        float sums[RB][JB];
+        for (int64_t r0 = 0; r0 < m; r0 += RB) {
+            int64_t rn = m - r0 < RB ? m - r0 : RB;
+            const ELEM *xr = x + r0 * k;
+            switch (rn) {
+            case 1: FN(block)(rows, xr, k, sums, 1); break;
+            case 2: FN(block)(rows, xr, k, sums, 2); break;
+            case 3: FN(block)(rows, xr, k, sums, 3); break;
+            default: FN(block)(rows, xr, k, sums, 4); break;
+            }
+            for (int64_t r = 0; r < rn; r++)
+                for (int64_t j = 0; j < valid; j++)
+                    y[(r0 + r) * n + j0 + j] = FN(store)(sums[r][j] + (bias ? FN(load)(bias, j0 + j) : 0.0f));
+        }
+    }
+}
+
+/* y = w * round(x * rsqrt(sum(x^2) / dim + eps)), per row of x [rows, dim] (RMSNorm). */
+void FN(rmsnorm)(const ELEM *x, const ELEM *w, ELEM *y, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const ELEM *xr = x + r * dim;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < dim; i++) {
+            float v = FN(load)(xr, i);
+            sum += v * v;
+        }
+        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) y[r * dim + i] = FN(store)(FN(load)(w, i) * FN(round)(FN(load)(xr, i) * inv));
+    }
+}
+
+/* RoPE: y[n, h] = x[n, h] * cos[n] + roll(x[n, h], dim / 2) * sin[n] (sin's first half negated by
+ * the caller), for n over rows (tokens) and h over heads. x is strided (heads sliced out of the
+ * fused projection): row stride sn, head stride sh, elements contiguous; y is contiguous. */
+void FN(rope)(const ELEM *x, int64_t sn, int64_t sh, const ELEM *cos, const ELEM *sin, ELEM *y, int64_t rows,
+              int64_t heads, int64_t dim) {
+    int64_t half = dim / 2;
+    for (int64_t n = 0; n < rows; n++)
+        for (int64_t h = 0; h < heads; h++) {
+            const ELEM *xh = x + n * sn + h * sh, *c = cos + n * dim, *s = sin + n * dim;
+            ELEM *yh = y + (n * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i++) {
+                float rolled = FN(load)(xh, i < half ? i + half : i - half);
+                yh[i] = FN(store)(FN(round)(FN(load)(xh, i) * FN(load)(c, i)) + FN(round)(rolled * FN(load)(s, i)));
+            }
+        }
+}
+
+/* SwiGLU's activation: y = silu(gate) * up for gate_up [rows, 2 * inter] (gate first, then up).
+ * The loop is vectorised (omp simd with glibc's vector expf where it links), LANES at a time:
+ * a scalar expf per element made this the costliest of the small operators. */
+void FN(silu_mul)(const ELEM *gate_up, ELEM *y, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        const ELEM *g = gate_up + r * 2 * inter, *u = g + inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            float v = FN(load)(g, i);
+            y[r * inter + i] = FN(store)(FN(round)(v / (1.0f + expf(-v))) * FN(load)(u, i));
+        }
+    }
+}
+
+/* Attention of every query row of the pass over its visible cached keys (see decoder_stack).
+ * Returns 0, or -1 where a thread's scratch memory could not be allocated. */
+static int FN(attention)(const StackArgs *a, const ELEM *qk, const ELEM *ks, const ELEM *vs, ELEM *out) {
+    int64_t hd = a->head_dim, heads = a->heads, kvh = a->kv_heads, groups = heads / kvh;
+    int64_t L = a->context, stride = (L + 15) / 16 * 16, chunks = (hd + LANES - 1) / LANES;
+    int64_t items = a->rows * kvh, width = groups * chunks * LANES;
+    int failed = 0;
+#pragma omp parallel num_threads(a->threads) if (a->threads > 1 && items > 1) reduction(| : failed)
+    {
+        /* per head: its scores (rows 64-byte aligned, so the vectorised exp below splits every row
+         * alike), its query and its weighted sum, in float32 */
+        float *score = aligned_alloc(64, sizeof(float) * (size_t)(stride * groups));
+        float *query = aligned_alloc(64, sizeof(float) * (size_t)width);
+        float *sum = aligned_alloc(64, sizeof(float) * (size_t)width);
+        int64_t *key = malloc(sizeof(int64_t) * (size_t)(L > 0 ? L : 1));
+        int ok = score && query && sum && key;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < items; p++) {
+            if (!ok) { /* every thread still meets the loop; this one reports instead of working */
+                failed = 1;
+                continue;
+            }
+            int64_t r = p / kvh, g = p % kvh, b = r / a->width, n = 0;
+            const uint8_t *visible = a->mask ? a->mask + r * L : NULL;
+            for (int64_t l = 0; l < L; l++)
+                if (!visible || visible[l]) key[n++] = a->read_rows ? a->read_rows[b * L + l] : a->read_start + l;
+            float top[MAX_GROUP], total[MAX_GROUP];
+            for (int64_t j = 0; j < groups; j++) {
+                const ELEM *qh = qk + (r * (heads + kvh) + g * groups + j) * hd;
+                for (int64_t c = 0; c < chunks; c++)
+                    fvec_store(query + (j * chunks + c) * LANES, FN(widen)(qh + LANES * c, lanes(hd - LANES * c)));
+                top[j] = -INFINITY;
+                total[j] = 0.0f;
+            }
+            /* each key (and value) row is read once for all the query heads that share it */
+            for (int64_t i = 0; i < n; i++) {
+                const ELEM *kr = ks + (key[i] * kvh + g) * hd;
+                FVEC kc[MAX_HEAD_DIM / LANES];
+                for (int64_t c = 0; c < chunks; c++) kc[c] = FN(widen)(kr + LANES * c, lanes(hd - LANES * c));
+                for (int64_t j = 0; j < groups; j++) {
+                    FVEC acc = fvec_zero();
+                    for (int64_t c = 0; c < chunks; c++)
+                        acc = fvec_fma(fvec_load(query + (j * chunks + c) * LANES), kc[c], acc);
+                    float s = fvec_sum(acc) * a->scale;
+                    score[j * stride + i] = s;
+                    top[j] = s > top[j] ? s : top[j];
+                }
+            }
+            for (int64_t j = 0; j < groups; j++) {
+                float *row = score + j * stride, peak = top[j];
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) row[i] = expf(row[i] - peak);
+            }
+            for (int64_t e = 0; e < width; e += LANES) fvec_store(sum + e, fvec_zero());
+            for (int64_t i = 0; i < n; i++) {
+                const ELEM *vr = vs + (key[i] * kvh + g) * hd;
+                FVEC vc[MAX_HEAD_DIM / LANES];
+                for (int64_t c = 0; c < chunks; c++) vc[c] = FN(widen)(vr + LANES * c, lanes(hd - LANES * c));
+                for (int64_t j = 0; j < groups; j++) {
+                    float weight = score[j * stride + i];
+                    FVEC w = fvec_set1(weight);
+                    total[j] += weight;
+                    for (int64_t c = 0; c < chunks; c++) {
+                        float *acc = sum + (j * chunks + c) * LANES;
+                        fvec_store(acc, fvec_fma(w, vc[c], fvec_load(acc)));
+                    }
+                }
+            }
+            for (int64_t j = 0; j < groups; j++) {
+                float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f, lane[LANES];
+                ELEM *o = out + (r * heads + g * groups + j) * hd;
+                for (int64_t c = 0; c < chunks; c++) {
+                    fvec_storeu(lane, fvec_mul(fvec_load(sum + (j * chunks + c) * LANES), fvec_set1(inv)));
+                    for (int64_t e = 0; e < LANES && LANES * c + e < hd; e++) o[LANES * c + e] = FN(store)(lane[e]);
+                }
+            }
+        }
+        free(score);
+        free(query);
+        free(sum);
+        free(key);
+    }
+    return failed ? -1 : 0;
+}
+
+static void FN(add_into)(ELEM *x, const ELEM *y, int64_t n) { /* x += y, rounded */
+    for (int64_t i = 0; i < n; i++) x[i] = FN(store)(FN(load)(x, i) + FN(load)(y, i));
+}
+
+/* Every decoder layer over a->x, in place. Returns 0, or -1 where memory ran out (x is then
+ * partly updated: the caller discards it). */
+int FN(decoder_stack)(const StackArgs *a) {
+    int64_t m = a->rows, d = a->hidden, hd = a->head_dim, H = a->heads, KV = a->kv_heads;
+    int64_t qkv_n = (H + 2 * KV) * hd, qk_n = (H + KV) * hd;
+    ELEM *x = a->x;
+    ELEM *normed = malloc(sizeof(ELEM) * (size_t)(m * d));
+    ELEM *qkv = malloc(sizeof(ELEM) * (size_t)(m * qkv_n));
+    ELEM *qk = malloc(sizeof(ELEM) * (size_t)(m * qk_n));
+    ELEM *qk_normed = a->qk_norm ? malloc(sizeof(ELEM) * (size_t)(m * qk_n)) : NULL;
+    ELEM *attn = malloc(sizeof(ELEM) * (size_t)(m * H * hd));
+    ELEM *delta = malloc(sizeof(ELEM) * (size_t)(m * d));
+    ELEM *gate_up = malloc(sizeof(ELEM) * (size_t)(m * 2 * a->inter));
+    ELEM *act = malloc(sizeof(ELEM) * (size_t)(m * a->inter));
+    int status = normed && qkv && qk && attn && delta && gate_up && act && (qk_normed || !a->qk_norm) ? 0 : -1;
+    for (int64_t layer = 0; layer < a->layers && status == 0; layer++) {
+        const int64_t *t = a->tensors + layer * STACK_TENSORS;
+        ELEM *ks = (ELEM *)a->k_stores[layer], *vs = (ELEM *)a->v_stores[layer];
+        FN(rmsnorm)(x, (const ELEM *)t[T_LN1], normed, m, d, a->eps);
+        FN(gemv)((const ELEM *)t[T_QKV_W], normed, (const ELEM *)t[T_QKV_B], qkv, m, qkv_n, d, a->threads);
+        if (a->qk_norm) {
+            /* Qwen3: RMSNorm over each query and key head (its own weight for each), then RoPE;
+             * the norm reads the heads where they lie in the projection's output, row by row. */
+            for (int64_t r = 0; r < m; r++) {
+                FN(rmsnorm)(qkv + r * qkv_n, (const ELEM *)t[T_Q_NORM], qk_normed + r * qk_n, H, hd, a->eps);
+                FN(rmsnorm)(qkv + r * qkv_n + H * hd, (const ELEM *)t[T_K_NORM], qk_normed + r * qk_n + H * hd, KV, hd,
+                            a->eps);
+            }
+            FN(rope)(qk_normed, qk_n, hd, a->cos, a->sin, qk, m, H + KV, hd);
+        } else {
+            FN(rope)(qkv, qkv_n, hd, a->cos, a->sin, qk, m, H + KV, hd);
+        }
+        for (int64_t r = 0; r < m; r++) {
+            int64_t row = a->write_rows[r];
+            if (row < 0) continue;
+            memcpy(ks + row * KV * hd, qk + (r * (H + KV) + H) * hd, sizeof(ELEM) * (size_t)(KV * hd));
+            memcpy(vs + row * KV * hd, qkv + r * qkv_n + (H + KV) * hd, sizeof(ELEM) * (size_t)(KV * hd));
+        }
+        if (FN(attention)(a, qk, ks, vs, attn) != 0) {
+            status = -1;
+            break;
+        }
+        FN(gemv)((const ELEM *)t[T_O_W], attn, (const ELEM *)t[T_O_B], delta, m, d, H * hd, a->threads);
+        FN(add_into)(x, delta, m * d);
+        FN(rmsnorm)(x, (const ELEM *)t[T_LN2], normed, m, d, a->eps);
+        FN(gemv)((const ELEM *)t[T_GATE_UP_W], normed, (const ELEM *)t[T_GATE_UP_B], gate_up, m, 2 * a->inter, d,
+                 a->threads);
+        FN(silu_mul)(gate_up, act, m, a->inter);
+        FN(gemv)((const ELEM *)t[T_DOWN_W], act, (const ELEM *)t[T_DOWN_B], delta, m, d, a->inter, a->threads);
+        FN(add_into)(x, delta, m * d);
+    }
+    free(normed);
+    free(qkv);
+    free(qk);
+    free(qk_normed);
+    free(attn);
+    free(delta);
+    free(gate_up);
+    free(act);
+    return status;
+}
+
+#undef CAT_
+#undef CAT
+#undef FN
+#undef ELEM
+#undef VEC
+#undef STEP

@@ -1,0 +1,56 @@
+"""The execution backend: chosen once at load, forced by one option everywhere, reported with why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer import Engine, EngineConfig, kernels
+from infer.cli import build_parser, engine_options
+from infer.models.backend import BACKENDS, choose_backend
+from infer.server.app import create_app
+
+
+def test_the_option_reaches_the_engine_from_every_front_end(tiny_llama: Path) -> None:
+    parser = build_parser()
+    for command in (["generate", "--prompt", "hi"], ["serve"], ["chat"]):
+        args = parser.parse_args([*command, "--model", str(tiny_llama), "--backend", "torch"])
+        assert engine_options(args)["backend"] == "torch"
+    bench = parser.parse_args(["bench", "generation", "--model", str(tiny_llama), "--backend", "cpu-kernels"])
+    assert bench.backend == "cpu-kernels"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "hi", "--backend", "fastest"])
+    with pytest.raises(ValueError, match="backend='fastest' is invalid"):
+        EngineConfig(model=str(tiny_llama), backend="fastest")
+    assert set(BACKENDS) == {"auto", "torch", "cpu-kernels"}
+
+
+def test_the_engine_reports_its_backend_in_the_summary_and_the_metrics(tiny_llama: Path) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu", backend="torch"))
+    assert engine.backend.name == "torch" and not engine.model.cpu_stack
+    assert "backend torch (" in engine.summary and "forced by --backend torch" in engine.summary
+    app = create_app(engine, "tiny", None)
+    text = "\n".join(app.state.metrics.backend_info.render())
+    assert 'infer_backend_info{backend="torch"' in text and 'reason="forced by --backend torch"' in text
+    assert app.state.metrics.backend_info in app.state.metrics.all()  # exposed on /metrics
+
+
+def test_a_backend_the_machine_cannot_run_is_an_error_naming_why() -> None:
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        choose_backend("cuda", torch.float32, "cpu-kernels")
+    with pytest.raises(ValueError, match="no torch.float16 version"):
+        choose_backend("cpu", torch.float16, "cpu-kernels")
+    auto = choose_backend("cpu", torch.float16)
+    assert auto.name == "torch" and "float16" in auto.describe()
+
+
+def test_auto_takes_the_kernels_where_they_run_and_says_what_it_refused(no_bf16_cpu: None) -> None:
+    chosen = choose_backend("cpu", torch.float32)
+    if kernels.selection().library is None:
+        pytest.skip(f"no kernels on this machine: {kernels.selection().refused}")
+    assert chosen.name == "cpu-kernels" and chosen.stack and chosen.fused
+    assert chosen.describe().startswith("backend cpu-kernels (AVX-512 float32 kernels, fused operators, decoder stack")
+    assert "avx512-bf16: CPU lacks avx512_bf16" in chosen.describe()
+    assert chosen.info()["variant"] == "avx512"
