@@ -14,6 +14,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -22,7 +23,7 @@ from scipy.stats import chi2
 
 from checkpoints import load_hf_model
 from infer import SamplingParams
-from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_presence
+from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_counts, token_presence
 
 # ----------------------------------------------------------------------------- exactness harness
 
@@ -43,6 +44,9 @@ SAMPLING_CONFIGS: dict[str, dict[str, float | int]] = {
     "repetition_penalty_1.5": {"temperature": 1.0, "repetition_penalty": 1.5},
 }
 TREE_CONFIGS = {name: config for name, config in SAMPLING_CONFIGS.items() if name != "top_p_0.8"}
+# OpenAI's presence/frequency penalties and a logit bias, strong enough to move the distribution.
+PENALTY_CONFIG: dict[str, Any] = {"temperature": 1.0, "presence_penalty": 0.7, "frequency_penalty": 0.5,
+                                  "logit_bias": {5: 1.0, 8: -0.8}}
 TREE_NUM_SAMPLES = 4000
 
 
@@ -65,7 +69,8 @@ def reference(model_path: Path, prompt: list[int], params: SamplingParams) -> Re
         logits = model(torch.tensor(contexts)).logits[:, -1].float()
         batch = SamplingBatch.from_params([params] * len(contexts), "cpu")
         presence = token_presence(contexts, V, "cpu") if batch.use_penalty else None
-        probs = probs_from_logits(logits, batch, presence).double()
+        counts = token_counts([c[len(prompt):] for c in contexts], V, "cpu") if batch.use_counts else None
+        probs = probs_from_logits(logits, batch, presence, counts=counts).double()
         return probs / probs.sum(dim=-1, keepdim=True)
 
     p1 = next_probs([prompt])[0]

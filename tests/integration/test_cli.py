@@ -175,3 +175,23 @@ def test_every_command_takes_the_engine_options_with_the_engines_defaults() -> N
     # Every registered option is something EngineConfig.from_options takes.
     for name in OPTIONS:
         EngineConfig.from_options(**{"model": "m", name: OPTIONS[name].default()})
+
+
+def test_structured_output_flags(tiny_llama: Path, llm: LLM, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json-schema (text or @file), --regex: the same tokens as SamplingParams.structured_output."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    for flag, value, spec in (("--json-schema", "@" + str(tmp_path / "schema.json"), {"json": schema}),
+                              ("--regex", "[ab]+c", {"regex": "[ab]+c"})):
+        assert main(generate_args(tiny_llama, "--json", flag, value, "--presence-penalty", "0.5")) == 0
+        result = json.loads(capsys.readouterr().out)
+        expected = llm.generate(PROMPT, greedy(structured_output=spec, presence_penalty=0.5))[0]
+        assert result["token_ids"] == expected.token_ids
+        if flag == "--regex" and expected.finish_reason == "stop":
+            assert expected.text.rstrip("c").strip("ab") == ""
+
+
+def test_invalid_grammar_flag_exits_2_naming_it(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(generate_args(tiny_llama, "--regex", "((")) == 2
+    assert "structured_output.regex is invalid" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.sampling import SamplingBatch, probs_from_logits, sample_from_probs, sample_next_tokens
-from infer.sampling.transforms import presence_with_drafts, token_presence
+from infer.sampling.transforms import drafts_on_path, token_counts
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -171,18 +171,41 @@ def test_mixed_batch_rows_use_their_own_parameters() -> None:
     assert torch.allclose(probs.sum(-1), torch.ones(len(params)))
 
 
-def test_presence_with_drafts() -> None:
+def test_drafts_on_path_counts_the_drafts_before_each_position() -> None:
     vocab = 7
-    presence = token_presence([[0, 1], [6]], vocab, "cpu")
     drafts = torch.tensor([[2, 3, 2], [5, 6, 4]])
-    out = presence_with_drafts(presence, drafts)
+    out = drafts_on_path(drafts, vocab)
     assert out.shape == (2, 4, vocab)
-    for b, (context, row) in enumerate(zip([[0, 1], [6]], drafts.tolist(), strict=True)):
+    for b, row in enumerate(drafts.tolist()):
         for i in range(4):
-            seen = set(context) | set(row[:i])
-            assert out[b, i].tolist() == [t in seen for t in range(vocab)], (b, i)
-    # no drafts: just the context
-    assert torch.equal(presence_with_drafts(presence, torch.zeros(2, 0, dtype=torch.long)), presence.unsqueeze(1))
+            assert out[b, i].tolist() == [float(row[:i].count(t)) for t in range(vocab)], (b, i)
+    assert torch.equal(drafts_on_path(torch.zeros(2, 0, dtype=torch.long), vocab), torch.zeros(2, 1, vocab))
+
+
+def test_presence_frequency_penalties_and_logit_bias_as_openai_defines_them() -> None:
+    """logit - frequency * count - presence * [count > 0] + bias, on generated tokens only."""
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0]])
+    params = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 2.0, 0: -1.0})
+    counts = token_counts([[1, 1, 2]], 4, "cpu")
+    assert counts.tolist() == [[0.0, 2.0, 1.0, 0.0]]
+    probs = probs_from_logits(logits, SamplingBatch.from_params([params], "cpu"), counts=counts)
+    expected = torch.tensor([[1.0 - 1.0, 2.0 - 0.5 - 0.5, 0.5 - 0.25 - 0.5, -1.0 + 2.0]])
+    assert torch.allclose(probs, torch.softmax(expected, dim=-1))
+    with pytest.raises(ValueError, match="counts"):
+        probs_from_logits(logits, SamplingBatch.from_params([params], "cpu"))
+    # Greedy rows take the argmax after them: the bias moves it.
+    greedy = SamplingParams(temperature=0.0, logit_bias={0: 5.0})
+    assert probs_from_logits(logits, SamplingBatch.from_params([greedy], "cpu")).argmax().item() == 0
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"logit_bias": {1: 101.0}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+])
+def test_penalty_and_bias_bounds(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------- drawing tokens

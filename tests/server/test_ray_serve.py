@@ -353,7 +353,7 @@ def test_two_replicas_answer_like_one_process(ray_server: RayServer, single: str
         a = httpx.post(f"{single}/v1/completions", json=body, timeout=10)
         b = httpx.post(f"{ray_server.url}/v1/completions", json=body, timeout=10)
         assert (a.status_code, a.json()) == (b.status_code, b.json()), body
-        assert a.status_code == 400
+        assert a.status_code == (404 if body == {"model": "gpt-4", "prompt": "hi"} else 400)
 
 
 @pytest.mark.ray

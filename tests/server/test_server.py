@@ -291,14 +291,18 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"model": MODEL, "prompt": 42}, "prompt"),
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
-    ({"model": MODEL, "prompt": ["one", "two"]}, "prompt"),
+    ({"model": MODEL, "prompt": ["one", ""]}, "prompt"),
+    ({"model": MODEL, "prompt": ["one"] * 40, "n": 2}, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 10**9]}, "prompt"),
     ({"model": MODEL, "prompt": "word " * 2000}, "prompt"),
-    ({"model": "gpt-4", "prompt": "hi"}, "model"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 1}, "logprobs"),
-    ({"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
-    ({"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1.0}}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "guided_regex": "(("}, "guided_regex"),
+    ({"model": MODEL, "prompt": "hi", "guided_regex": "a", "guided_grammar": "start: \"a\""}, "guided_grammar"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
     (["not", "an", "object"], None),
 ]
@@ -307,12 +311,19 @@ BAD_CHATS: list[tuple[Any, str | None]] = [
     ({"model": MODEL, "messages": "hello"}, "messages"),
     ({"model": MODEL, "messages": []}, "messages"),
     ({"model": MODEL, "messages": [{"content": "no role"}]}, "messages"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1.0},
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -3.0},
      "frequency_penalty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}},
+     "response_format"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5}, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+      "tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}]}, "messages"),
@@ -322,6 +333,15 @@ BAD_CHATS: list[tuple[Any, str | None]] = [
 @pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
 def test_completion_errors(servers: dict[str, Served], body: Any, param: str | None) -> None:
     assert_error(httpx.post(f"{servers['plain'].url}/v1/completions", json=body, timeout=10), 400, param)
+
+
+def test_unknown_model_is_404_model_not_found(servers: dict[str, Served]) -> None:
+    for path, body in (("completions", {"model": "gpt-4", "prompt": "hi"}),
+                       ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]})):
+        error = assert_error(httpx.post(f"{servers['plain'].url}/v1/{path}", json=body, timeout=10), 404, "model")
+        assert error["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        servers["plain"].client().completions.create(model="gpt-4", prompt="hi", max_tokens=1)
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_CHATS)
@@ -342,8 +362,8 @@ def test_invalid_json_and_unknown_fields(servers: dict[str, Served]) -> None:
     assert ok.json()["usage"]["completion_tokens"] == 2
     assert_error(httpx.get(f"{servers['plain'].url}/v1/nothing-here", timeout=10), 404)
     with pytest.raises(openai.BadRequestError) as err:
-        servers["plain"].client().completions.create(model=MODEL, prompt="hi", n=3)
-    assert err.value.status_code == 400 and "n=3" in err.value.message
+        servers["plain"].client().completions.create(model=MODEL, prompt="hi", n=65)
+    assert err.value.status_code == 400 and "n=65" in err.value.message
 
 
 def test_api_key(serve: Any, tiny_llama: Path) -> None:

@@ -26,6 +26,7 @@ import torch
 import infer.engine.speculative_runner as speculative_runner
 from helpers import (
     P_CONTROL,
+    PENALTY_CONFIG,
     PROMPT,
     SAMPLING_CONFIGS,
     assert_follows_reference,
@@ -104,6 +105,18 @@ def test_speculative_samples_follow_target_distribution(engines: dict[str, LLM],
     assert 0 < run.accepted < run.proposed
 
     assert_follows_reference(run.samples, ref)
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_penalties_and_logit_bias_stay_exact(engines: dict[str, LLM], small_target: Path, drafter: str) -> None:
+    """presence/frequency penalties count the drafts on the path before each verified position (and a
+    draft model's q counts its own drafts): the output follows the penalised target exactly."""
+    run = run_engine(engines[drafter], PENALTY_CONFIG, n=NUM_SAMPLES // 2, seed0=20_000_000)
+    assert 0 < run.accepted < run.proposed
+    assert_follows_reference(run.samples, reference(small_target, PROMPT, SamplingParams(**PENALTY_CONFIG)))
+    # The penalties and bias matter: the same samples do not fit the unpenalised target.
+    plain = reference(small_target, PROMPT, SamplingParams(temperature=1.0))
+    assert grouped_chisquare(run.samples, plain).pvalue < P_CONTROL
 
 
 def test_negative_control_wrong_reference_is_rejected(engines: dict[str, LLM], small_target: Path,

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from infer.core.detokenizer import IncrementalDetokenizer
+from infer.sampling.grammar import GrammarMatcher
 from infer.sampling.params import SamplingParams
+from infer.sampling.sampler import TokenLogprobs
 
 
 class RequestStatus(Enum):
@@ -29,6 +31,7 @@ class StepOutput:
     """
 
     token_id: int
+    logprobs: TokenLogprobs | None = None  # when the request asks for logprobs
 
 
 @dataclass
@@ -120,6 +123,9 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprobs] = []  # one per generated token when params.logprobs is set
+        # With params.prompt_logprobs: None for the first prompt token, then one per prompt token.
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None] if params.prompt_logprobs is not None else []
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -134,6 +140,8 @@ class Request:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # The structured_output grammar's state, fed every emitted token (the engine sets it).
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -170,12 +178,16 @@ class Request:
         """The most tokens this request can ever hold in a KV cache."""
         return min(self.max_seq_len, len(self.prompt_token_ids) + self.params.max_tokens)
 
-    def append_token(self, token_id: int) -> bool:
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> bool:
         """Record a generated token and apply the stop rules; True when the request is now finished."""
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         if not self.output_token_ids:
             self.metrics.first_token_time = time.perf_counter()
         self.output_token_ids.append(token_id)
         self.metrics.generated_tokens = len(self.output_token_ids)
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
         stop_hit = self.detokenizer.append(token_id, self.params.stop)
         if token_id in self.stop_token_ids or token_id in self.eos_token_ids or stop_hit:
             self.finish("stop")

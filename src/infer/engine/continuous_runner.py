@@ -10,7 +10,8 @@ from infer.cache.prefix import PrefixCache
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.model_runner import ModelRunner
 from infer.core.request import Request, StepOutput
-from infer.sampling.sampler import sample_next_tokens
+from infer.sampling.grammar import unpack_bitmasks
+from infer.sampling.sampler import raw_logprobs, sample_with_logprobs
 
 StepResult = list[tuple[Request, StepOutput]]
 
@@ -76,7 +77,9 @@ class ContinuousRunner:
         slots = [c.request.slot for c in chunks]
         runs = [c.request.prompt_token_ids[c.request.num_computed_tokens:][: c.num_tokens] for c in chunks]
         hidden = self.runner.forward(slots, runs)  # type: ignore[arg-type]
-        for chunk, run in zip(chunks, runs, strict=True):
+        for b, (chunk, run) in enumerate(zip(chunks, runs, strict=True)):
+            if chunk.request.params.prompt_logprobs is not None:
+                self._prompt_logprobs(chunk.request, hidden[b, : len(run)])
             chunk.request.num_computed_tokens += len(run)
         done = [i for i, c in enumerate(chunks) if not c.request.is_prefilling]
         if not done:
@@ -89,10 +92,22 @@ class ContinuousRunner:
         last = self.runner.last_hidden(hidden, [len(r) for r in runs])[done]
         return self._sample([chunks[i].request for i in done], last)
 
+    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens this chunk's positions predict (the chunk's last position
+        predicts the next chunk's first token, or the first generated one: not a prompt token)."""
+        start = request.num_computed_tokens
+        targets = request.prompt_token_ids[start + 1: start + hidden.shape[0] + 1]
+        top = request.params.prompt_logprobs or 0
+        del request.prompt_logprobs[start + 1:]  # a retried step (after a failure) recomputes its positions
+        for at in range(0, len(targets), 256):  # bounded [rows, V] logits for a long chunk
+            part = targets[at: at + 256]
+            request.prompt_logprobs += raw_logprobs(self.runner.logits(hidden[at: at + len(part)]), part, top)
+
     def ensure_slot(self, request: Request) -> None:
         if request.slot is None:
             request.slot = self.pool.allocate()
-            if self.prefix_cache is not None:
+            # Prompt logprobs need every prompt position computed: no cached blocks for such a request.
+            if self.prefix_cache is not None and request.params.prompt_logprobs is None:
                 cached = self.prefix_cache.attach(request.slot, request.prompt_token_ids, request.cache_salt)
                 request.num_computed_tokens = cached
                 request.metrics.prefix_cached_tokens = cached
@@ -108,8 +123,24 @@ class ContinuousRunner:
         return self._sample(requests, hidden[:, -1])
 
     def _sample(self, requests: list[Request], hidden: torch.Tensor) -> Sampled:
-        tokens = sample_next_tokens(
-            self.runner.logits(hidden),
-            [r.params for r in requests], [r.all_token_ids for r in requests], [r.generator for r in requests],
-        ).tolist()
-        return Sampled([(r, StepOutput(t)) for r, t in zip(requests, tokens, strict=True)], hidden)
+        logits = self.runner.logits(hidden)
+        tokens, logprobs = sample_with_logprobs(
+            logits, [r.params for r in requests], [r.all_token_ids for r in requests], [r.generator for r in requests],
+            grammar_masks(requests, logits.shape[-1], logits.device), [r.output_token_ids for r in requests],
+        )
+        return Sampled([(r, StepOutput(t, lp)) for r, t, lp in zip(requests, tokens.tolist(), logprobs, strict=True)],
+                       hidden)
+
+
+def grammar_masks(requests: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """[B, V] bool: the tokens each request's grammar allows next (every token for a request without
+    one); None when no request has a grammar."""
+    if all(r.grammar is None for r in requests):
+        return None
+    words = max([(vocab_size + 31) // 32] + [r.grammar.words for r in requests if r.grammar is not None])
+    bitmasks = torch.full((len(requests), words), -1, dtype=torch.int32)
+    for b, request in enumerate(requests):
+        if request.grammar is not None:
+            bitmasks[b] = 0  # ids past the tokenizer's vocabulary are never allowed
+            bitmasks[b, : request.grammar.words] = request.grammar.bitmask()
+    return unpack_bitmasks(bitmasks, vocab_size, device)

@@ -25,6 +25,7 @@ from infer.models.backend import choose_backend
 from infer.models.compiled import compile_forward
 from infer.models.config import ModelConfig
 from infer.models.invariant import check_invariance, make_exact
+from infer.sampling.grammar import GrammarCompiler
 from infer.sampling.params import SamplingParams, short_repr
 
 
@@ -142,6 +143,8 @@ class Engine:
                                    max_prefill_tokens=config.max_prefill_tokens)
         self._ids = itertools.count()
         self.lock = threading.RLock()
+        self.grammars = GrammarCompiler(self.tokenizer.backend, self.tokenizer.eos_token_ids,
+                                        self.model_config.vocab_size)
 
     # -- requests --------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -166,6 +169,10 @@ class Engine:
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+        outside = [t for t in params.logit_bias if t >= self.model_config.vocab_size]
+        if outside:
+            raise ValueError(f"SamplingParams.logit_bias names token ids {outside[:5]} outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
         if len(ids) >= self.max_seq_len:
@@ -176,14 +183,19 @@ class Engine:
                                      f"than the context of {self.max_seq_len} tokens (max_seq_len); ask for at most "
                                      f"{self.max_seq_len - len(ids)} tokens")
         rid = request_id or f"req-{next(self._ids)}"
-        return Request(rid, ids, params, IncrementalDetokenizer(self.tokenizer, ids), self.tokenizer.eos_token_ids,
-                       self.max_seq_len, self.device, prompt=text, cache_salt=cache_salt)
+        request = Request(rid, ids, params, IncrementalDetokenizer(self.tokenizer, ids), self.tokenizer.eos_token_ids,
+                          self.max_seq_len, self.device, prompt=text, cache_salt=cache_salt)
+        if params.structured_output is not None:
+            request.grammar = self.grammars.matcher(params.structured_output)  # type: ignore[arg-type]
+        return request
 
-    def encode_chat(self, messages: list[dict[str, Any]], parse_special: bool = True) -> list[int]:
-        """Token ids of a chat prompt (the tokenizer's template); ValueError naming the problem.
-        ``parse_special=False``: special-token text in messages is plain text (see Tokenizer.encode_chat)."""
+    def encode_chat(self, messages: list[dict[str, Any]], parse_special: bool = True,
+                    tools: list[Any] | None = None) -> list[int]:
+        """Token ids of a chat prompt (the tokenizer's template, given ``tools`` as its ``tools``
+        variable); ValueError naming the problem. ``parse_special=False``: special-token text in
+        messages is plain text (see Tokenizer.encode_chat)."""
         self._check_fits("".join(str(m.get("content") or "") for m in messages))
-        return self.tokenizer.encode_chat(messages, parse_special=parse_special)
+        return self.tokenizer.encode_chat(messages, parse_special=parse_special, tools=tools)
 
     def _check_fits(self, text: str) -> None:
         """Refuse text that surely has too many tokens for the context, without tokenizing it all."""
@@ -239,7 +251,7 @@ class Engine:
                 update = updates.setdefault(request.request_id, RequestUpdate(request, [], False))
                 if update.finished:
                     continue  # a stop rule fired earlier in this round: the rest is discarded
-                request.append_token(out.token_id)
+                request.append_token(out.token_id, out.logprobs)
                 update.new_token_ids.append(out.token_id)
                 update.finished = request.is_finished
             self.scheduler.retire()

@@ -10,6 +10,7 @@ from infer.core.request import Request, RequestMetrics
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.sampling.params import SamplingParams
+from infer.sampling.sampler import TokenLogprobs
 
 
 @dataclass
@@ -22,11 +23,15 @@ class RequestOutput:
     finish_reason: str | None  # stop | length | abort | error
     metrics: RequestMetrics
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # per generated token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # None first, then per prompt token
 
     @classmethod
     def from_request(cls, request: Request) -> RequestOutput:
         return cls(request.request_id, request.prompt, request.prompt_token_ids, request.text,
-                   list(request.output_token_ids), request.finish_reason, request.metrics, request.error)
+                   list(request.output_token_ids), request.finish_reason, request.metrics, request.error,
+                   list(request.output_logprobs) if request.params.logprobs is not None else None,
+                   list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,

@@ -5,6 +5,12 @@ et al., Algorithm 1): the proposer drafts t_1..t_K with distributions q_i; one b
 over [g, t_1..t_K] gives p_1..p_{K+1} through the same sampling transform; the rejection sampler
 keeps a prefix and adds one target token; both caches roll back to what was kept.
 
+With a grammar (``SamplingParams.structured_output``), drafts are checked against the request's
+grammar state before verification: a chain is cut at its first forbidden token, a tree loses every
+forbidden node and its subtree, so a forbidden token is never verified. Verification then masks the
+target's p_i (and renormalises the draft's q_i) to the tokens allowed after each row's path: p and
+q are the constrained distributions and rejection sampling stays exact for them.
+
 A proposal may instead be a tree of guesses (Medusa, ``Proposal.parents``): the pass then feeds
 [g, node_1..node_N] with a tree attention mask and depth-based positions, ``verify_tree`` keeps one
 root-to-node path, and the K/V of that path, scattered through the tree's rows, are compacted into
@@ -21,12 +27,28 @@ from infer.cache.protocol import CachePoolProtocol, copy_positions
 from infer.core.request import Request, StepOutput
 from infer.core.timing import device_clock
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, Sampled, StepResult
-from infer.sampling.sampler import context_presence
-from infer.sampling.transforms import SamplingBatch, argmax_only, presence_with_drafts, probs_from_logits
+from infer.sampling.grammar import unpack_bitmasks
+from infer.sampling.sampler import TokenLogprobs, context_presence, gather_logprobs, output_counts
+from infer.sampling.transforms import (
+    SamplingBatch,
+    argmax_only,
+    drafts_on_path,
+    probs_from_processed,
+    process_logits,
+)
 from infer.speculative.budget import BudgetController
 from infer.speculative.proposer import Proposal, Proposer
 from infer.speculative.rejection import verify_drafts, verify_greedy
 from infer.speculative.tree import TreeMaskCache, tree_depths, verify_tree
+
+
+@dataclass
+class GrammarRound:
+    """The grammar's part of one round: the tokens allowed at every verification row [B, R, V], and
+    each request's draft count before forbidden drafts were dropped (what its drafter proposed)."""
+
+    allowed: torch.Tensor
+    drafted: list[int]
 
 
 @dataclass
@@ -112,8 +134,15 @@ class SpeculativeRunner:
             times.proposer_calls += 1
             times.propose_seconds += drafted - start
         batch = len(requests)
+        grammar = None
+        if proposal is not None and any(r.grammar is not None for r in requests):
+            proposal, grammar = self._check_grammar(requests, proposal)
         if proposal is None or not any(proposal.num_tokens):
             # Nothing worth drafting (or nothing found): a plain decode step, still one target pass.
+            if grammar is not None:  # the grammar dropped every draft: the drafter keeps none of them
+                for request, count in zip(requests, grammar.drafted, strict=True):
+                    if count:
+                        self.proposer.accepted(request, count, 0)
             result = self._keep_hidden(self.target.decode(requests))
             elapsed = device_clock(self.device) - drafted
             times.plain_seconds += elapsed
@@ -128,7 +157,7 @@ class SpeculativeRunner:
         draft_seconds = proposal.step_seconds if self.proposer.info.cost_per_token else drafted - start
         if draft_seconds is not None:
             self.budget.observe_draft_step(batch, draft_seconds)
-        result = self.verify(requests, proposal)
+        result = self.verify(requests, proposal, grammar)
         elapsed = device_clock(self.device) - drafted
         times.verify_rounds += 1
         times.verify_seconds += elapsed
@@ -136,30 +165,39 @@ class SpeculativeRunner:
         self.budget.observe_target(batch * (1 + max(proposal.num_tokens)), elapsed)
         return result
 
-    def verify(self, requests: list[Request], proposal: Proposal) -> StepResult:
+    def verify(self, requests: list[Request], proposal: Proposal, grammar: GrammarRound | None = None) -> StepResult:
         """One batched target pass over [g, t_1..t_k] per request, rejection sampling, rollback."""
         if proposal.parents is not None:
-            return self.verify_tree(requests, proposal)
+            return self.verify_tree(requests, proposal, grammar)
         width = 1 + max(proposal.num_tokens)
         drafts = proposal.tokens[:, : width - 1]
         hidden = self.target.runner.forward([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens))  # type: ignore[misc]
         num_draft = torch.tensor(proposal.num_tokens, device=self.device)
+        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
         if argmax_only([r.params for r in requests]):
             # Greedy rows only compare drafts with the target's argmax: no distributions needed.
-            verdict = verify_greedy(drafts, num_draft, self.target.runner.logits(hidden).argmax(dim=-1))
+            processed = self.target.runner.logits(hidden)  # no processor applies: the raw logits
+            verdict = verify_greedy(drafts, num_draft, processed.argmax(dim=-1))
         else:
-            sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-            target_probs = self._target_probs(requests, hidden, drafts, sampling)
+            allowed = None if grammar is None else grammar.allowed[:, :width]
+            target_probs, processed = self._target_probs(requests, hidden, drafts, sampling, allowed=allowed)
             draft_probs = None if proposal.probs is None else proposal.probs[:, : width - 1]
+            if draft_probs is not None and allowed is not None:
+                # A kept draft t_i was drawn from q_i and found allowed: it is distributed as q_i
+                # restricted to the allowed tokens, renormalised, and that is the q it is judged by.
+                draft_probs = draft_probs * allowed[:, :-1]
+                draft_probs = draft_probs / draft_probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
             verdict = verify_drafts(drafts, num_draft, target_probs, draft_probs, sampling.greedy,
                                     [r.generator for r in requests])
         accepted = verdict.num_accepted.tolist()
         emitted = [row[: kept + 1] for row, kept in zip(verdict.output_tokens.tolist(), accepted, strict=True)]
         # Row i's logits (p_{i+1}) gave the final token after i accepted drafts.
         self._store_hidden(requests, hidden, accepted)
-        return self._finish_round(requests, proposal.num_tokens, proposal.num_tokens, accepted, emitted)
+        logprobs = self._logprobs(requests, processed, sampling, [list(range(n + 1)) for n in accepted], emitted)
+        return self._finish_round(requests, proposal.num_tokens, proposal.num_tokens, accepted, emitted,
+                                  None if grammar is None else grammar.drafted, logprobs)
 
-    def verify_tree(self, requests: list[Request], proposal: Proposal) -> StepResult:
+    def verify_tree(self, requests: list[Request], proposal: Proposal, grammar: GrammarRound | None = None) -> StepResult:
         """One batched target pass over [g, tree nodes] with tree attention, tree acceptance, and
         KV compaction of the accepted path, then rollback."""
         assert proposal.parents is not None
@@ -175,7 +213,8 @@ class SpeculativeRunner:
         positions = torch.tensor(starts, device=self.device).unsqueeze(1) + depths
         hidden = runner.forward(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask)
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-        target_probs = self._target_probs(requests, hidden, tokens, sampling, mask)
+        target_probs, processed = self._target_probs(requests, hidden, tokens, sampling, mask,
+                                                     None if grammar is None else grammar.allowed[:, : width + 1])
         verdict = verify_tree(tokens, counts, parents, target_probs, sampling.greedy,
                               [r.generator for r in requests], mask)
         batch = len(requests)
@@ -193,7 +232,12 @@ class SpeculativeRunner:
         # Per-depth metrics: a tree of depth d "proposes" d positions, of which `kept` survive.
         tree_depth = [max(depth_lists[b][1: 1 + counts[b]], default=0) for b in range(batch)]
         kept = [len(path) for path in verdict.paths]
-        return self._finish_round(requests, counts, tree_depth, kept, verdict.tokens)
+        # A path node's token was judged by its parent's row; the final token came from last_rows.
+        rows = [[0] + [node + 1 for node in path[:-1]] + [last] if path else [last]
+                for path, last in zip(verdict.paths, verdict.last_rows, strict=True)]
+        logprobs = self._logprobs(requests, processed, sampling, rows, verdict.tokens)
+        return self._finish_round(requests, counts, tree_depth, kept, verdict.tokens,
+                                  None if grammar is None else grammar.drafted, logprobs)
 
     # -- shared by chain and tree rounds ---------------------------------------------------------
     @staticmethod
@@ -203,38 +247,113 @@ class SpeculativeRunner:
         return [[r.output_token_ids[-1]] + node_lists[b][: counts[b]] for b, r in enumerate(requests)]
 
     def _target_probs(self, requests: list[Request], hidden: torch.Tensor, nodes: torch.Tensor,
-                      sampling: SamplingBatch, ancestors: torch.Tensor | None = None) -> torch.Tensor:
-        """Target distributions [B, R, V] of the verification rows through the request's own transform.
+                      sampling: SamplingBatch, ancestors: torch.Tensor | None = None,
+                      allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target distributions [B, R, V] of the verification rows through the request's own transform,
+        and the processed logits [B, R, V] they came from (for logprobs).
 
-        Row i's repetition-penalty context is the request's tokens plus the drafted tokens on its
-        path: t_1..t_i for a chain, the node's ancestors (``ancestors`` [B, R, R]) for a tree.
+        Row i's penalty context is the request's tokens plus the drafted tokens on its path:
+        t_1..t_i for a chain, the node's ancestors (``ancestors`` [B, R, R]) for a tree.
+        ``allowed`` [B, R, V]: the grammar's tokens at each row (None: no grammar).
         """
         logits = self.target.runner.logits(hidden)  # [B, R, V]
         batch, rows, vocab = logits.shape
-        presence = None
+        presence = counts = None
         base = context_presence(sampling, [r.all_token_ids for r in requests], vocab, self.device)
-        if base is not None:
+        generated = output_counts(sampling, [r.output_token_ids for r in requests], vocab, self.device)
+        if base is not None or generated is not None:
             if ancestors is None:
-                presence = presence_with_drafts(base, nodes)
+                path = drafts_on_path(nodes, vocab)  # [B, R, V] drafted tokens before each row
             else:
                 on_path = torch.zeros(batch, rows, vocab, device=self.device)
                 on_path[:, 1:].scatter_(2, nodes.unsqueeze(2), 1.0)
-                presence = (torch.bmm(ancestors.float(), on_path) > 0) | base.unsqueeze(1)
-            presence = presence.flatten(0, 1)
-        probs = probs_from_logits(logits.flatten(0, 1), sampling.repeat_rows(rows), presence)
-        return probs.view(batch, rows, vocab)
+                path = torch.bmm(ancestors.float(), on_path)
+            if base is not None:
+                presence = ((path > 0) | base.unsqueeze(1)).flatten(0, 1)
+            if generated is not None:
+                counts = (path + generated.unsqueeze(1)).flatten(0, 1)
+        repeated = sampling.repeat_rows(rows)
+        processed = process_logits(logits.flatten(0, 1), repeated, presence,
+                                   None if allowed is None else allowed.flatten(0, 1), counts)
+        probs = probs_from_processed(processed, repeated)
+        return probs.view(batch, rows, vocab), processed.view(batch, rows, vocab)
+
+    @staticmethod
+    def _logprobs(requests: list[Request], processed: torch.Tensor, sampling: SamplingBatch, rows: list[list[int]],
+                  emitted: list[list[int]]) -> list[list[TokenLogprobs | None]] | None:
+        """Each emitted token's logprobs from the verification row whose distribution produced it
+        (``rows[b][i]`` for ``emitted[b][i]``): the target's processed distribution, as a plain
+        step computes it, so logprobs do not depend on speculation."""
+        want = [b for b, r in enumerate(requests) if r.params.logprobs is not None]
+        if not want:
+            return None
+        picks = [(b, row, token) for b in want for row, token in zip(rows[b], emitted[b], strict=True)]
+        device = processed.device
+        index = torch.tensor([b for b, _, _ in picks], device=device)
+        chosen = processed[index, torch.tensor([row for _, row, _ in picks], device=device)]
+        found = iter(gather_logprobs(chosen, sampling.select(index), [t for _, _, t in picks],
+                                     [requests[b].params.logprobs for b, _, _ in picks]))
+        return [[next(found) for _ in emitted[b]] if b in want else [None] * len(emitted[b])
+                for b in range(len(requests))]
+
+    def _check_grammar(self, requests: list[Request], proposal: Proposal) -> tuple[Proposal, GrammarRound]:
+        """Drop the drafts a request's grammar forbids (a chain is cut at the first, a tree loses the
+        node and its subtree) and find the allowed tokens at every verification row."""
+        vocab = self.target.runner.vocab_size
+        drafted = list(proposal.num_tokens)
+        tokens_host = proposal.tokens.tolist()
+        parents_host = None if proposal.parents is None else proposal.parents.tolist()
+        keeps: list[list[int]] = []
+        rows: list[torch.Tensor] = []
+        words = (vocab + 31) // 32
+        for b, request in enumerate(requests):
+            count = drafted[b]
+            if request.grammar is None:
+                keeps.append(list(range(count)))
+                rows.append(torch.full((count + 1, words), -1, dtype=torch.int32))
+                continue
+            parents = None if parents_host is None else parents_host[b][:count]
+            keep, masks = request.grammar.draft_bitmasks(tokens_host[b][:count], parents)
+            kept = [i for i in range(count) if keep[i]]
+            keeps.append(kept)
+            bitmasks = torch.zeros(len(kept) + 1, max(words, masks.shape[1]), dtype=torch.int32)
+            bitmasks[:, : masks.shape[1]] = masks[[0] + [i + 1 for i in kept]]
+            rows.append(bitmasks)
+        width = max(len(k) for k in keeps)
+        tokens = torch.zeros(len(requests), width, dtype=torch.long)
+        parents_out = None if parents_host is None else torch.full((len(requests), width), -1, dtype=torch.long)
+        probs = None if proposal.probs is None else proposal.probs.new_zeros(len(requests), width,
+                                                                              proposal.probs.shape[-1])
+        bitmask = torch.full((len(requests), width + 1, max(r.shape[1] for r in rows)), -1, dtype=torch.int32)
+        for b, kept in enumerate(keeps):
+            bitmask[b, : len(kept) + 1, : rows[b].shape[1]] = rows[b]
+            if not kept:
+                continue
+            tokens[b, : len(kept)] = torch.tensor([tokens_host[b][i] for i in kept])
+            if parents_out is not None and parents_host is not None:
+                # Parents come first, so a kept node's parent is kept: renumber to the kept order.
+                index = {old: new for new, old in enumerate(kept)}
+                parents_out[b, : len(kept)] = torch.tensor([index.get(parents_host[b][i], -1) for i in kept])
+            if probs is not None and proposal.probs is not None:
+                probs[b, : len(kept)] = proposal.probs[b, kept]
+        pruned = Proposal(tokens.to(self.device), [len(k) for k in keeps], probs,
+                          None if parents_out is None else parents_out.to(self.device), proposal.step_seconds)
+        return pruned, GrammarRound(unpack_bitmasks(bitmask, vocab, self.device), drafted)
 
     def _finish_round(self, requests: list[Request], proposed: list[int], judged: list[int], kept: list[int],
-                      emitted: list[list[int]]) -> StepResult:
-        """Roll the target cache back to g + the kept drafts, inform proposer/budget/metrics, emit."""
+                      emitted: list[list[int]], drafted: list[int] | None = None,
+                      logprobs: list[list[TokenLogprobs | None]] | None = None) -> StepResult:
+        """Roll the target cache back to g + the kept drafts, inform proposer/budget/metrics, emit.
+        ``drafted``: what the drafter proposed, when a grammar dropped some drafts (default ``proposed``)."""
         outputs: StepResult = []
         for b, request in enumerate(requests):
             # The target cache now holds g and the accepted drafts; the final token stays pending.
             request.num_computed_tokens += 1 + kept[b]
             self.target.pool.truncate_to(request.slot, request.num_computed_tokens)  # type: ignore[arg-type]
-            self.proposer.accepted(request, proposed[b], kept[b])
+            self.proposer.accepted(request, proposed[b] if drafted is None else drafted[b], kept[b])
             request.metrics.record_round(judged[b], kept[b], proposed[b])
-            outputs.extend((request, StepOutput(t)) for t in emitted[b])
+            found = logprobs[b] if logprobs is not None else [None] * len(emitted[b])
+            outputs.extend((request, StepOutput(t, lp)) for t, lp in zip(emitted[b], found, strict=True))
         self.budget.observe_round(requests, proposed, judged, kept)
         return outputs
 

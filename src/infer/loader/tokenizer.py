@@ -129,7 +129,8 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[Any] | None = None) -> str:
         if not self.chat_template:
             raise ValueError(f"this tokenizer has no chat_template (looked in {self.source}); use a plain prompt")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -137,19 +138,20 @@ class Tokenizer:
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools,
             )
         except TemplateError as err:
             raise ValueError(f"chat template failed: {err}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], parse_special: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], parse_special: bool = True,
+                    tools: list[Any] | None = None) -> list[int]:
         """Token ids of the rendered chat template. With ``parse_special=False`` only the template
         writes control tokens: special-token text in a message's ``content`` or ``name`` is plain text,
         so a user cannot close their turn and open a fake system turn."""
         # The template already writes any BOS, so no special tokens are added again (as transformers does).
         if parse_special or not any(self.has_special_text(v) for m in messages for k, v in m.items()
                                     if k in _MESSAGE_TEXT and isinstance(v, str)):
-            return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+            return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
         # Mark each text with a random fence, render, then tokenize the fenced parts as plain text
         # and the template's own text with its control tokens. (Only taken when a message holds
         # special-token text: tokenizing in pieces may split differently at the fences.)
@@ -157,7 +159,7 @@ class Tokenizer:
         start, end = f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000"
         fenced = [{k: f"{start}{v}{end}" if k in _MESSAGE_TEXT and isinstance(v, str) else v for k, v in m.items()}
                   for m in messages]
-        rendered = self.apply_chat_template(fenced)
+        rendered = self.apply_chat_template(fenced, tools=tools)
         ids: list[int] = []
         pos = 0
         for match in re.finditer(f"{re.escape(start)}(.*?){re.escape(end)}", rendered, re.DOTALL):

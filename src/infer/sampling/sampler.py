@@ -3,11 +3,59 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from infer.sampling.params import SamplingParams
-from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_presence
+from infer.sampling.transforms import (
+    SamplingBatch,
+    probs_from_processed,
+    process_logits,
+    processed_logprobs,
+    token_counts,
+    token_presence,
+)
+
+
+@dataclass
+class TokenLogprobs:
+    """One generated token's log-probability and the likeliest tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), likeliest first; as many as asked
+
+
+def raw_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """``TokenLogprobs`` of ``tokens[i]`` under row i of raw ``logits`` [N, V] (log-softmax, no processor)."""
+    if not len(tokens):
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
+    return [TokenLogprobs(int(t), float(v), list(zip(i, tv, strict=True)))
+            for t, v, i, tv in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True)]
+
+
+def gather_logprobs(processed: torch.Tensor, batch: SamplingBatch, tokens: Sequence[int],
+                    tops: Sequence[int | None]) -> list[TokenLogprobs | None]:
+    """``TokenLogprobs`` of ``tokens[i]`` under row i of ``processed`` logits [N, V] for the rows whose
+    ``tops[i]`` (how many alternatives) is not None; None for the others."""
+    out: list[TokenLogprobs | None] = [None] * len(tops)
+    rows = [i for i, k in enumerate(tops) if k is not None]
+    if not rows:
+        return out
+    index = row_index(rows, processed.device)
+    logprobs = processed_logprobs(processed[index], batch.select(index))
+    chosen = logprobs.gather(1, torch.tensor([tokens[i] for i in rows], device=processed.device).unsqueeze(1))
+    widest = max(int(tops[i] or 0) for i in rows)
+    values, ids = logprobs.topk(widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0].long())
+    for i, value, top_values, top_ids in zip(rows, chosen.squeeze(1).tolist(), values.tolist(), ids.tolist(),
+                                             strict=True):
+        k = int(tops[i] or 0)
+        out[i] = TokenLogprobs(int(tokens[i]), float(value), list(zip(top_ids[:k], top_values[:k], strict=True)))
+    return out
 
 
 def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
@@ -66,13 +114,43 @@ def context_presence(batch: SamplingBatch, contexts: Sequence[Sequence[int]], vo
     return token_presence(contexts, vocab_size, device) if batch.use_penalty else None
 
 
+def output_counts(batch: SamplingBatch, outputs: Sequence[Sequence[int]], vocab_size: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """The generated tokens' counts, built only when some row uses a presence/frequency penalty."""
+    return token_counts(outputs, vocab_size, device) if batch.use_counts else None
+
+
 def sample_next_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     contexts: Sequence[Sequence[int]],
     generators: Sequence[torch.Generator | None],
+    allowed: torch.Tensor | None = None,
+    outputs: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
-    """Next token for each row of ``logits`` [B, V]; greedy rows take the argmax and draw nothing."""
+    """Next token for each row of ``logits`` [B, V]; greedy rows take the argmax and draw nothing.
+    ``contexts``: each row's prompt + generated tokens; ``outputs``: the generated ones alone (for
+    presence/frequency penalties; default none); ``allowed`` [B, V] bool: the tokens each row's
+    grammar allows (None: no grammar)."""
+    return sample_with_logprobs(logits, params, contexts, generators, allowed, outputs)[0]
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    contexts: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+    allowed: torch.Tensor | None = None,
+    outputs: Sequence[Sequence[int]] | None = None,
+) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+    """``sample_next_tokens``, and each token's ``TokenLogprobs`` for the rows whose params ask."""
     batch = SamplingBatch.from_params(params, logits.device)
     presence = context_presence(batch, contexts, logits.shape[-1], logits.device)
-    return sample_rows(probs_from_logits(logits, batch, presence), [p.greedy for p in params], generators)
+    counts = output_counts(batch, outputs if outputs is not None else [[] for _ in params], logits.shape[-1],
+                           logits.device)
+    processed = process_logits(logits, batch, presence, allowed, counts)
+    tokens = sample_rows(probs_from_processed(processed, batch), [p.greedy for p in params], generators)
+    tops = [p.logprobs for p in params]
+    if all(k is None for k in tops):
+        return tokens, [None] * len(tops)
+    return tokens, gather_logprobs(processed, batch, tokens.tolist(), tops)

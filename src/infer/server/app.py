@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import json
@@ -11,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -21,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
-from infer.sampling.params import short_repr
+from infer.sampling.params import SamplingParams, short_repr
 from infer.server.engine_loop import EngineService, Progress, Subscription
 from infer.server.errors import (
     APIError,
@@ -45,6 +47,7 @@ from infer.server.protocol import (
     SamplingRequest,
     check_model,
 )
+from infer.server.tools import ToolCall, parse_calls, prompt_messages
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Larger bodies get a 413 before they are read. 1 MiB (nginx's default too) is far more than a
@@ -75,7 +78,7 @@ def _generation_responses(model: type, auth: bool) -> dict[int | str, dict[str, 
     stream = {"schema": event}
     return {200: {"model": model, "description": "The completion (JSON), or with `stream: true` a stream of "
                                                  "server-sent events", "content": {"text/event-stream": stream}},
-            **_errors(400, *((401,) if auth else ()), 413, 429, 500, 503)}
+            **_errors(400, *((401,) if auth else ()), 404, 413, 429, 500, 503)}
 
 
 def build_app(config: EngineConfig, served_model_name: str, api_key: str | None, *,
@@ -218,34 +221,120 @@ class _Api:
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         check_model(body.model, self.model_name)
         body.check_supported()
-        prompt = body.single_prompt()
+        prompts = body.prompts()
         params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
+        await self._check_grammar(body, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # An explicit max_tokens must fit the context with the prompt (a 400 naming both otherwise);
         # the default (16) stops at the context's end.
-        sub = await self.service.submit(prompt, params, rid, prompt_param="prompt", cache_salt=body.cache_salt,
-                                        parse_special=bool(body.parse_special_tokens),
-                                        max_tokens_param=body.max_tokens_field())
-        stream = _Stream("text_completion", rid, self.model_name, body, chat=False,
-                         holdback=_holdback(params.stop))
-        return await self._respond(sub, body, http, stream)
+        submit: dict[str, Any] = {"cache_salt": body.cache_salt, "parse_special": bool(body.parse_special_tokens),
+                                  "max_tokens_param": body.max_tokens_field()}
+        n = body.n or 1
+        width = max(n, body.best_of or 1)  # best_of: generate width per prompt, answer the n likeliest
+        scored = params if width == n or params.logprobs is not None else dataclasses.replace(params, logprobs=0)
+        jobs, streams = [], []
+        for index in range(len(prompts) * width):
+            prompt = prompts[index // width]
+            echo = None
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else \
+                    self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+            jobs.append((prompt, _choice_params(scored, index % width)))
+            streams.append(_Stream("text_completion", rid, self.model_name, body, chat=False,
+                                   holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer, echo=echo,
+                                   prompt_only=body.prompt_only, index=index,
+                                   show_logprobs=params.logprobs is not None))
+        if len(jobs) > 1:
+            return await self._respond_many(jobs, body, http, streams, "prompt", width, keep=n, submit=submit)
+        sub = await self.service.submit(prompts[0], params, rid, prompt_param="prompt", **submit)
+        return await self._respond(sub, body, http, streams[0])
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model, self.model_name)
         body.check_supported()
-        messages = body.template_messages()
+        fns = body.tool_functions()
+        template = self.engine.tokenizer.chat_template
+        messages, tools = prompt_messages(body.template_messages(), body.tools if fns else None, template)
         self.service.check_admitting()  # before spending a worker thread on the template and tokenizer
         try:
-            ids = await asyncio.to_thread(self.engine.encode_chat, messages, bool(body.parse_special_tokens))
+            ids = await asyncio.to_thread(self.engine.encode_chat, messages, bool(body.parse_special_tokens), tools)
         except ValueError as err:
             raise bad_request(str(err), param="messages") from None
         params = body.sampling_params(max(1, self.engine.max_seq_len - len(ids)))
+        await self._check_grammar(body, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await self.service.submit(ids, params, rid, prompt_param="messages", cache_salt=body.cache_salt,
-                                        max_tokens_param=body.max_tokens_field())
+        submit: dict[str, Any] = {"cache_salt": body.cache_salt, "max_tokens_param": body.max_tokens_field()}
+        n = body.n or 1
+        if n > 1:
+            streams = [_Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
+                               holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer, index=i,
+                               tools=_ToolMode(fns, template) if fns else None)
+                       for i in range(n)]
+            jobs: list[tuple[str | list[int], SamplingParams]] = [(ids, _choice_params(params, i)) for i in range(n)]
+            return await self._respond_many(jobs, body, http, streams, "messages", n, submit=submit)
+        sub = await self.service.submit(ids, params, rid, prompt_param="messages", **submit)
         stream = _Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,
-                         holdback=_holdback(params.stop))
+                         holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer,
+                         tools=_ToolMode(fns, template) if fns else None)
         return await self._respond(sub, body, http, stream)
+
+    async def _check_grammar(self, body: SamplingRequest, params: SamplingParams) -> None:
+        """A 400 naming the request's field for an invalid grammar or schema (compiled in a worker
+        thread: the first one also builds the tokenizer's table for the grammar engine)."""
+        structured = body.structured_output()
+        if params.structured_output is None or structured is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammars.matcher, params.structured_output)  # type: ignore[arg-type]
+        except ValueError as err:
+            raise bad_request(str(err), param=structured[1]) from None
+
+    async def _respond_many(self, jobs: list[tuple[str | list[int], SamplingParams]], body: SamplingRequest,
+                            http: Request, streams: list[_Stream], prompt_param: str, n: int,
+                            keep: int | None = None, submit: dict[str, Any] | None = None) -> Response:
+        """Several choices (a list of prompts, n > 1): one engine request each, answered together.
+        ``n`` requests per prompt; with ``keep`` < n (best_of), the ``keep`` with the highest
+        cumulative logprob of each prompt are answered (usage counts every generated token)."""
+        subs: list[Subscription] = []
+        try:
+            for i, (prompt, params) in enumerate(jobs):
+                subs.append(await self.service.submit(prompt, params, f"{streams[i].id}-{i}", prompt_param=prompt_param,
+                                                      **(submit or {})))
+        except BaseException:
+            for sub in subs:
+                sub.close()
+            raise
+
+        def close_all() -> None:
+            for sub in subs:
+                sub.close()
+
+        if body.stream:
+            return EventStreamResponse(_merged_events(streams, subs, body.include_usage, n), on_close=close_all)
+        try:
+            finals = await _wait_all(subs, http)
+        finally:
+            close_all()
+        if finals is None:
+            return Response(status_code=499)
+        for final in finals:
+            if final.finish_reason not in ("stop", "length"):
+                message = final.error or f"the request ended with finish_reason={final.finish_reason!r}"
+                raise shutting_down(message) if final.shutdown else server_error(message)
+        usage = _summed_usage([s._usage(f) for s, f in zip(streams, finals, strict=True)], n)
+        chosen = list(range(len(jobs)))
+        if keep is not None and keep < n:
+            chosen = []
+            for start in range(0, len(jobs), n):
+                group = sorted(range(start, start + n), key=lambda i: -_cumulative_logprob(finals[i]))
+                chosen += sorted(group[:keep])
+        for new, i in enumerate(chosen):
+            streams[i].index = new
+        out = streams[0].whole(finals[0])
+        out["choices"] = [streams[i].whole(finals[i])["choices"][0] for i in chosen]
+        out["usage"] = usage
+        out.pop("speculative", None)
+        return JSONResponse(out)
 
     async def _respond(self, sub: Subscription, body: SamplingRequest, http: Request, stream: _Stream) -> Response:
         if body.stream:
@@ -279,6 +368,81 @@ async def _wait_final(sub: Subscription, http: Request) -> Progress | None:
     return final.result() if final.done() and not final.cancelled() else None
 
 
+@dataclass
+class _ToolMode:
+    functions: dict[str, dict[str, Any]]
+    template: str | None
+
+
+def _choice_params(params: SamplingParams, copy: int) -> SamplingParams:
+    """Choice ``copy`` of n: a seeded request's copies draw from seed, seed + 1, ... (else identical)."""
+    if copy == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + copy) % 2**63)
+
+
+def _cumulative_logprob(final: Progress) -> float:
+    """Sum of the generated tokens' logprobs (best_of's ranking)."""
+    return sum(lp.logprob for lp in (final.logprobs or [])[: final.completion_tokens])
+
+
+def _summed_usage(usages: list[dict[str, int]], n: int) -> dict[str, int]:
+    """Every prompt's tokens once (the n choices of a prompt share it), every choice's completion."""
+    prompt = sum(u["prompt_tokens"] for u in usages[::n])
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _wait_all(subs: list[Subscription], http: Request) -> list[Progress] | None:
+    """The finished progress of every subscription, or None if the client disconnects first."""
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    finals: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*(sub.final() for sub in subs)))
+    watcher: asyncio.Future[Any] = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({finals, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (finals, watcher):
+            task.cancel()
+    return list(finals.result()) if finals.done() and not finals.cancelled() else None
+
+
+async def _merged_events(streams: list[_Stream], subs: list[Subscription], include_usage: bool,
+                         n: int) -> AsyncIterator[str]:
+    """The SSE chunks of several choices as they come, then one usage chunk (if asked) and [DONE]."""
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def pump(stream: _Stream, sub: Subscription) -> None:
+        try:
+            async for item in stream.events(sub, last=False):
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(stream, sub)) for stream, sub in zip(streams, subs, strict=True)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+        if include_usage and all(stream.final is not None for stream in streams):
+            usage = _summed_usage([s._usage(s.final) for s in streams if s.final is not None], n)
+            yield _sse({"id": streams[0].id, "object": streams[0].object, "created": streams[0].created,
+                        "model": streams[0].model, "choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for sub in subs:
+            sub.close()
+
+
 def _holdback(stop: list[str]) -> int:
     """Characters a stream keeps back so it never sends the start of a stop string that later matches."""
     return max((len(s) for s in stop), default=1) - 1
@@ -288,7 +452,8 @@ class _Stream:
     """Builds the response bodies of one request, streamed (SSE chunks) or whole."""
 
     def __init__(self, object_name: str, request_id: str, model: str, body: SamplingRequest, *, chat: bool,
-                 holdback: int) -> None:
+                 holdback: int, tokenizer: Any, echo: str | None = None, prompt_only: bool = False,
+                 index: int = 0, tools: _ToolMode | None = None, show_logprobs: bool = True) -> None:
         self.object = object_name
         self.id = request_id
         self.model = model
@@ -296,57 +461,163 @@ class _Stream:
         self.include_usage = body.include_usage
         self.holdback = holdback
         self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.logprobs_sent = 0  # tokens whose logprobs a chunk carried
+        self.text_offset = 0  # completions' text_offset of the next token
+        self.echo = echo  # completions' echo: the prompt text, sent before the completion
+        self.prompt_only = prompt_only  # echo with max_tokens=0: the generated token is left out
+        self.index = index  # the choice's index (several prompts, or n > 1)
+        self.final: Progress | None = None  # the finished progress, once streamed
+        self.tools = tools  # chat with tools: the answer may be tool calls (sent whole, once finished)
+        self.show_logprobs = show_logprobs  # False: computed for best_of's ranking only
+
+    def _tool_calls(self, final: Progress) -> tuple[str | None, list[ToolCall]] | None:
+        """The answer's content and tool calls, when tools are on and it made calls."""
+        if self.tools is None or final.finish_reason != "stop":
+            return None
+        content, calls = parse_calls(final.text, self.tools.template, self.tools.functions)
+        return (content, calls) if calls else None
+
+    def _usage(self, progress: Progress) -> dict[str, int]:
+        usage = progress.usage()
+        if self.prompt_only:
+            usage["completion_tokens"], usage["total_tokens"] = 0, usage["prompt_tokens"]
+        return usage
+
+    def _prompt_logprobs(self, progress: Progress) -> dict[str, Any] | None:
+        """Completions' ``logprobs`` of the echoed prompt (None when not asked for)."""
+        if progress.prompt_logprobs is None:
+            return None
+        tokens: list[str] = []
+        offsets: list[int] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        for i, token in enumerate(progress.prompt_token_ids or []):
+            piece = self.tokenizer.decode([token], skip_special_tokens=False)
+            lp = progress.prompt_logprobs[i] if i < len(progress.prompt_logprobs) else None
+            tokens.append(piece)
+            offsets.append(self.text_offset)
+            self.text_offset += len(piece)
+            values.append(None if lp is None else _finite(lp.logprob))
+            tops.append(None if lp is None else {self.tokenizer.decode([t], skip_special_tokens=False): _finite(v)
+                                                 for t, v in lp.top})
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _logprobs(self, progress: Progress) -> dict[str, Any] | None:
+        """The OpenAI ``logprobs`` object of the tokens not yet sent (None when not asked for)."""
+        if progress.logprobs is None or not self.show_logprobs:
+            return None
+        new = progress.logprobs[self.logprobs_sent: progress.completion_tokens]
+        self.logprobs_sent += len(new)
+        text = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict[str, Any]:
+                piece = text([token])
+                return {"token": piece, "logprob": _finite(logprob), "bytes": list(piece.encode())}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in new], "refusal": None}
+        tokens, offsets = [], []
+        for lp in new:
+            piece = text([lp.token_id])
+            tokens.append(piece)
+            offsets.append(self.text_offset)
+            self.text_offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in new],
+                "top_logprobs": [{text([t]): _finite(v) for t, v in lp.top} for lp in new],
+                "text_offset": offsets}
 
     # -- whole (stream=false) ---------------------------------------------------------------------
     def whole(self, final: Progress) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": final.text}
+            choice["logprobs"] = self._logprobs(final)
+            calls = self._tool_calls(final)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": calls[0],
+                                     "tool_calls": [c.to_openai() for c in calls[1]]}
         else:
-            choice["text"] = final.text
-        choice["logprobs"] = None
-        choice["finish_reason"] = final.finish_reason
+            echoed = self._prompt_logprobs(final) if self.echo is not None else None
+            generated = None if self.prompt_only else self._logprobs(final)
+            choice["text"] = (self.echo or "") + ("" if self.prompt_only else final.text)
+            choice["logprobs"] = _joined(echoed, generated)
+        choice["finish_reason"] = "tool_calls" if self.chat and self._tool_calls(final) else final.finish_reason
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                                "created": self.created, "model": self.model, "choices": [choice],
-                               "usage": final.usage()}
+                               "usage": self._usage(final)}
         if final.spec is not None:
             out["speculative"] = final.spec.to_dict()
         return out
 
     # -- streamed ---------------------------------------------------------------------------------
-    async def events(self, sub: Subscription) -> AsyncIterator[str]:
+    async def events(self, sub: Subscription, last: bool = True) -> AsyncIterator[str]:
+        """This choice's chunks; ``last``: then its usage chunk (if asked) and [DONE]."""
         try:
             if self.chat:
                 yield self._chunk({"role": "assistant", "content": ""}, None)
             sent = 0
+            while self.tools is not None:  # tool calls can only be told once the answer is whole
+                progress = await sub.next()
+                if not progress.finished:
+                    continue
+                if progress.finish_reason not in ("stop", "length"):
+                    message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
+                    code = "server_shutting_down" if progress.shutdown else "internal_error"
+                    yield _sse(error_body(message, "server_error", None, code))
+                    if last:
+                        yield "data: [DONE]\n\n"
+                    return
+                self.final = progress
+                calls = self._tool_calls(progress)
+                if calls is None:
+                    yield self._chunk({"content": progress.text}, None, self._logprobs(progress))
+                else:
+                    if calls[0]:
+                        yield self._chunk({"content": calls[0]}, None)
+                    yield self._chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls[1])]}, None)
+                yield self._chunk({}, "tool_calls" if calls else progress.finish_reason)
+                if self.include_usage and last:
+                    yield self._usage_chunk(progress)
+                if last:
+                    yield "data: [DONE]\n\n"
+                return
             while True:
                 progress = await sub.next()
+                if self.echo is not None and (progress.completion_tokens or progress.finished):
+                    # The prompt's logprobs are complete once it has been computed.
+                    yield self._chunk(self.echo, None, self._prompt_logprobs(progress))
+                    self.echo = None
                 if progress.finished and progress.finish_reason not in ("stop", "length"):
                     message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
                     code = "server_shutting_down" if progress.shutdown else "internal_error"
                     yield _sse(error_body(message, "server_error", None, code))
                     break
-                text = progress.text
+                text = "" if self.prompt_only else progress.text
                 visible = text if progress.finished else text[: max(0, len(text) - self.holdback)]
                 if len(visible) > sent:
                     delta, sent = visible[sent:], len(visible)
-                    yield self._chunk({"content": delta} if self.chat else delta, None)
+                    yield self._chunk({"content": delta} if self.chat else delta, None, self._logprobs(progress))
                 if progress.finished:
-                    yield self._chunk({} if self.chat else "", progress.finish_reason)
-                    if self.include_usage:
+                    self.final = progress
+                    rest = None if self.prompt_only else self._logprobs(progress)
+                    yield self._chunk({} if self.chat else "", progress.finish_reason, rest)
+                    if self.include_usage and last:
                         yield self._usage_chunk(progress)
                     break
-            yield "data: [DONE]\n\n"
+            if last:
+                yield "data: [DONE]\n\n"
         finally:
             sub.close()
 
-    def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None) -> str:
-        choice: dict[str, Any] = {"index": 0}
+    def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None,
+               logprobs: dict[str, Any] | None = None) -> str:
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = delta
         else:
             choice["text"] = delta
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                                  "choices": [choice]}
@@ -356,10 +627,22 @@ class _Stream:
 
     def _usage_chunk(self, final: Progress) -> str:
         chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                                 "choices": [], "usage": final.usage()}
+                                 "choices": [], "usage": self._usage(final)}
         if final.spec is not None:
             chunk["speculative"] = final.spec.to_dict()
         return _sse(chunk)
+
+
+def _joined(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions ``logprobs`` objects as one (the echoed prompt's, then the completion's)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token the grammar or truncation forbids gets OpenAI's floor, -9999."""
+    return max(logprob, -9999.0)
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -36,6 +36,7 @@ from infer.core.request import Request
 from infer.engine.engine import ContextLengthError, Engine, RequestUpdate
 from infer.engine.scheduler import QueueFullError
 from infer.sampling.params import SamplingParams
+from infer.sampling.sampler import TokenLogprobs
 from infer.server.errors import APIError, bad_request, shutting_down
 from infer.server.metrics import ServerMetrics
 
@@ -68,13 +69,22 @@ class Progress:
     error: str | None
     spec: SpecStats | None
     shutdown: bool = False  # ended by the server's shutdown (HTTP 503), not by a failure of its own
+    # The request's growing per-token logprobs list (when it asked for them): its first
+    # completion_tokens entries are this progress's (a reference, never copied per step).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # likewise, complete once the prompt is computed
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the tokens they are of
 
     @classmethod
     def of(cls, request: Request, speculative: bool, shutdown: bool = False) -> Progress:
         m = request.metrics
         spec = SpecStats(m.num_rounds, m.proposed_tokens, m.accepted_tokens) if speculative else None
+        wants = request.params.logprobs is not None
         return cls(request.text, len(request.prompt_token_ids), len(request.output_token_ids), request.is_finished,
-                   request.finish_reason, request.error, spec, shutdown)
+                   request.finish_reason, request.error, spec, shutdown,
+                   request.output_logprobs if wants else None,
+                   request.prompt_logprobs if request.params.prompt_logprobs is not None else None,
+                   request.prompt_token_ids if request.params.prompt_logprobs is not None else None)
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

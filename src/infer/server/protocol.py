@@ -2,8 +2,9 @@
 
 Bodies are validated strictly (no "5" for 5, no 1 for true, no NaN/Infinity); unknown fields are
 ignored because OpenAI clients send many optional ones. Known fields that ask for something the
-engine cannot do (``n=2``, ``logprobs``, penalties other than repetition_penalty, tools...) are
-refused with a 400 that names the field, rather than silently ignored.
+engine cannot do (``n=2``, ``echo``, tools...) are refused with a 400 that names the field, rather
+than silently ignored. Structured output comes from ``response_format`` (chat) or the extension
+fields ``structured_outputs`` / ``guided_json`` / ``guided_regex`` / ``guided_grammar`` (as vLLM's).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from infer.sampling.params import SamplingParams, short_repr
+from infer.sampling.params import MAX_LOGPROBS, SamplingParams, short_repr
 from infer.server.errors import APIError, bad_request, from_sampling_error
+from infer.server.tools import forced_schema, functions
+
+MAX_CHOICES = 64  # n, and prompts x n in one completions request
 
 
 class _Body(BaseModel):
@@ -51,6 +55,14 @@ class SamplingRequest(_Body):
         "extension: tokenize special-token text in the prompt or message contents (such as '<|im_end|>') as "
         "control tokens. By default it is plain text, so text from users cannot end a turn or forge one; "
         "only the chat template writes control tokens"))
+    structured_outputs: dict[str, Any] | None = Field(default=None, description=(
+        "extension (as vLLM): exactly one of json (a JSON Schema), json_object (true), regex, grammar (Lark "
+        "or GBNF); every token is drawn from the model's distribution restricted to it, with or without "
+        "speculation"))
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="extension (vLLM's older "
+                                                     "spelling): structured_outputs.json")
+    guided_regex: str | None = Field(default=None, description="extension: structured_outputs.regex")
+    guided_grammar: str | None = Field(default=None, description="extension: structured_outputs.grammar")
 
     @property
     def include_usage(self) -> bool:
@@ -58,18 +70,8 @@ class SamplingRequest(_Body):
 
     def check_supported(self) -> None:
         """400 for known fields set to values this server cannot honour."""
-        if self.n not in (None, 1):
-            raise bad_request(f"n={short_repr(self.n)} is not supported: this server returns one choice per "
-                              "request (n=1)",
-                              param="n", code="unsupported_parameter")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise bad_request(f"{name}={short_repr(value)} is not supported (only 0); use repetition_penalty "
-                                  "instead",
-                                  param=name, code="unsupported_parameter")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise bad_request(f"n={short_repr(self.n)} must be in [1, {MAX_CHOICES}]", param="n")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -78,12 +80,43 @@ class SamplingRequest(_Body):
         """The field that set max_tokens, or None when the server's default applies."""
         return "max_tokens" if self.max_tokens is not None else None
 
+    def requested_logprobs(self) -> int | None:
+        return None
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return None
+
+    def structured_output(self) -> tuple[dict[str, Any], str] | None:
+        """The structured-output constraint and the field it came from (400 when several are set)."""
+        found: list[tuple[dict[str, Any], str]] = []
+        if self.structured_outputs is not None:
+            found.append((dict(self.structured_outputs), "structured_outputs"))
+        if self.guided_json is not None:
+            found.append(({"json": self.guided_json}, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(({"regex": self.guided_regex}, "guided_regex"))
+        if self.guided_grammar is not None:
+            found.append(({"grammar": self.guided_grammar}, "guided_grammar"))
+        if len(found) > 1:
+            raise bad_request(f"set one structured-output field, not {', '.join(name for _, name in found)}",
+                              param=found[1][1])
+        return found[0] if found else None
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise bad_request(f"logit_bias key {short_repr(key)} is not a token id", param="logit_bias")
+            bias[int(key)] = value
+        return bias
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         top_k = self.top_k
         if top_k == -1:
             top_k = 0  # vLLM's spelling of "disabled"
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.requested_max_tokens()
+        structured = self.structured_output()
         try:
             return SamplingParams(
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens,
@@ -96,8 +129,16 @@ class SamplingRequest(_Body):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=bool(self.ignore_eos),
                 seed=self.seed,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                logit_bias=self.logit_bias_ids(),
+                logprobs=self.requested_logprobs(),
+                prompt_logprobs=self.requested_prompt_logprobs(),
+                structured_output=None if structured is None else structured[0],
             )
         except ValueError as err:
+            if structured is not None and "structured_output" in str(err):
+                raise bad_request(str(err), param=structured[1]) from None
             raise from_sampling_error(err) from None
 
 
@@ -110,27 +151,41 @@ class CompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo=true is not supported", param="echo", code="unsupported_parameter")
-        if self.logprobs is not None:
-            raise bad_request("logprobs is not supported", param="logprobs", code="unsupported_parameter")
-        if self.best_of not in (None, 1):
-            raise bad_request(f"best_of={short_repr(self.best_of)} is not supported (only 1)", param="best_of",
-                              code="unsupported_parameter")
+        if self.best_of is not None and not (self.n or 1) <= self.best_of <= MAX_CHOICES:
+            raise bad_request(f"best_of={short_repr(self.best_of)} must be in [n, {MAX_CHOICES}] (n={self.n or 1})",
+                              param="best_of")
+        if self.stream and (self.best_of or 1) > (self.n or 1):
+            raise bad_request("best_of above n cannot be streamed (the best are known once all are done)",
+                              param="best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: a string, or token ids. Batches of prompts are refused."""
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens=0`` (lm-eval's loglikelihood): the prompt and its logprobs alone.
+        The engine still generates one token (it always does), which the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.prompt_only else self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token-id list, or a list of them (one choice each, in order)."""
         prompt: Any = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request(f"got {len(prompt)} prompts; this server takes one prompt per request",
-                                  param="prompt", code="unsupported_parameter")
-            prompt = prompt[0]
-        if not prompt:
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if any(not p for p in prompts):
             raise bad_request("the prompt is empty", param="prompt")
-        return prompt  # type: ignore[no-any-return]
+        width = max(self.n or 1, self.best_of or 1)
+        if len(prompts) * width > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={width} is more than {MAX_CHOICES} choices",
+                              param="prompt")
+        return prompts  # type: ignore[no-any-return]
 
 
 class ChatMessage(_Body):
@@ -138,6 +193,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's call
 
     def for_template(self) -> dict[str, Any]:
         if isinstance(self.content, list):
@@ -154,6 +211,10 @@ class ChatMessage(_Body):
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -167,21 +228,58 @@ class ChatCompletionRequest(SamplingRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_functions(self) -> dict[str, dict[str, Any]]:
+        """name -> function of ``tools`` (empty without tools, or with tool_choice none)."""
+        if not self.tools or self.tool_choice == "none":
+            return {}
+        return functions(self.tools)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            name = "logprobs" if self.logprobs else "top_logprobs"
-            raise bad_request(f"{name} is not supported", param=name, code="unsupported_parameter")
-        if self.tools or self.functions:
-            name = "tools" if self.tools else "functions"
-            raise bad_request("tool calling is not supported", param=name, code="unsupported_parameter")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            name = "tool_choice" if self.tool_choice not in (None, "none") else "function_call"
-            raise bad_request("tool calling is not supported", param=name, code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(f"response_format type {short_repr(self.response_format.get('type'))} is not supported "
-                              "(only text)", param="response_format", code="unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs={short_repr(self.top_logprobs)} must be in [0, {MAX_LOGPROBS}]",
+                              param="top_logprobs")
+        if self.functions or self.function_call not in (None, "none"):
+            raise bad_request("the legacy functions/function_call fields are not supported; use tools",
+                              param="functions" if self.functions else "function_call", code="unsupported_parameter")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def structured_output(self) -> tuple[dict[str, Any], str] | None:
+        """``response_format`` json_object / json_schema (strict or not: either way the output
+        follows the schema), else the extension fields."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type", "text")
+        found = super().structured_output()
+        fns = self.tool_functions()
+        forced = forced_schema(fns, self.tool_choice, self.parallel_tool_calls is not False) if fns else None
+        if forced is not None:
+            if found is not None or kind not in (None, "text"):
+                raise bad_request("tool_choice required or named cannot be combined with another output format",
+                                  param="tool_choice")
+            return {"json": forced}, "tools"
+        if kind in (None, "text"):
+            return found
+        if found is not None:
+            raise bad_request(f"set response_format or {found[1]}, not both", param=found[1])
+        assert fmt is not None
+        if kind == "json_object":
+            return {"json_object": True}, "response_format"
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad_request("response_format.json_schema must be an object with a 'schema' object",
+                                  param="response_format")
+            return {"json": spec.get("schema", {})}, "response_format"
+        raise bad_request(f"response_format type {short_repr(kind)} is not supported (text, json_object, json_schema)",
+                          param="response_format", code="unsupported_parameter")
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
@@ -210,10 +308,20 @@ class SpeculativeStats(BaseModel):
     accepted_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """Per generated token (the processed distribution: penalties, logit bias, grammar mask and
+    temperature, before top-k/top-p truncation; see docs/usage.md)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None for the first prompt token when echo is set
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 
@@ -235,10 +343,27 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Per generated token (the processed distribution, as for completions)."""
+
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
@@ -276,5 +401,5 @@ class Health(BaseModel):
 
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
-        raise APIError(400, f"the model {short_repr(requested)} does not exist; this server serves {served!r}",
+        raise APIError(404, f"the model {short_repr(requested)} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")

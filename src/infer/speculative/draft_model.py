@@ -9,7 +9,7 @@ from infer.core.model_runner import ModelRunner
 from infer.core.request import Request
 from infer.core.timing import device_clock
 from infer.loader.tokenizer import Tokenizer
-from infer.sampling.sampler import context_presence, sample_rows
+from infer.sampling.sampler import context_presence, output_counts, sample_rows
 from infer.sampling.transforms import SamplingBatch, argmax_only, probs_from_logits
 from infer.speculative.budget import EntropyStop
 from infer.speculative.proposer import DrafterInfo, Proposal, Proposer
@@ -43,12 +43,14 @@ class DraftModelProposer(Proposer):
         counts = [0] * batch
         # Greedy rows without a penalty draft the argmax, whose q is one-hot: a Proposal without
         # probs says exactly that, so such a batch forms no distributions at all.
-        probs = sampling = presence = None
+        probs = sampling = presence = generated = None
         if not argmax_only([r.params for r in requests]):
             probs = torch.zeros(batch, width, self.runner.vocab_size, dtype=torch.float32, device=device)
             sampling = SamplingBatch.from_params([r.params for r in requests], device)
             presence = context_presence(sampling, [r.all_token_ids for r in requests], self.runner.vocab_size,
                                         device)
+            generated = output_counts(sampling, [r.output_token_ids for r in requests], self.runner.vocab_size,
+                                      device)
 
         active = [b for b in range(batch) if budgets[b] > 0]
         catchup: list[list[int]] = []
@@ -73,13 +75,16 @@ class DraftModelProposer(Proposer):
             if probs is None or sampling is None:
                 drafted = logits.argmax(dim=-1)
             else:
-                q = probs_from_logits(logits, sampling.select(rows), None if presence is None else presence[rows])
+                q = probs_from_logits(logits, sampling.select(rows), None if presence is None else presence[rows],
+                                      counts=None if generated is None else generated[rows])
                 drafted = sample_rows(q, [requests[b].params.greedy for b in active],
                                       [requests[b].generator for b in active])
                 probs[rows, step] = q
             tokens[rows, step] = drafted
             if presence is not None:
                 presence[rows, drafted] = True
+            if generated is not None:
+                generated[rows, drafted] += 1
             for b in active:
                 counts[b] += 1
             step += 1

@@ -1,0 +1,127 @@
+"""Tool calling: prompt rendering (template ``tools``, history), the parsers, and live requests whose
+``tool_choice`` (required, named) the grammar enforces, with and without speculation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from infer import Engine, EngineConfig
+from infer.server.app import create_app
+from infer.server.background import BackgroundServer
+from infer.server.tools import forced_schema, functions, parse_calls, prompt_messages
+
+MODEL = "tiny"
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+QWEN_LIKE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+             "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+             "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+             "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+def test_parsers() -> None:
+    known = functions(TOOLS)
+    content, calls = parse_calls('Sure.<tool_call>\n{"name": "weather", "arguments": {"city": "Rome", "days": 2}}\n'
+                                 '</tool_call><tool_call>{"name": "time", "arguments": {"zone": "UTC"}}</tool_call>',
+                                 QWEN_LIKE, known)
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [
+        ("weather", {"city": "Rome", "days": 2}), ("time", {"zone": "UTC"})]
+    content, calls = parse_calls('<|python_tag|>{"name": "time", "parameters": {"zone": "CET"}}', None, known)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("time", {"zone": "CET"})]  # Llama 3
+    _, calls = parse_calls('[{"name": "weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 1}"}]', None, known)
+    assert [(c.name, c.arguments) for c in calls] == [("weather", {"city": "Paris", "days": 1})]
+    assert parse_calls('{"name": "unknown", "arguments": {}}', None, known) == ('{"name": "unknown", "arguments": {}}', [])
+    assert parse_calls("It is sunny.", None, known) == ("It is sunny.", [])
+
+
+def test_prompt_rendering_keeps_tools_and_history() -> None:
+    history = [*MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "weather",
+                                                                     "arguments": '{"city": "Paris", "days": 1}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    # A template that renders tools and tool calls gets them (arguments as objects, for tojson).
+    messages, tools = prompt_messages(history, TOOLS, QWEN_LIKE)
+    assert tools == TOOLS and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 1}
+    # One that does not: the tools become a system message, the call and its result text.
+    messages, tools = prompt_messages(history, TOOLS, "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert tools is None and messages[0]["role"] == "system" and '"weather"' in messages[0]["content"]
+    assert '"city": "Paris"' in messages[2]["content"] and "tool_calls" not in messages[2]
+    assert messages[3] == {"role": "user", "content": "Tool result (call_1): sunny, 21 C"}
+
+
+def test_forced_schema() -> None:
+    fns = functions(TOOLS)
+    assert forced_schema(fns, "auto", True) is None and forced_schema(fns, "none", True) is None
+    required = forced_schema(fns, "required", False)
+    assert required is not None and required["maxItems"] == 1 and len(required["items"]["anyOf"]) == 2
+    named = forced_schema(fns, {"type": "function", "function": {"name": "time"}}, True)
+    assert named is not None and named["items"]["properties"]["name"] == {"const": "time"}
+
+
+@pytest.fixture(scope="module")
+def urls(tiny_llama: Path) -> Iterator[dict[str, str]]:
+    servers = {}
+    for name, options in (("plain", {}), ("ngram", {"speculator": "ngram", "spec_length": 3})):
+        engine = Engine(EngineConfig.from_options(model=str(tiny_llama), dtype="float32", device="cpu",
+                                                  max_batch_size=4, **options))
+        servers[name] = BackgroundServer(create_app(engine, MODEL, None)).start()
+    yield {name: server.url for name, server in servers.items()}
+    for server in servers.values():
+        server.stop()
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram"])
+def test_required_and_named_tool_choice_give_calls_that_follow_the_schema(urls: dict[str, str], kind: str) -> None:
+    api = OpenAI(base_url=f"{urls[kind]}/v1", api_key="x", max_retries=0, timeout=60)
+    for choice, names in (("required", {"weather", "time"}),
+                          ({"type": "function", "function": {"name": "weather"}}, {"weather"})):
+        out = api.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+                                          max_tokens=80, temperature=0.7, seed=3)
+        message = out.choices[0].message
+        assert out.choices[0].finish_reason == "tool_calls", message
+        assert message.tool_calls
+        for call in message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            assert call.function.name in names
+            arguments = json.loads(call.function.arguments)
+            if call.function.name == "weather":
+                assert arguments["city"] in ("Paris", "Rome") and 1 <= arguments["days"] <= 7
+            else:
+                assert arguments == {"zone": arguments["zone"]} and arguments["zone"] in ("UTC", "CET")
+    # Streamed: the calls arrive as delta.tool_calls, then finish_reason tool_calls.
+    chunks = list(api.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                              max_tokens=80, temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    assert calls and all(tc.function is not None and tc.function.name in ("weather", "time") for tc in calls)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_history_reaches_the_prompt(urls: dict[str, str]) -> None:
+    base = {"model": MODEL, "max_tokens": 1, "temperature": 0}
+    plain = httpx.post(f"{urls['plain']}/v1/chat/completions", timeout=30, json={**base, "messages": MESSAGES}).json()
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with_history = httpx.post(f"{urls['plain']}/v1/chat/completions", timeout=30,
+                              json={**base, "messages": history, "tools": TOOLS}).json()
+    assert with_history["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20
+    bad: dict[str, Any] = {**base, "messages": MESSAGES, "tools": TOOLS,
+                           "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    response = httpx.post(f"{urls['plain']}/v1/chat/completions", timeout=30, json=bad)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"

@@ -1,0 +1,279 @@
+"""Structured output (``SamplingParams.structured_output``) and its exactness under speculation.
+
+* Greedy: constrained output with every drafter equals plain constrained output token for token,
+  and is valid under the grammar.
+* Sampled: on the V = 10 pair of ``tests/speculative/test_exactness.py`` (here with a one-letter
+  tokenizer, ids 5..9 = "a".."e", so a grammar can speak about its tokens), the generated
+  (x1, x2, x3) follow the target's distribution restricted to the grammar at each position and
+  renormalised, computed independently of the grammar engine; a verifier that judges truncated
+  drafts by the unrestricted draft q is caught.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import infer.engine.speculative_runner as speculative_runner
+from checkpoints import load_hf_model, make_medusa_heads
+from helpers import (
+    P_CONTROL,
+    PENALTY_CONFIG,
+    PROMPT,
+    Reference,
+    V,
+    assert_follows_reference,
+    grouped_chisquare,
+)
+from infer import LLM, SamplingParams
+from infer.data.tokenizer import SPECIAL_TOKENS, save_tokenizer
+from infer.sampling.grammar import GrammarCompiler, StructuredOutput, unpack_bitmasks
+from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_counts
+
+A, B, C, D, E = range(5, 10)
+# x1 in {c, d, e}; x2 depends on x1; x3 in {a, b, c, e}; x4 anything: the state matters, not just the
+# position. Chosen where the unconstrained target puts mass, so every group has cells to test.
+REGEX = "(c[a-d]|d[b-e]|e[acde])[abce][a-e]"
+AFTER_X1 = {C: {A, B, C, D}, D: {B, C, D, E}, E: {A, C, D, E}}
+NUM_SAMPLES = 4000
+
+
+def letters_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, "a", "b", "c", "d", "e"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[2]))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def with_letters(model: Path, out: Path) -> Path:
+    shutil.copytree(model, out)
+    save_tokenizer(letters_tokenizer(), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def letters_pair(small_target: Path, small_draft: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("letters")
+    return with_letters(small_target, root / "target"), with_letters(small_draft, root / "draft")
+
+
+def allowed_after(prefix: list[int]) -> set[int]:
+    """The grammar REGEX, written out by hand: the tokens allowed after ``prefix``."""
+    if not prefix:
+        return {C, D, E}
+    if len(prefix) == 1:
+        return AFTER_X1.get(prefix[0], set())
+    return {A, B, C, E} if len(prefix) == 2 else {A, B, C, D, E}
+
+
+@torch.no_grad()
+def constrained_reference(model_path: Path, params: SamplingParams,
+                          allowed: Callable[[list[int]], set[int]]) -> Reference:
+    """P(x1) and P(x2, x3 | x1) of the target restricted to ``allowed`` and renormalised."""
+    model = load_hf_model(model_path)
+
+    def next_probs(generated: list[list[int]]) -> torch.Tensor:
+        logits = model(torch.tensor([PROMPT + g for g in generated])).logits[:, -1].float()
+        mask = torch.zeros(len(generated), V, dtype=torch.bool)
+        for row, g in enumerate(generated):
+            mask[row, sorted(allowed(g))] = True
+        batch = SamplingBatch.from_params([params] * len(generated), "cpu")
+        counts = token_counts(generated, V, "cpu") if batch.use_counts else None
+        probs = probs_from_logits(logits, batch, None, mask, counts)
+        probs = torch.nan_to_num(probs.double())  # rows after an impossible prefix
+        return probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+
+    p1 = next_probs([[]])[0]
+    p2 = next_probs([[a] for a in range(V)])
+    p3 = next_probs([[a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+    return Reference(p1.numpy(), (p2[:, :, None] * p3).numpy())
+
+
+def sample(llm: LLM, params: dict[str, Any], n: int = NUM_SAMPLES, seed0: int = 0) -> tuple[np.ndarray, int, int]:
+    sampling = [SamplingParams(max_tokens=4, ignore_eos=True, seed=seed0 + i, structured_output={"regex": REGEX},
+                               **params) for i in range(n)]
+    outputs = llm.generate([PROMPT] * n, sampling)
+    assert all(len(o.token_ids) == 4 for o in outputs)
+    samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
+    return samples, sum(o.metrics.proposed_tokens for o in outputs), sum(o.metrics.accepted_tokens for o in outputs)
+
+
+@pytest.fixture(scope="module")
+def letters_engines(letters_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, LLM]:
+    target, draft = letters_pair
+    common: dict[str, Any] = dict(dtype="float32", device="cpu", max_batch_size=256, max_seq_len=32)
+    heads = make_medusa_heads(target, tmp_path_factory.mktemp("letters_medusa") / "medusa", num_heads=2,
+                              tree_size=10, top_k=4, jitter=0.2)
+    return {
+        "draft": LLM(str(target), draft_model=str(draft), spec_length=3, **common),
+        "medusa": LLM(str(target), speculator="medusa", medusa_heads=str(heads), medusa_tree_size=10, **common),
+    }
+
+
+@pytest.mark.parametrize(("drafter", "params"), [("draft", {"temperature": 1.0}), ("medusa", PENALTY_CONFIG)])
+def test_constrained_samples_follow_restricted_target(letters_engines: dict[str, LLM], letters_pair: tuple[Path, Path],
+                                                      drafter: str, params: dict[str, Any]) -> None:
+    samples, proposed, accepted = sample(letters_engines[drafter], params)
+    assert proposed > NUM_SAMPLES // 2 and 0 < accepted < proposed  # speculation ran, both verdicts seen
+    for x1, x2, x3 in samples:  # never a forbidden token
+        assert x2 in allowed_after([x1]) and x3 in allowed_after([x1, x2]), (x1, x2, x3)
+    assert_follows_reference(samples, constrained_reference(letters_pair[0], SamplingParams(**params), allowed_after))
+
+
+def test_negative_control_unrestricted_draft_q_is_detected(letters_engines: dict[str, LLM],
+                                                           letters_pair: tuple[Path, Path],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forbidden drafts dropped but the kept ones judged by the unrestricted q (not renormalised over
+    the allowed tokens): biased, and the same test catches it. The good samples also fail against
+    the target restricted only at x1 (a grammar state that stopped advancing)."""
+    real_verify = speculative_runner.verify_drafts
+    original: dict[str, torch.Tensor] = {}
+    real_check = speculative_runner.SpeculativeRunner._check_grammar
+
+    def keep_raw_q(self: Any, requests: Any, proposal: Any) -> Any:
+        pruned, grammar = real_check(self, requests, proposal)
+        if pruned.probs is not None:
+            original["q"] = pruned.probs.clone()
+        return pruned, grammar
+
+    def unrestricted_verify(tokens: torch.Tensor, num: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
+                            greedy: torch.Tensor, generators: Any) -> Any:
+        raw = original.pop("q", None)
+        return real_verify(tokens, num, target, draft if raw is None else raw[:, : tokens.shape[1]], greedy, generators)
+
+    monkeypatch.setattr(speculative_runner.SpeculativeRunner, "_check_grammar", keep_raw_q)
+    monkeypatch.setattr(speculative_runner, "verify_drafts", unrestricted_verify)
+    params = {"temperature": 1.0}
+    broken, _, _ = sample(letters_engines["draft"], params, n=NUM_SAMPLES, seed0=10_000_000)
+    ref = constrained_reference(letters_pair[0], SamplingParams(**params), allowed_after)
+    assert grouped_chisquare(broken, ref).pvalue < P_CONTROL
+
+
+def test_greedy_grammar_ignores_forbidden_argmax(letters_pair: tuple[Path, Path]) -> None:
+    """Greedy constrained decoding takes the argmax over the allowed tokens only."""
+    llm = LLM(str(letters_pair[0]), dtype="float32", device="cpu", max_seq_len=32)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                structured_output={"regex": REGEX}))[0]
+    model = load_hf_model(letters_pair[0])
+    expect: list[int] = []
+    for _ in range(4):
+        logits = model(torch.tensor([PROMPT + expect])).logits[0, -1]
+        allowed = sorted(allowed_after(expect))
+        expect.append(allowed[int(logits[allowed].argmax())])
+    assert out.token_ids == expect
+
+
+# ----------------------------------------------------------------------------- greedy parity, every drafter
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"},
+                                           "tag": {"enum": ["red", "green", "blue"]}},
+          "required": ["id", "ok", "tag"], "additionalProperties": False}
+PROMPTS = ['{"id": 12, "ok": true, "tag": "red"}\n{"id": 13, "ok": false, "tag": "green"}\n',
+           "def parse(self, text):\n    return", '{"id": 1, "ok": true, "tag": "blue"}\n']
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, structured_output={"json": SCHEMA})
+
+
+@pytest.fixture(scope="module")
+def plain_constrained(tiny_llama: Path) -> list[list[int]]:
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("drafter", ["draft", "ngram", "suffix", "medusa"])
+def test_greedy_constrained_equals_plain_with_every_drafter(tiny_llama: Path, tiny_draft: Path,
+                                                             plain_constrained: list[list[int]], drafter: str,
+                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    options: dict[str, Any] = {
+        "draft": {"draft_model": str(tiny_draft), "spec_length": 4},
+        "ngram": {"speculator": "ngram", "spec_length": 4},
+        "suffix": {"speculator": "suffix", "spec_length": 4},
+        "medusa": {"speculator": "medusa", "medusa_tree_size": 8, "medusa_heads": str(make_medusa_heads(
+            tiny_llama, tmp_path_factory.mktemp("grammar_medusa") / "medusa", tree_size=8))},
+    }[drafter]
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", **options)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outputs] == plain_constrained
+    assert sum(o.metrics.proposed_tokens for o in outputs) > 0  # speculation ran
+    for out in outputs:
+        if out.finish_reason == "stop":
+            assert set(json.loads(out.text)) == {"id", "ok", "tag"}
+
+
+def test_plain_constrained_output_is_valid_json(tiny_llama: Path, plain_constrained: list[list[int]]) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=80, temperature=0.8, seed=1,
+                                                   structured_output={"json": SCHEMA}))
+    finished = [o for o in outputs if o.finish_reason == "stop"]
+    assert finished
+    for out in finished:
+        value = json.loads(out.text)
+        assert isinstance(value["id"], int) and isinstance(value["ok"], bool) and value["tag"] in {"red", "green", "blue"}
+
+
+# ----------------------------------------------------------------------------- parameters and the matcher
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"regex": "(("}, "regex"), ({"grammar": "start: undefined_rule"}, "grammar"),
+    ({"json": {"type": "no-such-type"}}, "json"), ({"grammar": 'root ::= "a" | undefined'}, "grammar"),
+])
+def test_invalid_grammar_is_a_value_error_naming_it(letters_pair: tuple[Path, Path], spec: dict[str, Any],
+                                                    field: str) -> None:
+    llm = LLM(str(letters_pair[0]), dtype="float32", device="cpu", max_seq_len=32)
+    with pytest.raises(ValueError, match=f"structured_output.{field} is invalid"):
+        llm.generate([PROMPT], SamplingParams(structured_output=spec))
+
+
+@pytest.mark.parametrize(("spec", "match"), [
+    ({}, "exactly one"), ({"regex": "a", "json_object": True}, "exactly one"), ({"json": "{not json"}, "not valid JSON"),
+    ({"json": [1]}, "JSON Schema object"), ({"regex": ""}, "non-empty"), ({"pattern": "a"}, "unknown keys"),
+])
+def test_structured_output_parameters_are_validated(spec: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(structured_output=spec)
+
+
+def test_draft_bitmasks_prune_a_tree_and_leave_the_state_alone() -> None:
+    compiler = GrammarCompiler(letters_tokenizer(), [1], V)
+    matcher = compiler.matcher(StructuredOutput(regex=REGEX))
+    before = matcher.bitmask().clone()
+    # Root children: c (kept), a (forbidden: its child goes too), e (kept); c's children b (kept), e (forbidden).
+    tokens, parents = [C, A, E, B, E, C], [-1, -1, -1, 0, 0, 1]
+    keep, masks = matcher.draft_bitmasks(tokens, parents)
+    assert keep == [True, False, True, True, False, False]
+    allowed = unpack_bitmasks(masks, V, "cpu")
+    assert set(allowed[0].nonzero().flatten().tolist()) == {C, D, E}
+    assert set(allowed[1].nonzero().flatten().tolist()) == {A, B, C, D}  # after "c"
+    assert set(allowed[3].nonzero().flatten().tolist()) == {A, C, D, E}  # after "e"
+    assert set(allowed[4].nonzero().flatten().tolist()) == {A, B, C, E}  # after "cb"
+    assert torch.equal(matcher.bitmask(), before)
+    # A chain is cut at its first forbidden token.
+    keep, _ = matcher.draft_bitmasks([D, B, D, A], None)
+    assert keep == [True, True, False, False]
+
+
+def test_gbnf_and_lark_grammars_mean_what_the_regex_does() -> None:
+    compiler = GrammarCompiler(letters_tokenizer(), [1], V)
+    specs = [StructuredOutput(regex=REGEX),
+             StructuredOutput(grammar='root ::= ("c" [a-d] | "d" [b-e] | "e" [acde]) [abce] [a-e]'),
+             StructuredOutput(grammar='start: ("c" /[a-d]/ | "d" /[b-e]/ | "e" /[acde]/) /[abce]/ /[a-e]/')]
+    for prefix in ([], [C], [D, E], [E, A, B], [E, A, B, C]):
+        masks = []
+        for spec in specs:
+            matcher = compiler.matcher(spec)
+            for token in prefix:
+                matcher.consume(token)
+            masks.append(set(unpack_bitmasks(matcher.bitmask(), V, "cpu").nonzero().flatten().tolist()))
+        # Once the grammar is complete only EOS (id 1) may follow.
+        assert masks[0] == masks[1] == masks[2] == (allowed_after(prefix) if len(prefix) < 4 else {1}), prefix
