@@ -217,6 +217,11 @@ def test_prompt_list_and_n_give_one_choice_each(urls: dict[str, str], reference:
         usage = chunk.usage or usage
     assert [streamed[i] for i in range(3)] == [w.text for w in want]
     assert usage is not None and usage.completion_tokens == 18
+    # Each choice has its own logprobs, choice 0 included (lm-eval's batched loglikelihood reads them).
+    echoed = api.completions.create(model=MODEL, prompt=prompts, max_tokens=2, temperature=0, logprobs=0, echo=True)
+    for c, w in zip(echoed.choices, want, strict=True):
+        assert c.logprobs is not None and c.logprobs.token_logprobs is not None and c.logprobs.text_offset
+        assert len(c.logprobs.token_logprobs) == len(w.prompt_token_ids) + 2 and c.logprobs.text_offset[0] == 0
     # n=2 seeded: the copies draw from seed and seed + 1, each as a request with that seed would (on the
     # plain server: speculation draws other random numbers, so seeded tokens differ from plain decoding's).
     two = client(urls["plain"]).completions.create(model=MODEL, prompt=prompts[:2], max_tokens=6, temperature=1.0, seed=5, n=2)

@@ -330,8 +330,11 @@ class _Api:
                 chosen += sorted(group[:keep])
         for new, i in enumerate(chosen):
             streams[i].index = new
-        out = streams[0].whole(finals[0])
-        out["choices"] = [streams[i].whole(finals[i])["choices"][0] for i in chosen]
+        # whole() once per choice: it consumes the stream's logprobs and text offsets (a second call
+        # would answer that choice without its generated tokens' logprobs).
+        wholes = [streams[i].whole(finals[i]) for i in chosen]
+        out = wholes[0]
+        out["choices"] = [w["choices"][0] for w in wholes]
         out["usage"] = usage
         out.pop("speculative", None)
         return JSONResponse(out)
