@@ -409,6 +409,7 @@ def test_queue_full_is_429(serve: Any, tiny_llama: Path) -> None:
     assert served.free_kv() == initial
     metrics = served.metrics()
     assert metrics["infer_requests_rejected_total"] == 2
+    assert metrics['infer_requests_refused_total{reason="queue_full"}'] == 2
     assert metrics['infer_requests_total{finish_reason="abort"}'] == 2
 
 

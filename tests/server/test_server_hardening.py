@@ -434,3 +434,41 @@ def test_max_tokens_over_the_context_is_refused(serve: Callable[..., Served]) ->
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == fits
     assert_error(served.post("/v1/completions", {"model": MODEL, "prompt": "def f(x):", "max_tokens": fits + 1}),
                  400, "max_tokens")
+
+
+def test_refusals_are_counted_by_reason(tiny_llama: Path) -> None:
+    """/metrics counts every refused request by reason (the error's code), whichever layer refused it
+    (the middlewares, validation, the handlers, the engine's queue), and nothing else."""
+    engine = Engine(EngineConfig.from_options(model=str(tiny_llama), dtype="float32", device="cpu", max_batch_size=4))
+    app = create_app(engine, MODEL, "k", max_request_bytes=4096)
+    server = BackgroundServer(app).start()
+    key = {"Authorization": "Bearer k"}
+    ok = {"model": MODEL, "prompt": "def", "max_tokens": 2}
+    try:
+        def post(body: dict[str, Any], headers: dict[str, str] | None = None, status: int = 400) -> None:
+            response = httpx.post(f"{server.url}/v1/completions", json=body, headers=key if headers is None else headers,
+                                  timeout=DEADLINE_S)
+            assert response.status_code == status, response.text[:300]
+
+        post(ok, headers={}, status=401)
+        post(ok, status=200)  # not a refusal
+        post({**ok, "prompt": "x" * 5000}, status=413)
+        post({**ok, "temperature": "hot"})
+        post({**ok, "n": 0})
+        post({**ok, "model": "nope"}, status=404)
+        post({**ok, "max_tokens": 100_000})
+        post({**ok, "suffix": "x"})
+        bad_type = httpx.post(f"{server.url}/v1/completions", content=json.dumps(ok), timeout=DEADLINE_S,
+                              headers={**key, "Content-Type": "text/plain"})
+        assert bad_type.status_code == 400
+        assert httpx.get(f"{server.url}/v1/nope", headers=key, timeout=DEADLINE_S).status_code == 404
+        app.state.service.begin_drain(5)
+        post(ok, status=503)
+        text = httpx.get(f"{server.url}/metrics", timeout=DEADLINE_S).text
+    finally:
+        server.stop()
+    refused = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("infer_requests_refused_total{")}
+    assert refused == {"invalid_api_key": 1, "request_too_large": 1, "invalid_request": 2, "model_not_found": 1,
+                       "context_length_exceeded": 1, "unsupported_parameter": 1, "invalid_content_type": 1,
+                       "not_found": 1, "server_shutting_down": 1, "queue_full": 0}, refused

@@ -29,6 +29,7 @@ from infer.server.errors import (
     APIError,
     ErrorResponse,
     bad_request,
+    count_refusal,
     error_body,
     install_error_handlers,
     server_error,
@@ -132,10 +133,10 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     app.state.service = service
     app.state.metrics = metrics
     install_error_handlers(app)
-    app.add_middleware(RequireJSON, paths=("/v1/completions", "/v1/chat/completions"))
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    app.add_middleware(RequireJSON, paths=("/v1/completions", "/v1/chat/completions"), metrics=metrics)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, metrics=metrics)
     if api_key is not None:  # outermost: an unauthenticated body is never read
-        app.add_middleware(BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key, metrics=metrics)
     api = _Api(engine, service, served_model_name)
     auth = api_key is not None
 
@@ -320,7 +321,7 @@ class _Api:
         for final in finals:
             if final.finish_reason not in ("stop", "length"):
                 message = final.error or f"the request ended with finish_reason={final.finish_reason!r}"
-                raise shutting_down(message) if final.shutdown else server_error(message)
+                raise shutting_down(message, refused=False) if final.shutdown else server_error(message)
         usage = _summed_usage([s._usage(f) for s, f in zip(streams, finals, strict=True)], n)
         chosen = list(range(len(jobs)))
         if keep is not None and keep < n:
@@ -350,7 +351,7 @@ class _Api:
             return Response(status_code=499)
         if final.finish_reason not in ("stop", "length"):
             message = final.error or f"the request ended with finish_reason={final.finish_reason!r}"
-            raise shutting_down(message) if final.shutdown else server_error(message)
+            raise shutting_down(message, refused=False) if final.shutdown else server_error(message)
         return JSONResponse(stream.whole(final))
 
 
@@ -683,29 +684,36 @@ class EventStreamResponse(StreamingResponse):
                     await aclose()
 
 
+async def _refuse(error: APIError, metrics: ServerMetrics | None, scope: Scope, receive: Receive, send: Send) -> None:
+    """A middleware's refusal: counted in /metrics, then answered."""
+    count_refusal(metrics, error)
+    await error.response()(scope, receive, send)
+
+
 class BearerAuth:
     """ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (health and metrics stay open).
 
     The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics | None = None) -> None:
         self.app = app
         self.expected = api_key.encode()
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             sent = [value for name, value in scope.get("headers") or [] if name == b"authorization"]
             if len(sent) > 1:  # a proxy that checks the first and this server the last must not disagree
                 error = bad_request(f"{len(sent)} Authorization headers; send exactly one", code="invalid_api_key")
-                await error.response()(scope, receive, send)
+                await _refuse(error, self.metrics, scope, receive, send)
                 return
             given = sent[0] if sent else b""
             scheme, _, credentials = given.strip().partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(credentials.strip(), self.expected):
                 reason = "missing API key" if not given else "invalid API key"
                 error = APIError(401, f"{reason}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-                await error.response()(scope, receive, send)
+                await _refuse(error, self.metrics, scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -714,9 +722,10 @@ class RequireJSON:
     """ASGI middleware: a POST to ``paths`` must say its body is JSON (``Content-Type:
     application/json``); otherwise a 400 that says so, not a schema error about the body's shape."""
 
-    def __init__(self, app: ASGIApp, paths: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, paths: tuple[str, ...], metrics: ServerMetrics | None = None) -> None:
         self.app = app
         self.paths = paths
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
@@ -726,7 +735,7 @@ class RequireJSON:
                 shown = short_repr(given.decode("latin-1")) if given else "none"
                 error = bad_request(f"the request body must be JSON: send 'Content-Type: application/json' "
                                     f"(got {shown})", code="invalid_content_type")
-                await error.response()(scope, receive, send)
+                await _refuse(error, self.metrics, scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -735,9 +744,10 @@ class BodySizeLimit:
     """ASGI middleware: a body over ``max_bytes`` gets a 413 at once, unread when its
     Content-Length says so, otherwise as soon as the bytes received pass the limit."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -745,7 +755,7 @@ class BodySizeLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await too_large(self.max_bytes).response()(scope, receive, send)
+            await _refuse(too_large(self.max_bytes), self.metrics, scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -756,7 +766,7 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await too_large(self.max_bytes).response()(scope, receive, send)
+                await _refuse(too_large(self.max_bytes), self.metrics, scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

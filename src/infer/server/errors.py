@@ -19,6 +19,9 @@ from infer.sampling.params import short_repr
 log = logging.getLogger("infer.server")
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
 MAX_MESSAGE_CHARS = 1000
+# A refusal's reason (the /metrics label) when its error has no code: by status.
+_STATUS_REASONS = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                   413: "request_too_large", 429: "queue_full", 503: "unavailable"}
 
 
 class ErrorDetail(BaseModel):
@@ -47,7 +50,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, refused: bool | None = None) -> None:
         if len(message) > MAX_MESSAGE_CHARS:  # a backstop: messages quote client input only cut short
             message = message[:MAX_MESSAGE_CHARS] + "…"
         super().__init__(message)
@@ -57,6 +60,17 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        # A refusal: the request was not taken (every 4xx and a 503), counted by reason in /metrics.
+        # A 500, or a 503 for an admitted request that shutdown cut short, is not one.
+        self.refused = (status < 500 or status == 503) if refused is None else refused
+
+    @property
+    def reason(self) -> str | None:
+        """The refusal's reason for /metrics (its code, else one by status); None when not a refusal.
+        Codes are the server's own constants, so the label's values stay few."""
+        if not self.refused:
+            return None
+        return self.code or _STATUS_REASONS.get(self.status, f"http_{self.status}")
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -85,8 +99,9 @@ def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
 
 
-def shutting_down(message: str = "the server is shutting down") -> APIError:
-    return APIError(503, message, type="server_error", code="server_shutting_down")
+def shutting_down(message: str = "the server is shutting down", refused: bool = True) -> APIError:
+    """503 ``server_shutting_down``: a refused request, or (``refused=False``) an admitted one cut short."""
+    return APIError(503, message, type="server_error", code="server_shutting_down", refused=refused)
 
 
 def too_large(limit: int) -> APIError:
@@ -129,24 +144,36 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def count_refusal(metrics: Any, error: APIError) -> None:
+    """``infer_requests_refused_total{reason}`` += 1 when ``error`` refuses a request (``metrics``: a
+    ServerMetrics, or None)."""
+    if metrics is not None and error.reason is not None:
+        metrics.refuse(error.reason)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """APIError as is; FastAPI's 422 validation errors become 400; every HTTP error gets the shape."""
+    """APIError as is; FastAPI's 422 validation errors become 400; every HTTP error gets the shape.
+    Refusals are counted by reason in ``app.state.metrics`` (a ``ServerMetrics``) when the app has one."""
 
-    async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
+    def answer(request: Request, error: APIError) -> JSONResponse:
+        count_refusal(getattr(request.app.state, "metrics", None), error)
+        return error.response()
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return exc.response()
+        return answer(request, exc)
 
-    async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         message, param = _describe_validation(exc)
-        return bad_request(message, param=param).response()
+        return answer(request, bad_request(message, param=param))
 
-    async def on_http_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "not_found" if exc.status_code == 404 else None
         # Keep the exception's headers: a 405 must say which methods are allowed (Allow).
-        return APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers).response()
+        return answer(request, APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers))
 
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error", exc_info=exc)

@@ -125,6 +125,9 @@ class Histogram(_Metric):
 
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Refusal reasons shown from the start (at 0); others (an error's code) appear when first counted.
+REFUSAL_REASONS = ("invalid_request", "context_length_exceeded", "invalid_api_key", "model_not_found",
+                   "request_too_large", "queue_full", "server_shutting_down")
 
 
 class ServerMetrics:
@@ -142,6 +145,9 @@ class ServerMetrics:
         self.requests = Counter("infer_requests_total", "Finished requests by finish reason.",
                                 [(("finish_reason", r),) for r in FINISH_REASONS])
         self.rejected = Counter("infer_requests_rejected_total", "Requests refused before admission (queue full).")
+        self.refused = Counter("infer_requests_refused_total",
+                               "Requests refused with an error answer (4xx, 503), by reason: the error's code.",
+                               [(("reason", r),) for r in REFUSAL_REASONS])
         self.prompt_tokens = Counter("infer_prompt_tokens_total", "Prompt tokens of admitted requests.")
         self.generation_tokens = Counter("infer_generation_tokens_total", "Generated tokens.")
         self.ttft = Histogram("infer_time_to_first_token_seconds", "Time from arrival to the first token.",
@@ -183,12 +189,15 @@ class ServerMetrics:
         self.backend_info = Gauge("infer_backend_info", "What computes the forward pass, and why (labels); value 1.")
 
     def all(self) -> list[_Metric]:
-        return [self.requests, self.rejected, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
+        return [self.requests, self.rejected, self.refused, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
                 self.e2e, self.running, self.waiting, self.kv_free_tokens, self.kv_blocks_in_use,
                 self.kv_blocks_total, self.spec_rounds, self.spec_proposed, self.spec_accepted,
                 self.spec_draft_nodes, self.spec_proposed_by_position, self.spec_accepted_by_position,
                 self.spec_acceptance, self.spec_per_round, self.gateway_waiting, self.gateway_running,
                 self.gateway_kv_usage, self.gateway_gpu_cache_usage, self.cache_config, self.backend_info]
+
+    def refuse(self, reason: str) -> None:
+        self.refused.inc(labels=(("reason", reason),))
 
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.set(running)
