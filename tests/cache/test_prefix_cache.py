@@ -43,6 +43,25 @@ def test_shared_prefix_is_computed_once_and_outputs_are_unchanged(
     assert [o.token_ids for o in [first, *rest]] == [o.token_ids for o in plain]
 
 
+@pytest.mark.parametrize("speculation", [{}, {"speculator": "ngram"}])
+def test_copies_of_one_prompt_prefill_it_once(tiny_llama: Path, speculation: dict[str, object]) -> None:
+    """The n copies of one prompt (the server's n > 1), submitted together: the first prefills it, the
+    others wait for that prefill and attach to its blocks; every copy's tokens are unchanged."""
+    prompt = _prompts()[0]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed) for seed in range(3)]
+    alone = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, **speculation)
+    want = alone.generate([prompt] * 3, params)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, prefix_caching=True,
+              **speculation)
+    outs = llm.generate([prompt] * 3, params)
+    whole_blocks = (len(outs[0].prompt_token_ids) - 1) // 4 * 4  # the last token is always computed
+    assert [o.metrics.prefix_cached_tokens for o in outs] == [0, whole_blocks, whole_blocks]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    # A request asking for prompt logprobs computes every position, so it does not wait for the copy.
+    logprobs = llm.generate([prompt] * 2, SamplingParams(max_tokens=2, prompt_logprobs=0))
+    assert [o.metrics.prefix_cached_tokens for o in logprobs] == [0, 0]
+
+
 def test_whole_prompt_cached_still_computes_last_token(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, prefix_caching=True)
     ids = list(range(10, 26))  # 16 tokens: exactly 4 full blocks

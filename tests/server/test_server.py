@@ -584,7 +584,14 @@ def test_prefix_caching_server(serve: Any, tiny_llama: Path, reference: LLM) -> 
     texts = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
              for _ in range(3)]
     assert texts == [expected] * 3
-    assert served.engine.prefix_cache is not None
+    cache = served.engine.prefix_cache
+    assert cache is not None
+    # n copies of a new prompt: the first prefills it, the other two attach to its blocks.
+    other = "class Queue:\n    def put(self, item):" * 4
+    hits = cache.hit_tokens
+    out = client.completions.create(model=MODEL, prompt=other, max_tokens=4, temperature=0, n=3)
+    assert len(out.choices) == 3 and out.usage is not None
+    assert cache.hit_tokens - hits == 2 * ((out.usage.prompt_tokens - 1) // 4 * 4)
     served.wait_idle()
     assert served.free_kv() == initial  # idle cached blocks count as free
 

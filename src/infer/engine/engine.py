@@ -140,7 +140,7 @@ class Engine:
             target.runner.warm_up(width)
         self.scheduler = Scheduler(self.runner, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                    chunked_prefill=config.chunked_prefill,
-                                   max_prefill_tokens=config.max_prefill_tokens)
+                                   max_prefill_tokens=config.max_prefill_tokens, prefix_cache=prefix_cache)
         self._ids = itertools.count()
         self.lock = threading.RLock()
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.tokenizer.eos_token_ids,

@@ -1,18 +1,24 @@
 """Continuous batching: each step retire, admit within KV capacity, and form prefill/decode work.
 
 The scheduler sees only the runner interface (``can_admit``, ``release``); it never knows whether
-speculation is on.
+speculation is on. With a prefix cache, a request whose prompt is being prefilled right now (the
+same token ids and cache salt: the ``n`` copies of one prompt, or clients sending the same prompt
+at once) is admitted once that prefill is done, so it attaches to the prompt's cached blocks
+instead of computing them again.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.request import Request, RequestStatus
 from infer.engine.continuous_runner import PrefillChunk, StepResult
+
+if TYPE_CHECKING:
+    from infer.cache.prefix import PrefixCache
 
 
 class Runner(Protocol):
@@ -41,8 +47,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, runner: Runner, *, max_batch_size: int, max_queue: int, chunked_prefill: bool,
-                 max_prefill_tokens: int) -> None:
+                 max_prefill_tokens: int, prefix_cache: PrefixCache | None = None) -> None:
         self.runner = runner
+        self.prefix_cache = prefix_cache
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.chunked_prefill = chunked_prefill
@@ -104,6 +111,8 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
+            if self._prompt_being_prefilled(request):
+                break  # admitted next step, onto the cached blocks (first come, first served)
             if not self.runner.can_admit(request, self.running):
                 if not self.running:  # even an idle pool cannot hold it: fail it rather than wait forever
                     self.waiting.popleft()
@@ -115,3 +124,14 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+
+    def _prompt_being_prefilled(self, request: Request) -> bool:
+        """Whether a running request is prefilling the same prompt (same salt) now: with a prefix
+        cache, ``request`` reuses its blocks if admitted once that prefill is done."""
+        cache = self.prefix_cache
+        if cache is None or request.params.prompt_logprobs is not None:  # such a request attaches nothing
+            return False
+        if len(request.prompt_token_ids) <= cache.block_size:  # no full block to share
+            return False
+        return any(r.is_prefilling and r.cache_salt == request.cache_salt
+                   and r.prompt_token_ids == request.prompt_token_ids for r in self.running)
