@@ -1,16 +1,18 @@
 """The clients people point at an OpenAI-compatible server, against a live one (issue 26's done-when).
 
-LangChain (``with_structured_output`` with json_schema, json_mode and function_calling; ``bind_tools``),
-an OpenAI Agents SDK agent that calls a ``@function_tool`` and gets its result back to the model, and
+LangChain (``with_structured_output`` with json_schema, json_mode and function_calling; ``bind_tools``;
+the completions model's ``batch``), OpenAI Agents SDK agents (one that calls a ``@function_tool`` and
+gets its result back to the model, streamed or not; one with a Pydantic ``output_type``), and
 lm-eval's ``local-completions`` on a local multiple-choice task (echo + logprobs) and a
 ``generate_until`` task with ``batch_size`` 4 (lists of prompts). On the tiny random model with each
-drafter (plain, n-gram, draft model), where answers must equal the engine's own; and on SmolLM2 (with
+drafter (plain, n-gram, draft model, suffix), where answers must equal the engine's own; and on SmolLM2 (with
 n-gram speculation), where the model's answers must be right. Nothing is downloaded: lm-eval reads a
 task YAML and a JSONL written here and a local tokenizer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -59,7 +61,8 @@ def _serve(**options: Any) -> BackgroundServer:
 def urls(tiny_llama: Path, tiny_draft: Path) -> Iterator[dict[str, str]]:
     servers = {name: _serve(model=str(tiny_llama), **options) for name, options in (
         ("plain", {}), ("ngram", {"speculator": "ngram", "spec_length": 3}),
-        ("draft", {"draft_model": str(tiny_draft), "spec_length": 3}))}
+        ("draft", {"draft_model": str(tiny_draft), "spec_length": 3}),
+        ("suffix", {"speculator": "suffix", "spec_length": 3}))}
     yield {name: server.url for name, server in servers.items()}
     for server in servers.values():
         server.stop()
@@ -106,7 +109,19 @@ def test_langchain_with_structured_output_every_method_and_drafter(urls: dict[st
         got.append(out)
         answers[kind] = got
     # Greedy constrained decoding is the same with every drafter.
-    assert answers["ngram"] == answers["plain"] and answers["draft"] == answers["plain"]
+    assert all(got == answers["plain"] for got in answers.values()), answers
+
+
+def test_langchain_completions_batch_sends_a_prompt_list(urls: dict[str, str], reference: LLM) -> None:
+    need("langchain_openai")
+    from langchain_openai import OpenAI as CompletionsModel
+
+    prompts = ["def add(a, b):", "import os", "class Stack:"]
+    want = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=6, temperature=0))]
+    for kind in ("plain", "ngram"):
+        llm = CompletionsModel(base_url=f"{urls[kind]}/v1", api_key="x", model=MODEL, temperature=0, max_tokens=6,
+                               max_retries=0, timeout=120)
+        assert llm.batch(prompts) == want, kind
 
 
 def test_langchain_bind_tools(urls: dict[str, str]) -> None:
@@ -135,7 +150,8 @@ def test_langchain_smollm2_extracts(smol_url: str) -> None:
 
 
 # -- OpenAI Agents SDK ---------------------------------------------------------------------------------
-def run_agent(url: str, question: str, max_tokens: int = 60) -> tuple[Any, list[str], list[dict[str, Any]]]:
+def run_agent(url: str, question: str, max_tokens: int = 60,
+              streamed: bool = False) -> tuple[Any, list[str], list[dict[str, Any]]]:
     """An agent with one function tool (tool_choice required, then auto: the SDK resets it after a
     call); returns the run's result, the tool's calls and the chat requests the SDK sent."""
     from agents import (
@@ -166,7 +182,16 @@ def run_agent(url: str, question: str, max_tokens: int = 60) -> tuple[Any, list[
     agent = Agent(name="assistant", instructions="Answer with the tool's result.", tools=[secret_code],
                   model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
                   model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=max_tokens))
-    return Runner.run_sync(agent, question, max_turns=3), calls, sent
+    if not streamed:
+        return Runner.run_sync(agent, question, max_turns=3), calls, sent
+
+    async def run() -> Any:
+        result = Runner.run_streamed(agent, question, max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    return asyncio.run(run()), calls, sent
 
 
 def test_agents_sdk_agent_calls_a_function_tool(urls: dict[str, str]) -> None:
@@ -179,6 +204,27 @@ def test_agents_sdk_agent_calls_a_function_tool(urls: dict[str, str]) -> None:
         tool_messages = [m for m in sent[1]["messages"] if m["role"] == "tool"]
         assert tool_messages and "4217" in str(tool_messages[0]["content"]), sent[1]["messages"]
         assert isinstance(result.final_output, str)
+    # Streamed: the call arrives as one delta.tool_calls chunk, which the SDK's stream handler takes.
+    result, calls, sent = run_agent(urls["ngram"], "What is the secret code of Paris?", streamed=True)
+    assert len(calls) == 1 and len(sent) == 2 and all(body.get("stream") for body in sent)
+    assert isinstance(result.final_output, str)
+
+
+def test_agents_sdk_output_type(urls: dict[str, str]) -> None:
+    """An agent with a Pydantic output_type (the SDK sends response_format json_schema)."""
+    need("agents")
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    outputs = []
+    for url in urls.values():
+        model = OpenAIChatCompletionsModel(model=MODEL, openai_client=AsyncOpenAI(base_url=f"{url}/v1", api_key="x",
+                                                                                  max_retries=0, timeout=120))
+        agent = Agent(name="describer", instructions="Describe an item.", output_type=Item, model=model,
+                      model_settings=ModelSettings(temperature=0, max_tokens=60))
+        outputs.append(Runner.run_sync(agent, "Describe an item.").final_output)
+    assert isinstance(outputs[0], Item) and all(o == outputs[0] for o in outputs), outputs
 
 
 def test_agents_sdk_smollm2_uses_the_tool_result(smol_url: str) -> None:
