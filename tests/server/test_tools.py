@@ -125,3 +125,21 @@ def test_tool_history_reaches_the_prompt(urls: dict[str, str]) -> None:
                            "tool_choice": {"type": "function", "function": {"name": "nope"}}}
     response = httpx.post(f"{urls['plain']}/v1/chat/completions", timeout=30, json=bad)
     assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+
+
+def test_a_whole_call_that_ends_at_max_tokens_is_a_tool_call(urls: dict[str, str]) -> None:
+    """A forced call whose JSON ends on the last token max_tokens allows (no room for EOS) is still
+    a tool call; one cut short is text with finish_reason length."""
+    api = OpenAI(base_url=f"{urls['plain']}/v1", api_key="x", max_retries=0, timeout=60)
+    request: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": [TIME], "tool_choice": "required",
+                               "temperature": 0}
+    full = api.chat.completions.create(**request, max_tokens=80)
+    assert full.choices[0].finish_reason == "tool_calls" and full.usage is not None
+    whole = full.usage.completion_tokens - 1  # the call's tokens, without the EOS
+    exact = api.chat.completions.create(**request, max_tokens=whole)
+    assert exact.choices[0].finish_reason == "tool_calls", exact.choices[0]
+    calls = exact.choices[0].message.tool_calls
+    assert calls and [(c.function.name, c.function.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls or []]
+    cut = api.chat.completions.create(**request, max_tokens=whole - 1)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls

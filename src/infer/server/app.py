@@ -476,8 +476,10 @@ class _Stream:
         self.show_logprobs = show_logprobs  # False: computed for best_of's ranking only
 
     def _tool_calls(self, final: Progress) -> tuple[str | None, list[ToolCall]] | None:
-        """The answer's content and tool calls, when tools are on and it made calls."""
-        if self.tools is None or final.finish_reason != "stop":
+        """The answer's content and tool calls, when tools are on and it made calls. An answer cut at
+        max_tokens counts too when its calls are whole (a forced call's JSON can end on the last token
+        allowed, with no room left for EOS); a cut-off call does not parse and stays text."""
+        if self.tools is None or final.finish_reason not in ("stop", "length"):
             return None
         content, calls = parse_calls(final.text, self.tools.template, self.tools.functions)
         return (content, calls) if calls else None
