@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,3 +180,25 @@ def wait_serving(proc: subprocess.Popen[str], port: int, timeout: float = 120.0)
         except httpx.HTTPError:
             pass
         time.sleep(0.2)  # refused, or 503 while the model loads
+
+
+@contextlib.contextmanager
+def served_models(model: Path, kinds: dict[str, dict[str, Any]], max_batch_size: int = 8,
+                  served_name: str = "tiny") -> Iterator[dict[str, str]]:
+    """One float32 CPU server on a background thread per entry of ``kinds`` (name -> engine
+    options: a drafter, its length, ...), all serving ``model`` as ``served_name``; yields name -> URL
+    and stops them all."""
+    from infer import Engine, EngineConfig
+    from infer.server.app import create_app
+    from infer.server.background import BackgroundServer
+
+    servers: dict[str, BackgroundServer] = {}
+    try:
+        for name, options in kinds.items():
+            engine = Engine(EngineConfig.from_options(model=str(model), dtype="float32", device="cpu",
+                                                      max_batch_size=max_batch_size, **options))
+            servers[name] = BackgroundServer(create_app(engine, served_name, None)).start()
+        yield {name: server.url for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()

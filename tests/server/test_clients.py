@@ -23,6 +23,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, Field
 
+from helpers import served_models
 from infer import LLM, Engine, EngineConfig, SamplingParams
 from infer.server.app import create_app
 from infer.server.background import BackgroundServer
@@ -52,20 +53,14 @@ class Person(BaseModel):
     age: int
 
 
-def _serve(**options: Any) -> BackgroundServer:
-    engine = Engine(EngineConfig.from_options(dtype="float32", device="cpu", max_batch_size=8, **options))
-    return BackgroundServer(create_app(engine, MODEL, None)).start()
-
-
 @pytest.fixture(scope="module")
 def urls(tiny_llama: Path, tiny_draft: Path) -> Iterator[dict[str, str]]:
-    servers = {name: _serve(model=str(tiny_llama), **options) for name, options in (
-        ("plain", {}), ("ngram", {"speculator": "ngram", "spec_length": 3}),
-        ("draft", {"draft_model": str(tiny_draft), "spec_length": 3}),
-        ("suffix", {"speculator": "suffix", "spec_length": 3}))}
-    yield {name: server.url for name, server in servers.items()}
-    for server in servers.values():
-        server.stop()
+    kinds: dict[str, dict[str, Any]] = {
+        "plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3},
+        "draft": {"draft_model": str(tiny_draft), "spec_length": 3},
+        "suffix": {"speculator": "suffix", "spec_length": 3}}
+    with served_models(tiny_llama, kinds, served_name=MODEL) as found:
+        yield found
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,8 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel, Field
 
-from infer import LLM, Engine, EngineConfig, SamplingParams
-from infer.server.app import create_app
-from infer.server.background import BackgroundServer
+from helpers import served_models
+from infer import LLM, SamplingParams
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "Describe an item."}]
@@ -38,14 +37,9 @@ class Item(BaseModel):
 
 @pytest.fixture(scope="module")
 def urls(tiny_llama: Path) -> Iterator[dict[str, str]]:
-    servers = {}
-    for name, options in (("plain", {}), ("ngram", {"speculator": "ngram", "spec_length": 3})):
-        engine = Engine(EngineConfig.from_options(model=str(tiny_llama), dtype="float32", device="cpu",
-                                                  max_batch_size=8, **options))
-        servers[name] = BackgroundServer(create_app(engine, MODEL, None)).start()
-    yield {name: server.url for name, server in servers.items()}
-    for server in servers.values():
-        server.stop()
+    with served_models(tiny_llama, {"plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3}},
+                       served_name=MODEL) as found:
+        yield found
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from infer import Engine, EngineConfig
-from infer.server.app import create_app
-from infer.server.background import BackgroundServer
+from helpers import served_models
 from infer.server.tools import forced_schema, functions, parse_calls, prompt_messages
 
 MODEL = "tiny"
@@ -75,14 +73,9 @@ def test_forced_schema() -> None:
 
 @pytest.fixture(scope="module")
 def urls(tiny_llama: Path) -> Iterator[dict[str, str]]:
-    servers = {}
-    for name, options in (("plain", {}), ("ngram", {"speculator": "ngram", "spec_length": 3})):
-        engine = Engine(EngineConfig.from_options(model=str(tiny_llama), dtype="float32", device="cpu",
-                                                  max_batch_size=4, **options))
-        servers[name] = BackgroundServer(create_app(engine, MODEL, None)).start()
-    yield {name: server.url for name, server in servers.items()}
-    for server in servers.values():
-        server.stop()
+    with served_models(tiny_llama, {"plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3}},
+                       max_batch_size=4, served_name=MODEL) as found:
+        yield found
 
 
 @pytest.mark.parametrize("kind", ["plain", "ngram"])
