@@ -29,10 +29,12 @@ def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_
     out = tmp_path / "report"
     code = main(["bench", "generation", "--model", str(tiny_llama), "--draft-model", str(tiny_draft),
                  "--prompts", str(prompts), "--max-tokens", "8", "--repeats", "1", "--spec-length", "2", "3",
-                 "--also-dtype", "bfloat16", "--out", str(out)])
+                 "--also-dtype", "bfloat16", "--also-backend", "torch", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "generation.json").read_text())
     modes = {r["mode"]: r for r in report["results"]}
+    # --also-backend: a plain row on the PyTorch layers, timed beside the default backend's.
+    assert modes["infer plain (backend torch)"]["tokens_per_s"] > 0
     # The extra precision's plain row reads half the bytes; its text may differ, so it is left out of
     # the greedy comparison (asserted below).
     other = modes["infer plain (bfloat16)"]

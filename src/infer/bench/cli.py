@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.engine.options import add_engine_args
+from infer.models.backend import BACKENDS
 
 
 def add_subparser(sub: Any) -> None:
@@ -61,6 +62,9 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--peer-gguf", nargs="+", default=[], metavar="GGUF",
                      help="GGUF files of the same model the peer runs, a plain row each (the first is what "
                           "'vs llama.cpp' divides by, and gets the prompt lookup row)")
+    gen.add_argument("--also-backend", nargs="*", default=[], choices=BACKENDS,
+                     help="an extra 'infer plain (backend NAME)' row for each, interleaved with --backend's rows "
+                          "(e.g. torch: the C kernels against the PyTorch layers on the same run)")
     gen.add_argument("--also-dtype", nargs="*", default=[], choices=["float32", "bfloat16", "float16"],
                      help="an extra 'infer plain (DTYPE)' row for each, next to --dtype's rows")
     gen.set_defaults(func=_run_generation)
@@ -123,7 +127,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         medusa_tree_sizes=args.medusa_tree_size, suffix=not args.no_suffix, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
         compiled=args.compiled, cuda_graphs=args.cuda_graphs, backend=args.backend,
-        peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, chat=args.chat, stop_at_eos=repetitive,
+        peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, extra_backends=args.also_backend, chat=args.chat, stop_at_eos=repetitive,
         warmup_prompts=warmup,
     )
     report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))

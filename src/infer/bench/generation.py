@@ -74,6 +74,7 @@ class BenchSettings:
     peer: str | None = None  # "llama.cpp": add llama-cpp-python rows on each of peer_gguf
     peer_gguf: list[str] = field(default_factory=list)  # the first is what "vs llama.cpp" divides by
     extra_dtypes: list[str] = field(default_factory=list)  # an "infer plain (dtype)" row for each
+    extra_backends: list[str] = field(default_factory=list)  # an "infer plain (backend NAME)" row for each
     chat: bool = False  # each prompt is a user message rendered with the model's chat template
     stop_at_eos: bool = False
     # Requests suffix decoding learns from before the timed ones (which each start from exactly what
@@ -126,6 +127,7 @@ def _params(settings: BenchSettings, seed: int) -> SamplingParams:
                           ignore_eos=not settings.stop_at_eos, seed=seed)
 
 
+OTHER_BACKEND = "(backend "  # an --also-backend row: "infer plain (backend torch)"
 EXACT = "(exact greedy)"  # the suffix of a mode run with exact-greedy kernels
 COMPILED = "(compiled)"  # the suffix of a mode run with its forward torch.compiled
 GRAPHS = "(CUDA graphs)"  # the suffix of a mode whose decode and verify steps replay CUDA graphs
@@ -164,7 +166,8 @@ class _Mode:
 
 def _infer_runner(settings: BenchSettings, model: str, dtype: str, **options: Any) -> tuple[RunFn, LLM]:
     # One request at a time: a batch of one needs only one sequence's KV cache.
-    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1, backend=settings.backend, **options)
+    options.setdefault("backend", settings.backend)
+    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1, **options)
 
     def run(prompt: str | list[int], seed: int) -> tuple[float, Any]:
         start = time.perf_counter()
@@ -266,6 +269,8 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     plain_llm = llms[0]
     for dtype in settings.extra_dtypes:
         infer_mode(f"infer plain ({dtype})", dtype=dtype)
+    for backend in settings.extra_backends:
+        infer_mode(f"infer plain {OTHER_BACKEND}{backend})", backend=backend)
     draft_alone = None
     if settings.draft_model is not None:
         # Not a row: the draft model decoding on its own gives the cost ratio c (draft step / target step).
@@ -378,8 +383,11 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     twin_identical: dict[str, bool | None] = {EXACT: None, COMPILED: None, GRAPHS: None}
     if settings.temperature == 0.0:
         # Each kind of twin row runs other kernels, so it is compared with its own plain row.
+        # Rows on another backend sum in another order, so a near-tie may go the other way: like another
+        # dtype's rows, they are not part of the speculation-vs-plain comparison.
         greedy_identical = all(r.texts == plain.texts for r in results if r.engine == "infer" and r.dtype == plain.dtype
-                               and not any(suffix in r.mode for suffix in twin_identical))
+                               and not any(suffix in r.mode for suffix in twin_identical)
+                               and OTHER_BACKEND not in r.mode)
         for suffix in twin_identical:
             twin_plain = next((r for r in results if r.mode == f"{plain.mode} {suffix}"), None)
             if twin_plain is not None:
