@@ -162,8 +162,8 @@ class SpeculativeRunner:
         elapsed = device_clock(self.device) - drafted
         times.verify_rounds += 1
         times.verify_seconds += elapsed
-        # Costed by the rows the pass computed: sum_b (1 + k_b) for a ragged chain, B x the widest
-        # request where the pass ran padded (a tree, a CUDA graph).
+        # Costed by the rows the pass computed: sum_b (1 + k_b), the pass being ragged (a CUDA graph
+        # replay, padded to its bucket, only takes equal runs: the same count).
         self.budget.observe_target(self.last_pass_rows, elapsed)
         return result
 
