@@ -135,14 +135,17 @@ class ModelRunner:
 
     def warm_up(self, width: int) -> None:
         """Run each kind of pass a request meets once on scratch sequences (one sequence and two;
-        a prefill, a decode step and a ``width``-token verification), so a compiled model compiles
-        its graphs now rather than in the middle of the first requests. The pool is left as found."""
+        a prefill, a decode step and a ``width``-token verification, and for two a ragged one), so a
+        compiled model compiles its graphs now rather than in the middle of the first requests. The
+        pool is left as found."""
         slots = [self.pool.allocate(), self.pool.allocate()]
         try:
             for batch in ([slots[0]], slots):
                 self.logits(self.forward(batch, [[0] * 4] * len(batch))[:, -1])  # prefill
                 self.logits(self.forward(batch, [[0]] * len(batch))[:, -1])  # decode step
                 self.logits(self.forward(batch, [[0] * width] * len(batch)))  # verification
+                if len(batch) > 1 and width > 1:  # a verification whose requests drafted unequally
+                    self.logits(self.forward_ragged(batch, [[0] * width] + [[0]] * (len(batch) - 1)).hidden)
         finally:
             for slot in slots:
                 self.pool.free(slot)
