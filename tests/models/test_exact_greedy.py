@@ -65,9 +65,10 @@ def step_logits(runner: ModelRunner, slot: int, start: int, tokens: list[int]) -
     return logits
 
 
-def pass_vs_steps(model: DecoderOnlyLM, backend: str, kind: str, batched: bool) -> list[bool]:
+def pass_vs_steps(model: DecoderOnlyLM, backend: str, kind: str, batched: bool, ragged: bool = False) -> list[bool]:
     """Per row of one verification pass (``kind`` chain: g + 5 drafts; tree: g + the PARENTS tree),
-    whether its logits equal, bit for bit, those of plain 1-token steps along the row's path."""
+    whether its logits equal, bit for bit, those of plain 1-token steps along the row's path.
+    ``ragged``: the pass packs the runs' tokens (``ModelRunner.forward_ragged``) instead of padding."""
     runner = runner_for(model, backend)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -99,8 +100,12 @@ def pass_vs_steps(model: DecoderOnlyLM, backend: str, kind: str, batched: bool) 
         if mask is not None:
             mask = torch.cat([tree_attention_mask(torch.tensor([[-1, 0, 1, -1, -1, -1, -1]]), [2]), mask])
             positions = torch.cat([torch.tensor([[257, 258, 259] + [260] * 5]), positions])
-    hidden = runner.forward(slots, runs, positions=positions, tree_mask=mask)
-    verify = runner.logits(hidden)[-1]
+    if ragged:
+        packed = runner.forward_ragged(slots, runs, positions=positions, tree_mask=mask)
+        assert packed.rows == sum(len(r) for r in runs) < len(runs) * max(len(r) for r in runs) or not batched
+        verify = runner.logits(packed.hidden)[packed.offsets[-2]:]
+    else:
+        verify = runner.logits(runner.forward(slots, runs, positions=positions, tree_mask=mask))[-1]
     return [torch.equal(verify[i], step_logits(runner, slot, start, p)) for i, p in enumerate(paths)]
 
 
@@ -112,6 +117,20 @@ def test_every_verification_row_equals_the_decode_step_bit_for_bit(wide_llama: P
     model = bf16_model(wide_llama, exact=True, stack=stack)
     assert all(pass_vs_steps(model, backend, kind, batched=False))
     assert all(pass_vs_steps(model, backend, kind, batched=True))
+
+
+@pytest.mark.parametrize("stack", [True, False], ids=["stack", "layers"])
+@pytest.mark.parametrize("backend", ["slotted", "paged"])
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_ragged_pass_rows_equal_the_decode_step_bit_for_bit(wide_llama: Path, backend: str, kind: str,
+                                                            stack: bool) -> None:
+    """A ragged pass (runs packed back to back, no padding rows through the model) computes every
+    row as a decode step does, on the C stack (each token as its own sequence) and the layers
+    (attention in the padded layout), in exact mode and, on the stack, without it."""
+    model = bf16_model(wide_llama, exact=True, stack=stack)
+    assert all(pass_vs_steps(model, backend, kind, batched=True, ragged=True))
+    if stack and model.cpu_stack is not None:
+        assert all(pass_vs_steps(bf16_model(wide_llama, exact=False), backend, kind, batched=True, ragged=True))
 
 
 def test_qk_norm_architecture_is_exact_too(tiny_qwen3: Path) -> None:

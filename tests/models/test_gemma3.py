@@ -301,3 +301,31 @@ def test_batched_passes_of_unequal_lengths_past_the_window(tiny_gemma3: Path) ->
     with torch.no_grad():
         ref = _hf_model(tiny_gemma3)(input_ids=torch.tensor([short])).logits[0]
     torch.testing.assert_close(runner.logits(hidden)[1, :3], ref, atol=ATOL, rtol=0)
+
+
+def test_ragged_pass_equals_the_padded_pass_past_the_window(windowed: Path) -> None:
+    """A ragged pass (runs packed back to back: ``ModelRunner.forward_ragged``, what speculative
+    verification runs) over sequences whose runs differ by more than the window, in a pool whose
+    sliding-window layers keep their own blocks: every row equals the padded pass's, and the cache
+    after it is the same."""
+    model, config = load_model(windowed, "float32", "cpu")
+    prompts = [_ids(30, 3)[0].tolist(), _ids(9, 4)[0].tolist()]
+    runs = [_ids(14, 5)[0].tolist(), _ids(2, 6)[0].tolist()]
+    results = []
+    for ragged in (False, True):
+        pool = _windowed_pool(config, slack=16, num_blocks=40)
+        runner = ModelRunner(model, pool)
+        slots = [pool.allocate(), pool.allocate()]
+        for slot, prompt in zip(slots, prompts, strict=True):
+            runner.forward([slot], [prompt])
+        if ragged:
+            packed = runner.forward_ragged(slots, runs)
+            assert packed.rows == 16 and packed.offsets == [0, 14, 16]
+            logits = packed.padded(runner.logits(packed.hidden))
+        else:
+            logits = runner.logits(runner.forward(slots, runs))
+        results.append((logits, runner.logits(runner.forward(slots, [[7], [8]]))))
+    (padded, after_padded), (ragged_rows, after_ragged) = results
+    for b, run in enumerate(runs):
+        torch.testing.assert_close(ragged_rows[b, : len(run)], padded[b, : len(run)], atol=1e-5, rtol=0)
+    torch.testing.assert_close(after_ragged, after_padded, atol=1e-5, rtol=0)

@@ -51,6 +51,10 @@ def test_compiled_forward_computes_eager_logits_for_every_kind_of_pass(tiny_llam
         logits = [runner.logits(runner.forward([slots[r][i] for r in rows], runs))
                   for i, runner in enumerate((eager, compiled))]
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    # A ragged verification (runs packed back to back, what speculation runs) compiles too.
+    ragged = [runner.forward_ragged([slots[0][i], slots[1][i]], [[4, 8, 1], [6]]) for i, runner in enumerate((eager, compiled))]
+    assert [r.rows for r in ragged] == [4, 4]
+    torch.testing.assert_close(compiled.logits(ragged[1].hidden), eager.logits(ragged[0].hidden), rtol=1e-5, atol=1e-5)
     # A verification pass whose drafts were rejected rolls back, and the cache stays in step.
     for (eager_slot, compiled_slot) in slots:
         eager_pool.truncate_to(eager_slot, 3)

@@ -140,6 +140,11 @@ def test_round_cost_model() -> None:
             assert per_node == pytest.approx((0.3 + 0.2) / plain) and overhead == 0.0
         else:
             assert per_node == pytest.approx(0.2 / plain) and overhead == pytest.approx(0.3 / plain)
+        # A chain round's parts: each verified row costs b (the pass is ragged), a draft model's
+        # step or a one-call drafter's call D, all over a plain step.
+        per_row, per_step, overhead = budget.chain_cost(2)
+        assert per_row == pytest.approx(0.1 / plain)
+        assert (per_step, overhead) == pytest.approx((0.3 / plain, 0.0) if cost_per_token else (0.0, 0.3 / plain))
 
 
 def test_fixed_controller_and_entropy_with_medusa_refused() -> None:

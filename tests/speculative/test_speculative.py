@@ -429,18 +429,26 @@ def test_goodput_length_choice() -> None:
     good, bad = fake_request("good"), fake_request("bad")
     policy = BudgetController(8, adaptive=True)
     policy.alpha.update(good=0.9, bad=0.05)
-    assert policy.chain_lengths([good, bad], per_node=0.05)[0] > 0
-    assert policy.chain_lengths([bad], per_node=0.5) == [0]
-    assert policy.chain_lengths([good], per_node=1.5) == [0]  # a draft dearer than the target never pays
+    assert policy.chain_lengths([good, bad], per_row=0.05)[0] > 0
+    # The pass is ragged: the predictable request drafts, its batch mate does not pay rows for it.
+    assert policy.chain_lengths([good, bad], per_row=0.1) == [policy.chain_lengths([good], per_row=0.1)[0], 0]
+    batch = [good, bad, fake_request("good2")]
+    policy.alpha["good2"] = 0.9
+    lengths = policy.chain_lengths(batch, per_row=0.1)
+    assert lengths[0] == lengths[2] > 0 == lengths[1]
+    policy.alpha["good2"] = 0.7  # less predictable: a shorter chain of its own
+    assert 0 < policy.chain_lengths(batch, per_row=0.1)[2] < policy.chain_lengths(batch, per_row=0.1)[0]
+    assert policy.chain_lengths([bad], per_row=0.5) == [0]
+    assert policy.chain_lengths([good], per_row=1.5) == [0]  # a draft dearer than the target never pays
     # Cheaper drafts are worth more of them; α = 1 and a tiny cost use the whole budget.
-    assert policy.chain_lengths([good], per_node=0.01)[0] >= policy.chain_lengths([good], per_node=0.2)[0] > 0
+    assert policy.chain_lengths([good], per_row=0.01)[0] >= policy.chain_lengths([good], per_row=0.2)[0] > 0
     policy.alpha["good"] = 1.0
-    assert policy.chain_lengths([good], per_node=0.01) == [8]
+    assert policy.chain_lengths([good], per_row=0.01) == [8]
     # The acceptance estimate follows what verification reports.
     for _ in range(20):
         policy.update(bad, proposed=4, accepted=4)
     assert policy.alpha["bad"] > 0.9
-    assert policy.chain_lengths([bad], per_node=0.05)[0] > 0
+    assert policy.chain_lengths([bad], per_row=0.05)[0] > 0
     policy.update(bad, proposed=0, accepted=0)  # a round without drafts teaches nothing
     assert policy.alpha["bad"] > 0.9
     policy.release(bad)
@@ -450,16 +458,16 @@ def test_goodput_length_choice() -> None:
 def test_goodput_new_requests_start_from_recent_acceptance() -> None:
     policy = BudgetController(8, adaptive=True)
     first, second = fake_request("first"), fake_request("second")
-    assert policy.chain_lengths([second], per_node=0.45) == [1]  # the fixed prior (0.6) alone: one draft
+    assert policy.chain_lengths([second], per_row=0.45) == [1]  # the fixed prior (0.6) alone: one draft
     for _ in range(30):
         policy.update(first, proposed=4, accepted=4)
     policy.release(first)
     assert policy.recent_alpha > 0.9
-    assert policy.chain_lengths([second], per_node=0.45)[0] >= 3  # starts where the drafter has been doing well
+    assert policy.chain_lengths([second], per_row=0.45)[0] >= 3  # starts where the drafter has been doing well
     for _ in range(60):
         policy.update(second, proposed=4, accepted=0)
     assert policy.recent_alpha < 0.1
-    assert policy.chain_lengths([fake_request("third")], per_node=0.45) == [0]
+    assert policy.chain_lengths([fake_request("third")], per_row=0.45) == [0]
 
 
 def test_goodput_probes_while_at_zero() -> None:
@@ -468,7 +476,7 @@ def test_goodput_probes_while_at_zero() -> None:
     bad = fake_request("bad")
     policy = BudgetController(8, adaptive=True, probe_every=4, max_probe_every=16)
     policy.alpha["bad"] = 0.05
-    lengths = [policy.chain_lengths([bad], per_node=0.5)[0] for _ in range(60)]
+    lengths = [policy.chain_lengths([bad], per_row=0.5)[0] for _ in range(60)]
     assert set(lengths) == {0, 2}
     assert [i + 1 for i, k in enumerate(lengths) if k] == [4, 12, 28, 44, 60]  # waits 4, 8, 16, 16, 16
 
@@ -477,24 +485,24 @@ def test_goodput_probe_wait_resets_when_speculation_pays() -> None:
     request = fake_request("r")
     policy = BudgetController(8, adaptive=True, probe_every=4)
     policy.alpha["r"] = 0.05
-    first = [policy.chain_lengths([request], per_node=0.5)[0] for _ in range(12)]
+    first = [policy.chain_lengths([request], per_row=0.5)[0] for _ in range(12)]
     assert [i + 1 for i, k in enumerate(first) if k] == [4, 12]
     policy.alpha["r"] = 0.95
-    assert policy.chain_lengths([request], per_node=0.5)[0] > 0  # predictable again: speculate
+    assert policy.chain_lengths([request], per_row=0.5)[0] > 0  # predictable again: speculate
     policy.alpha["r"] = 0.05
-    again = [policy.chain_lengths([request], per_node=0.5)[0] for _ in range(4)]
+    again = [policy.chain_lengths([request], per_row=0.5)[0] for _ in range(4)]
     assert again == [0, 0, 0, 2]  # the wait is probe_every again, not 16
 
 
 def test_goodput_batch_probes_together() -> None:
-    """A verification pass is padded to its widest request, so the whole batch probes in one round
-    (eight requests probing in eight different rounds would pay eight padded passes)."""
+    """A round that verifies anything pays the drafter's call (or steps) once, so the whole batch
+    probes in one round (eight requests probing in eight different rounds would pay it eight times)."""
     batch = [fake_request(f"r{i}") for i in range(8)]
     policy = BudgetController(8, adaptive=True, probe_every=4)
     for i, request in enumerate(batch):
         policy.alpha[request.request_id] = 0.02 * i
     # One request runs alone for two rounds, then seven more join: they probe with it, not later.
-    rounds = [policy.chain_lengths(batch[:1] if i < 2 else batch, per_node=0.9) for i in range(12)]
+    rounds = [policy.chain_lengths(batch[:1] if i < 2 else batch, per_row=0.9) for i in range(12)]
     assert [i + 1 for i, ks in enumerate(rounds) if any(ks)] == [4, 12]
     assert all(ks in ([0] * len(ks), [2] * len(ks)) for ks in rounds)
 

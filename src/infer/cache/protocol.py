@@ -41,6 +41,36 @@ class KVBatch:
     # layers read and write through ``local``, the same pass over their storage rows.
     local: KVBatch | None = None
     local_layers: frozenset[int] = frozenset()
+    # A ragged pass (``ModelRunner.forward(..., ragged=True)``): the activations hold only the real
+    # tokens, back to back ([1, N, ...], row-major over [B, T]), and this is each one's flat index
+    # in [B * T]. Attention still runs in the padded [B, T] layout (``unpack`` / ``pack``), so a
+    # token's attention is computed as in a padded pass; everything row-wise runs N rows, not B * T.
+    packed: torch.Tensor | None = None
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [1, N, ...] of a ragged pass laid out as [B, T, ...], zeros at the padding."""
+        assert self.packed is not None and self.token_valid is not None
+        batch, width = self.token_valid.shape
+        out = x.new_zeros(batch * width, *x.shape[2:])
+        out[self.packed] = x[0]
+        return out.view(batch, width, *x.shape[2:])
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [B, T, ...] back to a ragged pass's [1, N, ...] (its real tokens, in order)."""
+        assert self.packed is not None
+        return x.flatten(0, 1)[self.packed].unsqueeze(0)
+
+    def per_token(self) -> KVBatch:
+        """A ragged pass as a padded pass of N sequences of one token each: token i reads its own
+        sequence's rows and its own mask row. For kernels that look a token's sequence up by its
+        row (the C decoder stack); what each token sees, and in what order, is unchanged."""
+        assert self.packed is not None and self.token_valid is not None and self.read_index is not None
+        assert self.mask is not None  # a ragged pass has runs of different lengths, so a mask
+        batch, width = self.token_valid.shape
+        read = self.read_index[torch.div(self.packed, width, rounding_mode="floor")]
+        mask = self.mask.reshape(batch * width, 1, 1, self.context_len)[self.packed]
+        return dataclasses.replace(self, token_valid=None, read_index=read, mask=mask, packed=None,
+                                   _folded_masks={}, _windowed={})
 
     def attention_mask(self, groups: int = 1) -> torch.Tensor | None:
         """``mask`` with each query row repeated ``groups`` times ([B, 1, groups * T, L]), for
@@ -108,8 +138,9 @@ class LayerKV:
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store new ``[B, T, kv_heads, head_dim]`` keys/values at their rows (padding skipped), in
-        place; strided views (heads sliced out of a fused projection) are read where they lie."""
-        if self.batch.token_valid is not None:
+        place; strided views (heads sliced out of a fused projection) are read where they lie. In a
+        ragged pass (``KVBatch.packed``) they are [1, N, ...]: the real tokens already."""
+        if self.batch.token_valid is not None and self.batch.packed is None:
             keys, values = keys[self.batch.token_valid], values[self.batch.token_valid]
         else:
             keys, values = keys.flatten(0, 1), values.flatten(0, 1)
@@ -164,6 +195,7 @@ def build_kv_batch(
     starts: Sequence[int],
     lengths: Sequence[int],
     tree_mask: torch.Tensor | None = None,
+    ragged: bool = False,
 ) -> KVBatch:
     """Reserve room for ``lengths[b]`` new tokens at ``starts[b]`` in each slot and describe the pass.
 
@@ -171,6 +203,8 @@ def build_kv_batch(
     position up to its own (causal). ``tree_mask`` [B, T, T] instead says which new tokens a new
     token may see (tree attention); the cached context before ``starts[b]`` is always visible.
     Sequence lengths become ``starts[b] + lengths[b]`` (the caller truncates if it keeps fewer).
+    ``ragged``: the activations will hold only the real tokens (``KVBatch.packed``), when the runs
+    differ in length (equal runs have no padding: the padded layout is already the packed one).
     """
     device = pool.device
     batch, width = len(slots), max(lengths)
@@ -206,6 +240,7 @@ def build_kv_batch(
     kv = KVBatch(
         k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write_index, token_valid=token_valid,
         read_index=read_index, read_start=read_start, context_len=context, mask=mask,
+        packed=token_valid.flatten().nonzero().squeeze(1) if ragged and token_valid is not None else None,
     )
     local_layers: frozenset[int] = getattr(pool, "local_layers", frozenset())
     if local_layers:  # the sliding-window layers' own rows (PagedKVCachePool)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,35 @@ from infer.core.cuda_graphs import StepGraphs
 from infer.core.request import Request
 from infer.kernels.cpu import MAX_ROWS, GemvLinear, kernel_threads_only
 from infer.models.layers import DecoderOnlyLM, block_mask_from
+
+
+@dataclass
+class RaggedPass:
+    """A pass over runs of different lengths, packed: run b's rows are ``hidden[offsets[b]:offsets[b + 1]]``."""
+
+    hidden: torch.Tensor  # [N, hidden]
+    offsets: list[int]  # [B + 1] cumulative run lengths (vLLM's cu_num_tokens)
+    rows: int  # token rows the forward computed: N, or B x the longest run where it ran padded
+
+    def padded(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """``x`` [N, ...] (a row per token, e.g. the logits of ``hidden``) as [B, longest run, ...],
+        ``fill`` past each run's end."""
+        lengths = [b - a for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
+        width = max(lengths)
+        out = x.new_full((len(lengths) * width, *x.shape[1:]), fill)
+        out[_packed_index(lengths, width, x.device)] = x
+        return out.view(len(lengths), width, *x.shape[1:])
+
+    def rows_at(self, rows: Sequence[int]) -> torch.Tensor:
+        """``hidden`` at row ``rows[b]`` of each run b: [B, hidden]."""
+        index = [start + row for start, row in zip(self.offsets, rows, strict=False)]
+        return self.hidden[torch.tensor(index, device=self.hidden.device)]
+
+
+def _packed_index(lengths: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+    """Flat [B * width] positions of the runs' tokens, in order."""
+    return torch.tensor([b * width + t for b, n in enumerate(lengths) for t in range(n)], dtype=torch.long,
+                        device=device)
 
 
 class ModelRunner:
@@ -50,6 +80,30 @@ class ModelRunner:
             replayed = self.graphs.run(slots, runs)
             if replayed is not None:
                 return replayed
+        return self._forward(slots, runs, positions, tree_mask, ragged=False)
+
+    @torch.inference_mode()
+    def forward_ragged(self, slots: Sequence[int], runs: Sequence[Sequence[int]],
+                       positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> RaggedPass:
+        """``forward`` computing only the runs' own tokens: run b's hidden states are rows
+        ``offsets[b] .. offsets[b + 1] - 1`` of a [N, hidden] tensor (vLLM's ``cu_num_tokens``
+        layout), N = the runs' total length, where ``forward`` computes B x the longest run.
+        Attention still sees each token's keys as a padded pass does, so every row is the same.
+        A pass a CUDA graph replays stays padded (its shape is the graph's) and is packed after."""
+        lengths = [len(r) for r in runs]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        if self.graphs is not None and positions is None and tree_mask is None:
+            replayed = self.graphs.run(slots, runs)
+            if replayed is not None:
+                index = _packed_index(lengths, replayed.shape[1], replayed.device)
+                return RaggedPass(replayed.flatten(0, 1)[index], offsets, replayed.shape[0] * replayed.shape[1])
+        hidden = self._forward(slots, runs, positions, tree_mask, ragged=True)
+        return RaggedPass(hidden.flatten(0, 1), offsets, hidden.shape[0] * hidden.shape[1])
+
+    def _forward(self, slots: Sequence[int], runs: Sequence[Sequence[int]] | torch.Tensor,
+                 positions: torch.Tensor | None, tree_mask: torch.Tensor | None, ragged: bool) -> torch.Tensor:
         starts = [self.pool.seq_len(s) for s in slots]
         if isinstance(runs, torch.Tensor):
             ids = runs
@@ -65,10 +119,12 @@ class ModelRunner:
                 positions = torch.arange(starts[0], starts[0] + width, device=self.device).unsqueeze(0)
             else:
                 positions = torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device)
-        kv = build_kv_batch(self.pool, slots, starts, lengths, tree_mask)
+        kv = build_kv_batch(self.pool, slots, starts, lengths, tree_mask, ragged=ragged)
         if tree_mask is not None and self.tree_attention == "flex":
             assert kv.mask is not None  # a tree pass always has one
             kv.block_mask = block_mask_from(kv.mask)
+        if kv.packed is not None:  # only the real tokens go through the model: [1, N]
+            ids, positions = kv.pack(ids), kv.pack(positions)
         with self._threads_for(ids.numel(), "forward"):
             return self.model(ids, positions, kv)
 
@@ -79,14 +135,17 @@ class ModelRunner:
 
     def warm_up(self, width: int) -> None:
         """Run each kind of pass a request meets once on scratch sequences (one sequence and two;
-        a prefill, a decode step and a ``width``-token verification), so a compiled model compiles
-        its graphs now rather than in the middle of the first requests. The pool is left as found."""
+        a prefill, a decode step and a ``width``-token verification, and for two a ragged one), so a
+        compiled model compiles its graphs now rather than in the middle of the first requests. The
+        pool is left as found."""
         slots = [self.pool.allocate(), self.pool.allocate()]
         try:
             for batch in ([slots[0]], slots):
                 self.logits(self.forward(batch, [[0] * 4] * len(batch))[:, -1])  # prefill
                 self.logits(self.forward(batch, [[0]] * len(batch))[:, -1])  # decode step
                 self.logits(self.forward(batch, [[0] * width] * len(batch)))  # verification
+                if len(batch) > 1 and width > 1:  # a verification whose requests drafted unequally
+                    self.logits(self.forward_ragged(batch, [[0] * width] + [[0]] * (len(batch) - 1)).hidden)
         finally:
             for slot in slots:
                 self.pool.free(slot)

@@ -82,6 +82,7 @@ class SpeculativeRunner:
         # The target's last hidden state per request, for a drafter that reads it (Medusa).
         self._hidden: dict[str, torch.Tensor] | None = {} if proposer.info.uses_hidden_states else None
         self.round_times = RoundTimes()
+        self.last_pass_rows = 0  # token rows the last verification pass computed (what the budget costs)
 
     def reset_round_times(self) -> None:
         self.round_times = RoundTimes()
@@ -161,26 +162,35 @@ class SpeculativeRunner:
         elapsed = device_clock(self.device) - drafted
         times.verify_rounds += 1
         times.verify_seconds += elapsed
-        # The pass is padded to the widest request: that many rows per request were computed.
-        self.budget.observe_target(batch * (1 + max(proposal.num_tokens)), elapsed)
+        # Costed by the rows the pass computed: sum_b (1 + k_b), the pass being ragged (a CUDA graph
+        # replay, padded to its bucket, only takes equal runs: the same count).
+        self.budget.observe_target(self.last_pass_rows, elapsed)
         return result
 
     def verify(self, requests: list[Request], proposal: Proposal, grammar: GrammarRound | None = None) -> StepResult:
-        """One batched target pass over [g, t_1..t_k] per request, rejection sampling, rollback."""
+        """One batched target pass over [g, t_1..t_k] per request, ragged (each request's own rows),
+        rejection sampling, rollback."""
         if proposal.parents is not None:
             return self.verify_tree(requests, proposal, grammar)
         width = 1 + max(proposal.num_tokens)
         drafts = proposal.tokens[:, : width - 1]
-        hidden = self.target.runner.forward([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens))  # type: ignore[misc]
+        runner = self.target.runner
+        # Ragged: request b's rows [g, t_1..t_kb] back to back, sum_b (1 + k_b) rows through the
+        # model and the LM head; only the sampling step below sees them padded to [B, width].
+        ragged = runner.forward_ragged([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens))  # type: ignore[misc]
+        self.last_pass_rows = ragged.rows
+        logits = runner.logits(ragged.hidden)  # [N, V]
         num_draft = torch.tensor(proposal.num_tokens, device=self.device)
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
         if argmax_only([r.params for r in requests]):
             # Greedy rows only compare drafts with the target's argmax: no distributions needed.
-            processed = self.target.runner.logits(hidden)  # no processor applies: the raw logits
-            verdict = verify_greedy(drafts, num_draft, processed.argmax(dim=-1))
+            verdict = verify_greedy(drafts, num_draft, ragged.padded(logits.argmax(dim=-1)))
+            # no processor applies: logprobs come from the raw logits
+            processed = ragged.padded(logits) if any(r.params.logprobs is not None for r in requests) else logits
         else:
             allowed = None if grammar is None else grammar.allowed[:, :width]
-            target_probs, processed = self._target_probs(requests, hidden, drafts, sampling, allowed=allowed)
+            target_probs, processed = self._target_probs(requests, ragged.padded(logits), drafts, sampling,
+                                                         allowed=allowed)
             draft_probs = None if proposal.probs is None else proposal.probs[:, : width - 1]
             if draft_probs is not None and allowed is not None:
                 # A kept draft t_i was drawn from q_i and found allowed: it is distributed as q_i
@@ -192,7 +202,8 @@ class SpeculativeRunner:
         accepted = verdict.num_accepted.tolist()
         emitted = [row[: kept + 1] for row, kept in zip(verdict.output_tokens.tolist(), accepted, strict=True)]
         # Row i's logits (p_{i+1}) gave the final token after i accepted drafts.
-        self._store_hidden(requests, hidden, accepted)
+        if self._hidden is not None:
+            self._store_hidden(requests, ragged.rows_at(accepted))
         logprobs = self._logprobs(requests, processed, sampling, [list(range(n + 1)) for n in accepted], emitted)
         return self._finish_round(requests, proposal.num_tokens, proposal.num_tokens, accepted, emitted,
                                   None if grammar is None else grammar.drafted, logprobs)
@@ -211,9 +222,12 @@ class SpeculativeRunner:
         depths = tree_depths(mask)
         # Node at depth d sits at RoPE position start + d, where it would be if its path were kept.
         positions = torch.tensor(starts, device=self.device).unsqueeze(1) + depths
-        hidden = runner.forward(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask)
+        # Ragged like a chain: request b's g and its counts[b] nodes, back to back.
+        ragged = runner.forward_ragged(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask)
+        self.last_pass_rows = ragged.rows
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-        target_probs, processed = self._target_probs(requests, hidden, tokens, sampling, mask,
+        target_probs, processed = self._target_probs(requests, ragged.padded(runner.logits(ragged.hidden)), tokens,
+                                                     sampling, mask,
                                                      None if grammar is None else grammar.allowed[:, : width + 1])
         verdict = verify_tree(tokens, counts, parents, target_probs, sampling.greedy,
                               [r.generator for r in requests], mask)
@@ -227,7 +241,8 @@ class SpeculativeRunner:
             if keep:
                 moves.append((slots[b], [src[k] for k in keep], [dst[k] for k in keep]))
         copy_positions(pool, moves)
-        self._store_hidden(requests, hidden, verdict.last_rows)
+        if self._hidden is not None:
+            self._store_hidden(requests, ragged.rows_at(verdict.last_rows))
         depth_lists = depths.tolist()
         # Per-depth metrics: a tree of depth d "proposes" d positions, of which `kept` survive.
         tree_depth = [max(depth_lists[b][1: 1 + counts[b]], default=0) for b in range(batch)]
@@ -246,17 +261,16 @@ class SpeculativeRunner:
         node_lists = nodes.tolist()
         return [[r.output_token_ids[-1]] + node_lists[b][: counts[b]] for b, r in enumerate(requests)]
 
-    def _target_probs(self, requests: list[Request], hidden: torch.Tensor, nodes: torch.Tensor,
+    def _target_probs(self, requests: list[Request], logits: torch.Tensor, nodes: torch.Tensor,
                       sampling: SamplingBatch, ancestors: torch.Tensor | None = None,
                       allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target distributions [B, R, V] of the verification rows through the request's own transform,
-        and the processed logits [B, R, V] they came from (for logprobs).
+        """Target distributions [B, R, V] of the verification rows' ``logits`` [B, R, V] through the
+        request's own transform, and the processed logits [B, R, V] they came from (for logprobs).
 
         Row i's penalty context is the request's tokens plus the drafted tokens on its path:
         t_1..t_i for a chain, the node's ancestors (``ancestors`` [B, R, R]) for a tree.
         ``allowed`` [B, R, V]: the grammar's tokens at each row (None: no grammar).
         """
-        logits = self.target.runner.logits(hidden)  # [B, R, V]
         batch, rows, vocab = logits.shape
         presence = counts = None
         base = context_presence(sampling, [r.all_token_ids for r in requests], vocab, self.device)
@@ -373,13 +387,10 @@ class SpeculativeRunner:
             self._store_hidden([request for request, _ in sampled.outputs], sampled.hidden)
         return sampled.outputs
 
-    def _store_hidden(self, requests: list[Request], hidden: torch.Tensor, rows: list[int] | None = None) -> None:
-        """Keep each request's hidden state: ``hidden`` [B, H], or [B, R, H] and the row per request
-        whose logits produced its newest token."""
+    def _store_hidden(self, requests: list[Request], hidden: torch.Tensor) -> None:
+        """Keep each request's hidden state ``hidden`` [B, H]: the row whose logits produced its newest token."""
         if self._hidden is None:
             return
-        if rows is not None:
-            hidden = hidden[torch.arange(len(requests), device=self.device), torch.tensor(rows, device=self.device)]
         for request, row in zip(requests, hidden.detach().clone(), strict=True):  # a copy frees the pass
             self._hidden[request.request_id] = row
 

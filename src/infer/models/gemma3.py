@@ -84,9 +84,17 @@ class Gemma3Attention(Attention):
             kv.write(k, v)
             keys, values = kv.gather()
             attn_mask = kv.batch.mask
+            packed = kv.batch if kv.batch.packed is not None else None
+            if packed is not None:  # a ragged pass: attention runs in the padded layout
+                q = packed.unpack(q)
             if self.attend is not None:  # exact-greedy attention scales by 1/sqrt(head_dim): fold the difference into q
                 out = self.attend(q.transpose(1, 2) * (self.scale * math.sqrt(self.head_dim)), keys, values, attn_mask)
-                return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
+            else:
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=attn_mask,
+                                                     scale=self.scale, enable_gqa=heads != kv_heads)
+            if packed is not None:
+                out = packed.pack(out.transpose(1, 2)).transpose(1, 2)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=attn_mask, scale=self.scale,
                                              enable_gqa=heads != kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))

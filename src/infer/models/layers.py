@@ -156,6 +156,8 @@ class Attention(nn.Module):
             kv.write(k, v)
             keys, values = kv.gather()
             shared = kv.batch
+            if shared.packed is not None:  # a ragged pass: attention runs in the padded layout
+                q = shared.unpack(q)
             if self.attend is not None:
                 out = self.attend(q.transpose(1, 2), keys, values, shared.mask)
             elif shared.block_mask is not None:
@@ -164,6 +166,8 @@ class Attention(nn.Module):
                 groups = heads // kv_heads
                 out = _sdpa(q.transpose(1, 2), keys, values, shared.attention_mask(1), False,
                             shared.attention_mask(groups) if groups > 1 else None)
+            if shared.packed is not None:
+                out = shared.pack(out.transpose(1, 2)).transpose(1, 2)
         return self.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
 
 
@@ -404,6 +408,13 @@ class CpuStack:
                 and self.table.tensors[0].dtype == self.dtype and self.table.tensors[0].device.type == "cpu")
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        if kv.packed is not None:
+            # A ragged pass [1, N]: the stack finds a token's sequence by its row, so each token goes
+            # as a sequence of its own (same keys, same order: the same bits as a padded pass).
+            rows = x.shape[1]
+            out = self.library.decoder_stack(x.reshape(rows, 1, -1).contiguous(), cos.reshape(rows, 1, 1, -1).contiguous(),
+                                             sin.reshape(rows, 1, 1, -1).contiguous(), self.table, kv.per_token())
+            return out.view(x.shape)
         return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv)
 
 
@@ -453,7 +464,10 @@ class DecoderOnlyLM(nn.Module):
     def layer_kv(self, kv: KVBatch, index: int, positions: torch.Tensor) -> LayerKV:
         """Layer ``index``'s view of the cache: a sliding-window layer's mask hides keys older than its window."""
         window = self.config.layer_window(index)
-        return kv.layer(index) if window is None else kv.windowed(window, positions).layer(index)
+        if window is None:
+            return kv.layer(index)
+        # The window's mask is made in the padded layout (a ragged pass's padding at position 0).
+        return kv.windowed(window, positions if kv.packed is None else kv.unpack(positions)).layer(index)
 
     def fuse_projections(self) -> None:
         """Inference layout: fused q/k/v and gate/up matmuls; the separate weights are released.

@@ -5,13 +5,16 @@ model, n-gram) or a tree's node count (Medusa). ``BudgetController`` decides it 
 every drafter. Fixed, it returns a constant. Adaptive, it picks the budget ``n`` that maximises the
 expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
 
-* **Cost** ``T``, in plain decode steps, from the runner's timings: a target pass over ``m`` tokens
-  takes about ``a + b·m`` (a least-squares fit that forgets), a draft call about ``D(B)`` for a
+* **Cost** ``T``, in plain decode steps, from the runner's timings: a target pass over ``m`` token
+  rows takes about ``a + b·m`` (a least-squares fit that forgets; a verification pass is ragged, so
+  ``m`` is the rows the requests drafted, ``Σ_b (1 + k_b)``), a draft call about ``D(B)`` for a
   batch of ``B``. A drafter that runs one step per drafted token (a draft model) pays ``D`` per
-  node, one that drafts a round in one call (n-gram, Medusa) pays it once, so
-  ``T(B, n) = 1 + overhead·[n > 0] + per_node·n``. For a draft model ``per_node`` is Leviathan et
-  al.'s ``c`` grown by the batch, ``(D + b·B) / (a + b·B)``, which tends to 1 as the batch fills:
-  under load speculation stops paying.
+  step of its longest chain, one that drafts a round in one call (n-gram, Medusa) pays it once, so
+  a chain round costs ``T = 1 + overhead·[any k_b > 0] + per_step·max_b k_b + per_row·Σ_b k_b``,
+  ``per_row = b / (a + b·B)``: each request's chain is chosen for what its own rows cost. With
+  every request at ``n``, a draft model's ``per_step + B·per_row`` is Leviathan et al.'s ``c``
+  grown by the batch, ``(D + b·B) / (a + b·B)``, which tends to 1 as the batch fills: under load
+  speculation stops paying.
 * **Acceptance** ``E_b(n)``, the tokens a round emits for request ``b``. For a chain it is
   Theorem 3.8's ``1 + α + ... + α^n`` with ``α`` the request's per-draft acceptance (a moving
   average starting from the drafter's recent one). For a tree, whose extra width a single ``α``
@@ -19,9 +22,9 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times first and a
   neighbour of the best every ``probe_every`` rounds. A chain batch settled on ``n = 0`` drafts two
   tokens for every request after ``probe_every`` plain rounds, so requests whose text turns
-  predictable can win speculation back. The whole batch probes in one round because a
-  verification pass is padded to its widest request: one request probing alone would cost the
-  batch a pass of width 3 for two drafts. Each probe that does not win speculation back doubles
+  predictable can win speculation back. The whole batch probes in one round because a round that
+  verifies anything pays the drafter's call (or its steps) once: eight requests probing in eight
+  rounds would pay it eight times. Each probe that does not win speculation back doubles
   the wait (up to ``max_probe_every``), so a batch where speculation never pays (a full batch on
   a compute-bound CPU) pays for ever fewer probes.
 
@@ -157,32 +160,56 @@ class BudgetController:
         """Budget per request for the next round (the runner clamps it to each request's room)."""
         if not self.adaptive:
             return [self.max_budget] * len(requests)
-        per_node, overhead = self._last_cost = self.round_cost(len(requests))
         if self.tree:
+            per_node, overhead = self._last_cost = self.round_cost(len(requests))
             return [self.tree_size(per_node, overhead)] * len(requests)
-        return self.chain_lengths(requests, per_node, overhead)
+        per_row, per_step, overhead = self.chain_cost(len(requests))
+        return self.chain_lengths(requests, per_row, overhead, per_step)
 
-    def round_cost(self, batch_size: int) -> tuple[float, float]:
-        """``(per_node, overhead)``: a round with ``n`` nodes per request costs ``1 + overhead·[n > 0]
-        + per_node·n`` plain decode steps of this batch."""
-        if not self.target.ready:
-            return (self.prior_cost, 0.0) if self.cost_per_token else (0.0, self.prior_cost)
+    def chain_cost(self, batch_size: int) -> tuple[float, float, float]:
+        """``(per_row, per_step, overhead)``: a round of this batch where request b drafts ``k_b``
+        costs ``1 + overhead·[any k_b > 0] + per_step·max k_b + per_row·Σ k_b`` plain decode steps
+        (the verification pass computes each request's own rows; a draft model steps as long as the
+        longest chain; a one-call drafter pays its call once)."""
+        if not self.target.ready:  # the prior: drafting costs prior_cost, verified rows nothing yet
+            return (0.0, self.prior_cost, 0.0) if self.cost_per_token else (0.0, 0.0, self.prior_cost)
         a, b = self.target.coefficients()
         plain = a + b * batch_size
-        draft = self.draft.predict(batch_size) if self.draft.ready else self.prior_cost * plain
-        if self.cost_per_token:
-            return (draft + b * batch_size) / plain, 0.0
-        return b * batch_size / plain, draft / plain
+        draft = (self.draft.predict(batch_size) if self.draft.ready else self.prior_cost * plain) / plain
+        return (b / plain, draft, 0.0) if self.cost_per_token else (b / plain, 0.0, draft)
 
-    def chain_lengths(self, requests: list[Request], per_node: float, overhead: float = 0.0) -> list[int]:
-        """Chain length per request: one K for the batch (drafting runs as many steps as the longest
-        chain and the pass is padded to it, so a round costs what its longest chain costs)."""
+    def round_cost(self, batch_size: int) -> tuple[float, float]:
+        """``(per_node, overhead)``: a round with ``n`` nodes for every request costs
+        ``1 + overhead·[n > 0] + per_node·n`` plain decode steps of this batch."""
+        per_row, per_step, overhead = self.chain_cost(batch_size)
+        return per_step + per_row * batch_size, overhead
+
+    def chain_lengths(self, requests: list[Request], per_row: float, overhead: float = 0.0,
+                      per_step: float = 0.0) -> list[int]:
+        """Chain length per request, maximising ``Σ_b E_b(k_b) / T`` (``chain_cost``). The pass is
+        ragged, so a request whose drafts are seldom accepted drafts less than its batch mates
+        rather than making them pay for its rows: for each longest chain ``K``, the best rounds take
+        the most valuable drafts first (request b's j-th draft adds ``α_b^j``, less for each
+        further one), so the best ``m`` of them, over every ``K`` and ``m``, is the optimum."""
         alphas = [self.alpha.get(r.request_id, self.recent_alpha) for r in requests]
-        best = max(range(self.max_budget + 1),
-                   key=lambda k: sum(expected_speedup(a, k, 0.0) for a in alphas) / _cost(k, per_node, overhead))
-        if best > 0:  # speculation pays: if it stops paying, probe promptly again
+        best_rate, best = float(len(requests)), [0] * len(requests)  # plain decoding: B tokens per step
+        ranked = sorted(((alpha ** j, j, b) for b, alpha in enumerate(alphas) for j in range(1, self.max_budget + 1)),
+                        key=lambda gain: -gain[0])
+        for longest in range(1, self.max_budget + 1):
+            gains = [(gain, b) for gain, j, b in ranked if j <= longest]
+            tokens, cost = float(len(requests)), 1.0 + overhead + per_step * longest
+            for m, (gain, _) in enumerate(gains, start=1):
+                if gain * cost <= tokens * per_row:  # a draft worth less than its row: so are the rest
+                    break
+                tokens, cost = tokens + gain, cost + per_row
+                rate = tokens / cost
+                if rate > best_rate * (1 + 1e-9):
+                    best_rate, best = rate, [0] * len(requests)
+                    for _, b in gains[:m]:
+                        best[b] += 1
+        if any(best):  # speculation pays: if it stops paying, probe promptly again
             self._plain_rounds, self._probe_wait = 0, self.probe_every
-            return [best] * len(requests)
+            return best
         self._plain_rounds += 1
         if self._plain_rounds < self._probe_wait:
             return [0] * len(requests)
