@@ -22,6 +22,9 @@ def test_the_option_reaches_the_engine_from_every_front_end(tiny_llama: Path) ->
     assert bench.backend == "cpu-kernels"
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--prompt", "hi", "--backend", "fastest"])
+    assert parser.parse_args(["bench", "generation", "--model", "m", "--also-backend", "torch"]).also_backend == ["torch"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "generation", "--model", "m", "--also-backend", "fastest"])
     with pytest.raises(ValueError, match="backend='fastest' is invalid"):
         EngineConfig(model=str(tiny_llama), backend="fastest")
     assert set(BACKENDS) == {"auto", "torch", "cpu-kernels"}

@@ -330,15 +330,12 @@ def copy_positions(pool: CachePoolProtocol, moves: Sequence[tuple[int, Sequence[
             local_dst.append(rows[torch.tensor(list(dst), device=rows.device)])
     if not src_rows:
         return
-    source, dest = torch.cat(src_rows), torch.cat(dst_rows)
-    for index in range(len(pool.k_layers)):
-        if index in local_layers:
+    shared = [i for i in range(len(pool.k_layers)) if i not in local_layers]
+    for layers, sources, dests in ((shared, src_rows, dst_rows), (sorted(local_layers), local_src, local_dst)):
+        if not layers:
             continue
-        for store in (pool.k_layers[index], pool.v_layers[index]):
-            store.index_copy_(0, dest, store.index_select(0, source))
-    if local_layers:
-        source, dest = torch.cat(local_src), torch.cat(local_dst)
-        for index in local_layers:
+        source, dest = torch.cat(sources), torch.cat(dests)
+        for index in layers:
             for store in (pool.k_layers[index], pool.v_layers[index]):
                 store.index_copy_(0, dest, store.index_select(0, source))
 
