@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from infer.models.layers import PackedLinear
+from infer.extras import require
 
 # Hugging Face module names -> GGUF tensor names (llama.cpp's converter's names).
 _GGUF_LAYER_NAMES = {
@@ -52,47 +54,125 @@ def rope_pairs_row_order(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+# What ``export_gguf`` writes each matrix as (vectors stay float32, as llama.cpp's converter keeps
+# them). Float types are converted here; the block types are quantized by gguf-py, every matrix the
+# same ("pure": llama.cpp's own quantizer, ``quantize_gguf``, picks some tensors' types by rule).
+EXPORT_TYPES = ("BF16", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# llama.cpp's quantizer (llama-cpp-python): file type name -> its ``LLAMA_FTYPE_MOSTLY_*`` constant.
+LLAMA_CPP_FILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K")
+
+
 def export_bf16_gguf(model_dir: str | Path, like: str | Path, out: str | Path) -> Path:
-    """Write ``model_dir``'s safetensors weights as a BF16 GGUF, every other field copied from ``like``
-    (a GGUF of the same model, e.g. the quantized file it was converted from). Llama only."""
+    """``export_gguf`` in BF16: the very weights infer runs in bfloat16, for the peer."""
+    return export_gguf(model_dir, like, out, "BF16")
+
+
+def export_gguf(model_dir: str | Path, like: str | Path, out: str | Path, tensor_type: str = "BF16",
+                say: Callable[[str], None] | None = None) -> Path:
+    """Write ``model_dir``'s safetensors weights as a GGUF of ``tensor_type`` (``EXPORT_TYPES``): the
+    hyper-parameters from its config.json, every other field (tokenizer, chat template, names)
+    copied from ``like``, a GGUF of the same vocabulary. Llama only. Tensors are read, converted and
+    written one at a time, so a model larger than memory exports too."""
     import gguf
     from safetensors import safe_open
 
     from infer.loader import load_config
+    from infer.loader.gguf import open_gguf
+    from infer.loader.weights import weight_files
 
+    if tensor_type not in EXPORT_TYPES:
+        raise ValueError(f"tensor type {tensor_type!r} is not one export_gguf writes: use {', '.join(EXPORT_TYPES)}")
     config = load_config(Path(model_dir))
-    template = gguf.GGUFReader(str(like))
+    template = open_gguf(Path(like)).reader  # parsed once per process (a 49k-token vocabulary takes seconds)
     arch = str(template.fields["general.architecture"].contents())
     if arch != "llama" or config.model_type != "llama":
-        raise ValueError(f"export_bf16_gguf handles llama models; {like} is {arch!r}, the folder {config.model_type!r}")
+        raise ValueError(f"export_gguf handles llama models; {like} is {arch!r}, the folder {config.model_type!r}")
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    hyper = {
+        "block_count": config.num_hidden_layers, "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size, "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads, "attention.head_count_kv": config.num_key_value_heads,
+        "rope.dimension_count": config.head_dim, "vocab_size": config.vocab_size,
+    }
+    floats = {"rope.freq_base": config.rope_theta, "attention.layer_norm_rms_epsilon": config.rms_norm_eps}
     writer = gguf.GGUFWriter(str(out), arch)
     for key, field in template.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type", "general.quantization_version"):
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type",
+                                              "general.quantization_version"):
+            continue
+        if key.removeprefix(f"{arch}.") in hyper or key.removeprefix(f"{arch}.") in floats:
             continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), value_type, sub_type)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    for key, value in hyper.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    for key, number in floats.items():
+        writer.add_float32(f"{arch}.{key}", number)
+    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{tensor_type}"])
+    if tensor_type not in ("BF16", "F16"):
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    # First every tensor's name, type and size (the header precedes the data), then the data.
+    files = weight_files(Path(model_dir))
+    plan: list[tuple[Path, str]] = []
     for path in files:
         with safe_open(str(path), "pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
-                tensor = f.get_tensor(name)
-                if name.endswith("q_proj.weight"):
-                    tensor = rope_pairs_row_order(tensor, config.num_attention_heads)
-                elif name.endswith("k_proj.weight"):
-                    tensor = rope_pairs_row_order(tensor, config.num_key_value_heads)
-                if tensor.dim() == 1:  # norms stay float32, as llama.cpp's converter keeps them
-                    writer.add_tensor(gguf_tensor_name(name), tensor.float().numpy())
+                shape = [int(d) for d in f.get_slice(name).get_shape()]
+                plan.append((path, name))
+                if len(shape) == 1:
+                    writer.add_tensor_info(gguf_tensor_name(name), shape, np.dtype(np.float32), 4 * shape[0])
+                elif tensor_type in ("BF16", "F16"):
+                    writer.add_tensor_info(gguf_tensor_name(name), shape, np.dtype(np.float16), 2 * int(np.prod(shape)),
+                                           raw_dtype=qtype)
                 else:
-                    bits = tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-                    writer.add_tensor(gguf_tensor_name(name), bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+                    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+                    if shape[-1] % block:
+                        raise ValueError(f"{name}: rows of {shape[-1]} values do not split into {tensor_type}'s "
+                                         f"blocks of {block}")
+                    byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
+                    writer.add_tensor_info(gguf_tensor_name(name), byte_shape, np.dtype(np.uint8),
+                                           int(np.prod(byte_shape)), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for i, (path, name) in enumerate(plan):
+        with safe_open(str(path), "pt") as f:
+            tensor = f.get_tensor(name)
+        if name.endswith("q_proj.weight"):
+            tensor = rope_pairs_row_order(tensor, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            tensor = rope_pairs_row_order(tensor, config.num_key_value_heads)
+        if tensor.dim() == 1:
+            data = tensor.float().numpy()
+        elif tensor_type == "BF16":
+            data = tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        elif tensor_type == "F16":
+            data = tensor.to(torch.float16).numpy()
+        else:
+            data = gguf.quants.quantize(tensor.float().numpy(), qtype)
+        writer.write_tensor_data(data)
+        if say is not None and len(plan) >= 50 and (i + 1) % (len(plan) // 10) == 0:
+            say(f"{out}: {i + 1}/{len(plan)} tensors")
     writer.close()
+    return Path(out)
+
+
+def quantize_gguf(source: str | Path, out: str | Path, file_type: str, threads: int | None = None) -> Path:
+    """llama.cpp's own quantizer (``llama-quantize``, through llama-cpp-python) from a F16/BF16/F32
+    GGUF: the files llama.cpp users make (Q4_K_M keeps some tensors in Q6_K, and so on)."""
+    if file_type not in LLAMA_CPP_FILE_TYPES:
+        raise ValueError(f"file type {file_type!r}: llama.cpp's quantizer is used here for "
+                         f"{', '.join(LLAMA_CPP_FILE_TYPES)}")
+    llama_cpp = require("llama_cpp", "peer", f"{file_type} with llama.cpp's quantizer")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.nthread = threads or torch.get_num_threads()
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {file_type} (its log above says why)")
     return Path(out)
 
 
@@ -130,6 +210,14 @@ class LlamaCppRunner:
         decode = (len(out) - 1) / (end - first) if len(out) > 1 else None
         return len(out) / (end - start), decode, out
 
+    def prefill(self, prompt_ids: list[int]) -> float:
+        """Seconds to process ``prompt_ids`` from an empty cache (the last row's logits, as a
+        generation's first step computes them)."""
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt_ids)
+        return time.perf_counter() - start
+
 
 def memory_bandwidth(megabytes: int = 512) -> float:
     """Bytes per second one reduction over a ``megabytes`` float32 buffer reads (all threads)."""
@@ -141,31 +229,54 @@ def memory_bandwidth(megabytes: int = 512) -> float:
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
-    """Bytes of weights one decode step reads: every projection, the LM head and the norms. The
-    embedding table is not counted (a step reads one row of it) unless it is the LM head too."""
-    seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            total += module.weight_numel * module.packed_weight.element_size()
-        elif isinstance(module, nn.Embedding):
-            seen.add(module.weight.data_ptr())
-    tied_head = getattr(model, "lm_head", None)
-    for param in model.parameters():
-        ptr = param.data_ptr()
-        is_head = isinstance(tied_head, nn.Linear) and param is tied_head.weight
-        if ptr in seen and not is_head:
-            continue
-        seen.add(ptr)
-        total += param.numel() * param.element_size()
-    return total
+    """Bytes of weights one decode step reads: every tensor the model's modules hold (parameters,
+    buffers and plain tensor attributes such as pre-packed or quantized weights and their scales),
+    each storage counted once at its stored size. The embedding table (``embed_tokens``) is left
+    out (a step reads one row of it) unless the LM head holds the same storage."""
+    embedding: set[int] = set()
+    head: set[int] = set()
+    counted: dict[int, int] = {}
+    for name, module in model.named_modules():
+        part = name.rsplit(".", 1)[-1]
+        for tensor in _held_tensors(module):
+            key, counted[key] = _storage(tensor)
+            if part == "embed_tokens":
+                embedding.add(key)
+            elif part == "lm_head":
+                head.add(key)
+    return sum(size for key, size in counted.items() if key not in embedding - head)
+
+
+# Tensors models hold that are no weights: the RoPE frequencies (cos/sin come from them per pass).
+_NOT_WEIGHTS = ("inv_freq",)
+
+
+def _held_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors a module holds itself (not its children's), also inside lists, tuples and dicts
+    (``_parameters`` and ``_buffers`` are dicts among its attributes)."""
+    found: list[torch.Tensor] = []
+    for key, value in vars(module).items():
+        items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple))
+                 else [(key, value)])
+        found += [item for name, item in items if isinstance(item, torch.Tensor) and item.device.type != "meta"
+                  and name not in _NOT_WEIGHTS]
+    return found
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """(an identity shared by every view of the same memory, its size in bytes)."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # opaque layouts (oneDNN-packed weights) have no storage
+        return id(tensor), tensor.numel() * tensor.element_size()
+    return storage.data_ptr(), storage.nbytes()
 
 
 def gguf_weight_bytes_per_token(path: str | Path) -> int:
     """The same count for a GGUF file: every tensor's stored bytes, less the embedding table when
     the file has a separate output matrix (a file without one reads the table as its LM head)."""
-    import gguf
+    from infer.loader.gguf import open_gguf
 
-    tensors = gguf.GGUFReader(str(path)).tensors
+    tensors = open_gguf(Path(path)).reader.tensors
     names = {t.name for t in tensors}
     return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or "output.weight" not in names)

@@ -8,7 +8,6 @@ template), and loads in infer and in transformers alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 from infer.loader import DTYPES, load_model, load_tokenizer, resolve_model_path
 from infer.loader.gguf import ROPE_FREQS_TENSOR, open_gguf
-from infer.loader.save import write_model_files
+from infer.loader.save import write_model_files, write_tokenizer_files
 from infer.models.config import CheckpointError
 
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -38,8 +37,7 @@ def convert_gguf(source: str | os.PathLike[str], out_dir: str | os.PathLike[str]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_model_files(out, model, config, DTYPES[dtype], pad_token_id=gguf.get("tokenizer.ggml.padding_token_id"))
-    (out / "tokenizer.json").write_text(tokenizer.backend.to_str(pretty=True))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer.config, indent=2, ensure_ascii=False) + "\n")
+    write_tokenizer_files(out, tokenizer)
     return out
 
 
