@@ -7,8 +7,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from infer.engine.options import add_engine_args
+from infer.bench.shapes import DEFAULT_TYPES, QUANTIZERS, SHAPES
+from infer.engine.options import OPTIONS, add_engine_args
 from infer.models.backend import BACKENDS
+
+# The registry's options that load every infer row of infer bench generation the same way. Bench flags
+# that share a registry name but mean "also time ..." (--exact-greedy, --cuda-graphs) or take a list of
+# values to compare (--spec-length, --medusa-tree-size) are the bench's own.
+ROW_OPTIONS = ("model", "dtype", "device", "draft_model", "medusa_heads", "tree_attention", "suffix_tree_size",
+               "suffix_max_tokens", "suffix_max_requests", "suffix_scope", "max_seq_len", "kv_memory_fraction",
+               "kv_cache_backend", "backend")
+# Those BenchSettings has no field of its own for: passed to every row's LLM when set.
+_PASSED_THROUGH = ("tree_attention", "suffix_tree_size", "suffix_max_tokens", "suffix_max_requests", "suffix_scope",
+                   "max_seq_len", "kv_memory_fraction", "kv_cache_backend")
 
 
 def add_subparser(sub: Any) -> None:
@@ -16,8 +27,10 @@ def add_subparser(sub: Any) -> None:
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
 
     gen = kinds.add_parser("generation", help="single-request decode: infer plain/speculative vs transformers")
-    gen.add_argument("--model", required=True)
-    gen.add_argument("--draft-model", default=None)
+    add_engine_args(gen, ROW_OPTIONS)
+    # A benchmark names its precision and device: the same command measures the same thing on every
+    # machine (the engine's auto would pick bfloat16 on some CPUs, float32 on others, or a GPU).
+    gen.set_defaults(dtype="float32", device="cpu")
     gen.add_argument("--prompts", default=None, help="prompt file (JSON list, JSONL with 'prompt', or text split by ---)")
     gen.add_argument("--workload", default="code", choices=["code", "edit", "sample", "repetitive"],
                      help="built-in prompts: code continuation, input-grounded edit, code at temperature 1, or one "
@@ -32,14 +45,10 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--policies", nargs="*", default=["entropy", "goodput"], choices=["entropy", "goodput"])
     gen.add_argument("--no-ngram", action="store_true")
     gen.add_argument("--no-suffix", action="store_true", help="skip the suffix decoding row")
-    gen.add_argument("--medusa-heads", default=None,
-                     help="Medusa heads folder for an extra row (default: where infer train medusa saves them, when they exist)")
     gen.add_argument("--medusa-tree-size", type=int, nargs="*", default=[], metavar="N",
                      help="also rows with a fixed N-node tree (the default row sizes its tree by measurement)")
     gen.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     gen.add_argument("--repeats", type=int, default=3)
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="cpu")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--exact-greedy", action="store_true",
                      help="also time every infer mode with exact-greedy kernels, interleaved with the default ones")
@@ -49,7 +58,6 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--cuda-graphs", action="store_true",
                      help="also time every infer mode with its decode and verification steps replayed as CUDA "
                           "graphs, interleaved with the eager ones (CUDA only; each bucket captures on first use)")
-    add_engine_args(gen, ("backend",))  # as for infer generate; recorded in the environment
     gen.add_argument("--out", default="bench-out", help="folder for generation.json, generation.md and plots")
     gen.add_argument("--profile", action="store_true",
                      help="instead of the comparison, profile infer's decode steps and a (K+1)-token verification "
@@ -65,6 +73,9 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--also-backend", nargs="*", default=[], choices=BACKENDS,
                      help="an extra 'infer plain (backend NAME)' row for each, interleaved with --backend's rows "
                           "(e.g. torch: the C kernels against the PyTorch layers on the same run)")
+    gen.add_argument("--prefill-tokens", type=int, nargs="*", default=[], metavar="N",
+                     help="also time prompt processing of an N-token prompt (prefill tok/s) on every plain row, "
+                          "llama.cpp's beside infer's, interleaved (e.g. 512)")
     gen.add_argument("--also-dtype", nargs="*", default=[], choices=["float32", "bfloat16", "float16"],
                      help="an extra 'infer plain (DTYPE)' row for each, next to --dtype's rows")
     gen.set_defaults(func=_run_generation)
@@ -78,13 +89,30 @@ def add_subparser(sub: Any) -> None:
 
     comp = kinds.add_parser("compile", help="measure torch.compile against infer's eager decode and verification "
                                             "passes: compile time, then interleaved ms per step (CPU)")
-    comp.add_argument("--model", required=True)
-    comp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_engine_args(comp, ("model", "dtype", "backend"))
+    comp.set_defaults(dtype="bfloat16")
     comp.add_argument("--verify-width", type=int, default=6)
     comp.add_argument("--steps", type=int, default=8, help="steps per timed block")
     comp.add_argument("--repeats", type=int, default=5)
     comp.add_argument("--out", default="bench-out", help="folder for compile.json")
     comp.set_defaults(func=_run_compile_eval)
+
+    shapes = kinds.add_parser("shapes", help="random-weight models of Llama-3.2-1B's and 3B's shapes (SmolLM2's "
+                                             "vocabulary) as a Hugging Face folder and GGUF files, for the peer tables")
+    shapes.add_argument("--shape", nargs="+", default=["1b"], choices=sorted(SHAPES),
+                        help="; ".join(f"{name}: {shape.description}" for name, shape in SHAPES.items()))
+    shapes.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES), metavar="TYPE",
+                        help="GGUF files to write (F16, Q8_0, Q4_0, Q4_1, Q5_0; Q4_K_M, Q4_K_S, Q5_K_M, Q6_K with "
+                             "llama.cpp's quantizer)")
+    shapes.add_argument("--quantizer", default="auto", choices=QUANTIZERS,
+                        help="who quantizes: llama.cpp's quantizer (llama-cpp-python; auto where installed), or "
+                             "gguf-py (every matrix in the type, as llama-quantize --pure)")
+    shapes.add_argument("--like", default=None,
+                        help="the GGUF whose tokenizer and metadata the models get (default: the built-in SmolLM2)")
+    shapes.add_argument("--seed", type=int, default=0)
+    shapes.add_argument("--out", default=None, help="folder to write to (default: ~/.cache/infer/shapes): OUT/NAME "
+                                                    "is the Hugging Face folder, OUT/NAME.TYPE.gguf each GGUF")
+    shapes.set_defaults(func=_run_shapes)
 
     try:
         from infer.bench.serving import add_serving_parser
@@ -128,7 +156,9 @@ def _run_generation(args: argparse.Namespace) -> int:
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
         compiled=args.compiled, cuda_graphs=args.cuda_graphs, backend=args.backend,
         peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, extra_backends=args.also_backend, chat=args.chat, stop_at_eos=repetitive,
-        warmup_prompts=warmup,
+        warmup_prompts=warmup, prefill_tokens=args.prefill_tokens,
+        engine_options={name: getattr(args, name) for name in _PASSED_THROUGH
+                        if getattr(args, name) != OPTIONS[name].default()},
     )
     report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     paths = write_generation_report(report, args.out)
@@ -144,8 +174,9 @@ def _run_profile(args: argparse.Namespace, prompt: str) -> int:
     if args.profile_steps < 1:
         raise SystemExit(f"--profile-steps {args.profile_steps} is invalid: must be >= 1")
     say = lambda msg: print(f"[profile] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    say(f"loading {args.model} ({args.dtype}, {args.device})")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=1)
+    say(f"loading {args.model} ({args.dtype}, {args.device}, backend {args.backend})")
+    options = {name: getattr(args, name) for name in ROW_OPTIONS if name not in ("model", "draft_model", "medusa_heads")}
+    llm = LLM(args.model, max_batch_size=1, **options)
     phases = profile_engine(llm.engine, prompt, max(args.spec_length) + 1, args.profile_steps, args.out, say)
     for phase in phases:
         print("\n".join(phase.lines()) + "\n")
@@ -160,6 +191,17 @@ def _run_export_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_shapes(args: argparse.Namespace) -> int:
+    from infer.bench.shapes import default_shapes_dir, write_shape
+
+    say = lambda msg: print(f"[shapes] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    out = args.out or default_shapes_dir()
+    written = [path for name in args.shape for path in write_shape(
+        name, out, tuple(args.types), like=args.like, seed=args.seed, quantizer=args.quantizer, say=say)]
+    print("\n".join(str(p) for p in written))
+    return 0
+
+
 def _run_compile_eval(args: argparse.Namespace) -> int:
     import json
 
@@ -168,7 +210,7 @@ def _run_compile_eval(args: argparse.Namespace) -> int:
 
     say = lambda msg: print(f"[compile] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     report = run_compile_eval(args.model, args.dtype, code_prompts(1)[0], args.verify_width, args.steps,
-                              args.repeats, say)
+                              args.repeats, say, backend=args.backend)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compile.json").write_text(json.dumps(report, indent=2))

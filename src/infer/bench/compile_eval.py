@@ -31,11 +31,12 @@ class _Copy:
     model: Any
 
 
-def _copy(model_ref: str, dtype: torch.dtype, prompt_ids: list[int], verify_width: int,
-          prepare: Callable[[Any], None] | None = None) -> _Copy:
-    model, config = load_model(model_ref, dtype, "cpu")
-    if prepare is not None:
-        prepare(model)
+def _copy(model_ref: str, dtype: torch.dtype, prompt_ids: list[int], verify_width: int, backend: str,
+          compile: Callable[[Any], None] | None = None) -> _Copy:
+    # The to-be-compiled copy loads as --compile loads it (linears Inductor can lower).
+    model, config = load_model(model_ref, dtype, "cpu", backend=backend, compile=compile is not None)
+    if compile is not None:
+        compile(model)
     pool = PagedKVCachePool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks=64,
                             block_size=32, max_seq_len=2048, dtype=dtype, device="cpu")
     runner = ModelRunner(model, pool)
@@ -54,14 +55,14 @@ def _copy(model_ref: str, dtype: torch.dtype, prompt_ids: list[int], verify_widt
 
 
 def run_compile_eval(model_ref: str, dtype_name: str, prompt: str, verify_width: int = 6, steps: int = 8,
-                     repeats: int = 5, say: Callable[[str], None] = print) -> dict[str, Any]:
+                     repeats: int = 5, say: Callable[[str], None] = print, backend: str = "auto") -> dict[str, Any]:
     dtype = resolve_dtype(dtype_name, torch.device("cpu"))
     prompt_ids = load_tokenizer(model_ref).encode(prompt)
     if len(prompt_ids) < verify_width:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; it needs at least {verify_width}")
     say("loading the eager and the to-be-compiled copy")
-    eager = _copy(model_ref, dtype, prompt_ids, verify_width)
-    compiled = _copy(model_ref, dtype, prompt_ids, verify_width, lambda model: compile_forward(model, say))
+    eager = _copy(model_ref, dtype, prompt_ids, verify_width, backend)
+    compiled = _copy(model_ref, dtype, prompt_ids, verify_width, backend, lambda model: compile_forward(model, say))
     compile_s: dict[str, float] = {}
     for kind in ("decode", "verify"):
         say(f"compiling the {kind} pass")
@@ -82,7 +83,7 @@ def run_compile_eval(model_ref: str, dtype_name: str, prompt: str, verify_width:
         say(f"repeat {rep + 1}/{repeats}")
     per_step = {key: {"wall_ms": statistics.median(s[0] for s in values),
                       "cpu_ms": statistics.median(s[1] for s in values)} for key, values in samples.items()}
-    return {"model": model_ref, "dtype": dtype_name, "threads": torch.get_num_threads(), "verify_width": verify_width,
+    return {"model": model_ref, "dtype": dtype_name, "backend": eager.model.backend.info(), "threads": torch.get_num_threads(), "verify_width": verify_width,
             "steps": steps, "repeats": repeats, "compile_s": compile_s, "per_step": per_step}
 
 

@@ -38,7 +38,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,6 +88,11 @@ class BenchSettings:
     backend: str = "auto"  # what computes infer's forward passes (models.backend); recorded in the environment
     # Also time every infer mode with its steps replayed as CUDA graphs ("... (CUDA graphs)"; CUDA only).
     cuda_graphs: bool = False
+    # Prompt lengths whose processing (prefill) is timed on every plain row, llama.cpp's too, interleaved.
+    prefill_tokens: list[int] = field(default_factory=list)
+    # Engine options every infer row loads with (max_seq_len, kv_cache_backend, ...: what the bench CLI
+    # takes from the option registry beyond the fields above).
+    engine_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -162,12 +168,14 @@ class _Mode:
     llm: LLM | None = None
     history: _History | None = None  # for a drafter that learns from earlier requests
     cpu_ms_per_token: list[float] = field(default_factory=list)
+    # Plain rows: process a prompt of token ids and return the seconds it took (prefill tok/s rows).
+    prefill: Callable[[list[int]], float] | None = None
 
 
 def _infer_runner(settings: BenchSettings, model: str, dtype: str, **options: Any) -> tuple[RunFn, LLM]:
     # One request at a time: a batch of one needs only one sequence's KV cache.
     options.setdefault("backend", settings.backend)
-    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1, **options)
+    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1, **(settings.engine_options | options))
 
     def run(prompt: str | list[int], seed: int) -> tuple[float, Any]:
         start = time.perf_counter()
@@ -175,6 +183,28 @@ def _infer_runner(settings: BenchSettings, model: str, dtype: str, **options: An
         return len(out.token_ids) / (time.perf_counter() - start), out
 
     return run, llm
+
+
+def _infer_prefill(llm: LLM) -> Callable[[list[int]], float]:
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def prefill(prompt_ids: list[int]) -> float:
+        start = time.perf_counter()
+        llm.generate([prompt_ids], params)
+        return time.perf_counter() - start
+
+    return prefill
+
+
+def prefill_prompt(tokenizer: Any, prompts: list[str], tokens: int, offset: int) -> list[int]:
+    """``tokens`` ids of the prompts' text, one after another (repeated as needed), from ``offset``:
+    each repeat gets another offset, so no engine can reuse an earlier prompt's cache."""
+    text_ids = [i for p in prompts for i in tokenizer.encode(p)]
+    if not text_ids:
+        raise ValueError("the prompts encode to no tokens: nothing to build a prefill prompt from")
+    needed = offset + tokens
+    ids = text_ids * (needed // len(text_ids) + 1)
+    return ids[offset:needed]
 
 
 def _prepare(settings: BenchSettings, prompts: list[str]) -> list[str | list[int]]:
@@ -196,26 +226,38 @@ class PeerOutput:
     decode_tokens_per_s: float | None
 
 
+def _model_gguf(model: str) -> Path:
+    """The GGUF file ``--model`` names, which the peer runs when no --peer-gguf is given."""
+    from infer.loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if not path.is_file():
+        raise ValueError(f"--peer llama.cpp runs llama.cpp on --model's own file, but {model} is a Hugging Face "
+                         "folder: give --peer-gguf, a GGUF of the same model (infer bench export-gguf writes one)")
+    return path
+
+
 def _peer_modes(settings: BenchSettings, llm: LLM, say: Callable[[str], None]) -> list[_Mode]:
     """llama.cpp plain (and prompt lookup, next to infer's n-gram row) on the same prompt token ids."""
     from infer.bench.peer import LlamaCppRunner
 
     if settings.peer != "llama.cpp":
         raise ValueError(f"unknown peer {settings.peer!r}: the one supported is llama.cpp")
-    if not settings.peer_gguf:
-        raise ValueError("--peer llama.cpp needs --peer-gguf: a GGUF file of the same model")
     import gguf
+
+    from infer.loader.gguf import open_gguf
 
     tokenizer = llm.tokenizer
     prompt_ids = {p: tokenizer.encode(p) for p in settings.prompts}
     if settings.chat:
         prompt_ids = {p: ids for p, ids in zip(settings.prompts, _prepare(settings, settings.prompts), strict=True)
                       if isinstance(ids, list)}
-    context = max(len(ids) for ids in prompt_ids.values()) + settings.max_tokens + 8
+    context = max(max(len(ids) for ids in prompt_ids.values()) + settings.max_tokens,
+                  max(settings.prefill_tokens, default=0)) + 8
     # One plain row per file, named by its precision; prompt lookup on the first file only.
     variants: list[tuple[str, str, int | None]] = []
     for i, path in enumerate(settings.peer_gguf):
-        file_type = gguf.GGUFReader(path).fields["general.file_type"].contents()
+        file_type = open_gguf(Path(path)).get("general.file_type")
         name = f"llama.cpp {gguf.LlamaFileType(file_type).name.removeprefix('MOSTLY_')}"
         variants.append((name, path, None))
         if i == 0 and settings.ngram:
@@ -231,7 +273,7 @@ def _peer_modes(settings: BenchSettings, llm: LLM, say: Callable[[str], None]) -
 
         result = ModeResult(name, "llama.cpp", 0.0, [], spec_length=lookup,
                             weight_bytes_per_token=None if lookup else gguf_weight_bytes_per_token(path))
-        modes.append(_Mode(result, run))
+        modes.append(_Mode(result, run, prefill=None if lookup else runner.prefill))
     return modes
 
 
@@ -240,6 +282,8 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     in an order that rotates per repeat, so a machine that speeds up or slows down over minutes
     (shared or throttled CPUs) shifts every mode alike instead of whichever ran at that time."""
     torch.manual_seed(settings.seed)
+    if settings.peer and not settings.peer_gguf:
+        settings = replace(settings, peer_gguf=[str(_model_gguf(settings.model))])
     modes: list[_Mode] = []
 
     llms: list[LLM] = []
@@ -259,10 +303,14 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             say(f"[{label}] loading")
             run, llm = _infer_runner(settings, model, dtype, **options, **extra)
             llms.append(llm)
+            # The precision the row ran in (what --dtype auto resolved to on this machine).
+            ran = str(llm.engine.dtype).removeprefix("torch.")
             results.append(ModeResult(label, "infer", 0.0, [], spec_length=options.get("spec_length"),
-                                      policy=options.get("spec_length_policy"), dtype=dtype))
+                                      policy=options.get("spec_length_policy"), dtype=ran))
             history = _History(llm) if options.get("speculator") == "suffix" else None
-            modes.append(_Mode(results[-1], run, reported=reported, llm=llm, history=history))
+            plain_row = reported and not options.get("speculator") and not options.get("draft_model")
+            modes.append(_Mode(results[-1], run, reported=reported, llm=llm, history=history,
+                               prefill=_infer_prefill(llm) if plain_row else None))
         return results[0]
 
     plain = infer_mode("infer plain")
@@ -336,6 +384,8 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
                     mode.outputs.append(out)
         say(f"repeat {rep + 1}/{settings.repeats}: " + ", ".join(
             f"{m.result.mode} {statistics.median(m.result.samples):.1f}" for m in modes if m.reported))
+
+    prefill = _time_prefill(settings, plain_llm, modes, say) if settings.prefill_tokens else []
 
     for mode in modes:
         r = mode.result
@@ -419,8 +469,42 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         "compiled_outputs_identical": twin_identical[COMPILED],
         "cuda_graphs_outputs_identical": twin_identical[GRAPHS],
         "results": [{k: v for k, v in asdict(r).items() if k != "texts"} for r in results],
+        "prefill": prefill,
         "sample_output": plain.texts[0] if plain.texts else "",
     }
+
+
+def _time_prefill(settings: BenchSettings, plain_llm: LLM, modes: list[_Mode],
+                  say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Prompt processing tok/s of every plain row (llama.cpp's too) for each prompt length, timed
+    like the decode rows (one warm-up, then repeats interleaved in a rotating order), each repeat on
+    another prompt of the same length."""
+    timed = [m for m in modes if m.prefill is not None]
+    rows: list[dict[str, Any]] = []
+    for tokens in settings.prefill_tokens:
+        if tokens < 1:
+            raise ValueError(f"--prefill-tokens {tokens} is invalid: must be >= 1")
+        say(f"prefill of {tokens} tokens: {len(timed)} rows")
+        samples: dict[str, list[float]] = {m.result.mode: [] for m in timed}
+        for rep in range(-1, settings.repeats):  # -1: the warm-up
+            ids = prefill_prompt(plain_llm.tokenizer, settings.prompts, tokens, offset=17 * (rep + 1))
+            order = timed[rep % len(timed):] + timed[: rep % len(timed)]
+            for mode in order:
+                assert mode.prefill is not None
+                seconds = mode.prefill(ids)
+                if rep >= 0:
+                    samples[mode.result.mode].append(tokens / seconds)
+        for mode in timed:
+            rows.append({"mode": mode.result.mode, "engine": mode.result.engine, "prompt_tokens": tokens,
+                         "tokens_per_s": statistics.median(samples[mode.result.mode]),
+                         "samples": samples[mode.result.mode]})
+        peer = next((r for r in rows if r["engine"] == "llama.cpp" and r["prompt_tokens"] == tokens), None)
+        for row in rows:
+            if row["prompt_tokens"] == tokens:
+                row["speedup_vs_peer"] = row["tokens_per_s"] / peer["tokens_per_s"] if peer else None
+        say(f"prefill of {tokens} tokens: " + ", ".join(
+            f"{r['mode']} {r['tokens_per_s']:.0f} tok/s" for r in rows if r["prompt_tokens"] == tokens))
+    return rows
 
 
 def _predict(r: ModeResult, runner: SpeculativeRunner, target_step: float, draft_step: float | None) -> None:

@@ -20,7 +20,7 @@ def generation_table(report: dict[str, Any]) -> str:
     columns = ["mode", "tok/s", "vs infer plain", "vs transformers"]
     columns += ["vs llama.cpp"] if peer else []
     columns += ["α", "accepted/pass", "Thm 3.8 predicted", "decode speedup / predicted"]
-    columns += ["decode tok/s", "of bandwidth limit"] if memory else []
+    columns += ["decode tok/s", "weights MB/token", "of bandwidth limit"] if memory else []
     trees = any(r.get("tree_nodes_per_round") is not None for r in report["results"])
     columns += ["tree nodes/round"] if trees else []
     columns += ["CPU ms/token"]
@@ -36,7 +36,9 @@ def generation_table(report: dict[str, Any]) -> str:
                   _fmt(ratio, 0 if ratio is None else 2)]
         if memory:
             fraction = r.get("bandwidth_fraction")
-            cells += [_fmt(r.get("decode_tokens_per_s"), 1), "–" if fraction is None else f"{100 * fraction:.0f}%"]
+            weights = r.get("weight_bytes_per_token")
+            cells += [_fmt(r.get("decode_tokens_per_s"), 1), _fmt(weights and weights / 1e6, 0),
+                      "–" if fraction is None else f"{100 * fraction:.0f}%"]
         cells += [_fmt(r.get("tree_nodes_per_round"), 1)] if trees else []
         cells += [_fmt(r.get("cpu_ms_per_token"), 1)]
         rows.append("| " + " | ".join(cells) + " |")
@@ -62,7 +64,22 @@ def generation_table(report: dict[str, Any]) -> str:
                  f"{memory['infer_weight_bytes_per_token'] / 1e6:.0f} MB")
         if memory.get("peer_weight_bytes_per_token"):
             head += f", llama.cpp {memory['peer_weight_bytes_per_token'] / 1e6:.0f} MB"
-    return head + "\n\n" + "\n".join(rows) + "\n" + _rounds_table(report)
+    return head + "\n\n" + "\n".join(rows) + "\n" + _rounds_table(report) + _prefill_table(report)
+
+
+def _prefill_table(report: dict[str, Any]) -> str:
+    """Prompt processing speed of the plain rows, llama.cpp's beside infer's."""
+    prefill = report.get("prefill") or []
+    if not prefill:
+        return ""
+    peer = any(r.get("speedup_vs_peer") is not None for r in prefill)
+    rows = ["| mode | prompt tokens | prefill tok/s |" + (" vs llama.cpp |" if peer else ""),
+            "|---|---:|---:|" + ("---:|" if peer else "")]
+    for r in prefill:
+        rows.append(f"| {r['mode']} | {r['prompt_tokens']} | {r['tokens_per_s']:.1f} |"
+                    + (f" {_fmt(r.get('speedup_vs_peer'), 2, '×')} |" if peer else ""))
+    return ("\nPrompt processing (prefill: a prompt of that many tokens from an empty cache, to the first "
+            "token's logits; median over repeats, each on another prompt):\n\n" + "\n".join(rows) + "\n")
 
 
 def _rounds_table(report: dict[str, Any]) -> str:
