@@ -115,6 +115,21 @@ def test_llama_cpp_quantizes_the_f16_file(tiny_shape: Path, tmp_path: Path) -> N
     assert load_config(out) == load_config(tiny_shape / "tiny.F16.gguf")
 
 
+@needs_smollm2
+@pytest.mark.parametrize("quantizer", ["gguf-py", pytest.param("llama.cpp", marks=needs_llama_cpp)])
+def test_export_gguf_writes_the_type_asked_for(tiny_shape: Path, tmp_path: Path, quantizer: str) -> None:
+    import gguf
+
+    out = tmp_path / "tiny.Q4_0.gguf"
+    assert main(["bench", "export-gguf", "--model", str(tiny_shape / "tiny"), "--like", str(tiny_shape / "template.gguf"),
+                 "--out", str(out), "--type", "Q4_0", "--quantizer", quantizer]) == 0
+    reader = gguf.GGUFReader(str(out))
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    assert {t.name: t.tensor_type.name for t in reader.tensors}["blk.1.attn_q.weight"] == "Q4_0"
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # llama.cpp's F16 input is gone
+    assert load_config(out) == load_config(tiny_shape / "tiny.Q4_0.gguf")
+
+
 class _FakeQuantLinear(nn.Module):
     """Holds its weight the way a quantized linear might: int8 blocks in a buffer, scales as a plain
     attribute (not registered), in a list."""

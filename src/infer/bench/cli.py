@@ -7,19 +7,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from infer.bench.shapes import DEFAULT_TYPES, QUANTIZERS, SHAPES
-from infer.engine.options import OPTIONS, add_engine_args
+from infer.bench.peer import EXPORT_TYPES, LLAMA_CPP_FILE_TYPES, QUANTIZERS
+from infer.bench.shapes import DEFAULT_TYPES, SHAPES
+from infer.engine.options import MODEL_OPTIONS, OPTIONS, add_engine_args
 from infer.models.backend import BACKENDS
 
-# The registry's options that load every infer row of infer bench generation the same way. Bench flags
-# that share a registry name but mean "also time ..." (--exact-greedy, --cuda-graphs) or take a list of
-# values to compare (--spec-length, --medusa-tree-size) are the bench's own.
-ROW_OPTIONS = ("model", "dtype", "device", "draft_model", "medusa_heads", "tree_attention", "suffix_tree_size",
-               "suffix_max_tokens", "suffix_max_requests", "suffix_scope", "max_seq_len", "kv_memory_fraction",
-               "kv_cache_backend", "backend")
-# Those BenchSettings has no field of its own for: passed to every row's LLM when set.
-_PASSED_THROUGH = ("tree_attention", "suffix_tree_size", "suffix_max_tokens", "suffix_max_requests", "suffix_scope",
-                   "max_seq_len", "kv_memory_fraction", "kv_cache_backend")
+# The registry's model options load every infer row of infer bench generation alike (an option added
+# there reaches the bench too), except those the bench varies across rows: it takes lists of draft
+# lengths and tree sizes (a row each), and its --exact-greedy, --compiled and --cuda-graphs add twin
+# rows rather than switching every row.
+VARIED_BY_ROWS = ("use_speculative_decoding", "speculator", "spec_length", "spec_length_policy", "medusa_tree_size",
+                  "exact_greedy", "compile", "cuda_graphs")
+ROW_OPTIONS = tuple(name for name in MODEL_OPTIONS if name not in VARIED_BY_ROWS)
+# Those BenchSettings has fields of its own for; the rest reach every row's LLM when set.
+_SETTINGS_FIELDS = ("model", "dtype", "device", "draft_model", "medusa_heads", "backend")
 
 
 def add_subparser(sub: Any) -> None:
@@ -80,11 +81,12 @@ def add_subparser(sub: Any) -> None:
                      help="an extra 'infer plain (DTYPE)' row for each, next to --dtype's rows")
     gen.set_defaults(func=_run_generation)
 
-    export = kinds.add_parser("export-gguf", help="write a Hugging Face folder's weights as a BF16 GGUF (llama), "
-                                                  "metadata and tokenizer copied from a GGUF of the same model")
+    export = kinds.add_parser("export-gguf", help="write a Hugging Face folder's weights as a GGUF (llama; BF16 unless "
+                                                  "--type), metadata and tokenizer copied from a GGUF of the same model")
     export.add_argument("--model", required=True, help="Hugging Face model folder (safetensors)")
     export.add_argument("--like", required=True, help="a GGUF of the same model (e.g. the quantized file it came from)")
     export.add_argument("--out", required=True, help="the .gguf file to write")
+    add_quantization_args(export, "BF16")
     export.set_defaults(func=_run_export_gguf)
 
     comp = kinds.add_parser("compile", help="measure torch.compile against infer's eager decode and verification "
@@ -101,12 +103,7 @@ def add_subparser(sub: Any) -> None:
                                              "vocabulary) as a Hugging Face folder and GGUF files, for the peer tables")
     shapes.add_argument("--shape", nargs="+", default=["1b"], choices=sorted(SHAPES),
                         help="; ".join(f"{name}: {shape.description}" for name, shape in SHAPES.items()))
-    shapes.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES), metavar="TYPE",
-                        help="GGUF files to write (F16, Q8_0, Q4_0, Q4_1, Q5_0; Q4_K_M, Q4_K_S, Q5_K_M, Q6_K with "
-                             "llama.cpp's quantizer)")
-    shapes.add_argument("--quantizer", default="auto", choices=QUANTIZERS,
-                        help="who quantizes: llama.cpp's quantizer (llama-cpp-python; auto where installed), or "
-                             "gguf-py (every matrix in the type, as llama-quantize --pure)")
+    add_quantization_args(shapes, *DEFAULT_TYPES)
     shapes.add_argument("--like", default=None,
                         help="the GGUF whose tokenizer and metadata the models get (default: the built-in SmolLM2)")
     shapes.add_argument("--seed", type=int, default=0)
@@ -119,6 +116,18 @@ def add_subparser(sub: Any) -> None:
     except ModuleNotFoundError:
         return
     add_serving_parser(kinds)
+
+
+def add_quantization_args(parser: argparse.ArgumentParser, *default: str) -> None:
+    """--type (one GGUF file) or --types (several), and --quantizer."""
+    flag, nargs = ("--type", None) if len(default) == 1 else ("--types", "+")
+    parser.add_argument(flag, nargs=nargs, default=default[0] if nargs is None else list(default), metavar="TYPE",
+                        help=f"GGUF type: {', '.join(EXPORT_TYPES)}; with llama.cpp's quantizer also "
+                             f"{', '.join(t for t in LLAMA_CPP_FILE_TYPES if t not in EXPORT_TYPES)} "
+                             f"(default: {' '.join(default)})")
+    parser.add_argument("--quantizer", default="auto", choices=QUANTIZERS,
+                        help="who quantizes: llama.cpp's quantizer (llama-cpp-python; auto: where installed), or "
+                             "gguf-py (every matrix in the type, as llama-quantize --pure)")
 
 
 def _run_generation(args: argparse.Namespace) -> int:
@@ -157,8 +166,8 @@ def _run_generation(args: argparse.Namespace) -> int:
         compiled=args.compiled, cuda_graphs=args.cuda_graphs, backend=args.backend,
         peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, extra_backends=args.also_backend, chat=args.chat, stop_at_eos=repetitive,
         warmup_prompts=warmup, prefill_tokens=args.prefill_tokens,
-        engine_options={name: getattr(args, name) for name in _PASSED_THROUGH
-                        if getattr(args, name) != OPTIONS[name].default()},
+        engine_options={name: getattr(args, name) for name in ROW_OPTIONS
+                        if name not in _SETTINGS_FIELDS and getattr(args, name) != OPTIONS[name].default()},
     )
     report = run_generation_bench(settings, say=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     paths = write_generation_report(report, args.out)
@@ -185,9 +194,10 @@ def _run_profile(args: argparse.Namespace, prompt: str) -> int:
 
 
 def _run_export_gguf(args: argparse.Namespace) -> int:
-    from infer.bench.peer import export_bf16_gguf
+    from infer.bench.peer import write_gguf
 
-    print(f"wrote {export_bf16_gguf(args.model, args.like, args.out)}")
+    say = lambda msg: print(f"[export] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    print(f"wrote {write_gguf(args.model, args.like, args.out, args.type, args.quantizer, say)}")
     return 0
 
 

@@ -13,8 +13,9 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from infer.extras import require
+from infer.extras import MissingExtra, require
 
 # Hugging Face module names -> GGUF tensor names (llama.cpp's converter's names).
 _GGUF_LAYER_NAMES = {
@@ -159,6 +160,42 @@ def export_gguf(model_dir: str | Path, like: str | Path, out: str | Path, tensor
             say(f"{out}: {i + 1}/{len(plan)} tensors")
     writer.close()
     return Path(out)
+
+
+QUANTIZERS = ("auto", "llama.cpp", "gguf-py")  # auto: llama.cpp's where llama-cpp-python is installed
+
+
+def quantized_by_llama_cpp(quantizer: str, file_types: Iterable[str]) -> bool:
+    """Whether GGUFs of ``file_types`` are quantized by llama.cpp's quantizer (else gguf-py writes
+    them); a type neither writes, or one only llama.cpp writes when it is not to be used, is refused."""
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer {quantizer!r} is invalid: use {', '.join(QUANTIZERS)}")
+    file_types = list(file_types)
+    unknown = [t for t in file_types if t not in (*EXPORT_TYPES, *LLAMA_CPP_FILE_TYPES)]
+    if unknown:
+        raise ValueError(f"GGUF types {unknown} are not written here: use {', '.join(EXPORT_TYPES)} or, with "
+                         f"llama.cpp's quantizer, {', '.join(LLAMA_CPP_FILE_TYPES)}")
+    if quantizer == "llama.cpp" or (quantizer == "auto" and importlib.util.find_spec("llama_cpp") is not None):
+        return True
+    needs = [t for t in file_types if t not in EXPORT_TYPES]
+    if needs:
+        raise MissingExtra(f"{', '.join(needs)} needs llama.cpp's quantizer: pip install 'infer[peer]' "
+                           f"(gguf-py writes {', '.join(EXPORT_TYPES[2:])})")
+    return False
+
+
+def write_gguf(model_dir: str | Path, like: str | Path, out: str | Path, file_type: str, quantizer: str = "auto",
+               say: Callable[[str], None] | None = None) -> Path:
+    """``model_dir`` as a GGUF of ``file_type``: floats and gguf-py's types written directly, or through
+    a F16 file (removed after) that llama.cpp's quantizer reads (``quantized_by_llama_cpp``)."""
+    if file_type in ("BF16", "F16") or not quantized_by_llama_cpp(quantizer, [file_type]):
+        return export_gguf(model_dir, like, out, file_type, say)
+    f16 = Path(out).with_name(Path(out).name + ".F16.tmp")
+    try:
+        export_gguf(model_dir, like, f16, "F16", say)
+        return quantize_gguf(f16, out, file_type)
+    finally:
+        f16.unlink(missing_ok=True)
 
 
 def quantize_gguf(source: str | Path, out: str | Path, file_type: str, threads: int | None = None) -> Path:

@@ -14,7 +14,6 @@ llama-cpp-python is installed (the files its users have; Q4_K_M needs it), other
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -22,8 +21,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-
-from infer.extras import MissingExtra
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,6 @@ SHAPES = {
 DEFAULT_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K_M")
 CONTEXT = 4096  # positions in config.json: what a KV pool is sized for by default
 SHARD_BYTES = 2**30  # safetensors shards of about 1 GiB: a layer group is generated, written and freed
-QUANTIZERS = ("auto", "llama.cpp", "gguf-py")
 
 
 def default_shapes_dir() -> Path:
@@ -59,23 +55,11 @@ def write_shape(name: str, out_dir: str | os.PathLike[str], types: tuple[str, ..
     """Write ``out_dir/NAME`` (the Hugging Face folder) and ``out_dir/NAME.TYPE.gguf`` for each of
     ``types``; returns their paths. ``shape`` defaults to ``SHAPES[name]``; ``like`` is the GGUF
     whose tokenizer and metadata are copied (default: the built-in SmolLM2 file)."""
-    from infer.bench.peer import EXPORT_TYPES, LLAMA_CPP_FILE_TYPES, export_gguf, quantize_gguf
+    from infer.bench.peer import export_gguf, quantize_gguf, quantized_by_llama_cpp
     from infer.loader.hub import DEFAULT_MODEL, builtin_model_path
 
     shape = shape or SHAPES[name]
-    if quantizer not in QUANTIZERS:
-        raise ValueError(f"quantizer {quantizer!r} is invalid: use {', '.join(QUANTIZERS)}")
-    unknown = [t for t in types if t not in ("F16", *EXPORT_TYPES, *LLAMA_CPP_FILE_TYPES)]
-    if unknown:
-        raise ValueError(f"GGUF types {unknown} are not written here: use F16, {', '.join(EXPORT_TYPES[2:])} "
-                         f"or, with llama.cpp's quantizer, {', '.join(LLAMA_CPP_FILE_TYPES)}")
-    with_llama_cpp = quantizer == "llama.cpp" or (
-        quantizer == "auto" and importlib.util.find_spec("llama_cpp") is not None)
-    if not with_llama_cpp:
-        needs = [t for t in types if t not in EXPORT_TYPES]
-        if needs:
-            raise MissingExtra(f"{', '.join(needs)} needs llama.cpp's quantizer: pip install 'infer[peer]' "
-                               f"(gguf-py writes {', '.join(EXPORT_TYPES[1:])})")
+    with_llama_cpp = quantized_by_llama_cpp(quantizer, types)  # refuses what cannot be written, before writing
     like_path = Path(like) if like is not None else builtin_model_path(DEFAULT_MODEL)
     out = Path(out_dir)
     folder = out / name
@@ -84,23 +68,23 @@ def write_shape(name: str, out_dir: str | os.PathLike[str], types: tuple[str, ..
         f"seed {seed})")
     write_hf_folder(folder, shape, like_path, seed, say)
     written = [folder]
+    by_llama_cpp = [t for t in types if with_llama_cpp and t not in ("F16", "BF16")]
     f16 = out / f"{name}.F16.gguf"
-    if "F16" in types or (with_llama_cpp and any(t != "F16" for t in types)):
+    if "F16" in types or by_llama_cpp:  # by_llama_cpp: the quantizer's input, written once for every type
         say(f"[{name}] writing {f16}")
         export_gguf(folder, like_path, f16, "F16", say)
-        if "F16" in types:
-            written.append(f16)
+        written += [f16] if "F16" in types else []
     for file_type in (t for t in types if t != "F16"):
         path = out / f"{name}.{file_type}.gguf"
-        if with_llama_cpp:
+        if file_type in by_llama_cpp:
             say(f"[{name}] quantizing {f16} to {file_type} with llama.cpp's quantizer")
             quantize_gguf(f16, path, file_type)
         else:
-            say(f"[{name}] writing {path} (gguf-py, every matrix {file_type})")
+            say(f"[{name}] writing {path} (gguf-py{'' if file_type == 'BF16' else f', every matrix {file_type}'})")
             export_gguf(folder, like_path, path, file_type, say)
         written.append(path)
-    if "F16" not in types and f16.exists():
-        f16.unlink()  # only llama.cpp's quantizer's input
+    if by_llama_cpp and "F16" not in types:
+        f16.unlink()
     for path in written:
         say(f"[{name}] wrote {path}")
     return written
