@@ -237,8 +237,9 @@ def _model_gguf(model: str) -> Path:
     return path
 
 
-def _peer_modes(settings: BenchSettings, llm: LLM, say: Callable[[str], None]) -> list[_Mode]:
-    """llama.cpp plain (and prompt lookup, next to infer's n-gram row) on the same prompt token ids."""
+def _peer_modes(settings: BenchSettings, llm: LLM, threads: int, say: Callable[[str], None]) -> list[_Mode]:
+    """llama.cpp plain (and prompt lookup, next to infer's n-gram row) on the same prompt token ids,
+    on ``threads`` threads."""
     from infer.bench.peer import LlamaCppRunner
 
     if settings.peer != "llama.cpp":
@@ -265,7 +266,7 @@ def _peer_modes(settings: BenchSettings, llm: LLM, say: Callable[[str], None]) -
     modes = []
     for name, path, lookup in variants:
         say(f"[{name}] loading {path}")
-        runner = LlamaCppRunner(path, settings.max_tokens, context, lookup)
+        runner = LlamaCppRunner(path, settings.max_tokens, context, lookup, threads)
 
         def run(prompt: str | list[int], seed: int, runner: LlamaCppRunner = runner) -> tuple[float, Any]:
             rate, decode, ids = runner.run(prompt if isinstance(prompt, list) else prompt_ids[prompt])
@@ -282,6 +283,9 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     in an order that rotates per repeat, so a machine that speeds up or slows down over minutes
     (shared or throttled CPUs) shifts every mode alike instead of whichever ran at that time."""
     torch.manual_seed(settings.seed)
+    # The machine's thread count, taken before infer's engines load: on a shared machine they may
+    # lower torch's count between passes (kernels.cpu.ThreadChooser), which must not set the peer's.
+    threads = torch.get_num_threads()
     if settings.peer and not settings.peer_gguf:
         settings = replace(settings, peer_gguf=[str(_model_gguf(settings.model))])
     modes: list[_Mode] = []
@@ -347,7 +351,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         for name, run, spec_length in transformers_runners(settings):
             modes.append(_Mode(ModeResult(name, "transformers", 0.0, [], spec_length=spec_length), run))
     if settings.peer:
-        modes += _peer_modes(settings, plain_llm, say)
+        modes += _peer_modes(settings, plain_llm, threads, say)
 
     prompts = _prepare(settings, settings.prompts)
     history = _prepare(settings, settings.warmup_prompts)
@@ -461,7 +465,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     return {
         "settings": {k: v for k, v in asdict(settings).items() if k not in ("prompts", "warmup_prompts")}
         | {"num_prompts": len(prompts), "num_warmup_prompts": len(history)},
-        "environment": environment(settings.device) | {"backend": plain_llm.engine.backend.info()},
+        "environment": environment(settings.device) | {"backend": plain_llm.engine.backend.info(), "threads": threads},
         "cost_ratio_c": cost,
         "greedy_outputs_identical": greedy_identical,
         "memory": memory,

@@ -216,7 +216,8 @@ def quantize_gguf(source: str | Path, out: str | Path, file_type: str, threads: 
 class LlamaCppRunner:
     """One llama-cpp-python model; ``run(prompt_ids)`` -> (tokens/s end to end, decode tokens/s, ids)."""
 
-    def __init__(self, gguf_path: str | Path, max_tokens: int, context: int, lookup: int | None = None) -> None:
+    def __init__(self, gguf_path: str | Path, max_tokens: int, context: int, lookup: int | None = None,
+                 threads: int | None = None) -> None:
         try:
             from llama_cpp import Llama
         except ImportError:
@@ -227,7 +228,7 @@ class LlamaCppRunner:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
-        threads = torch.get_num_threads()
+        threads = threads or torch.get_num_threads()
         self.max_tokens = max_tokens
         self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, draft_model=draft, verbose=False)
