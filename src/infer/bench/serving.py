@@ -395,16 +395,18 @@ def write_serving_report(report: dict[str, Any], out_dir: str | Path) -> list[Pa
 
 
 def add_serving_parser(kinds: Any) -> None:
+    from infer.engine.options import add_engine_args
+
     p = kinds.add_parser("serving", help="OpenAI-API load generator with a concurrency sweep")
     p.add_argument("--server", default=None, help="URL of a running server (e.g. http://127.0.0.1:8000)")
     p.add_argument("--label", default="server", help="name of the --server run in the report")
     p.add_argument("--model", default=None, help="launch servers for this target (off / fixed / goodput)")
-    p.add_argument("--draft-model", default=None)
     p.add_argument("--speculator", nargs="*", default=[], choices=["ngram", "suffix"],
                    help="also launch a server with each of these drafters")
-    p.add_argument("--spec-length", type=int, default=4)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    # What the launched servers get, declared as infer serve declares them; a benchmark keeps naming its
+    # precision, device and draft length (the same on every machine and in every earlier run).
+    add_engine_args(p, ("draft_model", "spec_length", "dtype", "device"))
+    p.set_defaults(spec_length=4, dtype="float32", device="cpu")
     p.add_argument("--replicas", type=int, nargs="+", default=None, metavar="N",
                    help="also compare replica counts: 0 = one process, N = infer serve --replicas N on Ray Serve "
                         "(each replica gets cpu_count / N CPUs unless --replica-cpus says otherwise)")
