@@ -237,7 +237,7 @@ def test_bench_generation_profile(tiny_llama: Path, tmp_path: Path, capsys: pyte
         # layers too, unless the C decoder stack runs them in one call); nested calls only add to that.
         assert phase["op_calls"] >= 3 and phase["op_calls_all_levels"] >= phase["op_calls"]
         assert phase["matmul_ms"] > 0 and phase["wall_ms"] > 0  # the LM head's at least
-        assert (phase["stack_ms"] > 0) == (load_model(str(tiny_llama))[0].cpu_stack is not None)
+        assert (phase["stack_ms"] > 0) == (load_model(str(tiny_llama))[0].backend.cpu_stack is not None)
         assert phase["top_ops"] and all(op["calls"] > 0 for op in phase["top_ops"])
         trace = json.loads(Path(phase["trace"]).read_text())
         assert trace["traceEvents"]

@@ -24,12 +24,13 @@ import infer.engine.speculative_runner as speculative_runner
 import infer.speculative.tree as tree_module
 from checkpoints import make_medusa_heads
 from helpers import DRAFTER_PROMPTS, KV_BACKENDS
+from infer.backends.onednn import cpu_packing_available, projection_packer
 from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.cache.protocol import CachePoolProtocol, copy_positions
 from infer.core.request import Request
 from infer.engine.llm import LLM
 from infer.loader import load_model
-from infer.models.layers import cpu_packing_available, flex_available
+from infer.models.layers import flex_available
 from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads
 from infer.sampling.params import SamplingParams
 from infer.speculative.budget import BudgetController, size_ladder
@@ -515,7 +516,7 @@ def test_fused_heads_compute_what_the_heads_compute(shared: bool, dtype: torch.d
             for head in heads.heads[1:]:
                 head.lm_head.weight.copy_(heads.heads[0].lm_head.weight)  # type: ignore[union-attr]
     heads.to(dtype)
-    fused = heads.fused()
+    fused = heads.fused(projection_packer(next(heads.parameters())))
     assert fused.shared_projection == shared
     assert (fused.packed is not None) == (dtype == torch.bfloat16 and cpu_packing_available())
     hidden = torch.randn(5, 16, dtype=dtype)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from infer.audit.stats import ChiSquare, cell_chisquare, detectable_tv
+from infer.backends import backend_of
 from infer.core.request import speculation_stats
 from infer.engine.llm import LLM, RequestOutput
 from infer.models.layers import DecoderOnlyLM
@@ -173,7 +174,7 @@ def next_token_logits(model: DecoderOnlyLM, contexts: Sequence[Sequence[int]], d
         for start in range(0, len(indices), REFERENCE_CHUNK):
             part = indices[start: start + REFERENCE_CHUNK]
             ids = torch.tensor([list(contexts[i]) for i in part], dtype=torch.long, device=device)
-            logits = model.compute_logits(model(ids)[:, -1]).float()
+            logits = model.compute_logits(backend_of(model).forward(model, ids)[:, -1]).float()
             for row, i in enumerate(part):
                 rows[i] = logits[row]
     return torch.stack([r for r in rows if r is not None])

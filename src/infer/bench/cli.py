@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from infer.backends import BACKENDS
 from infer.engine.options import add_engine_args
-from infer.models.backend import BACKENDS
 
 
 def add_subparser(sub: Any) -> None:

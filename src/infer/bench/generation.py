@@ -84,7 +84,7 @@ class BenchSettings:
     exact_greedy: bool = False
     # Also time every infer mode torch.compiled ("... (compiled)" rows), interleaved.
     compiled: bool = False
-    backend: str = "auto"  # what computes infer's forward passes (models.backend); recorded in the environment
+    backend: str = "auto"  # what computes infer's forward passes (infer.backends); recorded in the environment
     # Also time every infer mode with its steps replayed as CUDA graphs ("... (CUDA graphs)"; CUDA only).
     cuda_graphs: bool = False
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from infer.models.layers import PackedLinear
+from infer.backends.onednn import PackedLinear
 
 # Hugging Face module names -> GGUF tensor names (llama.cpp's converter's names).
 _GGUF_LAYER_NAMES = {

@@ -125,14 +125,14 @@ class EngineConfig:
     # Tree verification kernel: SDPA with the dense boolean mask, or FlexAttention with a block mask
     # (compiled on CUDA; on CPU it runs eagerly and is only a slower reference).
     tree_attention: str = "sdpa"
-    # Exact-greedy kernels (models.invariant): a token's logits are bit-identical whatever pass
+    # Exact-greedy kernels (backends.exact): a token's logits are bit-identical whatever pass
     # computes them, so greedy speculation emits exactly plain decoding's tokens in any dtype.
     exact_greedy: bool = False
-    # torch.compile the target's (and draft model's) forward pass (models.compiled); off: eager.
+    # torch.compile the target's (and draft model's) forward pass (backends.compiled); off: eager.
     compile: bool = False
     # CUDA only: replay decode steps and chain verifications as CUDA graphs (core.cuda_graphs).
     cuda_graphs: bool = False
-    # What computes the forward pass (models.backend): auto, torch or cpu-kernels. auto picks the
+    # What computes the forward pass (infer.backends): auto, torch or cpu-kernels. auto picks the
     # fastest this machine runs; naming one it cannot run is an error that says why.
     backend: str = "auto"
 
@@ -165,7 +165,7 @@ class EngineConfig:
         if self.cuda_graphs and (self.compile or self.exact_greedy):
             raise ValueError("cuda_graphs runs the eager model's passes as graphs; it cannot be combined with "
                              f"{'compile' if self.compile else 'exact_greedy'}")
-        from infer.models.backend import BACKENDS
+        from infer.backends import BACKENDS
 
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is invalid: use {', '.join(BACKENDS)}")

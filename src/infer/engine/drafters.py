@@ -11,15 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.backends import count_weights
+from infer.backends.compiled import compile_forward
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.model_runner import ModelRunner
 from infer.engine.config import SpeculativeConfig
 from infer.engine.continuous_runner import ContinuousRunner
 from infer.engine.speculative_runner import SpeculativeRunner
 from infer.loader import Tokenizer, load_model, load_tokenizer
-from infer.models.compiled import compile_forward
 from infer.models.config import ModelConfig
-from infer.models.layers import DecoderOnlyLM, count_weights
+from infer.models.layers import DecoderOnlyLM
 from infer.speculative.budget import BudgetController, EntropyStop
 from infer.speculative.proposer import Proposer
 
@@ -36,7 +37,7 @@ class TargetModel:
     dtype: torch.dtype
     make_pool: Callable[[ModelConfig], CachePoolProtocol]  # a KV pool like the target's, for another model
     compile: bool = False  # compiled mode: a draft model is compiled like the target
-    backend: str = "auto"  # the backend asked for (models.backend): a draft model runs on the same
+    backend: str = "auto"  # the backend asked for (infer.backends): a draft model runs on the same
 
 
 def make_speculative_runner(spec: SpeculativeConfig, target_runner: ContinuousRunner, target: TargetModel,

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from infer.backends import backend_of
+from infer.backends.compiled import compile_forward
+from infer.backends.exact import check_invariance, make_exact
 from infer.cache import PagedKVCachePool, make_pool
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.cuda_graphs import StepGraphs
@@ -21,10 +24,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
 from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
-from infer.models.backend import choose_backend
-from infer.models.compiled import compile_forward
 from infer.models.config import ModelConfig
-from infer.models.invariant import check_invariance, make_exact
 from infer.sampling.grammar import GrammarCompiler
 from infer.sampling.params import SamplingParams, short_repr
 
@@ -96,7 +96,7 @@ class Engine:
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
         self.model, self.model_config = load_model(config.model, self.dtype, str(self.device),
                                                    backend=config.backend, compile=config.compile)
-        self.backend = self.model.backend or choose_backend(self.device, self.dtype, config.backend, config.compile)
+        self.backend = backend_of(self.model)
         if config.exact_greedy or config.cuda_graphs:
             self.backend.mode = "exact" if config.exact_greedy else "cuda-graphs"
         if config.exact_greedy:

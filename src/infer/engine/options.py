@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from infer.backends import BACKENDS
 from infer.engine.config import (
     LENGTH_POLICIES,
     SPECULATIVE_OPTIONS,
@@ -19,7 +20,6 @@ from infer.engine.config import (
     SpeculativeConfig,
 )
 from infer.loader.hub import DEFAULT_MODEL
-from infer.models.backend import BACKENDS
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from infer.backends.onednn import projection_packer
 from infer.core.request import Request
 from infer.models.config import ModelConfig
 from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads
@@ -69,7 +70,7 @@ class MedusaProposer(Proposer):
         if tree.max_depth > heads.config.num_heads:
             raise ValueError(f"the candidate tree is {tree.max_depth} deep but there are only "
                              f"{heads.config.num_heads} heads")
-        self.heads = heads.fused()
+        self.heads = heads.fused(projection_packer(next(heads.parameters())))
         self.tree = tree
         self.device = torch.device(device)
         self.max_depth = max_depth
