@@ -508,13 +508,13 @@ def test_goodput_batch_probes_together() -> None:
 
 
 def test_entropy_length_stops_on_flat_drafts() -> None:
-    policy = EntropyStop(gamma_min=1, threshold=0.5)
+    policy = EntropyStop(spec_length_min=1, threshold=0.5)
     flat, peaked = fake_request("flat"), fake_request("peaked")
     vocab = 512
     logits = torch.zeros(2, vocab)
     logits[1, 7] = 30.0
     assert BudgetController(5).budgets([flat, peaked]) == [5, 5]  # the entropy policy's budget: its maximum
-    assert policy.keep_drafting([flat, peaked], logits, step=0).tolist() == [True, True]  # below gamma_min
+    assert policy.keep_drafting([flat, peaked], logits, step=0).tolist() == [True, True]  # below spec_length_min
     assert policy.keep_drafting([flat, peaked], logits, step=1).tolist() == [False, True]
     assert BudgetController(3).budgets([flat, peaked]) == [3, 3]
 
@@ -623,12 +623,12 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="draft_model"):
         EngineConfig.from_options(model="m", speculator="draft")
     implied = EngineConfig.from_options(model="m", draft_model="d")
-    assert implied.speculative is not None and implied.speculative.method == "draft"
+    assert implied.speculative is not None and implied.speculative.speculator == "draft"
     assert implied.use_speculative_decoding
     assert EngineConfig.from_options(model="m", speculator="ngram").use_speculative_decoding
     assert not EngineConfig.from_options(model="m").use_speculative_decoding
     goodput = EngineConfig.from_options(model="m", speculator="ngram", spec_length=3, spec_length_policy="goodput")
-    assert goodput.speculative is not None and goodput.speculative.max_length == 6
+    assert goodput.speculative is not None and goodput.speculative.spec_length_limit == 6
 
 
 def test_llm_rejects_speculation_without_drafter(tiny_llama: Path) -> None:

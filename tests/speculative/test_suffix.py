@@ -477,7 +477,7 @@ def test_cli_flags_reach_the_engine(tiny_llama: Path, capsys: pytest.CaptureFixt
                                       "--suffix-max-requests", "7", "--suffix-scope", "request"])
     spec = engine_config(args).speculative
     assert spec is not None
-    assert (spec.method, spec.suffix_tree_size, spec.suffix_max_tokens, spec.suffix_max_requests,
+    assert (spec.speculator, spec.suffix_tree_size, spec.suffix_max_tokens, spec.suffix_max_requests,
             spec.suffix_scope) == ("suffix", 12, 999, 7, "request")
     assert main(["generate", "--model", str(tiny_llama), "--device", "cpu", "--speculator", "suffix",
                  "--prompt", "import os\nimport os\nimport", "--max-tokens", "12", "--temperature", "0",

@@ -47,12 +47,12 @@ def make_speculative_runner(spec: SpeculativeConfig, target_runner: ContinuousRu
 
 
 def make_proposer(spec: SpeculativeConfig, target: TargetModel, say: Callable[[str], None]) -> Proposer:
-    """The drafter ``spec.method`` names."""
-    if spec.method == "ngram":
+    """The drafter ``spec.speculator`` names."""
+    if spec.speculator == "ngram":
         from infer.speculative.ngram import NgramProposer
 
         return NgramProposer(spec.ngram_min, spec.ngram_max, target.device)
-    if spec.method == "draft":
+    if spec.speculator == "draft":
         from infer.speculative.draft_model import DraftModelProposer, check_compatible
 
         assert spec.draft_model is not None
@@ -64,35 +64,35 @@ def make_proposer(spec: SpeculativeConfig, target: TargetModel, say: Callable[[s
         if target.compile:
             compile_forward(model, say)
         # Same backend and sequence length as the target; its own (smaller) per-token footprint.
-        stop = EntropyStop(spec.gamma_min, spec.entropy_threshold) if spec.length_policy == "entropy" else None
+        stop = EntropyStop(spec.spec_length_min, spec.entropy_threshold) if spec.spec_length_policy == "entropy" else None
         return DraftModelProposer(ModelRunner(model, target.make_pool(config)),
                                   count_weights(model) / max(1, count_weights(target.model)), stop)
-    if spec.method == "medusa":
+    if spec.speculator == "medusa":
         from infer.speculative.medusa import MedusaProposer, load_medusa_heads, medusa_tree
 
         say(f"loading Medusa heads for {target.path}")
         heads = load_medusa_heads(spec.medusa_heads, target.path, target.config, target.dtype, target.device)
         tree = medusa_tree(heads.config, spec.medusa_tree_size)
         cost_hint = count_weights(heads) / max(1, count_weights(target.model))
-        return MedusaProposer(heads, tree, target.device, cost_hint, max_depth=spec.max_length)
-    if spec.method == "suffix":
+        return MedusaProposer(heads, tree, target.device, cost_hint, max_depth=spec.spec_length_limit)
+    if spec.speculator == "suffix":
         from infer.speculative.suffix import SuffixProposer
 
-        return SuffixProposer(spec.max_length, spec.suffix_tree_size, spec.suffix_max_match, spec.suffix_min_prob,
+        return SuffixProposer(spec.spec_length_limit, spec.suffix_tree_size, spec.suffix_max_match, spec.suffix_min_prob,
                               spec.suffix_max_tokens, spec.suffix_max_requests, spec.suffix_scope,
                               device=target.device)
-    raise ValueError(f"unknown speculator {spec.method!r}")
+    raise ValueError(f"unknown speculator {spec.speculator!r}")
 
 
 def make_budget(spec: SpeculativeConfig, proposer: Proposer) -> BudgetController:
     """The budget controller for this drafter: a tree is sized by measurement unless its size is
-    fixed; a chain drafts ``length`` (fixed), up to ``max_length`` (entropy: the draft loop stops
-    early), or what goodput picks in 0..``max_length``."""
+    fixed; a chain drafts ``spec_length`` (fixed), up to ``spec_length_limit`` (entropy: the draft
+    loop stops early), or what goodput picks in 0..``spec_length_limit``."""
     info = proposer.info
     if info.tree:
         assert info.max_nodes is not None
         return BudgetController(info.max_nodes, adaptive=spec.medusa_tree_size is None, tree=True,
                                 cost_per_token=info.cost_per_token, prior_cost=info.cost_hint)
-    max_budget = spec.length if spec.length_policy == "fixed" else spec.max_length
-    return BudgetController(max_budget, adaptive=spec.length_policy == "goodput", cost_per_token=info.cost_per_token,
+    max_budget = spec.spec_length if spec.spec_length_policy == "fixed" else spec.spec_length_limit
+    return BudgetController(max_budget, adaptive=spec.spec_length_policy == "goodput", cost_per_token=info.cost_per_token,
                             prior_cost=info.cost_hint)
