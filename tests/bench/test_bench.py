@@ -54,7 +54,7 @@ def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_
     assert k2["predicted_speedup"] == pytest.approx(
         expected_speedup_over_rounds(k2["alpha"], k2["rounds_by_length"], cost_per_draft=report["cost_ratio_c"]))
     ngram = modes["infer + n-gram K=3"]
-    if ngram["alpha"] is not None:  # the n-gram row drafted: its c is its proposer's measured time
+    if ngram["alpha"] is not None:  # the n-gram row drafted: its c is its drafter's measured time
         assert ngram["cost_ratio"] > 0 and ngram["predicted_speedup"] > 0
     assert all(modes[m]["round_ms"]["verification"] > 0 for m in ("infer + draft K=2", "infer + draft K=3"))
     assert k2["verify_vs_decode_step"] > 0 and k2["draft_step_vs_alone"] > 0

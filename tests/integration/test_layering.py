@@ -91,7 +91,7 @@ def test_the_check_finds_hidden_upward_imports() -> None:
               "def f():\n    import infer.engine.scheduler\n")
     assert violations("infer.speculative.suffix", source) == [
         "infer.speculative.suffix imports infer.engine.engine", "infer.speculative.suffix imports infer.engine.scheduler"]
-    assert violations("infer.engine.scheduler", "from infer.speculative.proposer import Proposer\n")
+    assert violations("infer.engine.scheduler", "from infer.speculative.drafter import Drafter\n")
     assert violations("infer.core.request", "from infer import LLM\n")
     # The architectures are math: no kernels, no backend, not even for a type hint.
     assert violations("infer.models.layers", "from infer.kernels.cpu import GemvLinear\n")

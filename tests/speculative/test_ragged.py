@@ -11,7 +11,7 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.core.request import Request
-from infer.speculative.proposer import Proposal
+from infer.speculative.drafter import Proposal
 
 PROMPTS = ["def add(a, b):", "Once upon a time"]
 
@@ -34,7 +34,7 @@ def test_a_round_drafting_5_and_0_computes_7_rows_not_12(tiny_llama: Path, stack
     model = runner.target.runner.model  # type: ignore[attr-defined]
     seen: dict[str, list[int]] = {"forward": [], "lm_head": [], "costed": []}
     armed = [False]
-    propose = runner.proposer.propose  # type: ignore[attr-defined]
+    propose = runner.drafter.propose  # type: ignore[attr-defined]
 
     def drafts(requests: list[Request], budgets: list[int], hidden: torch.Tensor | None) -> Proposal:
         if armed[0] or len(requests) != 2:
@@ -58,7 +58,7 @@ def test_a_round_drafting_5_and_0_computes_7_rows_not_12(tiny_llama: Path, stack
             seen["costed"].append(num_tokens)
         observe(num_tokens, seconds)
 
-    runner.proposer.propose = drafts  # type: ignore[attr-defined]
+    runner.drafter.propose = drafts  # type: ignore[attr-defined]
     runner.budget.observe_target = costed  # type: ignore[attr-defined]
     model.model.embed_tokens.register_forward_pre_hook(count_forward)  # every pass embeds its tokens, stack or not
     model.lm_head.register_forward_pre_hook(count_head)

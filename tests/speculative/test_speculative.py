@@ -336,7 +336,7 @@ def test_overflow_guard_near_max_seq_len(tiny_llama: Path, request: pytest.Fixtu
 
 
 def draft_pool(llm: LLM) -> Any:
-    return getattr(llm.engine.runner.proposer, "pool", None)
+    return getattr(llm.engine.runner.drafter, "pool", None)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -347,7 +347,7 @@ def test_rollback_keeps_caches_in_step(tiny_llama: Path, request: pytest.Fixture
     llm = make_llm(tiny_llama, spec_length=3, max_seq_len=128, **drafter_options(drafter, request),
                    **BACKENDS[backend])
     engine = llm.engine
-    proposer = engine.runner.proposer
+    drafter = engine.runner.drafter
     target_free, dpool = engine.pool.free_kv_tokens(), draft_pool(llm)
     draft_free = None if dpool is None else dpool.free_kv_tokens()
     paged = backend == "paged"
@@ -367,7 +367,7 @@ def test_rollback_keeps_caches_in_step(tiny_llama: Path, request: pytest.Fixture
             assert length == r.num_computed_tokens == r.num_tokens - 1, f"target cache of {r.request_id}"
             if paged:
                 assert len(engine.pool.block_tables[r.slot]) == math.ceil(length / block)
-            draft_slot = getattr(proposer, "slots", {}).get(r.request_id)
+            draft_slot = getattr(drafter, "slots", {}).get(r.request_id)
             if draft_slot is not None:
                 draft_len = dpool.seq_len(draft_slot)
                 assert draft_len <= r.num_tokens, f"draft cache of {r.request_id}"
@@ -380,7 +380,7 @@ def test_rollback_keeps_caches_in_step(tiny_llama: Path, request: pytest.Fixture
         assert engine.pool.free_kv_tokens() == target_free
         if dpool is not None:
             assert dpool.free_kv_tokens() == draft_free
-            assert not proposer.slots
+            assert not drafter.slots
         llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
 
 

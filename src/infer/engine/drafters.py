@@ -22,7 +22,7 @@ from infer.loader import Tokenizer, load_model, load_tokenizer
 from infer.models.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 from infer.speculative.budget import BudgetController, EntropyStop
-from infer.speculative.proposer import Proposer
+from infer.speculative.drafter import Drafter
 
 
 @dataclass
@@ -42,18 +42,18 @@ class TargetModel:
 
 def make_speculative_runner(spec: SpeculativeConfig, target_runner: ContinuousRunner, target: TargetModel,
                             say: Callable[[str], None]) -> SpeculativeRunner:
-    proposer = make_proposer(spec, target, say)
-    return SpeculativeRunner(target_runner, proposer, make_budget(spec, proposer))
+    drafter = make_drafter(spec, target, say)
+    return SpeculativeRunner(target_runner, drafter, make_budget(spec, drafter))
 
 
-def make_proposer(spec: SpeculativeConfig, target: TargetModel, say: Callable[[str], None]) -> Proposer:
+def make_drafter(spec: SpeculativeConfig, target: TargetModel, say: Callable[[str], None]) -> Drafter:
     """The drafter ``spec.speculator`` names."""
     if spec.speculator == "ngram":
-        from infer.speculative.ngram import NgramProposer
+        from infer.speculative.ngram import NgramDrafter
 
-        return NgramProposer(spec.ngram_min, spec.ngram_max, target.device)
+        return NgramDrafter(spec.ngram_min, spec.ngram_max, target.device)
     if spec.speculator == "draft":
-        from infer.speculative.draft_model import DraftModelProposer, check_compatible
+        from infer.speculative.draft_model import DraftModelDrafter, check_compatible
 
         assert spec.draft_model is not None
         say(f"loading draft model {spec.draft_model}")
@@ -65,30 +65,30 @@ def make_proposer(spec: SpeculativeConfig, target: TargetModel, say: Callable[[s
             compile_forward(model, say)
         # Same backend and sequence length as the target; its own (smaller) per-token footprint.
         stop = EntropyStop(spec.spec_length_min, spec.entropy_threshold) if spec.spec_length_policy == "entropy" else None
-        return DraftModelProposer(ModelRunner(model, target.make_pool(config)),
+        return DraftModelDrafter(ModelRunner(model, target.make_pool(config)),
                                   count_weights(model) / max(1, count_weights(target.model)), stop)
     if spec.speculator == "medusa":
-        from infer.speculative.medusa import MedusaProposer, load_medusa_heads, medusa_tree
+        from infer.speculative.medusa import MedusaDrafter, load_medusa_heads, medusa_tree
 
         say(f"loading Medusa heads for {target.path}")
         heads = load_medusa_heads(spec.medusa_heads, target.path, target.config, target.dtype, target.device)
         tree = medusa_tree(heads.config, spec.medusa_tree_size)
         cost_hint = count_weights(heads) / max(1, count_weights(target.model))
-        return MedusaProposer(heads, tree, target.device, cost_hint, max_depth=spec.spec_length_limit)
+        return MedusaDrafter(heads, tree, target.device, cost_hint, max_depth=spec.spec_length_limit)
     if spec.speculator == "suffix":
-        from infer.speculative.suffix import SuffixProposer
+        from infer.speculative.suffix import SuffixDrafter
 
-        return SuffixProposer(spec.spec_length_limit, spec.suffix_tree_size, spec.suffix_max_match, spec.suffix_min_prob,
+        return SuffixDrafter(spec.spec_length_limit, spec.suffix_tree_size, spec.suffix_max_match, spec.suffix_min_prob,
                               spec.suffix_max_tokens, spec.suffix_max_requests, spec.suffix_scope,
                               device=target.device)
     raise ValueError(f"unknown speculator {spec.speculator!r}")
 
 
-def make_budget(spec: SpeculativeConfig, proposer: Proposer) -> BudgetController:
+def make_budget(spec: SpeculativeConfig, drafter: Drafter) -> BudgetController:
     """The budget controller for this drafter: a tree is sized by measurement unless its size is
     fixed; a chain drafts ``spec_length`` (fixed), up to ``spec_length_limit`` (entropy: the draft
     loop stops early), or what goodput picks in 0..``spec_length_limit``."""
-    info = proposer.info
+    info = drafter.info
     if info.tree:
         assert info.max_nodes is not None
         return BudgetController(info.max_nodes, adaptive=spec.medusa_tree_size is None, tree=True,
