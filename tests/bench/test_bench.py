@@ -54,7 +54,7 @@ def test_bench_generation_writes_report(tiny_llama: Path, tiny_draft: Path, tmp_
     assert k2["predicted_speedup"] == pytest.approx(
         expected_speedup_over_rounds(k2["alpha"], k2["rounds_by_length"], cost_per_draft=report["cost_ratio_c"]))
     ngram = modes["infer + n-gram K=3"]
-    if ngram["alpha"] is not None:  # the n-gram row drafted: its c is its proposer's measured time
+    if ngram["alpha"] is not None:  # the n-gram row drafted: its c is its drafter's measured time
         assert ngram["cost_ratio"] > 0 and ngram["predicted_speedup"] > 0
     assert all(modes[m]["round_ms"]["verification"] > 0 for m in ("infer + draft K=2", "infer + draft K=3"))
     assert k2["verify_vs_decode_step"] > 0 and k2["draft_step_vs_alone"] > 0
@@ -237,7 +237,7 @@ def test_bench_generation_profile(tiny_llama: Path, tmp_path: Path, capsys: pyte
         # layers too, unless the C decoder stack runs them in one call); nested calls only add to that.
         assert phase["op_calls"] >= 3 and phase["op_calls_all_levels"] >= phase["op_calls"]
         assert phase["matmul_ms"] > 0 and phase["wall_ms"] > 0  # the LM head's at least
-        assert (phase["stack_ms"] > 0) == (load_model(str(tiny_llama))[0].cpu_stack is not None)
+        assert (phase["stack_ms"] > 0) == (load_model(str(tiny_llama))[0].backend.cpu_stack is not None)
         assert phase["top_ops"] and all(op["calls"] > 0 for op in phase["top_ops"])
         trace = json.loads(Path(phase["trace"]).read_text())
         assert trace["traceEvents"]

@@ -42,7 +42,7 @@ def test_padded_pass_equals_the_pass_it_pads(tiny_llama: Path, backend: str, wid
     """Three sequences padded to four rows and 64 keys give the rows of the unpadded pass, and
     leave the cache as the unpadded pass does, except the scratch row."""
     model, _ = load_model(tiny_llama, "float32", "cpu")
-    model.cpu_stack = None  # the layers, as on a GPU
+    model.backend.cpu_stack = None  # the layers, as on a GPU
     runs = [[3] * width, [5] * width, [7] * width]
     eager, slots = _prefilled(model, backend)
     expected = eager.forward(slots, runs)

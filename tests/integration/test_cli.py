@@ -170,7 +170,7 @@ def test_every_command_takes_the_engine_options_with_the_engines_defaults() -> N
                                        "ngram", "--spec-length", "7"])
     config = engine_config(serve)
     assert (config.max_batch_size, config.chunked_prefill) == (3, False)
-    assert config.speculative is not None and (config.speculative.method, config.speculative.length) == ("ngram", 7)
+    assert config.speculative is not None and (config.speculative.speculator, config.speculative.spec_length) == ("ngram", 7)
     assert set(SERVING_OPTIONS) <= set(vars(serve))
     # Every registered option is something EngineConfig.from_options takes.
     for name in OPTIONS:

@@ -14,8 +14,10 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 LAYERS: list[tuple[str, ...]] = [
     ("infer.fileio", "infer.extras", "infer.data"),
     ("infer.cache", "infer.sampling"),
-    ("infer.kernels",),
     ("infer.models",),
+    # The speed: the C kernels and the execution backends that put a model in their form and run it.
+    # The architectures below never import them (plain math); the kernels know no architecture.
+    ("infer.kernels", "infer.backends"),
     ("infer.loader",),
     ("infer.core",),
     ("infer.speculative",),
@@ -23,7 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 TOP = len(LAYERS)
 # Within a layer: the scheduler and the plain runner never know about speculation.
-FORBIDDEN = [("infer.engine.scheduler", "infer.speculative"), ("infer.engine.continuous_runner", "infer.speculative")]
+FORBIDDEN = [("infer.engine.scheduler", "infer.speculative"), ("infer.engine.continuous_runner", "infer.speculative"),
+             ("infer.kernels", "infer.backends"), ("infer.kernels", "infer.models")]
 # The front ends (the top): each is a command or service; they share code through the layers below,
 # never through each other. `infer` (the package's front door) re-exports the engine for users.
 FRONT_ENDS = {"infer.cli": "cli", "infer.chat": "cli", "infer.demo": "demo", "infer.server": "server",
@@ -88,8 +91,14 @@ def test_the_check_finds_hidden_upward_imports() -> None:
               "def f():\n    import infer.engine.scheduler\n")
     assert violations("infer.speculative.suffix", source) == [
         "infer.speculative.suffix imports infer.engine.engine", "infer.speculative.suffix imports infer.engine.scheduler"]
-    assert violations("infer.engine.scheduler", "from infer.speculative.proposer import Proposer\n")
+    assert violations("infer.engine.scheduler", "from infer.speculative.drafter import Drafter\n")
     assert violations("infer.core.request", "from infer import LLM\n")
+    # The architectures are math: no kernels, no backend, not even for a type hint.
+    assert violations("infer.models.layers", "from infer.kernels.cpu import GemvLinear\n")
+    assert violations("infer.models.gemma3", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from infer.backends import Backend\n")
+    assert violations("infer.kernels.cpu", "from infer.models.layers import RMSNorm\n")
+    assert not violations("infer.backends.cpu_kernels", "from infer.models.layers import RMSNorm\n")
     assert not violations("infer.engine.engine", "from infer.speculative.budget import BudgetController\n")
     # Front ends: one reaching into another is caught; its own modules and lower layers are not.
     assert violations("infer.audit.checks", "from infer.bench.generation import run_generation_bench\n")
@@ -137,6 +146,7 @@ def test_a_model_layer_imports_no_loader_or_engine() -> None:
     """ModelConfig lives below the models (infer.models.config), and the package front door imports the
     engine only when asked for it: the architectures load without tokenizers, templates or the engine."""
     assert loaded_after_import("infer.models.layers") == set()
+    assert loaded_after_import("infer.backends") == set()
     assert loaded_after_import("infer.kernels") == set()
     # Negative control: the check sees what the loader does pull in.
     assert {"tokenizers", "jinja2", "infer.loader"} <= loaded_after_import("infer.loader")

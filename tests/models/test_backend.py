@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from infer import Engine, EngineConfig, kernels
+from infer.backends import BACKENDS, choose_backend
 from infer.cli import build_parser, engine_options
-from infer.models.backend import BACKENDS, choose_backend
 from infer.server.app import create_app
 
 
@@ -32,7 +32,7 @@ def test_the_option_reaches_the_engine_from_every_front_end(tiny_llama: Path) ->
 
 def test_the_engine_reports_its_backend_in_the_summary_and_the_metrics(tiny_llama: Path) -> None:
     engine = Engine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu", backend="torch"))
-    assert engine.backend.name == "torch" and not engine.model.cpu_stack
+    assert engine.backend.name == "torch" and not engine.model.backend.cpu_stack
     assert "backend torch (" in engine.summary and "forced by --backend torch" in engine.summary
     app = create_app(engine, "tiny", None)
     text = "\n".join(app.state.metrics.backend_info.render())

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from infer import kernels
+from infer.backends.cpu_kernels import CpuStack, KernelAttention, KernelMLP, KernelRMSNorm, probe_stack
 from infer.cache import make_pool
 from infer.cache.protocol import build_kv_batch
 from infer.core.model_runner import ModelRunner
 from infer.kernels import build, cpu
 from infer.kernels.cpu import MAX_ROWS, GemvLinear, KernelLibrary
 from infer.loader import load_model
-from infer.models.backend import probe_stack
-from infer.models.layers import MLP, Attention, CpuStack, RMSNorm, apply_rope, rope_cos_sin
+from infer.models.layers import MLP, Attention, RMSNorm, apply_rope, rope_cos_sin
 from infer.speculative.tree import tree_attention_mask, tree_depths
 
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
@@ -141,9 +141,9 @@ def test_every_entry_point_refuses_what_would_corrupt_memory(case: tuple[KernelL
         lib.rope(heads.transpose(2, 3).contiguous().transpose(2, 3), cos, sin)
     # The decoder stack: out-of-range cache rows, a cache of another dtype, a wrong hidden size.
     model, _ = load_model(str(tiny_qwen2), dtype, "cpu", backend="cpu-kernels")
-    model.cpu_stack = CpuStack.build(model, lib)  # this variant's stack
-    assert model.cpu_stack is not None
-    stack = model.cpu_stack
+    model.backend.cpu_stack = CpuStack.build(model, lib)  # this variant's stack
+    assert model.backend.cpu_stack is not None
+    stack = model.backend.cpu_stack
     c = model.config
     pool = make_pool("paged", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                      max_seq_len=32, max_batch_size=2, block_size=4, num_blocks=None, dtype=dtype,
@@ -247,12 +247,12 @@ def _passes(model: torch.nn.Module, backend: str, dtype: torch.dtype) -> list[to
 
 def _check_stack_against_layers(model: torch.nn.Module, backend: str, dtype: torch.dtype) -> None:
     tol = TOL[dtype]
-    stack = model.cpu_stack  # type: ignore[union-attr]
+    stack = model.backend.cpu_stack  # type: ignore[union-attr]
     assert stack is not None
     ours = _passes(model, backend, dtype)
-    model.cpu_stack = None  # type: ignore[union-attr]
+    model.backend.cpu_stack = None  # type: ignore[union-attr]
     reference = _passes(model, backend, dtype)
-    model.cpu_stack = stack  # type: ignore[union-attr]
+    model.backend.cpu_stack = stack  # type: ignore[union-attr]
     for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * 4, msg=f"pass {i}")
 
@@ -270,7 +270,7 @@ def test_stack_matches_the_layers_it_replaces(tiny_qwen2: Path, tiny_qwen3: Path
         model, _ = load_model(str(folder), dtype, "cpu", backend="cpu-kernels")
         _check_stack_against_layers(model, backend, dtype)
     # A negative control: the comparison sees a stack that skips its second layer.
-    stack = model.cpu_stack
+    stack = model.backend.cpu_stack
     assert stack is not None
     stack.table.shape = {**stack.table.shape, "layers": 1}
     stack.table.tensors = stack.table.tensors[: len(cpu.STACK_TENSORS)]
@@ -311,7 +311,7 @@ def test_float32_kernels_and_the_stack_run_on_a_cpu_without_bf16(tiny_llama: Pat
     assert "avx512_bf16" in model.backend.describe()
     _check_stack_against_layers(model, "paged", torch.float32)
     bf16, _ = load_model(str(tiny_llama), torch.bfloat16, "cpu")
-    assert bf16.backend is not None and bf16.backend.name == "torch" and bf16.cpu_stack is None
+    assert bf16.backend is not None and bf16.backend.name == "torch" and bf16.backend.cpu_stack is None
     assert "avx512_bf16" in bf16.backend.describe()
     with pytest.raises(ValueError, match="avx512_bf16"):
         load_model(str(tiny_llama), torch.bfloat16, "cpu", backend="cpu-kernels")
@@ -322,9 +322,10 @@ def test_stack_takes_small_passes_and_the_backend_option_turns_it_off(tiny_llama
     if kernels.library_for(torch.float32) is None:
         pytest.skip(f"no float32 kernels on this CPU: {kernels.unavailable_reason(torch.float32)}")
     model, _ = load_model(str(tiny_llama), torch.float32, "cpu")
-    stack = model.cpu_stack
+    stack = model.backend.cpu_stack
     assert stack is not None
-    assert {m.kernels is not None for m in model.modules() if isinstance(m, (RMSNorm, Attention, MLP))} == {True}
+    assert {type(m) for m in model.modules() if isinstance(m, (RMSNorm, Attention, MLP))} == {KernelRMSNorm, KernelAttention,
+                                                                                           KernelMLP}
     calls: list[int] = []
     real = KernelLibrary.decoder_stack
 
@@ -341,8 +342,8 @@ def test_stack_takes_small_passes_and_the_backend_option_turns_it_off(tiny_llama
     runner.forward([slot], [[3] * (MAX_ROWS + 1)])
     assert calls == [MAX_ROWS, MAX_ROWS + 1]
     torch_model, _ = load_model(str(tiny_llama), torch.float32, "cpu", backend="torch")
-    assert torch_model.cpu_stack is None and not any(isinstance(m, GemvLinear) for m in torch_model.modules())
-    assert {m.kernels for m in torch_model.modules() if isinstance(m, (RMSNorm, Attention, MLP))} == {None}
+    assert torch_model.backend.cpu_stack is None and not any(isinstance(m, GemvLinear) for m in torch_model.modules())
+    assert {type(m) for m in torch_model.modules() if isinstance(m, (RMSNorm, Attention, MLP))} == {RMSNorm, Attention, MLP}
 
 
 def test_stack_rebuilds_its_pointer_table_after_the_weights_move(tiny_llama: Path) -> None:
@@ -351,7 +352,7 @@ def test_stack_rebuilds_its_pointer_table_after_the_weights_move(tiny_llama: Pat
     if kernels.library_for(torch.float32) is None:
         pytest.skip(f"no float32 kernels on this CPU: {kernels.unavailable_reason(torch.float32)}")
     model, _ = load_model(str(tiny_llama), torch.float32, "cpu")
-    stack = model.cpu_stack
+    stack = model.backend.cpu_stack
     assert stack is not None
     before = stack.table.addresses().tolist()
     model.to(torch.bfloat16).to(torch.float32)  # a round trip: same dtype, new storage
@@ -511,7 +512,7 @@ def test_probe_mismatches_fall_back_with_their_reasons(tiny_llama: Path, monkeyp
     try:
         model, _ = load_model(str(tiny_llama), torch.float32, "cpu")
         assert model.backend is not None and model.backend.name == "cpu-kernels"
-        assert model.cpu_stack is None and "decoder stack failed its probe" in model.backend.describe()
+        assert model.backend.cpu_stack is None and "decoder stack failed its probe" in model.backend.describe()
         real_gemv = KernelLibrary.gemv
         monkeypatch.setattr(KernelLibrary, "gemv", lambda self, x, w, b=None: real_gemv(self, x, w, b) + 1)
         kernels.reset()

@@ -14,6 +14,7 @@ import torch
 
 from checkpoints import make_medusa_heads, make_tiny_checkpoint
 from infer import LLM, SamplingParams, kernels
+from infer.backends.exact import ROWS, RowChunked, check_invariance, exact_attention, make_exact
 from infer.cache import make_pool
 from infer.core.model_runner import ModelRunner
 from infer.data.workloads import code_prompts, edit_prompts
@@ -21,7 +22,6 @@ from infer.engine.config import EngineConfig
 from infer.loader import CheckpointError, load_model
 from infer.loader.convert import convert_gguf
 from infer.loader.hub import DEFAULT_MODEL, builtin_model_path
-from infer.models.invariant import ROWS, RowChunked, check_invariance, exact_attention, make_exact
 from infer.models.layers import DecoderOnlyLM
 from infer.speculative.tree import tree_attention_mask, tree_depths
 
@@ -43,7 +43,7 @@ def bf16_model(path: Path, exact: bool, stack: bool = True) -> DecoderOnlyLM:
     could (exact mode then uses its portable kernels: RowChunked and exact_attention)."""
     model, _ = load_model(path, "bfloat16", "cpu")
     if not stack:
-        model.cpu_stack = None
+        model.backend.cpu_stack = None
     if exact:
         make_exact(model)
     return model
@@ -129,7 +129,7 @@ def test_ragged_pass_rows_equal_the_decode_step_bit_for_bit(wide_llama: Path, ba
     (attention in the padded layout), in exact mode and, on the stack, without it."""
     model = bf16_model(wide_llama, exact=True, stack=stack)
     assert all(pass_vs_steps(model, backend, kind, batched=True, ragged=True))
-    if stack and model.cpu_stack is not None:
+    if stack and model.backend.cpu_stack is not None:
         assert all(pass_vs_steps(bf16_model(wide_llama, exact=False), backend, kind, batched=True, ragged=True))
 
 
@@ -144,7 +144,7 @@ def test_cpu_stack_is_exact_without_the_mode(wide_llama: Path, backend: str, kin
     """The C decoder stack computes each token's attention alone over its visible keys, and its
     row-wise kernels do not depend on the row count, so passes it takes are exact by default."""
     model = bf16_model(wide_llama, exact=False)
-    if model.cpu_stack is None:
+    if model.backend.cpu_stack is None:
         pytest.skip("the CPU decoder stack does not run here (needs the AVX-512 BF16 kernels)")
     assert all(pass_vs_steps(model, backend, kind, batched=False))
     assert all(pass_vs_steps(model, backend, kind, batched=True))
@@ -156,7 +156,7 @@ def test_layer_by_layer_kernels_are_not_exact_in_bfloat16(wide_llama: Path) -> N
     differing rows, so the tests above would catch exactness not taking effect. (Which rows differ
     is chance: a rounding apart changes a bfloat16 result only now and then.)"""
     model = bf16_model(wide_llama, exact=False)
-    model.cpu_stack = None
+    model.backend.cpu_stack = None
     rows = [same for kind in ("chain", "tree") for batched in (False, True)
             for same in pass_vs_steps(model, "paged", kind, batched)]
     assert not all(rows)
@@ -284,9 +284,9 @@ def test_real_model_rows_exact_in_exact_mode_and_the_cpu_stack(real_folder: Path
 
     assert all(rows(bf16_model(real_folder, exact=True, stack=False)))
     default = bf16_model(real_folder, exact=False)
-    if default.cpu_stack is not None:
+    if default.backend.cpu_stack is not None:
         assert all(rows(default))
-    default.cpu_stack = None
+    default.backend.cpu_stack = None
     assert not all(rows(default))
 
 
@@ -307,7 +307,7 @@ def real_llm(folder: Path, mode: str, **options: Any) -> LLM:
     # "exact" and "layers" run the PyTorch layers (backend torch): exact mode its portable kernels.
     llm = LLM(str(folder), dtype="bfloat16", device="cpu", exact_greedy=mode == "exact", max_batch_size=4,
               backend="cpu-kernels" if mode == "stack" and kernels.library_for(torch.bfloat16) else "torch", **options)
-    if mode == "stack" and llm.engine.model.cpu_stack is None:
+    if mode == "stack" and llm.engine.model.backend.cpu_stack is None:
         pytest.skip("the CPU decoder stack does not run here (needs the AVX-512 BF16 kernels)")
     return llm
 

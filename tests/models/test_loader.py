@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams, kernels
+from infer.backends.onednn import PackedLinear, count_weights, cpu_packing_available
 from infer.data.tokenizer import IM_END_ID, IM_START_ID
 from infer.kernels.cpu import GemvLinear
 from infer.loader import (
@@ -23,7 +24,6 @@ from infer.loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from infer.models.layers import PackedLinear, count_weights, cpu_packing_available
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -513,7 +513,7 @@ def test_serve_flags_map_to_engine_config(tiny_llama: Path) -> None:
     assert (config.max_batch_size, config.block_size, config.num_kv_blocks, config.chunked_prefill,
             config.prefix_caching, config.max_queue) == (3, 8, 40, False, True, 5)
     assert config.speculative is not None
-    assert (config.speculative.method, config.speculative.length, config.speculative.length_policy,
+    assert (config.speculative.speculator, config.speculative.spec_length, config.speculative.spec_length_policy,
             config.max_seq_len) == ("ngram", 4, "goodput", 256)
     assert served_model_name(args) == tiny_llama.name
     defaults = build_parser().parse_args(["serve", "--model", str(tiny_llama)])

@@ -92,8 +92,8 @@ def poison_sampling(engine: Engine, bad: Request, monkeypatch: pytest.MonkeyPatc
 
 def poison_drafting(engine: Engine, bad: Request, monkeypatch: pytest.MonkeyPatch) -> None:
     FAULTS.clear()
-    proposer = engine.runner.proposer  # type: ignore[attr-defined]
-    real = proposer.propose
+    drafter = engine.runner.drafter  # type: ignore[attr-defined]
+    real = drafter.propose
 
     def propose(requests: list[Request], *args: Any) -> Any:
         if any(r.request_id == bad.request_id for r in requests):
@@ -101,7 +101,7 @@ def poison_drafting(engine: Engine, bad: Request, monkeypatch: pytest.MonkeyPatc
             raise RuntimeError("injected drafter fault")
         return real(requests, *args)
 
-    monkeypatch.setattr(proposer, "propose", propose)
+    monkeypatch.setattr(drafter, "propose", propose)
 
 
 FAULTS: list[str] = []  # the injected drafter faults raised in the running test

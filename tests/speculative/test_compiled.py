@@ -16,10 +16,10 @@ import torch
 
 from helpers import PROMPT, SAMPLING_CONFIGS, assert_follows_reference, reference
 from infer import LLM, SamplingParams
+from infer.backends.compiled import compile_forward, graphs_compiled
 from infer.cache import PagedKVCachePool
 from infer.core.model_runner import ModelRunner
 from infer.loader import load_model
-from infer.models.compiled import compile_forward, graphs_compiled
 
 PROMPTS = ["def foo(x):", "import json\nimport json\nimport json\n",
            "class A:\n    def __init__(self):\n        self.x = 1\n        self.y = 2\n"]

@@ -1,6 +1,6 @@
 """The drafter contract and the budget controller, through the engine.
 
-A drafter written against ``infer.speculative.proposer`` alone plugs into the speculative runner;
+A drafter written against ``infer.speculative.drafter`` alone plugs into the speculative runner;
 the runner hands it the target's hidden states, releases every request, and asks one budget
 controller how much to draft; a round that verified nothing counts as a plain step.
 """
@@ -19,13 +19,13 @@ from infer import LLM, EngineConfig, SamplingParams
 from infer.core.request import Request
 from infer.engine.speculative_runner import SpeculativeRunner
 from infer.speculative.budget import BudgetController
-from infer.speculative.proposer import DrafterInfo, Proposal, Proposer, pad_proposals
+from infer.speculative.drafter import Drafter, DrafterInfo, Proposal, pad_proposals
 
 PROMPTS = ["def foo(x):", "import os\nimport sys\n", "a"]
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
-class RepeatLast(Proposer):
+class RepeatLast(Drafter):
     """Guesses that the newest token repeats; records what the runner hands it."""
 
     def __init__(self, uses_hidden_states: bool) -> None:
@@ -44,9 +44,9 @@ class RepeatLast(Proposer):
         self.released.append(request.request_id)
 
 
-def with_drafter(llm: LLM, proposer: Proposer, budget: BudgetController) -> None:
+def with_drafter(llm: LLM, drafter: Drafter, budget: BudgetController) -> None:
     """Replace the plain runner of ``llm``'s engine with a speculative one around it."""
-    runner = SpeculativeRunner(llm.engine.runner, proposer, budget)  # type: ignore[arg-type]
+    runner = SpeculativeRunner(llm.engine.runner, drafter, budget)  # type: ignore[arg-type]
     llm.engine.runner = llm.engine.scheduler.runner = runner
 
 

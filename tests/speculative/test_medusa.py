@@ -3,7 +3,7 @@ greedy parity of the whole engine path, metrics and the CLI.
 
 Untrained heads are enough for parity: acceptance is exact, so head quality only changes speed. To
 also exercise long accepted paths through the middle of the tree (the interesting case for KV
-compaction), an "oracle" wraps the proposer and plants the true continuation on a random path.
+compaction), an "oracle" wraps the drafter and plants the true continuation on a random path.
 """
 
 from __future__ import annotations
@@ -24,17 +24,18 @@ import infer.engine.speculative_runner as speculative_runner
 import infer.speculative.tree as tree_module
 from checkpoints import make_medusa_heads
 from helpers import DRAFTER_PROMPTS, KV_BACKENDS
+from infer.backends.onednn import cpu_packing_available, projection_packer
 from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.cache.protocol import CachePoolProtocol, copy_positions
 from infer.core.request import Request
 from infer.engine.llm import LLM
 from infer.loader import load_model
-from infer.models.layers import cpu_packing_available, flex_available
+from infer.models.layers import flex_available
 from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads
 from infer.sampling.params import SamplingParams
 from infer.speculative.budget import BudgetController, size_ladder
-from infer.speculative.medusa import MedusaProposer, medusa_tree
-from infer.speculative.proposer import Proposal
+from infer.speculative.drafter import Proposal
+from infer.speculative.medusa import MedusaDrafter, medusa_tree
 from infer.speculative.tree import (
     CandidateTree,
     TreeMaskCache,
@@ -332,12 +333,12 @@ def test_greedy_parity_with_flex_tree_attention(tiny_llama: Path, heads_dirs: di
 
 
 def plant_oracle(llm: LLM, references: dict[tuple[int, ...], list[int]], seed: int = 0,
-                 corrupt: float = 0.3) -> MedusaProposer:
-    """Make the engine's Medusa proposer plant each request's true continuation on a random path
+                 corrupt: float = 0.3) -> MedusaDrafter:
+    """Make the engine's Medusa drafter plant each request's true continuation on a random path
     of its tree (and sometimes break it), so rounds accept long paths through the tree's middle."""
-    proposer = llm.engine.runner.proposer  # type: ignore[attr-defined]
-    assert isinstance(proposer, MedusaProposer)
-    real_propose = proposer.propose
+    drafter = llm.engine.runner.drafter  # type: ignore[attr-defined]
+    assert isinstance(drafter, MedusaDrafter)
+    real_propose = drafter.propose
     rng = random.Random(seed)
 
     @torch.inference_mode()
@@ -359,8 +360,8 @@ def plant_oracle(llm: LLM, references: dict[tuple[int, ...], list[int]], seed: i
                 proposal.tokens[b, node] = (int(proposal.tokens[b, node]) + 1) % 512
         return proposal
 
-    proposer.propose = propose  # type: ignore[method-assign]
-    return proposer
+    drafter.propose = propose  # type: ignore[method-assign]
+    return drafter
 
 
 @pytest.fixture
@@ -515,7 +516,7 @@ def test_fused_heads_compute_what_the_heads_compute(shared: bool, dtype: torch.d
             for head in heads.heads[1:]:
                 head.lm_head.weight.copy_(heads.heads[0].lm_head.weight)  # type: ignore[union-attr]
     heads.to(dtype)
-    fused = heads.fused()
+    fused = heads.fused(projection_packer(next(heads.parameters())))
     assert fused.shared_projection == shared
     assert (fused.packed is not None) == (dtype == torch.bfloat16 and cpu_packing_available())
     hidden = torch.randn(5, 16, dtype=dtype)

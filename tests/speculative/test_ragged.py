@@ -11,7 +11,7 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.core.request import Request
-from infer.speculative.proposer import Proposal
+from infer.speculative.drafter import Proposal
 
 PROMPTS = ["def add(a, b):", "Once upon a time"]
 
@@ -19,7 +19,7 @@ PROMPTS = ["def add(a, b):", "Once upon a time"]
 def _llm(model: Path, stack: bool) -> LLM:
     llm = LLM(str(model), dtype="float32", device="cpu", speculator="ngram", spec_length=5, max_batch_size=2)
     if not stack:
-        llm.engine.runner.target.runner.model.cpu_stack = None  # type: ignore[attr-defined]
+        llm.engine.runner.target.runner.model.backend.cpu_stack = None  # type: ignore[attr-defined]
     return llm
 
 
@@ -34,7 +34,7 @@ def test_a_round_drafting_5_and_0_computes_7_rows_not_12(tiny_llama: Path, stack
     model = runner.target.runner.model  # type: ignore[attr-defined]
     seen: dict[str, list[int]] = {"forward": [], "lm_head": [], "costed": []}
     armed = [False]
-    propose = runner.proposer.propose  # type: ignore[attr-defined]
+    propose = runner.drafter.propose  # type: ignore[attr-defined]
 
     def drafts(requests: list[Request], budgets: list[int], hidden: torch.Tensor | None) -> Proposal:
         if armed[0] or len(requests) != 2:
@@ -58,9 +58,9 @@ def test_a_round_drafting_5_and_0_computes_7_rows_not_12(tiny_llama: Path, stack
             seen["costed"].append(num_tokens)
         observe(num_tokens, seconds)
 
-    runner.proposer.propose = drafts  # type: ignore[attr-defined]
+    runner.drafter.propose = drafts  # type: ignore[attr-defined]
     runner.budget.observe_target = costed  # type: ignore[attr-defined]
-    model.register_forward_pre_hook(count_forward)
+    model.model.embed_tokens.register_forward_pre_hook(count_forward)  # every pass embeds its tokens, stack or not
     model.lm_head.register_forward_pre_hook(count_head)
     params = SamplingParams(max_tokens=8, temperature=0.8 if sampled else 0.0, seed=3, ignore_eos=True)
     out = llm.generate(PROMPTS, params)

@@ -336,7 +336,7 @@ def test_overflow_guard_near_max_seq_len(tiny_llama: Path, request: pytest.Fixtu
 
 
 def draft_pool(llm: LLM) -> Any:
-    return getattr(llm.engine.runner.proposer, "pool", None)
+    return getattr(llm.engine.runner.drafter, "pool", None)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -347,7 +347,7 @@ def test_rollback_keeps_caches_in_step(tiny_llama: Path, request: pytest.Fixture
     llm = make_llm(tiny_llama, spec_length=3, max_seq_len=128, **drafter_options(drafter, request),
                    **BACKENDS[backend])
     engine = llm.engine
-    proposer = engine.runner.proposer
+    drafter = engine.runner.drafter
     target_free, dpool = engine.pool.free_kv_tokens(), draft_pool(llm)
     draft_free = None if dpool is None else dpool.free_kv_tokens()
     paged = backend == "paged"
@@ -367,7 +367,7 @@ def test_rollback_keeps_caches_in_step(tiny_llama: Path, request: pytest.Fixture
             assert length == r.num_computed_tokens == r.num_tokens - 1, f"target cache of {r.request_id}"
             if paged:
                 assert len(engine.pool.block_tables[r.slot]) == math.ceil(length / block)
-            draft_slot = getattr(proposer, "slots", {}).get(r.request_id)
+            draft_slot = getattr(drafter, "slots", {}).get(r.request_id)
             if draft_slot is not None:
                 draft_len = dpool.seq_len(draft_slot)
                 assert draft_len <= r.num_tokens, f"draft cache of {r.request_id}"
@@ -380,7 +380,7 @@ def test_rollback_keeps_caches_in_step(tiny_llama: Path, request: pytest.Fixture
         assert engine.pool.free_kv_tokens() == target_free
         if dpool is not None:
             assert dpool.free_kv_tokens() == draft_free
-            assert not proposer.slots
+            assert not drafter.slots
         llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
 
 
@@ -508,13 +508,13 @@ def test_goodput_batch_probes_together() -> None:
 
 
 def test_entropy_length_stops_on_flat_drafts() -> None:
-    policy = EntropyStop(gamma_min=1, threshold=0.5)
+    policy = EntropyStop(spec_length_min=1, threshold=0.5)
     flat, peaked = fake_request("flat"), fake_request("peaked")
     vocab = 512
     logits = torch.zeros(2, vocab)
     logits[1, 7] = 30.0
     assert BudgetController(5).budgets([flat, peaked]) == [5, 5]  # the entropy policy's budget: its maximum
-    assert policy.keep_drafting([flat, peaked], logits, step=0).tolist() == [True, True]  # below gamma_min
+    assert policy.keep_drafting([flat, peaked], logits, step=0).tolist() == [True, True]  # below spec_length_min
     assert policy.keep_drafting([flat, peaked], logits, step=1).tolist() == [False, True]
     assert BudgetController(3).budgets([flat, peaked]) == [3, 3]
 
@@ -623,12 +623,12 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="draft_model"):
         EngineConfig.from_options(model="m", speculator="draft")
     implied = EngineConfig.from_options(model="m", draft_model="d")
-    assert implied.speculative is not None and implied.speculative.method == "draft"
+    assert implied.speculative is not None and implied.speculative.speculator == "draft"
     assert implied.use_speculative_decoding
     assert EngineConfig.from_options(model="m", speculator="ngram").use_speculative_decoding
     assert not EngineConfig.from_options(model="m").use_speculative_decoding
     goodput = EngineConfig.from_options(model="m", speculator="ngram", spec_length=3, spec_length_policy="goodput")
-    assert goodput.speculative is not None and goodput.speculative.max_length == 6
+    assert goodput.speculative is not None and goodput.speculative.spec_length_limit == 6
 
 
 def test_llm_rejects_speculation_without_drafter(tiny_llama: Path) -> None:

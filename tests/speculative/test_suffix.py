@@ -34,8 +34,8 @@ from helpers import (
 from infer import LLM, EngineConfig, RequestOutput, SamplingParams
 from infer.cli import build_parser, main
 from infer.core.request import Request
-from infer.speculative.proposer import Proposal
-from infer.speculative.suffix import SuffixProposer
+from infer.speculative.drafter import Proposal
+from infer.speculative.suffix import SuffixDrafter
 from infer.speculative.suffix_trie import ROOT, SuffixStore, SuffixTrie
 
 # =============================================================================== the trie
@@ -205,7 +205,7 @@ def test_memory_is_bounded_by_tokens_times_depth() -> None:
     assert capacity <= 540 * 6 + 1
 
 
-# =============================================================================== the proposer
+# =============================================================================== the drafter
 
 
 class _NoText:
@@ -235,57 +235,57 @@ def drafted_paths(proposal: Proposal, b: int = 0) -> list[list[int]]:
 
 
 def test_a_request_drafts_from_its_own_text_when_that_promises_more() -> None:
-    proposer = SuffixProposer(max_depth=4, tree_size=8)
+    drafter = SuffixDrafter(max_depth=4, tree_size=8)
     # Ten earlier requests all continued [1, 2, 3] with 7, 8, 9.
     for i in range(10):
         old = hand_request(f"old{i}", [1, 2, 3, 7, 8, 9])
-        proposer.propose([old], [4], None)
+        drafter.propose([old], [4], None)
         old.finish("stop")
-        proposer.release(old)
+        drafter.release(old)
     # This request's prompt continued [1, 2, 3] with 4, 5, 6, and its context ends with [1, 2, 3] again.
     request = hand_request("new", [1, 2, 3, 4, 5, 6, 0, 1, 2])
     request.output_token_ids[-1] = 3
-    paths = drafted_paths(proposer.propose([request], [4], None))
+    paths = drafted_paths(drafter.propose([request], [4], None))
     assert paths[:3] == [[4], [4, 5], [4, 5, 6]]  # its own continuation, not the crowd's
     # Where its own text has nothing to offer, the shared history drafts.
     other = hand_request("other", [9, 9, 1, 2])
     other.output_token_ids[-1] = 3
-    assert drafted_paths(proposer.propose([other], [4], None))[:3] == [[7], [7, 8], [7, 8, 9]]
+    assert drafted_paths(drafter.propose([other], [4], None))[:3] == [[7], [7, 8], [7, 8, 9]]
 
 
 def test_a_rolled_back_request_is_stored_once() -> None:
     """The engine releases a running request when it rolls a failed step back; it then runs on."""
-    proposer = SuffixProposer(max_depth=4)
+    drafter = SuffixDrafter(max_depth=4)
     request = hand_request("r", [1, 2, 3, 4, 5])
-    proposer.propose([request], [4], None)
-    proposer.release(request)  # not finished: a rollback
-    assert proposer.store.num_sequences == 0
+    drafter.propose([request], [4], None)
+    drafter.release(request)  # not finished: a rollback
+    assert drafter.store.num_sequences == 0
     request.output_token_ids += [7, 8]
-    proposer.propose([request], [4], None)
-    trie = proposer.store.trie(("salt", None))
+    drafter.propose([request], [4], None)
+    trie = drafter.store.trie(("salt", None))
     assert trie is not None and trie.sequence_length("r") == request.num_tokens
     assert trie.count([1, 2]) == 1  # once, not once per sitting
     request.output_token_ids.append(9)
     request.finish("stop")
-    proposer.release(request)
+    drafter.release(request)
     assert trie.sequence_length("r") == request.num_tokens and trie.count([8, 9]) == 1
 
 
 def test_the_budget_grows_with_the_match_and_the_depth_follows_the_policy() -> None:
-    proposer = SuffixProposer(max_depth=8, tree_size=24, nodes_per_matched_token=2.0)
+    drafter = SuffixDrafter(max_depth=8, tree_size=24, nodes_per_matched_token=2.0)
     text = list(range(10, 40))
     old = hand_request("old", text)
-    proposer.propose([old], [8], None)
+    drafter.propose([old], [8], None)
     old.finish("stop")
-    proposer.release(old)
+    drafter.release(old)
     short = hand_request("short", [5, 5, 5, 24])  # matches one token ([24]) of the earlier text
     short.output_token_ids[-1] = 25  # ... then two: [24, 25]
-    assert proposer.propose([short], [8], None).num_tokens == [4]  # 2 nodes per matched token
+    assert drafter.propose([short], [8], None).num_tokens == [4]  # 2 nodes per matched token
     long = hand_request("long", text[:12])
     long.output_token_ids[-1] = 22  # a 13-token match
-    assert proposer.propose([long], [8], None).num_tokens == [8]  # a chain as deep as allowed
-    assert proposer.propose([long], [3], None).num_tokens == [3]
-    assert proposer.propose([long], [0], None).num_tokens == [0]  # the length policy chose no drafts
+    assert drafter.propose([long], [8], None).num_tokens == [8]  # a chain as deep as allowed
+    assert drafter.propose([long], [3], None).num_tokens == [3]
+    assert drafter.propose([long], [0], None).num_tokens == [0]  # the length policy chose no drafts
 
 
 # =============================================================================== engine: greedy parity
@@ -307,8 +307,8 @@ def plain(tiny_llama: Path) -> list[RequestOutput]:
 
 
 def spy_on_proposals(llm: LLM) -> list[Proposal]:
-    proposer = llm.engine.runner.proposer  # type: ignore[attr-defined]
-    real = proposer.propose
+    drafter = llm.engine.runner.drafter  # type: ignore[attr-defined]
+    real = drafter.propose
     seen: list[Proposal] = []
 
     def propose(requests: list[Request], budgets: list[int], hidden: torch.Tensor | None) -> Proposal:
@@ -316,7 +316,7 @@ def spy_on_proposals(llm: LLM) -> list[Proposal]:
         seen.append(proposal)
         return proposal
 
-    proposer.propose = propose
+    drafter.propose = propose
     return seen
 
 
@@ -430,7 +430,7 @@ def test_tenants_draft_only_from_their_own_requests(tiny_llama: Path) -> None:
     # Tenant a's second request drafts from the first one's output and accepts nearly everything.
     assert same_tenant.metrics.num_rounds < other_tenant.metrics.num_rounds
     assert same_tenant.metrics.accepted_tokens >= 0.9 * (32 - 1 - same_tenant.metrics.num_rounds)
-    store = llm.engine.runner.proposer.store  # type: ignore[attr-defined]
+    store = llm.engine.runner.drafter.store  # type: ignore[attr-defined]
     assert set(store.tries) == {("salt", "a"), ("salt", "b")}
 
 
@@ -441,14 +441,14 @@ def test_request_scope_shares_nothing(tiny_llama: Path) -> None:
     assert runs[0].output_token_ids == runs[1].output_token_ids
     assert runs[0].metrics.proposed_tokens == runs[1].metrics.proposed_tokens
     assert runs[0].metrics.accepted_tokens == runs[1].metrics.accepted_tokens
-    assert llm.engine.runner.proposer.store.num_sequences == 0  # type: ignore[attr-defined]
+    assert llm.engine.runner.drafter.store.num_sequences == 0  # type: ignore[attr-defined]
 
 
 def test_aborted_waiting_request_is_not_stored(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix")
     request = llm.engine.add_request(PROMPTS[0], greedy())
     llm.engine.abort(request.request_id)
-    assert llm.engine.runner.proposer.store.num_sequences == 0  # type: ignore[attr-defined]
+    assert llm.engine.runner.drafter.store.num_sequences == 0  # type: ignore[attr-defined]
 
 
 # =============================================================================== configuration
@@ -462,11 +462,11 @@ def test_bad_settings_are_named(field: str, value: Any) -> None:
         EngineConfig.from_options(model="m", speculator="suffix", **{field: value})
 
 
-def test_proposer_checks_its_arguments() -> None:
+def test_drafter_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match="scope"):
-        SuffixProposer(4, scope="everyone")
+        SuffixDrafter(4, scope="everyone")
     with pytest.raises(ValueError, match="tree_size"):
-        SuffixProposer(4, tree_size=0)
+        SuffixDrafter(4, tree_size=0)
 
 
 def test_cli_flags_reach_the_engine(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -477,7 +477,7 @@ def test_cli_flags_reach_the_engine(tiny_llama: Path, capsys: pytest.CaptureFixt
                                       "--suffix-max-requests", "7", "--suffix-scope", "request"])
     spec = engine_config(args).speculative
     assert spec is not None
-    assert (spec.method, spec.suffix_tree_size, spec.suffix_max_tokens, spec.suffix_max_requests,
+    assert (spec.speculator, spec.suffix_tree_size, spec.suffix_max_tokens, spec.suffix_max_requests,
             spec.suffix_scope) == ("suffix", 12, 999, 7, "request")
     assert main(["generate", "--model", str(tiny_llama), "--device", "cpu", "--speculator", "suffix",
                  "--prompt", "import os\nimport os\nimport", "--max-tokens", "12", "--temperature", "0",

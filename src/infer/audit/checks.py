@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from infer.audit.stats import ChiSquare, cell_chisquare, detectable_tv
+from infer.backends import backend_of
 from infer.core.request import speculation_stats
 from infer.engine.llm import LLM, RequestOutput
 from infer.models.layers import DecoderOnlyLM
@@ -135,8 +136,8 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
     return {
         "verdict": overall,
         "settings": {
-            "model": config.model, "speculator": speculative.method, "draft_model": speculative.draft_model,
-            "spec_length": speculative.length, "spec_length_policy": speculative.length_policy,
+            "model": config.model, "speculator": speculative.speculator, "draft_model": speculative.draft_model,
+            "spec_length": speculative.spec_length, "spec_length_policy": speculative.spec_length_policy,
             # A tree drafter's size: a measured (None) size may choose plain steps and leave the tests no power.
             "medusa_heads": speculative.medusa_heads, "medusa_tree_size": speculative.medusa_tree_size,
             "suffix_tree_size": speculative.suffix_tree_size,
@@ -173,7 +174,7 @@ def next_token_logits(model: DecoderOnlyLM, contexts: Sequence[Sequence[int]], d
         for start in range(0, len(indices), REFERENCE_CHUNK):
             part = indices[start: start + REFERENCE_CHUNK]
             ids = torch.tensor([list(contexts[i]) for i in part], dtype=torch.long, device=device)
-            logits = model.compute_logits(model(ids)[:, -1]).float()
+            logits = model.compute_logits(backend_of(model).forward(model, ids)[:, -1]).float()
             for row, i in enumerate(part):
                 rows[i] = logits[row]
     return torch.stack([r for r in rows if r is not None])
@@ -342,9 +343,9 @@ class _Audit:
         drafted_rounds = sum(o.metrics.proposed_per_position[0] for o in spec if o.metrics.proposed_per_position)
         config = self.spec.config.speculative
         assert config is not None  # the audited LLM always speculates
-        chain_fixed = config.length_policy == "fixed" and config.method != "medusa"
+        chain_fixed = config.spec_length_policy == "fixed" and config.speculator != "medusa"
         proposed = sum(o.metrics.proposed_tokens for o in spec)
-        gamma = config.length if chain_fixed else max(1, round(proposed / drafted_rounds)) if drafted_rounds else None
+        gamma = config.spec_length if chain_fixed else max(1, round(proposed / drafted_rounds)) if drafted_rounds else None
         cost = _measured_cost_ratio(self.spec)
         alpha = stats["alpha"]
         # Equation (1), (1 - α^(γ+1)) / (1 - α), is Theorem 3.8 with a free drafter (c = 0).

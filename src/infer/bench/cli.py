@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from infer.backends import BACKENDS
 from infer.bench.peer import EXPORT_TYPES, LLAMA_CPP_FILE_TYPES, QUANTIZERS
 from infer.bench.shapes import DEFAULT_TYPES, SHAPES
 from infer.engine.options import MODEL_OPTIONS, OPTIONS, add_engine_args
-from infer.models.backend import BACKENDS
 
 # The registry's model options load every infer row of infer bench generation alike (an option added
 # there reaches the bench too), except those the bench varies across rows: it takes lists of draft

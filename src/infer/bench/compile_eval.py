@@ -2,7 +2,7 @@
 
 Two copies of the model run the same steps over their own KV caches, interleaved: the eager model
 infer ships (weights pre-packed on CPU) and the same model with its forward compiled as
-``--compile`` does (``models.compiled.compile_forward``: dynamic shapes, the CPU kernel an opaque
+``--compile`` does (``backends.compiled.compile_forward``: dynamic shapes, the CPU kernel an opaque
 operator). Reported: how long the first decode step and the first verification pass take to
 compile (Inductor's on-disk caches are left on, so a second run shows what a restart costs), and
 the wall and CPU milliseconds per step after.
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from infer.backends.compiled import compile_forward
 from infer.cache import PagedKVCachePool
 from infer.core.model_runner import ModelRunner
 from infer.loader import load_model, load_tokenizer, resolve_dtype
-from infer.models.compiled import compile_forward
 
 
 @dataclass

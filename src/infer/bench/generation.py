@@ -15,7 +15,7 @@ the drafting, in target decode steps (medians of prefill-free decode rates, same
 * a draft model: ``c`` = the draft model's decode step alone / the target's decode step, per draft,
   exactly Leviathan et al.'s c; with every round drafting K this is the theorem as printed.
 * n-gram lookup (no model; one call per round whatever it finds): the measured time inside the
-  proposer per round over the target's decode step, charged to every round that called it, and
+  drafter per round over the target's decode step, charged to every round that called it, and
   reported as ``c`` = that / K (so ``cK + 1`` is the round's cost when it drafts K tokens). Rounds
   where the lookup found fewer than K tokens (or none) are predicted at their own length: the
   theorem is not charged for drafts the lookup never made.
@@ -24,8 +24,8 @@ The theorem is about decoding: ``measured / predicted`` divides the row's *decod
 plain (median decode tokens/s, prefill excluded: prefill is the same work in every mode) by the
 prediction. The theorem counts a (K+1)-token verification pass as one decode step and charges
 nothing else, so a ratio below 1 is what infer's rounds cost beyond that. Each speculative row
-also reports where its rounds went (``round_ms``: inside the proposer, verification passes, plain
-fallback steps; ``verify_vs_decode_step``; for a draft model ``draft_step_vs_alone``, the proposer's
+also reports where its rounds went (``round_ms``: inside the drafter, verification passes, plain
+fallback steps; ``verify_vs_decode_step``; for a draft model ``draft_step_vs_alone``, the drafter's
 time per draft over the draft model's own decode step). Tree drafters (Medusa, suffix) get no
 prediction: Theorem 3.8 is about chains.
 """
@@ -50,7 +50,7 @@ from infer.engine.llm import LLM
 from infer.engine.speculative_runner import SpeculativeRunner
 from infer.sampling.params import SamplingParams
 from infer.speculative.budget import expected_speedup_over_rounds
-from infer.speculative.suffix import SuffixProposer
+from infer.speculative.suffix import SuffixDrafter
 
 
 @dataclass
@@ -85,7 +85,7 @@ class BenchSettings:
     exact_greedy: bool = False
     # Also time every infer mode torch.compiled ("... (compiled)" rows), interleaved.
     compiled: bool = False
-    backend: str = "auto"  # what computes infer's forward passes (models.backend); recorded in the environment
+    backend: str = "auto"  # what computes infer's forward passes (infer.backends); recorded in the environment
     # Also time every infer mode with its steps replayed as CUDA graphs ("... (CUDA graphs)"; CUDA only).
     cuda_graphs: bool = False
     # Prompt lengths whose processing (prefill) is timed on every plain row, llama.cpp's too, interleaved.
@@ -122,9 +122,9 @@ class ModeResult:
     weight_bytes_per_token: int | None = None  # plain rows: what one decode step reads
     cost_ratio: float | None = None  # this row's c in target decode steps per draft (see the module docstring)
     rounds_by_length: list[int] | None = None  # timed rounds that drafted k tokens, k = 0, 1, ...
-    round_ms: dict[str, float] | None = None  # per round: proposer, verification, plain fallback (ms)
+    round_ms: dict[str, float] | None = None  # per round: drafter, verification, plain fallback (ms)
     verify_vs_decode_step: float | None = None  # a verification round over the target's plain decode step
-    draft_step_vs_alone: float | None = None  # proposer time per draft over the draft model's own step
+    draft_step_vs_alone: float | None = None  # drafter time per draft over the draft model's own step
     texts: list[str] = field(default_factory=list)
 
 
@@ -148,15 +148,15 @@ class _History:
 
     def __init__(self, llm: LLM) -> None:
         runner = llm.engine.runner
-        assert isinstance(runner, SpeculativeRunner) and isinstance(runner.proposer, SuffixProposer)
-        self.proposer = runner.proposer
-        self.saved = copy.deepcopy(self.proposer.store)  # nothing learnt yet
+        assert isinstance(runner, SpeculativeRunner) and isinstance(runner.drafter, SuffixDrafter)
+        self.drafter = runner.drafter
+        self.saved = copy.deepcopy(self.drafter.store)  # nothing learnt yet
 
     def save(self) -> None:
-        self.saved = copy.deepcopy(self.proposer.store)
+        self.saved = copy.deepcopy(self.drafter.store)
 
     def restore(self) -> None:
-        self.proposer.store = copy.deepcopy(self.saved)
+        self.drafter.store = copy.deepcopy(self.saved)
 
 
 @dataclass
@@ -406,8 +406,8 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             for key, value in speculation_stats(mode.outputs).items():
                 setattr(r, key, value)
             runner = mode.llm.engine.runner if mode.llm is not None else None
-            if isinstance(runner, SpeculativeRunner) and isinstance(runner.proposer, SuffixProposer):
-                r.tree_nodes_per_round = runner.proposer.mean_tree_size
+            if isinstance(runner, SpeculativeRunner) and isinstance(runner.drafter, SuffixDrafter):
+                r.tree_nodes_per_round = runner.drafter.mean_tree_size
     def step_seconds(outputs: list[Any]) -> float:
         return statistics.median(1.0 / o.metrics.decode_tokens_per_s for o in outputs if o.metrics.decode_tokens_per_s)
 
@@ -521,7 +521,7 @@ def _predict(r: ModeResult, runner: SpeculativeRunner, target_step: float, draft
                   "plain fallback": 1e3 * times.plain_seconds / times.rounds}
     if times.verify_rounds:
         r.verify_vs_decode_step = times.verify_seconds / times.verify_rounds / target_step
-    info = runner.proposer.info
+    info = runner.drafter.info
     drafts = sum(k * n for k, n in enumerate(r.rounds_by_length or []))
     if info.cost_per_token and draft_step is not None and drafts:
         r.draft_step_vs_alone = times.propose_seconds / drafts / draft_step
@@ -532,11 +532,11 @@ def _predict(r: ModeResult, runner: SpeculativeRunner, target_step: float, draft
             return
         r.cost_ratio = draft_step / target_step
         r.predicted_speedup = expected_speedup_over_rounds(r.alpha, r.rounds_by_length, cost_per_draft=r.cost_ratio)
-    elif times.proposer_calls:
+    elif times.drafter_calls:
         # One call per round: its measured time, in target steps, averaged over every round (a round
         # whose budget was 0 made no call).
-        per_call = times.propose_seconds / times.proposer_calls / target_step
-        per_round = per_call * times.proposer_calls / times.rounds
+        per_call = times.propose_seconds / times.drafter_calls / target_step
+        per_round = per_call * times.drafter_calls / times.rounds
         r.cost_ratio = per_call / max(1, r.spec_length or 1)
         r.predicted_speedup = expected_speedup_over_rounds(r.alpha, r.rounds_by_length, cost_per_round=per_round)
 

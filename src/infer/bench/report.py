@@ -88,8 +88,8 @@ def _rounds_table(report: dict[str, Any]) -> str:
     spec = [r for r in report["results"] if r.get("round_ms")]
     if not spec:
         return ""
-    rows = ["| mode | c | rounds | ms/round in proposer | ms/round verifying | ms/round plain fallback | "
-            "verification / decode step | proposer per draft / draft step alone |",
+    rows = ["| mode | c | rounds | ms/round in drafter | ms/round verifying | ms/round plain fallback | "
+            "verification / decode step | drafter per draft / draft step alone |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in spec:
         ms = r["round_ms"]

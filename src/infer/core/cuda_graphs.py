@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.backends import backend_of
 from infer.cache.protocol import CachePoolProtocol, KVBatch, padded_kv_batch
 from infer.models.layers import DecoderOnlyLM
 
@@ -52,6 +53,7 @@ class StepGraphs:
         if pool.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this pool is on {pool.device}")
         self.model = model
+        self.backend = backend_of(model)
         self.pool = pool
         self.max_batch = bucket(max_batch)
         self.max_width = max_width  # wider passes (prefill) run eagerly: each width is its own graph
@@ -105,10 +107,10 @@ class StepGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.model(ids, positions, kv)
+            self.backend.forward(self.model, ids, positions, kv)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory):
-            hidden = self.model(ids, positions, kv)
+            hidden = self.backend.forward(self.model, ids, positions, kv)
         graph.replay()  # capturing records the kernels without running them
         return _Graph(graph, ids, positions, kv, hidden)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.backends import backend_of
 from infer.cache.protocol import CachePoolProtocol, build_kv_batch
 from infer.core.cuda_graphs import StepGraphs
 from infer.core.request import Request
@@ -53,6 +54,7 @@ class ModelRunner:
 
     def __init__(self, model: DecoderOnlyLM, pool: CachePoolProtocol, tree_attention: str = "sdpa") -> None:
         self.model = model
+        self.backend = backend_of(model)  # runs every pass of this model (Backend.forward)
         self.pool = pool
         self.tree_attention = tree_attention  # "flex": tree passes use FlexAttention with a block mask
         self.device = pool.device
@@ -126,7 +128,7 @@ class ModelRunner:
         if kv.packed is not None:  # only the real tokens go through the model: [1, N]
             ids, positions = kv.pack(ids), kv.pack(positions)
         with self._threads_for(ids.numel(), "forward"):
-            return self.model(ids, positions, kv)
+            return self.backend.forward(self.model, ids, positions, kv)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,21 +19,24 @@ TREE_ATTENTION = ("sdpa", "flex")
 class SpeculativeConfig:
     """Which drafter proposes tokens and how much each round speculates.
 
-    ``length_policy`` sets the budget controller (``infer.speculative.budget``): ``fixed`` drafts
-    ``length`` tokens a round; ``goodput`` picks 0..``max_length`` each round by measured cost and
-    acceptance; ``entropy`` drafts up to ``max_length`` and stops a chain once the draft model is
-    unsure (n-gram guesses carry no distribution, so there it drafts like ``fixed``). Medusa's tree
-    size is chosen by the same controller, up to the heads' tree, unless ``medusa_tree_size`` fixes
-    it; the length then only caps the tree's depth. Suffix decoding's length is its tree's depth,
-    chosen like a chain's; its node count is its own (at most ``suffix_tree_size``).
+    Each field is the flat option of the same name (``LLM(...)`` keyword, ``--flag-with-dashes``).
+    ``speculator`` names the drafter. ``spec_length_policy`` sets the budget controller
+    (``infer.speculative.budget``): ``fixed`` drafts ``spec_length`` tokens a round; ``goodput``
+    picks 0..``spec_length_limit`` each round by measured cost and acceptance; ``entropy`` drafts
+    at least ``spec_length_min`` and up to ``spec_length_limit`` and stops a chain once the draft
+    model is unsure (n-gram guesses carry no distribution, so there it drafts like ``fixed``).
+    Medusa's tree size is chosen by the same controller, up to the heads' tree, unless
+    ``medusa_tree_size`` fixes it; the draft length then only caps the tree's depth. Suffix
+    decoding's draft length is its tree's depth, chosen like a chain's; its node count is its own
+    (at most ``suffix_tree_size``).
     """
 
-    method: str  # draft | ngram | medusa | suffix
+    speculator: str  # draft | ngram | medusa | suffix
     draft_model: str | None = None
-    length: int = 5
-    length_policy: str = "fixed"
-    gamma_min: int = 1
-    gamma_max: int | None = None  # None: length (entropy) or 2 * length (goodput)
+    spec_length: int = 5
+    spec_length_policy: str = "fixed"
+    spec_length_min: int = 1  # entropy: tokens drafted before the draft model's entropy may stop a chain
+    spec_length_max: int | None = None  # None: spec_length (entropy) or 2 * spec_length (goodput)
     entropy_threshold: float = 0.5  # normalised draft entropy above which the entropy policy stops drafting
     ngram_min: int = 1
     ngram_max: int = 4
@@ -53,21 +56,22 @@ class SpeculativeConfig:
     suffix_scope: str = "salt"
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATORS:
-            raise ValueError(f"speculator={self.method!r} is invalid: use one of {', '.join(SPECULATORS)}")
-        if self.method == "draft" and self.draft_model is None:
+        if self.speculator not in SPECULATORS:
+            raise ValueError(f"speculator={self.speculator!r} is invalid: use one of {', '.join(SPECULATORS)}")
+        if self.speculator == "draft" and self.draft_model is None:
             raise ValueError("speculator='draft' needs draft_model (a path to the draft checkpoint)")
-        if self.length < 1:
-            raise ValueError(f"spec_length={self.length} is invalid: must be >= 1")
-        if self.length_policy not in LENGTH_POLICIES:
-            raise ValueError(f"spec_length_policy={self.length_policy!r} is invalid: use one of "
+        if self.spec_length < 1:
+            raise ValueError(f"spec_length={self.spec_length} is invalid: must be >= 1")
+        if self.spec_length_policy not in LENGTH_POLICIES:
+            raise ValueError(f"spec_length_policy={self.spec_length_policy!r} is invalid: use one of "
                              f"{', '.join(LENGTH_POLICIES)}")
-        if self.length_policy == "entropy" and self.method == "medusa":
+        if self.spec_length_policy == "entropy" and self.speculator == "medusa":
             raise ValueError("spec_length_policy='entropy' stops a drafted chain once the draft model is unsure; "
                              "Medusa drafts a whole tree in one call: use fixed or goodput")
-        if self.gamma_min < 0 or (self.gamma_max is not None and self.gamma_max < max(1, self.gamma_min)):
-            raise ValueError(f"gamma_min={self.gamma_min}, gamma_max={self.gamma_max} are invalid: "
-                             "need 0 <= gamma_min <= gamma_max, gamma_max >= 1")
+        if self.spec_length_min < 0 or (self.spec_length_max is not None
+                                        and self.spec_length_max < max(1, self.spec_length_min)):
+            raise ValueError(f"spec_length_min={self.spec_length_min}, spec_length_max={self.spec_length_max} are "
+                             "invalid: need 0 <= spec_length_min <= spec_length_max, spec_length_max >= 1")
         if not 0.0 < self.entropy_threshold <= 1.0:
             raise ValueError(f"entropy_threshold={self.entropy_threshold} is invalid: must be in (0, 1]")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -87,20 +91,16 @@ class SpeculativeConfig:
             raise ValueError(f"suffix_scope={self.suffix_scope!r} is invalid: use one of {', '.join(SUFFIX_SCOPES)}")
 
     @property
-    def max_length(self) -> int:
-        """The most tokens one round may draft in a chain (the bound every cache must leave room for)."""
-        if self.gamma_max is not None:
-            return self.gamma_max
-        return 2 * self.length if self.length_policy == "goodput" else self.length
+    def spec_length_limit(self) -> int:
+        """The most tokens one round may draft in a chain (the bound every cache must leave room for):
+        ``spec_length_max``, or what the policy implies without it."""
+        if self.spec_length_max is not None:
+            return self.spec_length_max
+        return 2 * self.spec_length if self.spec_length_policy == "goodput" else self.spec_length
 
 
-# The flat option names (CLI flags, ``LLM(...)`` keywords) of SpeculativeConfig's fields.
-SPECULATIVE_OPTIONS = {"speculator": "method", "draft_model": "draft_model", "spec_length": "length",
-                       "spec_length_policy": "length_policy", "gamma_min": "gamma_min", "gamma_max": "gamma_max",
-                       "entropy_threshold": "entropy_threshold", "ngram_min": "ngram_min", "ngram_max": "ngram_max",
-                       "medusa_heads": "medusa_heads", "medusa_tree_size": "medusa_tree_size",
-                       **{name: name for name in ("suffix_tree_size", "suffix_max_match", "suffix_min_prob",
-                                                  "suffix_max_tokens", "suffix_max_requests", "suffix_scope")}}
+# The flat options (CLI flags, ``LLM(...)`` keywords) that make a SpeculativeConfig: its fields, by name.
+SPECULATIVE_OPTIONS = frozenset(f.name for f in fields(SpeculativeConfig))
 
 
 @dataclass
@@ -125,14 +125,14 @@ class EngineConfig:
     # Tree verification kernel: SDPA with the dense boolean mask, or FlexAttention with a block mask
     # (compiled on CUDA; on CPU it runs eagerly and is only a slower reference).
     tree_attention: str = "sdpa"
-    # Exact-greedy kernels (models.invariant): a token's logits are bit-identical whatever pass
+    # Exact-greedy kernels (backends.exact): a token's logits are bit-identical whatever pass
     # computes them, so greedy speculation emits exactly plain decoding's tokens in any dtype.
     exact_greedy: bool = False
-    # torch.compile the target's (and draft model's) forward pass (models.compiled); off: eager.
+    # torch.compile the target's (and draft model's) forward pass (backends.compiled); off: eager.
     compile: bool = False
     # CUDA only: replay decode steps and chain verifications as CUDA graphs (core.cuda_graphs).
     cuda_graphs: bool = False
-    # What computes the forward pass (models.backend): auto, torch or cpu-kernels. auto picks the
+    # What computes the forward pass (infer.backends): auto, torch or cpu-kernels. auto picks the
     # fastest this machine runs; naming one it cannot run is an error that says why.
     backend: str = "auto"
 
@@ -165,7 +165,7 @@ class EngineConfig:
         if self.cuda_graphs and (self.compile or self.exact_greedy):
             raise ValueError("cuda_graphs runs the eager model's passes as graphs; it cannot be combined with "
                              f"{'compile' if self.compile else 'exact_greedy'}")
-        from infer.models.backend import BACKENDS
+        from infer.backends import BACKENDS
 
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is invalid: use {', '.join(BACKENDS)}")
@@ -183,13 +183,13 @@ class EngineConfig:
         A draft model alone implies ``speculator='draft'``; without a speculator the speculative
         options are ignored.
         """
-        spec = {SPECULATIVE_OPTIONS[k]: options.pop(k) for k in list(options) if k in SPECULATIVE_OPTIONS}
-        if spec.get("draft_model") is not None and spec.get("method") is None:
-            spec["method"] = "draft"
-        if use_speculative_decoding and spec.get("method") is None:
+        spec = {k: options.pop(k) for k in list(options) if k in SPECULATIVE_OPTIONS}
+        if spec.get("draft_model") is not None and spec.get("speculator") is None:
+            spec["speculator"] = "draft"
+        if use_speculative_decoding and spec.get("speculator") is None:
             raise ValueError("speculative decoding needs a drafter: set draft_model, or speculator='ngram'")
         unknown = set(options) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown engine options: {', '.join(sorted(unknown))}")
-        speculative = SpeculativeConfig(**spec) if spec.get("method") is not None else None
+        speculative = SpeculativeConfig(**spec) if spec.get("speculator") is not None else None
         return cls(**options, speculative=speculative)

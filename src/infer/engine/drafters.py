@@ -11,17 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.backends import count_weights
+from infer.backends.compiled import compile_forward
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.model_runner import ModelRunner
 from infer.engine.config import SpeculativeConfig
 from infer.engine.continuous_runner import ContinuousRunner
 from infer.engine.speculative_runner import SpeculativeRunner
 from infer.loader import Tokenizer, load_model, load_tokenizer
-from infer.models.compiled import compile_forward
 from infer.models.config import ModelConfig
-from infer.models.layers import DecoderOnlyLM, count_weights
+from infer.models.layers import DecoderOnlyLM
 from infer.speculative.budget import BudgetController, EntropyStop
-from infer.speculative.proposer import Proposer
+from infer.speculative.drafter import Drafter
 
 
 @dataclass
@@ -36,23 +37,23 @@ class TargetModel:
     dtype: torch.dtype
     make_pool: Callable[[ModelConfig], CachePoolProtocol]  # a KV pool like the target's, for another model
     compile: bool = False  # compiled mode: a draft model is compiled like the target
-    backend: str = "auto"  # the backend asked for (models.backend): a draft model runs on the same
+    backend: str = "auto"  # the backend asked for (infer.backends): a draft model runs on the same
 
 
 def make_speculative_runner(spec: SpeculativeConfig, target_runner: ContinuousRunner, target: TargetModel,
                             say: Callable[[str], None]) -> SpeculativeRunner:
-    proposer = make_proposer(spec, target, say)
-    return SpeculativeRunner(target_runner, proposer, make_budget(spec, proposer))
+    drafter = make_drafter(spec, target, say)
+    return SpeculativeRunner(target_runner, drafter, make_budget(spec, drafter))
 
 
-def make_proposer(spec: SpeculativeConfig, target: TargetModel, say: Callable[[str], None]) -> Proposer:
-    """The drafter ``spec.method`` names."""
-    if spec.method == "ngram":
-        from infer.speculative.ngram import NgramProposer
+def make_drafter(spec: SpeculativeConfig, target: TargetModel, say: Callable[[str], None]) -> Drafter:
+    """The drafter ``spec.speculator`` names."""
+    if spec.speculator == "ngram":
+        from infer.speculative.ngram import NgramDrafter
 
-        return NgramProposer(spec.ngram_min, spec.ngram_max, target.device)
-    if spec.method == "draft":
-        from infer.speculative.draft_model import DraftModelProposer, check_compatible
+        return NgramDrafter(spec.ngram_min, spec.ngram_max, target.device)
+    if spec.speculator == "draft":
+        from infer.speculative.draft_model import DraftModelDrafter, check_compatible
 
         assert spec.draft_model is not None
         say(f"loading draft model {spec.draft_model}")
@@ -63,35 +64,35 @@ def make_proposer(spec: SpeculativeConfig, target: TargetModel, say: Callable[[s
         if target.compile:
             compile_forward(model, say)
         # Same backend and sequence length as the target; its own (smaller) per-token footprint.
-        stop = EntropyStop(spec.gamma_min, spec.entropy_threshold) if spec.length_policy == "entropy" else None
-        return DraftModelProposer(ModelRunner(model, target.make_pool(config)),
+        stop = EntropyStop(spec.spec_length_min, spec.entropy_threshold) if spec.spec_length_policy == "entropy" else None
+        return DraftModelDrafter(ModelRunner(model, target.make_pool(config)),
                                   count_weights(model) / max(1, count_weights(target.model)), stop)
-    if spec.method == "medusa":
-        from infer.speculative.medusa import MedusaProposer, load_medusa_heads, medusa_tree
+    if spec.speculator == "medusa":
+        from infer.speculative.medusa import MedusaDrafter, load_medusa_heads, medusa_tree
 
         say(f"loading Medusa heads for {target.path}")
         heads = load_medusa_heads(spec.medusa_heads, target.path, target.config, target.dtype, target.device)
         tree = medusa_tree(heads.config, spec.medusa_tree_size)
         cost_hint = count_weights(heads) / max(1, count_weights(target.model))
-        return MedusaProposer(heads, tree, target.device, cost_hint, max_depth=spec.max_length)
-    if spec.method == "suffix":
-        from infer.speculative.suffix import SuffixProposer
+        return MedusaDrafter(heads, tree, target.device, cost_hint, max_depth=spec.spec_length_limit)
+    if spec.speculator == "suffix":
+        from infer.speculative.suffix import SuffixDrafter
 
-        return SuffixProposer(spec.max_length, spec.suffix_tree_size, spec.suffix_max_match, spec.suffix_min_prob,
+        return SuffixDrafter(spec.spec_length_limit, spec.suffix_tree_size, spec.suffix_max_match, spec.suffix_min_prob,
                               spec.suffix_max_tokens, spec.suffix_max_requests, spec.suffix_scope,
                               device=target.device)
-    raise ValueError(f"unknown speculator {spec.method!r}")
+    raise ValueError(f"unknown speculator {spec.speculator!r}")
 
 
-def make_budget(spec: SpeculativeConfig, proposer: Proposer) -> BudgetController:
+def make_budget(spec: SpeculativeConfig, drafter: Drafter) -> BudgetController:
     """The budget controller for this drafter: a tree is sized by measurement unless its size is
-    fixed; a chain drafts ``length`` (fixed), up to ``max_length`` (entropy: the draft loop stops
-    early), or what goodput picks in 0..``max_length``."""
-    info = proposer.info
+    fixed; a chain drafts ``spec_length`` (fixed), up to ``spec_length_limit`` (entropy: the draft
+    loop stops early), or what goodput picks in 0..``spec_length_limit``."""
+    info = drafter.info
     if info.tree:
         assert info.max_nodes is not None
         return BudgetController(info.max_nodes, adaptive=spec.medusa_tree_size is None, tree=True,
                                 cost_per_token=info.cost_per_token, prior_cost=info.cost_hint)
-    max_budget = spec.length if spec.length_policy == "fixed" else spec.max_length
-    return BudgetController(max_budget, adaptive=spec.length_policy == "goodput", cost_per_token=info.cost_per_token,
+    max_budget = spec.spec_length if spec.spec_length_policy == "fixed" else spec.spec_length_limit
+    return BudgetController(max_budget, adaptive=spec.spec_length_policy == "goodput", cost_per_token=info.cost_per_token,
                             prior_cost=info.cost_hint)

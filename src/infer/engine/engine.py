@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from infer.backends import backend_of
+from infer.backends.compiled import compile_forward
+from infer.backends.exact import check_invariance, make_exact
 from infer.cache import PagedKVCachePool, make_pool
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.cuda_graphs import StepGraphs
@@ -21,10 +24,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
 from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
-from infer.models.backend import choose_backend
-from infer.models.compiled import compile_forward
 from infer.models.config import ModelConfig
-from infer.models.invariant import check_invariance, make_exact
 from infer.sampling.grammar import GrammarCompiler
 from infer.sampling.params import SamplingParams, short_repr
 
@@ -96,7 +96,7 @@ class Engine:
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
         self.model, self.model_config = load_model(config.model, self.dtype, str(self.device),
                                                    backend=config.backend, compile=config.compile)
-        self.backend = self.model.backend or choose_backend(self.device, self.dtype, config.backend, config.compile)
+        self.backend = backend_of(self.model)
         if config.exact_greedy or config.cuda_graphs:
             self.backend.mode = "exact" if config.exact_greedy else "cuda-graphs"
         if config.exact_greedy:
@@ -124,7 +124,7 @@ class Engine:
         if config.cuda_graphs:
             if self.device.type != "cuda":
                 raise ValueError(f"cuda_graphs needs a CUDA device; this engine runs on {self.device}")
-            width = 1 + (config.speculative.max_length if config.speculative is not None else 0)
+            width = 1 + (config.speculative.spec_length_limit if config.speculative is not None else 0)
             target.runner.graphs = StepGraphs(self.model, self.pool, config.max_batch_size, width, say)
         self.runner: Runner = target
         if config.speculative is not None:
@@ -135,7 +135,7 @@ class Engine:
                                     make_pool=self._make_pool, compile=config.compile, backend=config.backend)
             self.runner = make_speculative_runner(config.speculative, target, described, say)
         if config.compile:
-            width = 1 + (config.speculative.max_length if config.speculative is not None else 1)
+            width = 1 + (config.speculative.spec_length_limit if config.speculative is not None else 1)
             say("torch.compile: compiling the kinds of pass requests run (once per process; cached on disk)")
             target.runner.warm_up(width)
         self.scheduler = Scheduler(self.runner, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
@@ -328,20 +328,20 @@ class Engine:
                 per_sequence = -(-self.max_seq_len // config.block_size)
                 num_blocks = max(per_sequence, min(config.max_batch_size * per_sequence, budget // config.block_size))
         # Sliding-window layers (Gemma 3, Mistral) free their blocks as the window moves on. A draft
-        # model's chain starts passes up to max_length past a committed length; the longest pass is a
+        # model's chain starts passes up to spec_length_limit past a committed length; the longest pass is a
         # prefill chunk or a verification (a chain, or a tree of at most _MAX_TREE_PASS nodes).
         spec = config.speculative
         windows = [model_config.layer_window(i) for i in range(model_config.num_hidden_layers)]
         longest = config.max_prefill_tokens if config.chunked_prefill else self.max_seq_len
         if spec is not None:
             tree = {"medusa": spec.medusa_tree_size or _MAX_TREE_PASS, "suffix": spec.suffix_tree_size}
-            longest = max(longest, 1 + spec.max_length, 1 + tree.get(spec.method, 0))
+            longest = max(longest, 1 + spec.spec_length_limit, 1 + tree.get(spec.speculator, 0))
         return make_pool(config.kv_cache_backend, num_layers=model_config.num_hidden_layers,
                          num_kv_heads=model_config.num_key_value_heads, head_dim=model_config.head_dim,
                          max_seq_len=self.max_seq_len, max_batch_size=config.max_batch_size,
                          block_size=config.block_size, num_blocks=num_blocks, dtype=self.dtype,
                          device=self.device, layer_windows=windows,
-                         window_slack=0 if spec is None else spec.max_length + 1,
+                         window_slack=0 if spec is None else spec.spec_length_limit + 1,
                          max_pass_tokens=longest)
 
 

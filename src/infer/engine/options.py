@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from infer.backends import BACKENDS
 from infer.engine.config import (
     LENGTH_POLICIES,
     SPECULATIVE_OPTIONS,
@@ -19,7 +20,6 @@ from infer.engine.config import (
     SpeculativeConfig,
 )
 from infer.loader.hub import DEFAULT_MODEL
-from infer.models.backend import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,8 @@ class Option:
             return DEFAULT_MODEL
         if self.name == "use_speculative_decoding":
             return False
-        owner, field_name = ((SpeculativeConfig, SPECULATIVE_OPTIONS[self.name]) if self.name in SPECULATIVE_OPTIONS
-                             else (EngineConfig, self.name))
-        spec = next(f for f in fields(owner) if f.name == field_name)
+        owner = SpeculativeConfig if self.name in SPECULATIVE_OPTIONS else EngineConfig
+        spec = next(f for f in fields(owner) if f.name == self.name)
         return None if spec.default is MISSING else spec.default
 
 

@@ -1,7 +1,7 @@
 """Speculative decoding inside continuous batching: draft, verify in one target pass, roll back.
 
 Prefill is the target runner's own; only decode changes. Per round and per request (Leviathan
-et al., Algorithm 1): the proposer drafts t_1..t_K with distributions q_i; one batched target pass
+et al., Algorithm 1): the drafter drafts t_1..t_K with distributions q_i; one batched target pass
 over [g, t_1..t_K] gives p_1..p_{K+1} through the same sampling transform; the rejection sampler
 keeps a prefix and adds one target token; both caches roll back to what was kept.
 
@@ -37,7 +37,7 @@ from infer.sampling.transforms import (
     process_logits,
 )
 from infer.speculative.budget import BudgetController
-from infer.speculative.proposer import Proposal, Proposer
+from infer.speculative.drafter import Drafter, Proposal
 from infer.speculative.rejection import verify_drafts, verify_greedy
 from infer.speculative.tree import TreeMaskCache, tree_depths, verify_tree
 
@@ -57,8 +57,8 @@ class RoundTimes:
     ``reset_round_times`` (benchmarks read it to compare rounds with Theorem 3.8's cost model)."""
 
     rounds: int = 0  # speculative rounds, plain fallback rounds included
-    proposer_calls: int = 0
-    propose_seconds: float = 0.0  # inside the proposer
+    drafter_calls: int = 0
+    propose_seconds: float = 0.0  # inside the drafter
     verify_rounds: int = 0  # rounds that verified drafts
     verify_seconds: float = 0.0  # target pass, rejection sampling, rollback and bookkeeping of those rounds
     plain_seconds: float = 0.0  # rounds that fell back to a plain decode step (nothing drafted)
@@ -67,20 +67,20 @@ class RoundTimes:
 class SpeculativeRunner:
     """Same interface as ``ContinuousRunner``; the scheduler cannot tell them apart.
 
-    The runner drives ``proposer`` only through the drafter contract (``infer.speculative.proposer``)
+    The runner drives ``drafter`` only through the drafter contract (``infer.speculative.drafter``)
     and asks ``budget`` how much every round drafts, feeding it the round's timings and outcome.
     """
 
-    def __init__(self, target: ContinuousRunner, proposer: Proposer, budget: BudgetController) -> None:
+    def __init__(self, target: ContinuousRunner, drafter: Drafter, budget: BudgetController) -> None:
         self.target = target
-        self.proposer = proposer
+        self.drafter = drafter
         self.budget = budget
         # Verification writes g plus every node; a tree verifies more nodes than it can accept.
-        self.max_verify = max(budget.max_budget, proposer.info.max_nodes or 0)
+        self.max_verify = max(budget.max_budget, drafter.info.max_nodes or 0)
         self.tree_masks = TreeMaskCache()
         self.device = target.pool.device
         # The target's last hidden state per request, for a drafter that reads it (Medusa).
-        self._hidden: dict[str, torch.Tensor] | None = {} if proposer.info.uses_hidden_states else None
+        self._hidden: dict[str, torch.Tensor] | None = {} if drafter.info.uses_hidden_states else None
         self.round_times = RoundTimes()
         self.last_pass_rows = 0  # token rows the last verification pass computed (what the budget costs)
 
@@ -93,7 +93,7 @@ class SpeculativeRunner:
 
     def release(self, request: Request) -> None:
         self.target.release(request)
-        self.proposer.release(request)
+        self.drafter.release(request)
         self.budget.release(request)
         if self._hidden is not None:
             self._hidden.pop(request.request_id, None)
@@ -103,7 +103,7 @@ class SpeculativeRunner:
         # drop them; a drafter rebuilds a released request's state on its next round, and without a
         # hidden state the request's next round is a plain step that provides one.
         self.target.rollback(request, num_computed_tokens)
-        self.proposer.release(request)
+        self.drafter.release(request)
         if self._hidden is not None:
             self._hidden.pop(request.request_id, None)
 
@@ -112,14 +112,14 @@ class SpeculativeRunner:
 
     def kv_pools(self) -> dict[str, CachePoolProtocol]:
         pools = self.target.kv_pools()
-        if self.proposer.kv_pool is not None:
-            pools["draft"] = self.proposer.kv_pool
+        if self.drafter.kv_pool is not None:
+            pools["draft"] = self.drafter.kv_pool
         return pools
 
     def can_admit(self, request: Request, running: list[Request]) -> bool:
         # Verification writes up to max_verify + 1 positions past the kept length before rollback.
         extra = self.max_verify + 1
-        return self.target.can_admit(request, running, extra) and self.proposer.can_admit(request, running, extra)
+        return self.target.can_admit(request, running, extra) and self.drafter.can_admit(request, running, extra)
 
     # -- one speculative round -------------------------------------------------------------------
     def speculative_decode(self, requests: list[Request]) -> StepResult:
@@ -127,12 +127,12 @@ class SpeculativeRunner:
             return []
         budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests), strict=True)]
         start = device_clock(self.device)
-        proposal = self.proposer.propose(requests, budgets, self._hidden_of(requests)) if any(budgets) else None
+        proposal = self.drafter.propose(requests, budgets, self._hidden_of(requests)) if any(budgets) else None
         drafted = device_clock(self.device)
         times = self.round_times
         times.rounds += 1
         if any(budgets):
-            times.proposer_calls += 1
+            times.drafter_calls += 1
             times.propose_seconds += drafted - start
         batch = len(requests)
         grammar = None
@@ -143,7 +143,7 @@ class SpeculativeRunner:
             if grammar is not None:  # the grammar dropped every draft: the drafter keeps none of them
                 for request, count in zip(requests, grammar.drafted, strict=True):
                     if count:
-                        self.proposer.accepted(request, count, 0)
+                        self.drafter.accepted(request, count, 0)
             result = self._keep_hidden(self.target.decode(requests))
             elapsed = device_clock(self.device) - drafted
             times.plain_seconds += elapsed
@@ -155,7 +155,7 @@ class SpeculativeRunner:
             return result
         # A drafter that runs one step per token reports its clean per-step time (None: no clean
         # sample this round); otherwise drafting is one call per round, timed here.
-        draft_seconds = proposal.step_seconds if self.proposer.info.cost_per_token else drafted - start
+        draft_seconds = proposal.step_seconds if self.drafter.info.cost_per_token else drafted - start
         if draft_seconds is not None:
             self.budget.observe_draft_step(batch, draft_seconds)
         result = self.verify(requests, proposal, grammar)
@@ -357,14 +357,14 @@ class SpeculativeRunner:
     def _finish_round(self, requests: list[Request], proposed: list[int], judged: list[int], kept: list[int],
                       emitted: list[list[int]], drafted: list[int] | None = None,
                       logprobs: list[list[TokenLogprobs | None]] | None = None) -> StepResult:
-        """Roll the target cache back to g + the kept drafts, inform proposer/budget/metrics, emit.
+        """Roll the target cache back to g + the kept drafts, inform drafter/budget/metrics, emit.
         ``drafted``: what the drafter proposed, when a grammar dropped some drafts (default ``proposed``)."""
         outputs: StepResult = []
         for b, request in enumerate(requests):
             # The target cache now holds g and the accepted drafts; the final token stays pending.
             request.num_computed_tokens += 1 + kept[b]
             self.target.pool.truncate_to(request.slot, request.num_computed_tokens)  # type: ignore[arg-type]
-            self.proposer.accepted(request, proposed[b] if drafted is None else drafted[b], kept[b])
+            self.drafter.accepted(request, proposed[b] if drafted is None else drafted[b], kept[b])
             request.metrics.record_round(judged[b], kept[b], proposed[b])
             found = logprobs[b] if logprobs is not None else [None] * len(emitted[b])
             outputs.extend((request, StepOutput(t, lp)) for t, lp in zip(emitted[b], found, strict=True))
@@ -377,7 +377,7 @@ class SpeculativeRunner:
         states waits for the request's first one."""
         if self._hidden is not None and request.request_id not in self._hidden:
             return 0
-        if self.proposer.info.tree:
+        if self.drafter.info.tree:
             return min(budget, request.context_room)
         return min(budget, request.context_room, request.tokens_left)
 

@@ -3,7 +3,7 @@
 ``selection()`` picks the best variant this CPU runs (``build.VARIANTS``: AVX-512 with BF16, then
 AVX-512 float32), builds or loads it and probes its product against ``F.linear``; it never raises.
 Where nothing runs it says why, in one line per refused variant, and the models keep their PyTorch
-layers. ``infer.models.backend`` turns this into the execution backend a model runs on.
+layers. ``infer.backends`` turns this into the execution backend a model runs on.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer.backends import Backend, choose_backend
 from infer.loader.hub import DEFAULT_MODEL, is_gguf_file, resolve_model_path
 from infer.loader.tokenizer import Tokenizer
 from infer.loader.weights import load_safetensors
 from infer.models import MODEL_REGISTRY
-from infer.models.backend import Backend, choose_backend
 from infer.models.config import CheckpointError, ModelConfig
 from infer.models.layers import rope_inv_freq
 
@@ -95,7 +95,7 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
 
     ``fuse`` merges q/k/v and gate/up projections for faster inference; pass False to get the
     Hugging Face module layout (training, saving). ``pack`` gives a fused model on CPU the inference
-    form of ``backend`` (``models.backend``: ``auto``, ``torch``, ``cpu-kernels``; ``compile`` says
+    form of ``backend`` (``infer.backends``: ``auto``, ``torch``, ``cpu-kernels``; ``compile`` says
     it will run compiled), recorded as ``model.backend``; the default packs a fused CPU model.
     """
     path = resolve_model_path(ref)
@@ -157,9 +157,7 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     model.inv_freq = inv_freq.to(dev)
     if fuse:
         model.fuse_projections()
-    if pack:
-        model.pack_for_cpu(chosen)
-    model.backend = chosen
+    chosen.prepare(model)  # the backend's form of the model, recorded on it
     return model.eval(), config
 
 

@@ -10,16 +10,15 @@
   global layers see everything and use ``rope_theta`` (with any scaling);
 * attention scores are scaled by ``query_pre_attn_scalar ** -0.5``; logits optionally soft-capped.
 
-Gemma 3 runs layer by layer in PyTorch: the C decoder stack (``CpuStack``) implements the Llama
-block only (one norm kind, SiLU, one RoPE table, attention over every key), so ``pack_for_cpu``
-gives it the fast projections but never the stack.
+Gemma 3 runs layer by layer in PyTorch: the C decoder stack (``backends.cpu_kernels.CpuStack``)
+implements the Llama block only (one norm kind, SiLU, one RoPE table, attention over every key),
+so the CPU backend gives it the fast projections but declines it the stack.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +35,6 @@ from infer.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-
-if TYPE_CHECKING:
-    from infer.models.backend import Backend
 
 
 class GemmaRMSNorm(nn.Module):
@@ -156,10 +152,6 @@ class Gemma3ForCausalLM(DecoderOnlyLM):
             cos, sin = tables[self.config.layer_window(index) is not None]
             x = layer(x, cos, sin, None if kv is None else self.layer_kv(kv, index, positions))
         return self.model.norm(x)  # type: ignore[no-any-return]
-
-    def pack_for_cpu(self, backend: Backend) -> None:
-        super().pack_for_cpu(backend)
-        self.cpu_stack = None  # see the module docstring: the C stack computes the Llama block only
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

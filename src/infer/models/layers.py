@@ -1,7 +1,9 @@
 """Building blocks shared by every decoder-only architecture (Llama, Qwen2, Qwen3).
 
 Module names match Hugging Face's, so a checkpoint's state dict loads as it is and a trained model
-saves to the same names.
+saves to the same names. This is the math only: what runs it fast (oneDNN-packed weights, the C
+kernels, the whole decoder stack in one call, exact-greedy and compiled modes) is an execution
+backend (``infer.backends``) that prepares a loaded model and runs its forward passes.
 """
 
 from __future__ import annotations
@@ -9,30 +11,17 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infer.cache.protocol import KVBatch, LayerKV
-from infer.kernels.cpu import MAX_ROWS, GemvLinear, KernelLibrary, StackTable
 from infer.models.config import CheckpointError, ModelConfig
-
-if TYPE_CHECKING:
-    from infer.models.backend import Backend
 
 # enable_gqa arrived in torch 2.5; older versions repeat K/V heads instead.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-def _run_fused(kernels: KernelLibrary | None, *tensors: torch.Tensor) -> bool:
-    """Whether a module runs its CPU fused kernel: ``pack_for_cpu`` gave it the kernels, the inputs
-    are contiguous CPU tensors of a dtype they take, torch.compile is not tracing (Inductor fuses
-    these operators itself) and autograd does not need the operators recorded."""
-    return (kernels is not None and not torch.compiler.is_compiling()
-            and all(t.is_contiguous() and t.device.type == "cpu" and t.dtype in kernels.dtypes for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
 class RMSNorm(nn.Module):
@@ -40,11 +29,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernels: KernelLibrary | None = None  # set by DecoderOnlyLM.pack_for_cpu where the CPU kernels run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and _run_fused(self.kernels, x, self.weight):
-            return self.kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 like the reference implementation, then cast back. The mean of
         # squares is sum / dim: bit-identical to ``mean`` (which is exactly that) at a fraction of
         # its CPU cost, and F.rms_norm is no faster here (on CPU it decomposes into the same steps)
@@ -115,13 +101,18 @@ class Attention(nn.Module):
         self.window = config.layer_window(layer_idx)  # sliding-window attention (Mistral): how far back it sees
 
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): one matmul instead of three
-        self.kernels: KernelLibrary | None = None  # RoPE by the CPU kernel (pack_for_cpu)
-        # Set by models.invariant.make_exact: attention whose rows do not depend on the pass's shape.
+        # Attention over the cache (q [B, heads, T, D], keys, values, mask) in place of SDPA/FlexAttention:
+        # the one hook for another attention function (backends.exact: rows independent of the pass's shape).
         self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def fuse(self) -> None:
         """Merge q/k/v into one projection for inference (fewer, larger matmuls; same math)."""
         self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def rotate_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the q and k heads of the fused projection's output ``qkv`` [B, T, heads + 2 * kv_heads,
+        head_dim]: [B, T, heads + kv_heads, head_dim]."""
+        return apply_rope(qkv[:, :, : self.num_heads + self.num_kv_heads], cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
         batch, width, _ = x.shape
@@ -131,10 +122,7 @@ class Attention(nn.Module):
             # k and v are written to the cache straight from their rows (no split copies).
             qkv = self.qkv_proj(x).view(batch, width, heads + 2 * kv_heads, self.head_dim)
             if self.q_norm is None:
-                # The kernel reads q and k where they lie in the projection's output (contiguous).
-                fused = self.kernels is not None and _run_fused(self.kernels, qkv, cos, sin)
-                rope = self.kernels.rope if fused and self.kernels is not None else apply_rope
-                qk = rope(qkv[:, :, : heads + kv_heads], cos, sin)
+                qk = self.rotate_qk(qkv, cos, sin)
                 q, k = qk[:, :, :heads], qk[:, :, heads:]
             else:
                 q, k = qkv[:, :, :heads], qkv[:, :, heads: heads + kv_heads]
@@ -240,18 +228,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse()
-        self.kernels: KernelLibrary | None = None  # SwiGLU's activation by the CPU kernel (pack_for_cpu)
 
     def fuse(self) -> None:
         self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
 
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation on the fused projection's output [..., 2 * intermediate]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            if self.kernels is not None and _run_fused(self.kernels, gate_up):
-                return self.down_proj(self.kernels.silu_mul(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.activate(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -268,65 +256,9 @@ def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
-# Packing hint (the row count oneDNN lays the weight out for). bfloat16 is blocked for any hint;
-# float32 with a hint of 1 keeps the plain layout and an AVX2 kernel that runs ~2x slower than the
-# blocked AVX-512 one at 1 row and 3x at 6 rows (measured with ONEDNN_VERBOSE on the 2-core EPYC).
-_PACK_HINT = {torch.bfloat16: 1, torch.float32: 16}
-
-
-@functools.cache
-def cpu_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether this torch build can pre-pack ``dtype`` weights for oneDNN and gets the same products.
-
-    The two operators are the ones torch.compile's CPU backend uses for frozen linears; they are
-    internal, so they are probed once (present, and matching ``F.linear`` on a small case) rather
-    than trusted.
-    """
-    ops = torch.ops.mkldnn
-    if dtype not in _PACK_HINT or not (torch.backends.mkldnn.is_available()
-                                       and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
-        return False
-    try:
-        gen = torch.Generator().manual_seed(0)
-        weight = torch.randn(48, 32, generator=gen).to(dtype)
-        x = torch.randn(2, 3, 32, generator=gen).to(dtype)
-        packed = ops._linear_pointwise(x, ops._reorder_linear_weight(weight, _PACK_HINT[dtype]), None, "none", [], "")
-        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-        return bool(torch.allclose(packed.float(), F.linear(x, weight).float(), rtol=tol, atol=tol))
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-class PackedLinear(nn.Module):
-    """``nn.Linear`` for CPU inference (bfloat16 or float32) with the weight pre-packed in oneDNN's
-    blocked layout.
-
-    Decoding multiplies a handful of rows by each weight; with the weight laid out for the CPU's
-    vector instructions once, those products run 1.5-4x faster in bfloat16 than ``F.linear``
-    re-laying it out on every call. In float32 ``F.linear`` goes to MKL, whose sgemm takes the slow
-    generic path on AMD CPUs (about 2x slower at 1 row and up to 3x at the 6 rows of a verification
-    pass than oneDNN's AVX-512 kernel on the project's 2-core EPYC). The packed tensor is opaque: it
-    cannot be saved, trained or moved, so only ``DecoderOnlyLM.pack_for_cpu`` creates these.
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_numel = linear.weight.numel()
-        weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT[weight.dtype])
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:
-            return x.new_empty(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")  # type: ignore[no-any-return]
-
-
-def count_weights(model: nn.Module) -> int:
-    """Parameters, counting pre-packed linear weights (which are not ``nn.Parameter``s) too."""
-    packed = sum(m.weight_numel for m in model.modules() if isinstance(m, PackedLinear))
-    return packed + sum(p.numel() for p in model.parameters())
+def default_positions(input_ids: torch.Tensor) -> torch.Tensor:
+    """Positions 0..T-1 for every row of ``input_ids`` [B, T] (a pass over whole sequences)."""
+    return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
 
 
 class DecoderLayer(nn.Module):
@@ -340,82 +272,6 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class CpuStack:
-    """Every decoder layer as one C call (``KernelLibrary.decoder_stack``) for passes of up to
-    ``MAX_ROWS`` tokens: the same kernels in the same order as the layers' own forward, minus
-    the Python and PyTorch operators between them, and an attention that computes each token alone,
-    so a token's logits are the same bits in a decode step and in any verification pass. The
-    backend (``models.backend``) turns it on where it passed its probe against these layers."""
-
-    def __init__(self, library: KernelLibrary, table: StackTable) -> None:
-        self.library = library
-        self.table = table
-        self.dtype = table.dtype
-        # Passes of more rows run layer by layer (prefill: oneDNN's GEMM is faster there). Exact-greedy
-        # mode lifts the limit (None): every pass then computes a token the same way.
-        self.max_rows: int | None = MAX_ROWS
-
-    @classmethod
-    def build(cls, model: DecoderOnlyLM, library: KernelLibrary) -> CpuStack | None:
-        """The stack for ``model`` (fused, packed, CPU kernels on), or None where it does not apply:
-        a projection not on the kernel, a head too wide, more than 16 query heads per KV head, or
-        norms with different epsilons."""
-        from infer.kernels.cpu import MAX_STACK_GROUP, MAX_STACK_HEAD_DIM
-
-        config = model.config
-        layers = [layer for layer in model.model.layers if isinstance(layer, DecoderLayer)]
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        # The stack's attention sees every cached key, so sliding-window layers run layer by layer.
-        if (config.head_dim > MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers) or kv_heads < 1
-                or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads or config.sliding_window is not None):
-            return None
-        tensors: list[torch.Tensor | None] = []
-        eps = layers[0].input_layernorm.eps
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            if attn.q_norm is not None and attn.k_norm is not None:
-                norms += [attn.q_norm, attn.k_norm]
-            if (not all(isinstance(m, GemvLinear) for m in linears) or not all(isinstance(n, RMSNorm) for n in norms)
-                    or any(n.eps != eps for n in norms) or attn.attend is not None):
-                return None
-            qkv, o, gate_up, down = linears
-            tensors += [layer.input_layernorm.weight, qkv.weight, qkv.bias,  # type: ignore[union-attr]
-                        None if attn.q_norm is None else attn.q_norm.weight,
-                        None if attn.k_norm is None else attn.k_norm.weight,
-                        o.weight, o.bias, layer.post_attention_layernorm.weight,  # type: ignore[union-attr]
-                        gate_up.weight, gate_up.bias, down.weight, down.bias]  # type: ignore[union-attr]
-        shape = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=config.head_dim,
-                     inter=config.intermediate_size, layers=len(layers))
-        try:
-            table = StackTable(tensors, shape, eps, qk_norm=config.qk_norm)
-            table.addresses()  # checks every tensor now
-        except ValueError:
-            return None
-        return cls(library, table)
-
-    def takes(self, x: torch.Tensor, kv: KVBatch) -> bool:
-        """Whether this pass runs here: few enough rows, no FlexAttention mask, not traced by
-        torch.compile or recorded by autograd, and the activations and the cache on the CPU in the
-        weights' dtype (a model moved or cast after packing runs its layers)."""
-        return ((self.max_rows is None or x.shape[0] * x.shape[1] <= self.max_rows) and kv.block_mask is None
-                and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
-                and x.device.type == "cpu" and x.dtype == self.dtype == kv.k_layers[0].dtype
-                and kv.k_layers[0].device.type == "cpu" and self.table.tensors[0] is not None
-                and self.table.tensors[0].dtype == self.dtype and self.table.tensors[0].device.type == "cpu")
-
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch) -> torch.Tensor:
-        if kv.packed is not None:
-            # A ragged pass [1, N]: the stack finds a token's sequence by its row, so each token goes
-            # as a sequence of its own (same keys, same order: the same bits as a padded pass).
-            rows = x.shape[1]
-            out = self.library.decoder_stack(x.reshape(rows, 1, -1).contiguous(), cos.reshape(rows, 1, 1, -1).contiguous(),
-                                             sin.reshape(rows, 1, 1, -1).contiguous(), self.table, kv.per_token())
-            return out.view(x.shape)
-        return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv)
 
 
 class DecoderBody(nn.Module):
@@ -444,22 +300,30 @@ class DecoderOnlyLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.fused = False
-        self.cpu_stack: CpuStack | None = None  # set by pack_for_cpu where the whole stack runs in C
-        self.backend: Backend | None = None  # set by the loader: what runs the forward pass, and why
+        # The execution backend (infer.backends.Backend) that prepared this model, recorded by the
+        # loader for the engine and the runners; the math here never reads it.
+        self.backend: Any = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv: KVBatch | None = None) -> torch.Tensor:
         """``input_ids`` [B, T] -> final hidden states [B, T, hidden]."""
         if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            positions = default_positions(input_ids)
+        x, cos, sin = self.embed(input_ids, positions)
+        return self.model.norm(self.run_layers(x, cos, sin, positions, kv))  # type: ignore[no-any-return]
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token embeddings [B, T, hidden] and the RoPE tables every layer shares."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # type: ignore[arg-type]
-        if kv is not None and self.cpu_stack is not None and self.cpu_stack.takes(x, kv):
-            x = self.cpu_stack(x, cos, sin, kv)
-        else:
-            for index, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, None if kv is None else self.layer_kv(kv, index, positions))
-        return self.model.norm(x)
+        return x, cos, sin
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   kv: KVBatch | None) -> torch.Tensor:
+        """The decoder layers in order (before the final norm)."""
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, None if kv is None else self.layer_kv(kv, index, positions))
+        return x
 
     def layer_kv(self, kv: KVBatch, index: int, positions: torch.Tensor) -> LayerKV:
         """Layer ``index``'s view of the cache: a sliding-window layer's mask hides keys older than its window."""
@@ -483,35 +347,6 @@ class DecoderOnlyLM(nn.Module):
             for name in ("gate_proj", "up_proj"):
                 delattr(layer.mlp, name)
         self.fused = True
-
-    def pack_for_cpu(self, backend: Backend) -> None:
-        """Give every projection and the LM head the CPU inference form ``backend`` chose (fused
-        layout first): a ``GemvLinear`` on the C kernels, a oneDNN ``PackedLinear``, or plain
-        ``nn.Linear``; where the kernels run, RMSNorm, RoPE and SwiGLU's activation through them
-        too, and the whole decoder stack in one call where the backend probed it."""
-        if not self.fused:
-            raise RuntimeError("pack_for_cpu needs the fused inference layout (fuse_projections first)")
-        library = backend.library
-
-        def convert(linear: nn.Module) -> nn.Module:
-            if not isinstance(linear, nn.Linear) or isinstance(linear, GemvLinear):
-                return linear
-            if library is not None:
-                return GemvLinear(linear, library)
-            return PackedLinear(linear) if backend.onednn else linear
-
-        for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
-            attn.qkv_proj, attn.o_proj = convert(attn.qkv_proj), convert(attn.o_proj)  # type: ignore[assignment]
-            mlp.gate_up_proj, mlp.down_proj = convert(mlp.gate_up_proj), convert(mlp.down_proj)  # type: ignore[assignment]
-        self.lm_head = convert(self.lm_head)  # type: ignore[assignment]  # a packed head gets its own copy
-        if library is not None and backend.fused:
-            for module in self.modules():
-                if isinstance(module, (RMSNorm, Attention, MLP)):
-                    module.kernels = library
-        self.cpu_stack = CpuStack.build(self, library) if library is not None and backend.stack else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

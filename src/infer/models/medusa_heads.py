@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.fileio import publish_folder, staging_folder
-from infer.models.layers import PackedLinear, cpu_packing_available
 
 HEADS_FILE = "medusa_heads.safetensors"
 CONFIG_FILE = "medusa_config.json"
@@ -122,9 +122,10 @@ class MedusaHeads(nn.Module):
     def head_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
         return self.heads[k](hidden)  # type: ignore[no-any-return]
 
-    def fused(self) -> FusedHeads:
-        """An inference-only copy that runs all heads as a few batched matmuls (fewer kernel launches)."""
-        return FusedHeads(self)
+    def fused(self, pack: Callable[[nn.Linear], nn.Module] | None = None) -> FusedHeads:
+        """An inference-only copy that runs all heads as a few batched matmuls (fewer kernel launches);
+        ``pack`` gives the vocabulary projections an execution backend's form (``FusedHeads``)."""
+        return FusedHeads(self, pack)
 
     # -- files -----------------------------------------------------------------------------------
     def save(self, folder: str | os.PathLike[str]) -> Path:
@@ -169,10 +170,12 @@ class FusedHeads:
     1 + 2 * num_layers batched matmuls instead of K * (1 + num_layers) small ones. Heads trained
     with a frozen projection all hold the target's LM head: it is then kept once and applied to
     the K heads' states in one matmul, so drafting reads V x H weights once instead of K times.
-    In bfloat16 on CPU the projections are pre-packed for oneDNN, as the target's are.
+    ``pack`` turns each vocabulary projection into the module that runs it (the backend's form, e.g.
+    ``backends.onednn.PackedLinear`` in bfloat16 on CPU, as the target's are); None keeps one stacked
+    tensor.
     """
 
-    def __init__(self, heads: MedusaHeads) -> None:
+    def __init__(self, heads: MedusaHeads, pack: Callable[[nn.Linear], nn.Module] | None = None) -> None:
         modules = [h for h in heads.heads if isinstance(h, MedusaHead)]
         self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
@@ -186,11 +189,11 @@ class FusedHeads:
         self.num_heads = len(modules)
         self.dtype = projections[0].dtype
         distinct = modules[:1] if self.shared_projection else modules
-        # Either pre-packed projections (CPU bfloat16) or one stacked tensor, never both copies.
-        self.packed: list[PackedLinear] | None = None
+        # Either the backend's projection modules or one stacked tensor, never both copies.
+        self.packed: list[nn.Module] | None = None
         self.projection: torch.Tensor | None = None
-        if projections[0].device.type == "cpu" and self.dtype == torch.bfloat16 and cpu_packing_available():
-            self.packed = [PackedLinear(m.lm_head) for m in distinct]
+        if pack is not None:
+            self.packed = [pack(m.lm_head) for m in distinct]
         else:
             with torch.no_grad():  # [K or 1, H, V]
                 self.projection = torch.stack([m.lm_head.weight.transpose(0, 1) for m in distinct]).contiguous()

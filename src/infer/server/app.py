@@ -89,7 +89,7 @@ def build_app(config: EngineConfig, served_model_name: str, api_key: str | None,
     engine = Engine(config, say)
     if say is not None:
         spec = config.speculative
-        drafting = "" if spec is None else f", speculation {spec.method} (K={spec.length}, {spec.length_policy})"
+        drafting = "" if spec is None else f", speculation {spec.speculator} (K={spec.spec_length}, {spec.spec_length_policy})"
         say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
             f"{engine.pool.free_kv_tokens()} KV tokens{drafting}")
     return create_app(engine, served_model_name, api_key, **app_options)
@@ -108,7 +108,7 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: pass None to serve without a key")
     spec = engine.config.speculative
-    metrics = ServerMetrics(max_draft=spec.max_length if spec is not None else 0, model_name=served_model_name)
+    metrics = ServerMetrics(max_draft=spec.spec_length_limit if spec is not None else 0, model_name=served_model_name)
     block_size = getattr(engine.pool, "block_size", None)
     if block_size is not None:
         metrics.cache_config.set(1, (("block_size", str(block_size)),

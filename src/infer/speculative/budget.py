@@ -303,15 +303,15 @@ def _cost(nodes: int, per_node: float, overhead: float) -> float:
 class EntropyStop:
     """Entropy-adaptive draft length (EGAG): a chain stops once the draft model is unsure.
 
-    After at least ``gamma_min`` drafts, a row stops when the EMA-smoothed normalised entropy of
+    After at least ``spec_length_min`` drafts, a row stops when the EMA-smoothed normalised entropy of
     its draft distribution, H(q)/log|V|, exceeds ``threshold``: a flat q rarely survives
     verification, so further drafts would be wasted work. Only a drafter that drafts a chain from
     a distribution has a loop to stop; n-gram guesses are one-hot (entropy 0, never stopped) and
     Medusa drafts a whole tree in one call, so the engine refuses it there.
     """
 
-    def __init__(self, gamma_min: int, threshold: float, ema_beta: float = 0.5) -> None:
-        self.gamma_min = max(1, gamma_min)
+    def __init__(self, spec_length_min: int, threshold: float, ema_beta: float = 0.5) -> None:
+        self.spec_length_min = max(1, spec_length_min)
         self.threshold = threshold
         self.beta = ema_beta
         self._ema: dict[str, float] = {}
@@ -325,7 +325,7 @@ class EntropyStop:
             prev = self._ema.get(request.request_id, h)
             smoothed = self.beta * prev + (1 - self.beta) * h
             self._ema[request.request_id] = smoothed
-            keep.append(step < self.gamma_min or smoothed <= self.threshold)
+            keep.append(step < self.spec_length_min or smoothed <= self.threshold)
         return torch.tensor(keep, dtype=torch.bool)
 
     def release(self, request: Request) -> None:

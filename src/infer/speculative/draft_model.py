@@ -1,4 +1,4 @@
-"""Draft-model proposer: a small model with its own KV pool drafts tokens autoregressively."""
+"""Draft-model drafter: a small model with its own KV pool drafts tokens autoregressively."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from infer.loader.tokenizer import Tokenizer
 from infer.sampling.sampler import context_presence, output_counts, sample_rows
 from infer.sampling.transforms import SamplingBatch, argmax_only, probs_from_logits
 from infer.speculative.budget import EntropyStop
-from infer.speculative.proposer import DrafterInfo, Proposal, Proposer
+from infer.speculative.drafter import Drafter, DrafterInfo, Proposal
 
 
-class DraftModelProposer(Proposer):
+class DraftModelDrafter(Drafter):
     """Drafts with ``runner.model`` on ``runner.pool``; the draft cache is filled lazily.
 
     The draft cache of a request holds a prefix of its tokens. Each round first feeds whatever is

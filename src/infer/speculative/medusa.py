@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
+from infer.backends.onednn import projection_packer
 from infer.core.request import Request
 from infer.models.config import ModelConfig
 from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads
-from infer.speculative.proposer import DrafterInfo, Proposal, Proposer
+from infer.speculative.drafter import Drafter, DrafterInfo, Proposal
 from infer.speculative.tree import CandidateTree, build_tree, default_rank_accuracy
 
 
@@ -58,7 +59,7 @@ def load_medusa_heads(folder: str | None, target: str, target_config: ModelConfi
     return heads
 
 
-class MedusaProposer(Proposer):
+class MedusaDrafter(Drafter):
     """Drafts the best ``budgets[b]`` nodes of ``tree`` per request from the target's hidden state.
 
     A path never goes deeper than ``max_depth`` or than the tokens the request may still emit.
@@ -69,7 +70,7 @@ class MedusaProposer(Proposer):
         if tree.max_depth > heads.config.num_heads:
             raise ValueError(f"the candidate tree is {tree.max_depth} deep but there are only "
                              f"{heads.config.num_heads} heads")
-        self.heads = heads.fused()
+        self.heads = heads.fused(projection_packer(next(heads.parameters())))
         self.tree = tree
         self.device = torch.device(device)
         self.max_depth = max_depth

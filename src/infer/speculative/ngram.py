@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from infer.core.request import Request
-from infer.speculative.proposer import DrafterInfo, Proposal, Proposer, pad_proposals
+from infer.speculative.drafter import Drafter, DrafterInfo, Proposal, pad_proposals
 
 
 def _check_args(min_n: int, max_n: int, max_proposal: int | None = None) -> None:
@@ -77,7 +77,7 @@ class NgramIndex:
         return []
 
 
-class NgramProposer(Proposer):
+class NgramDrafter(Drafter):
     """Prompt-lookup drafting: continue the longest recent n-gram seen in the prompt or output.
 
     Proposals are deterministic guesses, so the rejection sampler treats q as one-hot: a guess is

@@ -29,14 +29,14 @@ from collections.abc import Hashable
 import torch
 
 from infer.core.request import Request
-from infer.speculative.proposer import DrafterInfo, Proposal, Proposer
+from infer.speculative.drafter import Drafter, DrafterInfo, Proposal
 from infer.speculative.suffix_trie import DraftTree, SuffixStore, SuffixTrie
 
 # Whose earlier requests a request may draft from: those with the same cache_salt, or none.
 SCOPES = ("salt", "request")
 
 
-class SuffixProposer(Proposer):
+class SuffixDrafter(Drafter):
     """Drafts a tree per request from a suffix store shared by the engine's requests (per tenant)."""
 
     def __init__(self, max_depth: int, tree_size: int = 24, max_match: int = 16, min_prob: float = 0.1,
@@ -60,7 +60,7 @@ class SuffixProposer(Proposer):
         # A match of max_match tokens must still leave room below it for a max_depth-deep tree.
         self.store = SuffixStore(max_match + max_depth, max_tokens, max_requests)  # shared (scope "salt")
         self._local: dict[str, SuffixTrie] = {}  # each running request's own prompt and output
-        # Drafting statistics over the proposer's life, warm-up requests included (``infer bench``).
+        # Drafting statistics over the drafter's life, warm-up requests included (``infer bench``).
         self.drafted_rounds = 0  # request-rounds that got a non-empty tree
         self.drafted_nodes = 0
 

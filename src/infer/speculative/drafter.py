@@ -1,4 +1,4 @@
-"""The drafter contract: every way of guessing tokens (draft model, n-gram, Medusa) is a ``Proposer``.
+"""The drafter contract: every way of guessing tokens (draft model, n-gram, Medusa) is a ``Drafter``.
 
 The engine's speculative runner (``engine/speculative_runner.py``) drives a drafter through this
 interface and nothing else:
@@ -24,9 +24,9 @@ interface and nothing else:
   ``Proposal.step_seconds``, apart from set-up work such as catching its cache up (None: no clean
   sample this round); for any other drafter the runner's timing of ``propose`` stands.
 
-Porting a drafter: subclass ``Proposer``, set ``self.info`` in ``__init__``, implement
+Porting a drafter: subclass ``Drafter``, set ``self.info`` in ``__init__``, implement
 ``propose`` (and ``accepted``/``release`` if it keeps per-request state), build it in
-``make_proposer`` in ``engine/drafters.py``. Nothing in this package imports the engine.
+``make_drafter`` in ``engine/drafters.py``. Nothing in this package imports the engine.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class DrafterInfo:
     cost_hint: float = 0.0  # prior for one draft step's time over one target decode step
 
 
-class Proposer(ABC):
+class Drafter(ABC):
     """Guesses up to ``budgets[b]`` next tokens for each request; learns what was accepted."""
 
     info: DrafterInfo = DrafterInfo()

@@ -12,7 +12,8 @@ The CPU matrix-vector kernel is an opaque custom operator to the compiler (``inf
 Inductor gains on CPU is fusing the small operators between the matmuls. oneDNN-packed linears
 (``PackedLinear``) cannot be compiled (Inductor's lowering expects a packed weight to be a graph
 constant it packed itself), so a model to compile is loaded with ``compile=True``
-(``models.backend``), which keeps plain ``nn.Linear`` where the C kernels do not run. It measured no faster
+(``backends.choose_backend``), which keeps plain ``nn.Linear`` where the C kernels do not run. The
+compiled forward is the layers' (the C decoder stack is a pass the compiler could not see into). It measured no faster
 than eager on the project's 2-core CPU (docs/benchmarks.md): the mode is for CUDA, where fusion
 and fewer kernel launches pay, and so that exactness holds, and is tested, in both modes.
 """
@@ -24,6 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+
+from infer.backends.backend import backend_of
+from infer.backends.onednn import PackedLinear
+from infer.models.layers import DecoderOnlyLM
 
 # Kinds of pass (batch of one or more, width one or more, mask or none, tree or chain, prefill
 # rows above the kernel's limit) can reach a few dozen graphs over a server's life; torch's default
@@ -63,11 +68,10 @@ def _install_progress() -> None:
 
 
 def compile_forward(model: nn.Module, say: Callable[[str], None] | None = None) -> None:
-    """Replace ``model.forward`` by its compiled form (in place; weights are shared, not copied).
+    """Replace ``model.forward`` by its compiled form (in place; weights are shared, not copied);
+    its backend then runs every pass through it, the C decoder stack no more.
     A model with oneDNN-packed linears is refused (ValueError): load it with ``compile=True``."""
     import torch._dynamo
-
-    from infer.models.layers import PackedLinear
 
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         raise ValueError("this model's linears are pre-packed for oneDNN, which torch.compile cannot lower; "
@@ -81,3 +85,6 @@ def compile_forward(model: nn.Module, say: Callable[[str], None] | None = None) 
         _reporter.append(say)
         say("torch.compile: each kind of pass compiles on first use (seconds to minutes; cached on disk)")
     model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
+    if isinstance(model, DecoderOnlyLM):
+        backend = backend_of(model)
+        backend.cpu_stack, backend.stack = None, False

@@ -16,7 +16,7 @@ the arithmetic (the idea of batch-invariant kernels: one reduction order whateve
   front, so it sees a decode step's blocks;
 * RoPE, residual adds and embeddings are elementwise already.
 
-Where the C decoder stack runs (``layers.CpuStack``: AVX-512 CPUs) none of this is needed: its
+Where the C decoder stack runs (``backends.cpu_kernels.CpuStack``: AVX-512 CPUs) none of this is needed: its
 kernels, the LM head's and the final norm's compute each token alone already, so the mode only
 lets them take every pass (prefill and large batches too, which by default go to oneDNN).
 
@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.backends.backend import backend_of
 from infer.cache import make_pool
 from infer.cache.protocol import build_kv_batch
 from infer.kernels.cpu import GemvLinear
@@ -168,13 +169,15 @@ def _packed_rows_share(scores: torch.Tensor, values_1: torch.Tensor, mask: torch
 
 
 def make_exact(model: DecoderOnlyLM, rows: int = ROWS) -> None:
-    """Switch a loaded model (fused or not, packed or not) to exact-greedy kernels, in place."""
+    """Switch a loaded model (fused or not, packed or not) to exact-greedy kernels, in place: its
+    row-wise modules wrapped in ``RowChunked`` and ``exact_attention`` as its attention function."""
     if isinstance(model.lm_head, RowChunked):
         return  # already exact
-    if model.cpu_stack is not None and isinstance(model.lm_head, GemvLinear):
+    stack = backend_of(model).cpu_stack
+    if stack is not None and isinstance(model.lm_head, GemvLinear):
         # The C stack, the LM head's kernel and the final norm's compute a row alike whatever the
         # row count: only their row limits (above which passes go to oneDNN) need lifting.
-        model.cpu_stack.max_rows = model.lm_head.max_rows = None
+        stack.max_rows = model.lm_head.max_rows = None
         return
     body = model.model
     for layer in body.layers:
@@ -215,13 +218,14 @@ def check_invariance(model: DecoderOnlyLM, seed: int = 0) -> None:
     tokens = torch.randint(config.vocab_size, (72,), generator=gen).tolist()
     other = torch.randint(config.vocab_size, (100,), generator=gen).tolist()
     first, second = pool.allocate(), pool.allocate()
+    backend = backend_of(model)
 
     def run(slots: list[int], runs: list[list[int]]) -> torch.Tensor:
         starts = [pool.seq_len(s) for s in slots]
         width = max(len(r) for r in runs)
         ids = torch.tensor([r + [0] * (width - len(r)) for r in runs], device=weight.device)
         positions = torch.tensor(starts, device=weight.device).unsqueeze(1) + torch.arange(width, device=weight.device)
-        return model(ids, positions, build_kv_batch(pool, slots, starts, [len(r) for r in runs]))  # type: ignore[no-any-return]
+        return backend.forward(model, ids, positions, build_kv_batch(pool, slots, starts, [len(r) for r in runs]))
 
     whole = run([first], [tokens])[0]
     pool.truncate_to(first, 0)

@@ -1,0 +1,278 @@
+"""The cpu-kernels backend's model form: the C kernels of ``infer.kernels`` in place of PyTorch's.
+
+``prepare`` (called by ``Backend.prepare``) turns a loaded, fused model into that form in place:
+
+* every plain ``nn.Linear`` becomes a ``GemvLinear`` (same weights; products of up to ``MAX_ROWS``
+  rows stream through the C kernel);
+* RMSNorm, the attention's RoPE and SwiGLU's activation become their ``Kernel*`` subclasses, whose
+  methods call the fused C operator where the inputs allow and the layer's own math otherwise
+  (the modules' class is swapped: the same weights, the same names, no copy);
+* ``CpuStack`` runs every decoder layer in one C call for passes of up to ``MAX_ROWS`` tokens.
+
+Only modules of exactly the Llama block's types are converted: another kind of linear (a quantized
+one) or of norm keeps its own forward, and ``CpuStack.build`` declines a model holding one, which
+then runs layer by layer. Each part was probed against the layers when the backend was chosen
+(``probe_fused``, ``probe_stack``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.cache import make_pool
+from infer.cache.protocol import KVBatch, build_kv_batch
+from infer.kernels.cpu import (
+    MAX_ROWS,
+    MAX_STACK_GROUP,
+    MAX_STACK_HEAD_DIM,
+    GemvLinear,
+    KernelLibrary,
+    StackTable,
+)
+from infer.models.config import ModelConfig
+from infer.models.layers import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    DecoderOnlyLM,
+    RMSNorm,
+    apply_rope,
+    default_positions,
+    rope_cos_sin,
+)
+
+
+def _run_fused(library: KernelLibrary, *tensors: torch.Tensor) -> bool:
+    """Whether a fused C operator takes these inputs: contiguous CPU tensors of a dtype it has,
+    torch.compile not tracing (Inductor fuses these operators itself) and autograd not needing
+    the operators recorded."""
+    return (not torch.compiler.is_compiling()
+            and all(t.is_contiguous() and t.device.type == "cpu" and t.dtype in library.dtypes for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+class KernelRMSNorm(RMSNorm):
+    library: KernelLibrary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _run_fused(self.library, x, self.weight):
+            return self.library.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+class KernelAttention(Attention):
+    library: KernelLibrary
+
+    def rotate_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The kernel reads q and k where they lie in the projection's output (contiguous).
+        if _run_fused(self.library, qkv, cos, sin):
+            return self.library.rope(qkv[:, :, : self.num_heads + self.num_kv_heads], cos, sin)
+        return super().rotate_qk(qkv, cos, sin)
+
+
+class KernelMLP(MLP):
+    library: KernelLibrary
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if _run_fused(self.library, gate_up):
+            return self.library.silu_mul(gate_up)
+        return super().activate(gate_up)
+
+
+# The layers' module types and their fused-kernel forms; subclasses (Gemma's) keep their own math.
+_FUSED_FORMS: dict[type[nn.Module], type[nn.Module]] = {RMSNorm: KernelRMSNorm, Attention: KernelAttention,
+                                                        MLP: KernelMLP}
+
+
+def prepare(model: DecoderOnlyLM, library: KernelLibrary, fused: bool) -> None:
+    """``model`` in the kernels' form, in place: its plain linears on the streaming kernel and, with
+    ``fused``, its norms, RoPE and SwiGLU activation on the fused operators."""
+    convert_linears(model, lambda linear: GemvLinear(linear, library))
+    if fused:
+        for module in model.modules():
+            form = _FUSED_FORMS.get(type(module))
+            if form is not None:
+                module.__class__ = form
+                module.library = library  # type: ignore[assignment]
+
+
+def convert_linears(model: nn.Module, convert: Callable[[nn.Linear], nn.Module]) -> None:
+    """Replace every module of type exactly ``nn.Linear`` in ``model`` by ``convert(linear)``. A subclass
+    (``GemvLinear``, a quantized linear) is left as it is: its forward is already its backend's."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, convert(child))
+
+
+class CpuStack:
+    """Every decoder layer as one C call (``KernelLibrary.decoder_stack``) for passes of up to
+    ``MAX_ROWS`` tokens: the same kernels in the same order as the layers' own forward, minus
+    the Python and PyTorch operators between them, and an attention that computes each token alone,
+    so a token's logits are the same bits in a decode step and in any verification pass. The
+    backend (``backends.Backend``) runs it where it passed its probe against the layers."""
+
+    def __init__(self, library: KernelLibrary, table: StackTable) -> None:
+        self.library = library
+        self.table = table
+        self.dtype = table.dtype
+        # Passes of more rows run layer by layer (prefill: oneDNN's GEMM is faster there). Exact-greedy
+        # mode lifts the limit (None): every pass then computes a token the same way.
+        self.max_rows: int | None = MAX_ROWS
+
+    @classmethod
+    def build(cls, model: DecoderOnlyLM, library: KernelLibrary) -> CpuStack | None:
+        """The stack for ``model`` (fused, in the kernels' form), or None where it does not apply: not
+        the Llama block (Gemma's layers, a sliding window), a projection not on the kernel (a quantized
+        one), a head too wide, more than 16 query heads per KV head, or norms with different epsilons."""
+        config = model.config
+        if type(model).forward is not DecoderOnlyLM.forward:  # an architecture with its own pass
+            return None
+        layers = [layer for layer in model.model.layers if type(layer) is DecoderLayer]
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        # The stack's attention sees every cached key, so sliding-window layers run layer by layer.
+        if (config.head_dim > MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers) or kv_heads < 1
+                or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads or config.sliding_window is not None):
+            return None
+        tensors: list[torch.Tensor | None] = []
+        eps = layers[0].input_layernorm.eps
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if attn.q_norm is not None and attn.k_norm is not None:
+                norms += [attn.q_norm, attn.k_norm]
+            if (type(attn) not in (Attention, KernelAttention) or type(mlp) not in (MLP, KernelMLP)
+                    or not all(isinstance(m, GemvLinear) for m in linears) or not all(isinstance(n, RMSNorm) for n in norms)
+                    or any(n.eps != eps for n in norms) or attn.attend is not None):
+                return None
+            qkv, o, gate_up, down = linears
+            tensors += [layer.input_layernorm.weight, qkv.weight, qkv.bias,  # type: ignore[union-attr]
+                        None if attn.q_norm is None else attn.q_norm.weight,
+                        None if attn.k_norm is None else attn.k_norm.weight,
+                        o.weight, o.bias, layer.post_attention_layernorm.weight,  # type: ignore[union-attr]
+                        gate_up.weight, gate_up.bias, down.weight, down.bias]  # type: ignore[union-attr]
+        shape = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=config.head_dim,
+                     inter=config.intermediate_size, layers=len(layers))
+        try:
+            table = StackTable(tensors, shape, eps, qk_norm=config.qk_norm)
+            table.addresses()  # checks every tensor now
+        except ValueError:
+            return None
+        return cls(library, table)
+
+    def takes(self, x: torch.Tensor, kv: KVBatch) -> bool:
+        """Whether this pass runs here: few enough rows, no FlexAttention mask, not traced by
+        torch.compile or recorded by autograd, and the activations and the cache on the CPU in the
+        weights' dtype (a model moved or cast after packing runs its layers)."""
+        return ((self.max_rows is None or x.shape[0] * x.shape[1] <= self.max_rows) and kv.block_mask is None
+                and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+                and x.device.type == "cpu" and x.dtype == self.dtype == kv.k_layers[0].dtype
+                and kv.k_layers[0].device.type == "cpu" and self.table.tensors[0] is not None
+                and self.table.tensors[0].dtype == self.dtype and self.table.tensors[0].device.type == "cpu")
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        if kv.packed is not None:
+            # A ragged pass [1, N]: the stack finds a token's sequence by its row, so each token goes
+            # as a sequence of its own (same keys, same order: the same bits as a padded pass).
+            rows = x.shape[1]
+            out = self.library.decoder_stack(x.reshape(rows, 1, -1).contiguous(), cos.reshape(rows, 1, 1, -1).contiguous(),
+                                             sin.reshape(rows, 1, 1, -1).contiguous(), self.table, kv.per_token())
+            return out.view(x.shape)
+        return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv)
+
+    def forward(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
+                kv: KVBatch) -> torch.Tensor:
+        """``model``'s forward pass with its decoder layers in one C call where ``takes`` allows."""
+        if positions is None:
+            positions = default_positions(input_ids)
+        x, cos, sin = model.embed(input_ids, positions)
+        x = self(x, cos, sin, kv) if self.takes(x, kv) else model.run_layers(x, cos, sin, positions, kv)
+        return model.model.norm(x)  # type: ignore[no-any-return]
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 2e-2 if dtype == torch.bfloat16 else 1e-5
+
+
+@functools.cache
+def probe_fused(library: KernelLibrary, dtype: torch.dtype) -> str | None:
+    """None if RMSNorm, RoPE and SwiGLU's activation in C agree with the layers' on a probe, else
+    which one did not."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 100, generator=gen).to(dtype)
+    norm = RMSNorm(100, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(100, generator=gen))
+    heads = torch.randn(2, 3, 5, 16, generator=gen).to(dtype)
+    cos, sin = rope_cos_sin(torch.rand(8, generator=gen), torch.arange(6).view(2, 3), dtype)
+    tol = _tolerance(dtype)
+    checks = {"RMSNorm": (library.rms_norm(x, norm.weight, norm.eps), norm(x)),
+              "RoPE": (library.rope(heads[:, :, :3], cos, sin), apply_rope(heads[:, :, :3], cos, sin)),
+              "SwiGLU": (library.silu_mul(x), F.silu(x[..., :50]) * x[..., 50:])}
+    for name, (ours, ref) in checks.items():
+        if not torch.allclose(ours.float(), ref.float(), rtol=tol, atol=tol):
+            return f"fused {name} failed its probe against the PyTorch layer: using the layers' operators"
+    return None
+
+
+# Tiny models the stack is probed on: grouped KV heads, two head dims (one a partial 16-lane
+# chunk), biases, and Qwen3's q/k norms.
+_STACK_PROBES = (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, qkv_bias=True, o_bias=True),
+                 dict(num_attention_heads=6, num_key_value_heads=2, head_dim=40, qk_norm=True, mlp_bias=True))
+
+
+@functools.cache
+def probe_stack(library: KernelLibrary, dtype: torch.dtype) -> str | None:
+    """None if the C decoder stack computes what the layers compute on tiny models (one on a paged
+    cache, one on a slotted one): prefills, a batched pass of uneven runs and a decode step; else
+    what differed."""
+    tol = _tolerance(dtype)
+    for case_index, case in enumerate(_STACK_PROBES):
+        config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=40,
+                             num_hidden_layers=2, max_position_embeddings=64, **case)  # type: ignore[arg-type]
+        gen = torch.Generator().manual_seed(case_index)
+        model = DecoderOnlyLM(config)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3 + (1.0 if param.dim() == 1 else 0.0))
+        model = model.to(dtype).eval()
+        model.fuse_projections()
+        prepare(model, library, fused=True)
+        stack = CpuStack.build(model, library)
+        if stack is None:
+            return f"the decoder stack does not take probe model {case_index}"
+        for cache in (("paged", "slotted")[case_index % 2],):  # each cache kind once: the probe runs at every load
+            outputs = [_probe_passes(model, stack, cache, dtype), _probe_passes(model, None, cache, dtype)]
+            for index, (ours, ref) in enumerate(zip(*outputs, strict=True)):
+                if not torch.allclose(ours, ref, rtol=tol, atol=4 * tol):
+                    return (f"decoder stack failed its probe against the PyTorch layers ({cache} cache, model "
+                            f"{case_index}, pass {index}, max error {(ours - ref).abs().max().item():.3g}): "
+                            "running layer by layer")
+    return None
+
+
+def _probe_passes(model: DecoderOnlyLM, stack: CpuStack | None, cache: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    config = model.config
+    pool = make_pool(cache, num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+                     head_dim=config.head_dim, max_seq_len=32, max_batch_size=2, block_size=4, num_blocks=None,
+                     dtype=dtype, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(7)
+    slots = [pool.allocate(), pool.allocate()]
+    out = []
+    with torch.inference_mode():
+        # Two prefills (the paged pool interleaves their blocks), a batched pass of uneven runs
+        # (padding, a mask, row tables) and a decode step of both.
+        for slots_now, lengths in (([slots[0]], [5]), ([slots[1]], [3]), (slots, [3, 1]), (slots, [1, 1])):
+            starts = [pool.seq_len(s) for s in slots_now]
+            ids = torch.randint(config.vocab_size, (len(slots_now), max(lengths)), generator=gen)
+            positions = torch.tensor(starts).unsqueeze(1) + torch.arange(max(lengths))
+            kv = build_kv_batch(pool, slots_now, starts, lengths)
+            hidden = model(ids, positions, kv) if stack is None else stack.forward(model, ids, positions, kv)
+            out.append(hidden.float())
+    return out
