@@ -261,6 +261,54 @@ def test_engine_frees_window_blocks_and_turns_prefix_caching_off(tiny_gemma3: Pa
     assert len(pool._free_local) == pool.num_local_blocks and pool.num_free_blocks() == pool.num_blocks
 
 
+def _storage_bytes(pool: PagedKVCachePool) -> int:
+    """The pool's K/V bytes, its scratch rows (one per layer tensor, owned by no sequence) left out."""
+    return sum((t.shape[0] - 1) * t[0].numel() * t.element_size() for t in pool.k_layers + pool.v_layers)
+
+
+def test_kv_budget_counts_what_sliding_window_layers_hold(tiny_gemma3: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under one byte budget, the same model with half its layers windowed gets a larger pool: the
+    local layers take only window + one pass per sequence, every other token costs the global
+    layers' K/V alone. Both pools stay within the budget, and the windowed one runs more requests at
+    once (the full-layer one cannot hold four of them) and gives back every block."""
+    from infer.engine import engine as engine_module
+
+    full = make_tiny_gemma3(tmp_path / "no_windows", layer_types=["full_attention"] * 4)
+    # 4 layers x 2 KV heads x 32 dims x (K and V) x 4 bytes = 2048 bytes per token when no layer slides
+    budget = 200 * 2048
+    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda _device: 2 * budget)
+    settings: dict[str, Any] = dict(dtype="float32", device="cpu", block_size=4, max_batch_size=4, max_seq_len=128,
+                                    max_prefill_tokens=16, kv_memory_fraction=0.5)
+    llms = {name: LLM(str(path), **settings) for name, path in (("windowed", tiny_gemma3), ("full", full))}
+    pools = {name: llm.engine.pool for name, llm in llms.items()}
+    assert all(isinstance(pool, PagedKVCachePool) for pool in pools.values())
+    windowed, plain = pools["windowed"], pools["full"]
+    assert isinstance(windowed, PagedKVCachePool) and isinstance(plain, PagedKVCachePool)
+    assert plain.free_kv_tokens() == 200 and not plain.local_layers
+    # window 8 + one 16-token pass + a block at the edge = 7 blocks of 4 per sequence, 4 sequences:
+    # 112 tokens at 2048 bytes, the remaining 180,224 bytes at the global layers' 1024
+    assert windowed.num_local_blocks == 28 and windowed.free_kv_tokens() == 112 + 176
+    for pool in (windowed, plain):
+        assert _storage_bytes(pool) <= budget
+    # 4 requests of about 60 tokens: within the windowed pool's 72 each, past the full-layer pool's 50
+    prompts = [f"{PROMPTS[0]} # {i}" for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    most_running: dict[str, int] = {}
+    for name, llm in llms.items():
+        for prompt in prompts:
+            llm.engine.add_request(prompt, params)
+        most = 0
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            most = max(most, pools[name].num_active)
+        most_running[name] = most
+    assert most_running["windowed"] == 4 > most_running["full"]
+    assert len(windowed._free_local) == windowed.num_local_blocks  # nothing leaked
+    for pool in (windowed, plain):
+        assert pool.num_active == 0 and pool.num_free_blocks() == pool.num_blocks
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
 def test_audit_passes_on_gemma3(tiny_gemma3: Path, gemma_draft: Path, drafter: str) -> None:
     from infer.audit import AuditSettings, run_audit

@@ -13,6 +13,12 @@ from infer.cache.slotted import SlottedKVCache
 KV_BACKENDS = ("paged", "slotted")
 
 
+def local_blocks_per_sequence(window: int, window_slack: int, max_pass_tokens: int, block_size: int) -> int:
+    """The most sliding-window blocks one sequence of a paged pool holds at once: the window, the
+    slack a pass may start past the committed length, one pass, and one block straddling the edge."""
+    return -(-(window + window_slack + max_pass_tokens) // block_size) + 1
+
+
 def make_pool(backend: str, *, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
               max_batch_size: int, block_size: int, num_blocks: int | None, dtype: torch.dtype,
               device: torch.device, layer_windows: Sequence[int | None] | None = None, window_slack: int = 0,
@@ -38,12 +44,12 @@ def make_pool(backend: str, *, num_layers: int, num_kv_heads: int, head_dim: int
     windows = [w for w in layer_windows or () if w is not None]
     local_blocks = None
     if windows and max_pass_tokens is not None:
-        per_sequence = -(-(max(windows) + window_slack + max_pass_tokens) // block_size) + 1
-        local_blocks = min(blocks, max_batch_size * per_sequence)
+        local_blocks = min(blocks, max_batch_size * local_blocks_per_sequence(max(windows), window_slack,
+                                                                              max_pass_tokens, block_size))
     return PagedKVCachePool(*shape, num_blocks=blocks, block_size=block_size, max_seq_len=max_seq_len,
                             dtype=dtype, device=device, layer_windows=layer_windows if windows else None,
                             window_slack=window_slack, num_local_blocks=local_blocks)
 
 
 __all__ = ["KV_BACKENDS", "CacheFullError", "CachePoolProtocol", "KVBatch", "PagedKVCachePool", "SlottedKVCache",
-           "build_kv_batch", "make_pool"]
+           "build_kv_batch", "local_blocks_per_sequence", "make_pool"]

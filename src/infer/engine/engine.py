@@ -14,7 +14,7 @@ import torch
 from infer.backends import backend_of
 from infer.backends.compiled import compile_forward
 from infer.backends.exact import check_invariance, make_exact
-from infer.cache import PagedKVCachePool, make_pool
+from infer.cache import PagedKVCachePool, local_blocks_per_sequence, make_pool
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.cuda_graphs import StepGraphs
 from infer.core.detokenizer import IncrementalDetokenizer
@@ -51,16 +51,64 @@ def free_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
+def kv_token_bytes(model_config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of one token's K and V in the model's global layers, and in its sliding-window layers."""
+    layers = model_config.num_hidden_layers
+    local = sum(model_config.layer_window(i) is not None for i in range(layers))
+    per_layer = 2 * model_config.num_key_value_heads * model_config.head_dim * dtype.itemsize
+    return (layers - local) * per_layer, local * per_layer
+
+
+def window_pass_bounds(config: EngineConfig, max_seq_len: int) -> tuple[int, int]:
+    """How far past a committed length a pass may start (a draft model's chain), and the most tokens
+    one pass appends (a prefill chunk, or a verification: a chain, or a tree of at most
+    ``_MAX_TREE_PASS`` nodes): what sliding-window layers hold beyond their window."""
+    spec = config.speculative
+    longest = config.max_prefill_tokens if config.chunked_prefill else max_seq_len
+    if spec is None:
+        return 0, longest
+    tree = {"medusa": spec.medusa_tree_size or _MAX_TREE_PASS, "suffix": spec.suffix_tree_size}
+    return spec.spec_length_limit + 1, max(longest, 1 + spec.spec_length_limit, 1 + tree.get(spec.speculator, 0))
+
+
 def kv_budget_tokens(config: EngineConfig, model_config: ModelConfig, device: torch.device,
-                     dtype: torch.dtype) -> tuple[int | None, str]:
-    """How many tokens' K/V fit in ``kv_memory_fraction`` of the free memory, and that as a sentence."""
+                     dtype: torch.dtype, local_tokens: int | None = None) -> tuple[int | None, str]:
+    """How many tokens' K/V fit in ``kv_memory_fraction`` of the free memory, and that as a sentence.
+
+    Sliding-window layers hold at most ``local_tokens`` positions in all (their paged blocks are
+    freed as the window moves on), so past that a token costs the global layers' K/V only; None:
+    they hold every token, as the slotted cache does.
+    """
     free = free_memory_bytes(device)
     if free is None:
         return None, "free memory unknown"
-    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim
-    tokens = int(config.kv_memory_fraction * free) // (per_token * dtype.itemsize)
+    budget = int(config.kv_memory_fraction * free)
+    global_bytes, local_bytes = kv_token_bytes(model_config, dtype)
+    if local_tokens is None or local_tokens * (global_bytes + local_bytes) >= budget:
+        tokens = budget // (global_bytes + local_bytes)
+    elif global_bytes == 0:  # every layer slides (Mistral): the windows fit, tokens are not what bounds the pool
+        return _UNBOUNDED, (f"KV budget {config.kv_memory_fraction:.0%} of {free / 2**30:.1f} GiB free "
+                            f"holds the sliding windows ({local_tokens:,} tokens)")
+    else:
+        tokens = local_tokens + (budget - local_tokens * (global_bytes + local_bytes)) // global_bytes
+    windowed = "" if local_tokens is None or not local_bytes else \
+        f" (sliding-window layers: at most {local_tokens:,})"
     return tokens, (f"KV budget {config.kv_memory_fraction:.0%} of {free / 2**30:.1f} GiB free "
-                    f"= {tokens:,} tokens")
+                    f"= {tokens:,} tokens{windowed}")
+
+
+_UNBOUNDED = 2**62  # a budget no pool reaches: only the sliding windows take memory
+
+
+def _local_tokens(config: EngineConfig, model_config: ModelConfig, max_seq_len: int, sequences: int) -> int | None:
+    """How many positions the sliding-window layers of a paged pool hold at most for ``sequences``
+    sequences (None: no such layers, or the slotted cache, which keeps every position)."""
+    windows = [w for i in range(model_config.num_hidden_layers) if (w := model_config.layer_window(i)) is not None]
+    if not windows or config.kv_cache_backend != "paged":
+        return None
+    slack, longest = window_pass_bounds(config, max_seq_len)
+    per_sequence = local_blocks_per_sequence(max(windows), slack, longest, config.block_size)
+    return sequences * per_sequence * config.block_size
 
 
 def choose_max_seq_len(config: EngineConfig, model_config: ModelConfig, device: torch.device,
@@ -72,7 +120,8 @@ def choose_max_seq_len(config: EngineConfig, model_config: ModelConfig, device: 
         if config.max_seq_len > limit:
             return limit, f"max_seq_len {config.max_seq_len} capped at the model's max_position_embeddings"
         return config.max_seq_len, "max_seq_len as configured"
-    budget, budget_text = kv_budget_tokens(config, model_config, device, dtype)
+    budget, budget_text = kv_budget_tokens(config, model_config, device, dtype,
+                                           local_tokens=_local_tokens(config, model_config, limit, 1))
     if budget is not None and config.kv_cache_backend == "slotted":
         budget //= config.max_batch_size
     if budget is None or budget >= limit:
@@ -323,26 +372,20 @@ class Engine:
         config = self.config
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.kv_cache_backend == "paged":
-            budget, _ = kv_budget_tokens(config, model_config, self.device, self.dtype)
+            # Sliding-window layers (Gemma 3, Mistral) free their blocks as the window moves on: the
+            # budget counts the blocks they can hold, and every other token at the global layers' cost.
+            local = _local_tokens(config, model_config, self.max_seq_len, config.max_batch_size)
+            budget, _ = kv_budget_tokens(config, model_config, self.device, self.dtype, local_tokens=local)
             if budget is not None:
                 per_sequence = -(-self.max_seq_len // config.block_size)
                 num_blocks = max(per_sequence, min(config.max_batch_size * per_sequence, budget // config.block_size))
-        # Sliding-window layers (Gemma 3, Mistral) free their blocks as the window moves on. A draft
-        # model's chain starts passes up to spec_length_limit past a committed length; the longest pass is a
-        # prefill chunk or a verification (a chain, or a tree of at most _MAX_TREE_PASS nodes).
-        spec = config.speculative
+        slack, longest = window_pass_bounds(config, self.max_seq_len)
         windows = [model_config.layer_window(i) for i in range(model_config.num_hidden_layers)]
-        longest = config.max_prefill_tokens if config.chunked_prefill else self.max_seq_len
-        if spec is not None:
-            tree = {"medusa": spec.medusa_tree_size or _MAX_TREE_PASS, "suffix": spec.suffix_tree_size}
-            longest = max(longest, 1 + spec.spec_length_limit, 1 + tree.get(spec.speculator, 0))
         return make_pool(config.kv_cache_backend, num_layers=model_config.num_hidden_layers,
                          num_kv_heads=model_config.num_key_value_heads, head_dim=model_config.head_dim,
                          max_seq_len=self.max_seq_len, max_batch_size=config.max_batch_size,
                          block_size=config.block_size, num_blocks=num_blocks, dtype=self.dtype,
-                         device=self.device, layer_windows=windows,
-                         window_slack=0 if spec is None else spec.spec_length_limit + 1,
-                         max_pass_tokens=longest)
+                         device=self.device, layer_windows=windows, window_slack=slack, max_pass_tokens=longest)
 
 
 # Medusa's tree comes with its heads (loaded after the pools): a bound on it for sizing sliding-window
