@@ -27,7 +27,10 @@ static inline __attribute__((always_inline)) void QFN(rows)(const uint8_t *const
         }
     for (int64_t b = 0; b < blocks; b++) {
         BlockScales s[JB];
-        for (int j = 0; j < JB; j++) QFN(prep)(w[j] + b * QT_BYTES, &s[j]);
+        for (int j = 0; j < JB; j++) {
+            QFN(prep)(w[j] + b * QT_BYTES, &s[j]);
+            __builtin_prefetch(w[j] + AHEAD * blocks * QT_BYTES + b * QT_BYTES);
+        }
         for (int c = 0; c < CHUNKS; c++) {
             const int64_t xb = b * CHUNKS + c;
             WVEC wv[JB];
