@@ -12,7 +12,7 @@ streams its weight from memory. The figure is GB/s of weight bytes read (the mod
 float32 weight is 7x a Q4_0 one) and the time per product; medians over the repeats.
 
     PYTHONPATH=src python -m infer.bench.quant_kernels [--qtype Q4_0] [--rows 1 6] [--threads 1 2]
-        [--repeats 7] [--json out.json]
+        [--repeats 7] [--quant-only] [--json out.json]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _copy_call(target: np.ndarray, source: np.ndarray, i: int) -> object:
 
 
 def run(qtype: str, out_features: int, in_features: int, rows: list[int], threads: list[int], repeats: int,
-        calls: int) -> dict[str, object]:
+        calls: int, quant_only: bool = False) -> dict[str, object]:
     generator = torch.Generator().manual_seed(0)
     qt = quant.quant_type(qtype)
     raw = quant.random_blocks(qt.name, out_features, in_features, generator)
@@ -112,12 +112,13 @@ def run(qtype: str, out_features: int, in_features: int, rows: list[int], thread
             for name, kernels, weights in variants:
                 modes[f"quant {name} {qt.name}"] = (functools.partial(_quant_call, kernels, weights, x, t), q_copies,
                                                     q_bytes)
-            modes["F.linear float32"] = (functools.partial(_dense_call, denses, x), f_copies, dense.numel() * 4)
-            modes["aten int8pack_mm"] = (functools.partial(_int8_call, int8s, int8_scales, x), i8_copies,
-                                         int8.numel() + 4 * out_features)
-            modes["aten int4pack_mm_for_cpu"] = (functools.partial(_int4_call, int4s, int4_scales, x), i4_copies,
-                                                 int4.numel() + int4_scales.numel() * 4)
-            modes["numpy copy (bandwidth)"] = (functools.partial(_copy_call, target, buffer), 1, buffer.nbytes)
+            if not quant_only:
+                modes["F.linear float32"] = (functools.partial(_dense_call, denses, x), f_copies, dense.numel() * 4)
+                modes["aten int8pack_mm"] = (functools.partial(_int8_call, int8s, int8_scales, x), i8_copies,
+                                             int8.numel() + 4 * out_features)
+                modes["aten int4pack_mm_for_cpu"] = (functools.partial(_int4_call, int4s, int4_scales, x), i4_copies,
+                                                     int4.numel() + int4_scales.numel() * 4)
+                modes["numpy copy (bandwidth)"] = (functools.partial(_copy_call, target, buffer), 1, buffer.nbytes)
             seconds: dict[str, list[float]] = {name: [] for name in modes}
             previous = torch.get_num_threads()
             torch.set_num_threads(t)
@@ -144,9 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--calls", type=int, default=20, help="products timed per repeat and mode")
+    parser.add_argument("--quant-only", action="store_true", help="time the quantized kernels only")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
-    report = run(args.qtype, args.out_features, args.in_features, args.rows, args.threads, args.repeats, args.calls)
+    report = run(args.qtype, args.out_features, args.in_features, args.rows, args.threads, args.repeats, args.calls,
+                 args.quant_only)
     print(f"{report['qtype']} weight [{args.out_features} x {args.in_features}], medians of {args.repeats} "
           f"interleaved repeats x {args.calls} products")
     print(f"{'mode':34} {'rows':>4} {'thr':>3} {'ms':>8} {'GB/s':>7}")

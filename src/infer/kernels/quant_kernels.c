@@ -83,6 +83,8 @@
  *   dot_s2(w, x, s0, s1)  both signed, the first 16 products times s0 and the last 16 times s1
  *   facc_set1(f), facc_mul(a, b)   f in every lane; a * b lane-wise
  *   facc_fma(acc, v, s)   acc + float(v) * s, lane-wise;  facc_sum(acc): its lanes' sum, one tree
+ *   F8: 8 floats (a K super-block's chunk mins): f8_zero, f8_load(p), f8_fma(a, b, c) = a * b + c, f8_sum,
+ *   f8_bytes(u) (the 8 bytes of u, low first, as floats), f8_scale(a, f) = a * f
  */
 #if defined(Q_X86)
 typedef __m256i WVEC;
@@ -136,7 +138,15 @@ static inline FACC facc_zero(void) { return _mm256_setzero_ps(); }
 static inline FACC facc_set1(float f) { return _mm256_set1_ps(f); }
 static inline FACC facc_mul(FACC a, FACC b) { return _mm256_mul_ps(a, b); }
 static inline FACC facc_fma(FACC acc, IACC v, FACC s) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, acc); }
-static inline float facc_sum(FACC v) {
+typedef __m256 F8;
+static inline F8 f8_zero(void) { return _mm256_setzero_ps(); }
+static inline F8 f8_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline F8 f8_fma(F8 a, F8 b, F8 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline F8 f8_bytes(uint64_t u) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)u))); }
+static inline F8 f8_scale(F8 a, float f) { return _mm256_mul_ps(a, _mm256_set1_ps(f)); }
+static inline float f8_sum(F8 v);
+static inline float facc_sum(FACC v) { return f8_sum(v); }
+static inline float f8_sum(F8 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
@@ -194,6 +204,16 @@ static inline FACC facc_set1(float f) { return vdupq_n_f32(f); }
 static inline FACC facc_mul(FACC a, FACC b) { return vmulq_f32(a, b); }
 static inline FACC facc_fma(FACC acc, IACC v, FACC s) { return vfmaq_f32(acc, vcvtq_f32_s32(v), s); }
 static inline float facc_sum(FACC v) { return vaddvq_f32(v); }
+typedef float32x4x2_t F8;
+static inline F8 f8_zero(void) { return (F8){{vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)}}; }
+static inline F8 f8_load(const float *p) { return (F8){{vld1q_f32(p), vld1q_f32(p + 4)}}; }
+static inline F8 f8_fma(F8 a, F8 b, F8 c) { return (F8){{vfmaq_f32(c.val[0], a.val[0], b.val[0]), vfmaq_f32(c.val[1], a.val[1], b.val[1])}}; }
+static inline float f8_sum(F8 v) { return vaddvq_f32(vaddq_f32(v.val[0], v.val[1])); }
+static inline F8 f8_bytes(uint64_t u) {
+    uint16x8_t wide = vmovl_u8(vcreate_u8(u));
+    return (F8){{vcvtq_f32_u32(vmovl_u16(vget_low_u16(wide))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(wide)))}};
+}
+static inline F8 f8_scale(F8 a, float f) { return (F8){{vmulq_n_f32(a.val[0], f), vmulq_n_f32(a.val[1], f)}}; }
 
 #else /* portable C */
 typedef struct { int8_t v[QK]; } WVEC;
@@ -251,6 +271,13 @@ static inline FACC facc_set1(float f) { return f; }
 static inline FACC facc_mul(FACC a, FACC b) { return a * b; }
 static inline FACC facc_fma(FACC acc, IACC v, FACC s) { return acc + (float)v * s; }
 static inline float facc_sum(FACC v) { return v; }
+typedef struct { float v[8]; } F8;
+static inline F8 f8_zero(void) { F8 a; for (int l = 0; l < 8; l++) a.v[l] = 0.0f; return a; }
+static inline F8 f8_load(const float *p) { F8 a; memcpy(a.v, p, sizeof a.v); return a; }
+static inline F8 f8_fma(F8 a, F8 b, F8 c) { for (int l = 0; l < 8; l++) c.v[l] += a.v[l] * b.v[l]; return c; }
+static inline float f8_sum(F8 v) { float t = 0.0f; for (int l = 0; l < 8; l++) t += v.v[l]; return t; }
+static inline F8 f8_bytes(uint64_t u) { F8 a; for (int l = 0; l < 8; l++) a.v[l] = (float)((u >> (8 * l)) & 0xff); return a; }
+static inline F8 f8_scale(F8 a, float f) { for (int l = 0; l < 8; l++) a.v[l] *= f; return a; }
 #endif
 
 static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
@@ -264,6 +291,8 @@ static inline uint32_t read_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
 typedef struct {
     float d, dmin;
     float scale[8], min[8]; /* K types: d * sc[c], -dmin * m[c] per 32-element chunk */
+    F8 mins;                /* Q4_K, Q5_K: min[0..7] as a vector (computed as one, not loaded back from min[]:
+                               8 scalar stores read by one vector load stall the store forwarding) */
 } BlockScales;
 
 /* Q8_0 {fp16 d; int8 qs[32]}: d * q */
@@ -301,21 +330,19 @@ static inline WVEC chunk_q5_0(const uint8_t *b, const BlockScales *s, int c, flo
 /* Q4_K and Q5_K: {fp16 d, dmin; uint8 scales[12]; (Q5_K: uint8 qh[32];) uint8 qs[128]}; chunk c
  * (32 elements) is d * sc[c] * q - dmin * m[c], sc and m six bits each, packed in scales. */
 static inline void prep_k_scales(const uint8_t *b, BlockScales *s) {
-    const uint8_t *q = b + 4;
     s->d = fp16_to_f32(read_u16(b));
     s->dmin = fp16_to_f32(read_u16(b + 2));
+    /* the eight 6-bit scales and mins, a byte each: chunks 0-3 are the low six bits of bytes 0-3
+     * (scales) and 4-7 (mins); chunks 4-7 take four bits from bytes 8-11 and their top two bits
+     * from the top of bytes 0-3 / 4-7 */
+    uint32_t a = read_u32(b + 4), m = read_u32(b + 8), c = read_u32(b + 12);
+    uint64_t scales = (uint64_t)(a & 0x3f3f3f3fu) | (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+    uint64_t mins = (uint64_t)(m & 0x3f3f3f3fu) | (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((m >> 2) & 0x30303030u)) << 32;
     for (int j = 0; j < 8; j++) {
-        int sc, m;
-        if (j < 4) {
-            sc = q[j] & 63;
-            m = q[j + 4] & 63;
-        } else {
-            sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-            m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        }
-        s->scale[j] = s->d * (float)sc;
-        s->min[j] = -(s->dmin * (float)m);
+        s->scale[j] = s->d * (float)((scales >> (8 * j)) & 0xff);
+        s->min[j] = -(s->dmin * (float)((mins >> (8 * j)) & 0xff));
     }
+    s->mins = f8_scale(f8_bytes(mins), -s->dmin); /* (-dmin) * m == -(dmin * m), bit for bit */
 }
 static inline void prep_q4_k(const uint8_t *b, BlockScales *s) { prep_k_scales(b, s); }
 static inline WVEC chunk_q4_k(const uint8_t *b, const BlockScales *s, int c, float *scale, float *min, int *s0, int *s1) {

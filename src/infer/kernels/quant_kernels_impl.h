@@ -9,6 +9,8 @@
 #define QCAT(a, b) QCAT_(a, b)
 #define QFN(name) QCAT(name, QTYPE)
 #define CHUNKS (QT_ELEMS / QK)
+/* Q4_K, Q5_K: a super-block's 8 chunk mins meet the row's 8 block sums in one vector multiply-add */
+#define KMIN (QT_HAS_MIN && CHUNKS == 8)
 
 /* JB weight rows (w[j], `blocks` blocks each) against R quantized input rows; out[r][j] = their
  * dot product. Always inlined with a constant R at each call, so the R x JB accumulators stay in
@@ -20,10 +22,12 @@ static inline __attribute__((always_inline)) void QFN(rows)(const uint8_t *const
     const int64_t xblocks = blocks * CHUNKS;
     FACC acc[RB][JB];
     float macc[RB][JB];
+    F8 kmin[RB][JB];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < JB; j++) {
             acc[r][j] = facc_zero();
             macc[r][j] = 0.0f;
+            if (KMIN) kmin[r][j] = f8_zero();
         }
     for (int64_t b = 0; b < blocks; b++) {
         BlockScales s[JB];
@@ -31,6 +35,13 @@ static inline __attribute__((always_inline)) void QFN(rows)(const uint8_t *const
             QFN(prep)(w[j] + b * QT_BYTES, &s[j]);
             __builtin_prefetch(w[j] + AHEAD * blocks * QT_BYTES + b * QT_BYTES);
         }
+        if (KMIN)
+            for (int r = 0; r < R; r++) {
+                F8 sums = f8_load(sx + r * xblocks + b * CHUNKS);
+                for (int j = 0; j < JB; j++) kmin[r][j] = f8_fma(s[j].mins, sums, kmin[r][j]);
+            }
+        /* unrolled: each chunk's nibble half, bit shift and scale index become constants */
+#pragma GCC unroll 8
         for (int c = 0; c < CHUNKS; c++) {
             const int64_t xb = b * CHUNKS + c;
             WVEC wv[JB];
@@ -50,13 +61,15 @@ static inline __attribute__((always_inline)) void QFN(rows)(const uint8_t *const
                 FACC d = facc_set1(dx[r * xblocks + xb]);
                 for (int j = 0; j < JB; j++) {
                     acc[r][j] = facc_fma(acc[r][j], QT_DOT(wv[j], xv, s0[j], s1[j]), facc_mul(wscale[j], d));
-                    if (QT_HAS_MIN) macc[r][j] += min[j] * sx[r * xblocks + xb];
+                    if (QT_HAS_MIN && !KMIN) macc[r][j] += min[j] * sx[r * xblocks + xb];
                 }
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < JB; j++) out[r][j] = QT_HAS_MIN ? facc_sum(acc[r][j]) + macc[r][j] : facc_sum(acc[r][j]);
+        for (int j = 0; j < JB; j++)
+            out[r][j] = KMIN ? facc_sum(acc[r][j]) + f8_sum(kmin[r][j])
+                        : QT_HAS_MIN ? facc_sum(acc[r][j]) + macc[r][j] : facc_sum(acc[r][j]);
 }
 
 /* y[m, n] = x[m, k] @ W^T (+ bias[n]); W: n rows of k / QT_ELEMS blocks. Returns 0, or 1 where
@@ -129,6 +142,7 @@ void QFN(quant_dequantize_rows)(const uint8_t *w, int64_t k, const int64_t *ids,
 }
 
 #undef CHUNKS
+#undef KMIN
 #undef QFN
 #undef QCAT
 #undef QCAT_
