@@ -291,6 +291,7 @@ static inline uint32_t read_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
 typedef struct {
     float d, dmin;
     float scale[8], min[8]; /* K types: d * sc[c], -dmin * m[c] per 32-element chunk */
+    F8 lane[2];             /* Q6_K on x86: d * scales[0..7], d * scales[8..15] */
     F8 mins;                /* Q4_K, Q5_K: min[0..7] as a vector (computed as one, not loaded back from min[]:
                                8 scalar stores read by one vector load stall the store forwarding) */
 } BlockScales;
@@ -360,7 +361,15 @@ static inline WVEC chunk_q5_k(const uint8_t *b, const BlockScales *s, int c, flo
 }
 /* Q6_K {uint8 ql[128]; uint8 qh[64]; int8 scales[16]; fp16 d}: d * scales[i] * (q - 32) per 16
  * elements, q = four bits of ql | two bits of qh << 4. */
-static inline void prep_q6_k(const uint8_t *b, BlockScales *s) { s->d = fp16_to_f32(read_u16(b + 208)); }
+static inline void prep_q6_k(const uint8_t *b, BlockScales *s) {
+    s->d = fp16_to_f32(read_u16(b + 208));
+#ifdef Q_X86
+    __m128i scales = _mm_loadu_si128((const __m128i *)(b + 192));
+    __m256 d = _mm256_set1_ps(s->d);
+    s->lane[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)), d);
+    s->lane[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))), d);
+#endif
+}
 static inline WVEC chunk_q6_k(const uint8_t *b, const BlockScales *s, int c, float *scale, float *min, int *s0, int *s1) {
     (void)min;
     int half = c / 4, k = c % 4;
@@ -370,6 +379,18 @@ static inline WVEC chunk_q6_k(const uint8_t *b, const BlockScales *s, int c, flo
     *s1 = scales[1];
     return w_sub(w_or(w_nib32(b + 64 * half + 32 * (k & 1), k >> 1), w_high32(b + 128 + 32 * half, 2 * k, 3)), 32);
 }
+#ifdef Q_X86
+/* On x86 Q6_K's two scales per chunk are float lanes rather than integer factors: a chunk's dot
+ * product lanes 0-3 hold its first 16 elements' partial sums and lanes 4-7 the last 16's, so
+ * they meet [d * sc0 x4, d * sc1 x4] (one permute of the super-block's scales) in the float
+ * multiply-add the other types do anyway, and the integer product is the plain one. */
+#define Q6K_LANE_SCALES 1
+static inline FACC q6_k_lane_scales(const BlockScales *s, int c) {
+    int half = c / 4, k = c % 4;
+    return _mm256_permutevar8x32_ps(s->lane[half], _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1,
+                                                                      2 * k + 1, 2 * k + 1));
+}
+#endif
 
 /* ---------------------------------------------------------------------------------------------
  * Activations: each row's 32-element blocks to int8 with d = max|x| / 127 and q = round-to-even
@@ -434,7 +455,12 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, floa
 #define QT_ELEMS 256
 #define QT_BYTES 210
 #define QT_HAS_MIN 0
+#ifdef Q6K_LANE_SCALES
+#define QT_LANE_SCALES 1
+#define QT_DOT(w, x, s0, s1) dot_s(w, x)
+#else
 #define QT_DOT(w, x, s0, s1) dot_s2(w, x, s0, s1)
+#endif
 #include "quant_kernels_impl.h"
 
 /* What Python checks at load: the ISA this build holds, the types and their block sizes, the

@@ -2,7 +2,8 @@
  *
  * Before including, quant_kernels.c defines QTYPE (the type's suffix: q4_0...), QT_ELEMS and
  * QT_BYTES (elements and bytes per block), QT_HAS_MIN (1: values have a float min term) and
- * QT_DOT(w, x, s0, s1) (the int8 dot product its lanes need), and prep_<QTYPE>/chunk_<QTYPE>.
+ * QT_DOT(w, x, s0, s1) (the int8 dot product its lanes need), and prep_<QTYPE>/chunk_<QTYPE>;
+ * QT_LANE_SCALES where each chunk's float scales differ per lane (q6_k_lane_scales).
  * Every function below is named <name>_<QTYPE>; the defines are undone at the end.
  */
 #define QCAT_(a, b) a##_##b
@@ -55,7 +56,11 @@ static inline __attribute__((always_inline)) void QFN(rows)(const uint8_t *const
             /* the scales broadcast once per chunk and row, multiplied lane-wise (the same float
              * product as scale * dx, one instruction instead of a multiply and a broadcast) */
             FACC wscale[JB];
+#ifdef QT_LANE_SCALES
+            for (int j = 0; j < JB; j++) wscale[j] = q6_k_lane_scales(&s[j], c);
+#else
             for (int j = 0; j < JB; j++) wscale[j] = facc_set1(scale[j]);
+#endif
             for (int r = 0; r < R; r++) {
                 WVEC xv = x_load(xq + (r * xblocks + xb) * QK);
                 FACC d = facc_set1(dx[r * xblocks + xb]);
@@ -151,3 +156,4 @@ void QFN(quant_dequantize_rows)(const uint8_t *w, int64_t k, const int64_t *ids,
 #undef QT_BYTES
 #undef QT_HAS_MIN
 #undef QT_DOT
+#undef QT_LANE_SCALES
