@@ -92,9 +92,9 @@ typedef __m256i IACC;
 typedef __m256 FACC;
 static inline float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 static inline WVEC w_load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline WVEC w_nib16(const uint8_t *p) {
-    __m128i q = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+static inline WVEC w_nib16(const uint8_t *p) { /* the 16 bytes in both halves, the upper one shifted by 4 */
+    __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0f));
 }
 static inline WVEC w_nib32(const uint8_t *p, int hi) {
     __m256i q = w_load32(p);
