@@ -305,10 +305,13 @@ static inline WVEC chunk_q8_0(const uint8_t *b, const BlockScales *s, int c, flo
 }
 /* Q4_0 {fp16 d; uint8 qs[16]}: d * (nibble - 8), low nibbles first */
 static inline void prep_q4_0(const uint8_t *b, BlockScales *s) { s->d = fp16_to_f32(read_u16(b)); }
-static inline WVEC chunk_q4_0(const uint8_t *b, const BlockScales *s, int c, float *scale, float *min, int *s0, int *s1) {
+static inline WVEC chunk_u_q4_0(const uint8_t *b, const BlockScales *s, int c, float *scale, float *min, int *s0, int *s1) {
     (void)c, (void)min, (void)s0, (void)s1;
     *scale = s->d;
-    return w_sub(w_nib16(b + 2), 8);
+    return w_nib16(b + 2);
+}
+static inline WVEC chunk_q4_0(const uint8_t *b, const BlockScales *s, int c, float *scale, float *min, int *s0, int *s1) {
+    return w_sub(chunk_u_q4_0(b, s, c, scale, min, s0, s1), 8);
 }
 /* Q4_1 {fp16 d, m; uint8 qs[16]}: d * nibble + m */
 static inline void prep_q4_1(const uint8_t *b, BlockScales *s) {
@@ -323,10 +326,13 @@ static inline WVEC chunk_q4_1(const uint8_t *b, const BlockScales *s, int c, flo
 }
 /* Q5_0 {fp16 d; uint32 qh; uint8 qs[16]}: d * ((nibble | bit << 4) - 16) */
 static inline void prep_q5_0(const uint8_t *b, BlockScales *s) { s->d = fp16_to_f32(read_u16(b)); }
-static inline WVEC chunk_q5_0(const uint8_t *b, const BlockScales *s, int c, float *scale, float *min, int *s0, int *s1) {
+static inline WVEC chunk_u_q5_0(const uint8_t *b, const BlockScales *s, int c, float *scale, float *min, int *s0, int *s1) {
     (void)c, (void)min, (void)s0, (void)s1;
     *scale = s->d;
-    return w_sub(w_or(w_nib16(b + 6), w_bits32(read_u32(b + 2))), 16);
+    return w_or(w_nib16(b + 6), w_bits32(read_u32(b + 2)));
+}
+static inline WVEC chunk_q5_0(const uint8_t *b, const BlockScales *s, int c, float *scale, float *min, int *s0, int *s1) {
+    return w_sub(chunk_u_q5_0(b, s, c, scale, min, s0, s1), 16);
 }
 /* Q4_K and Q5_K: {fp16 d, dmin; uint8 scales[12]; (Q5_K: uint8 qh[32];) uint8 qs[128]}; chunk c
  * (32 elements) is d * sc[c] * q - dmin * m[c], sc and m six bits each, packed in scales. */
@@ -395,23 +401,29 @@ static inline FACC q6_k_lane_scales(const BlockScales *s, int c) {
 /* ---------------------------------------------------------------------------------------------
  * Activations: each row's 32-element blocks to int8 with d = max|x| / 127 and q = round-to-even
  * of x * (1 / d) (infer.kernels.quant.quantize_activations mirrors this exactly), and the block's
- * d * sum(q) for the types with a min. Row-wise: a row's blocks depend on that row only. */
-static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx, float *sx) {
+ * d * sum(q) for the types with a min. Row-wise: a row's blocks depend on that row only.
+ * With VNNI, Q4_0 and Q5_0 multiply their unsigned values (vpdpbusd's unsigned operand, no sign
+ * trick per row) with the dot product started at -offset * x's lane sums: the same integers. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx, float *sx, int32_t *init,
+                          int offset) {
     int64_t blocks = k / QK;
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const float *v = x + r * k + b * QK;
+            int8_t *q = xq + (r * blocks + b) * QK;
             float amax = 0.0f;
             for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(v[l]));
             float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
             int32_t sum = 0;
             for (int l = 0; l < QK; l++) {
-                int32_t q = (int32_t)nearbyintf(v[l] * inverse);
-                xq[(r * blocks + b) * QK + l] = (int8_t)q;
-                sum += q;
+                q[l] = (int8_t)nearbyintf(v[l] * inverse);
+                sum += q[l];
             }
             dx[r * blocks + b] = d;
             sx[r * blocks + b] = d * (float)sum;
+            if (init) /* -offset * the sums of 4 consecutive values: the dot-product lanes' start */
+                for (int l = 0; l < 8; l++)
+                    init[(r * blocks + b) * 8 + l] = -offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
         }
 }
 
@@ -426,6 +438,9 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, floa
 #define QT_BYTES 18
 #define QT_HAS_MIN 0
 #define QT_DOT(w, x, s0, s1) dot_s(w, x)
+#ifdef Q_VNNI
+#define QT_OFFSET 8
+#endif
 #include "quant_kernels_impl.h"
 #define QTYPE q4_1
 #define QT_ELEMS 32
@@ -438,6 +453,9 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, floa
 #define QT_BYTES 22
 #define QT_HAS_MIN 0
 #define QT_DOT(w, x, s0, s1) dot_s(w, x)
+#ifdef Q_VNNI
+#define QT_OFFSET 16
+#endif
 #include "quant_kernels_impl.h"
 #define QTYPE q4_k
 #define QT_ELEMS 256
