@@ -125,6 +125,9 @@ def run(qtype: str, out_features: int, in_features: int, rows: list[int], thread
             try:
                 for _ in range(repeats):  # interleaved: every mode once per repeat
                     for name, (call, copies, _) in modes.items():
+                        # The kernels run as the engine runs them (kernel_threads_only): PyTorch on
+                        # one thread, so its OpenMP pool does not compete with theirs for the cores.
+                        torch.set_num_threads(1 if name.startswith("quant") else t)
                         seconds[name].append(_time(call, copies, calls if "copy" not in name else 3))
             finally:
                 torch.set_num_threads(previous)
