@@ -41,7 +41,9 @@ static inline __attribute__((always_inline)) void QFN(rows)(const uint8_t *const
         BlockScales s[JB];
         for (int j = 0; j < JB; j++) {
             QFN(prep)(w[j] + b * QT_BYTES, &s[j]);
-            __builtin_prefetch(w[j] + AHEAD * blocks * QT_BYTES + b * QT_BYTES);
+            /* every cache line of the block AHEAD rows on (a K block spans 3-4 lines) */
+            for (int line = 0; line < QT_BYTES; line += 64)
+                __builtin_prefetch(w[j] + AHEAD * blocks * QT_BYTES + b * QT_BYTES + line);
         }
         if (KMIN)
             for (int r = 0; r < R; r++) {
