@@ -21,6 +21,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
 from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
+from infer.loader.quantized import loads_quantized
 from infer.models.backend import choose_backend
 from infer.models.compiled import compile_forward
 from infer.models.config import ModelConfig
@@ -49,6 +50,11 @@ def free_memory_bytes(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
+
+
+def pool_bytes(pool: CachePoolProtocol) -> int:
+    """Bytes of a KV pool's storage (every layer's keys and values)."""
+    return sum(t.numel() * t.element_size() for t in [*pool.k_layers, *pool.v_layers])
 
 
 def kv_budget_tokens(config: EngineConfig, model_config: ModelConfig, device: torch.device,
@@ -92,10 +98,12 @@ class Engine:
         self.config = config
         say = progress or (lambda _msg: None)
         self.device = resolve_device(config.device)
-        self.dtype, dtype_reason = choose_dtype(config.dtype, self.device)
+        quantized = loads_quantized(config.model, config.quantization, self.device, config.backend, config.compile)
+        self.dtype, dtype_reason = choose_dtype(config.dtype, self.device, quantized)
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
         self.model, self.model_config = load_model(config.model, self.dtype, str(self.device),
-                                                   backend=config.backend, compile=config.compile)
+                                                   backend=config.backend, compile=config.compile,
+                                                   quantization=config.quantization)
         self.backend = self.model.backend or choose_backend(self.device, self.dtype, config.backend, config.compile)
         if config.exact_greedy or config.cuda_graphs:
             self.backend.mode = "exact" if config.exact_greedy else "cuda-graphs"
@@ -110,7 +118,8 @@ class Engine:
         self.pool = self._make_pool(self.model_config)
         # What was chosen and why, for the run summary (infer generate/chat print it).
         self.summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({dtype_reason}); context "
-                        f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens; "
+                        f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens "
+                        f"({pool_bytes(self.pool) / 2**20:.1f} MiB); {self.model.weights_summary}; "
                         f"{self.backend.describe()}")
         say(self.summary)
         prefix_cache = None

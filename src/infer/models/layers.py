@@ -18,6 +18,7 @@ from torch import nn
 from infer.cache.protocol import KVBatch, LayerKV
 from infer.kernels.cpu import MAX_ROWS, GemvLinear, KernelLibrary, StackTable
 from infer.models.config import CheckpointError, ModelConfig
+from infer.models.quantized import QuantLinear
 
 if TYPE_CHECKING:
     from infer.models.backend import Backend
@@ -257,8 +258,11 @@ class MLP(nn.Module):
 
 def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     """One Linear computing all of ``linears`` side by side. The fused weight is a new tensor, so the
-    originals are dropped afterwards (``DecoderOnlyLM.fuse_projections``) to keep memory flat."""
+    originals are dropped afterwards (``DecoderOnlyLM.fuse_projections``) to keep memory flat.
+    Quantized projections concatenate their blocks instead (``models.quantized``)."""
     first = linears[0]
+    if isinstance(first, QuantLinear):
+        return QuantLinear.fused(linears)  # type: ignore[arg-type,return-value]
     fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
                       device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
@@ -446,6 +450,7 @@ class DecoderOnlyLM(nn.Module):
         self.fused = False
         self.cpu_stack: CpuStack | None = None  # set by pack_for_cpu where the whole stack runs in C
         self.backend: Backend | None = None  # set by the loader: what runs the forward pass, and why
+        self.weights_summary = ""  # set by the loader: the weights' bytes, quantized and float
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv: KVBatch | None = None) -> torch.Tensor:
