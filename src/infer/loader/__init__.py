@@ -214,6 +214,10 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     if fuse:
         model.fuse_projections()
     pack_quantized(model)
+    if quantized:  # the kernels are row-invariant; attention is made so too (greedy speculation stays exact)
+        from infer.models.invariant import make_attention_exact
+
+        make_attention_exact(model)
     if pack:
         model.pack_for_cpu(chosen)
     if gguf_file is not None:
