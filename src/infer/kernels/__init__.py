@@ -88,10 +88,11 @@ def unavailable_reason(dtype: torch.dtype) -> str:
 
 def reset() -> None:
     """Forget the choice (tests that fake another CPU, compiler or cache call this)."""
-    from infer.kernels import cpu
+    from infer.kernels import cpu, quant
 
     selection.cache_clear()
     cpu._library_for_op.cache_clear()
+    quant.reset()
 
 
 __all__ = ["KernelLibrary", "KernelUnavailable", "Selection", "Variant", "build", "library_for",

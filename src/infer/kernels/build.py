@@ -56,6 +56,8 @@ class Variant:
     flags: tuple[str, ...]
     cpu_needs: tuple[str, ...]  # /proc/cpuinfo flags
     dtypes: tuple[str, ...]  # the C suffixes it holds, as infer_kernels_layout lists them
+    sources: tuple[Path, ...] = SOURCES  # the file compiled first, then the headers it includes
+    machine: str | None = "x86_64"  # the Linux machine it runs on (None: any, plain C)
 
 
 # Best first: the first one this CPU runs is the one used.
@@ -66,6 +68,21 @@ VARIANTS = (
     Variant("avx2", "AVX2 float32 kernels", ("-mavx2", "-mfma"), ("avx2", "fma"), ("f32",)),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
+
+# The quantized matrix-vector kernels (quant_kernels.c, infer.kernels.quant), best first. Each
+# holds every GGUF block type; only the int8 dot product and the nibble unpacking differ per ISA.
+QUANT_SOURCES = (_HERE / "quant_kernels.c", _HERE / "quant_kernels_impl.h")
+_QUANT_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
+QUANT_VARIANTS = (
+    Variant("avx512-vnni", "AVX-512 VNNI quantized kernels", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+            "-mavx2", "-mfma", "-mf16c"), ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"),
+            _QUANT_DTYPES, QUANT_SOURCES),
+    Variant("avx2", "AVX2 quantized kernels", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"),
+            _QUANT_DTYPES, QUANT_SOURCES),
+    Variant("neon-dotprod", "ARM NEON dot-product quantized kernels", ("-march=armv8.2-a+dotprod",), ("asimddp",),
+            _QUANT_DTYPES, QUANT_SOURCES, machine="aarch64"),
+    Variant("portable", "portable C quantized kernels", (), (), _QUANT_DTYPES, QUANT_SOURCES, machine=None),
+)
 
 
 @functools.cache
@@ -93,8 +110,10 @@ def cpu_flags() -> frozenset[str]:
 
 def missing_cpu_flags(variant: Variant) -> list[str]:
     """The CPU flags ``variant`` needs that this CPU lacks (empty: it runs here)."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return [f"an x86-64 Linux host (this is {platform.system()} {platform.machine()})"]
+    if variant.machine is None:
+        return []
+    if platform.system() != "Linux" or platform.machine() != variant.machine:
+        return [f"an {variant.machine} Linux host (this is {platform.system()} {platform.machine()})"]
     return [flag for flag in variant.cpu_needs if flag not in cpu_flags()]
 
 
@@ -142,17 +161,17 @@ def library_path(variant: Variant) -> Path:
     """Where ``variant``'s library is (or will be) for this source, these flags and this compiler."""
     path, version = compiler()
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in variant.sources:
         digest.update(source.read_bytes())
     digest.update("\0".join((*COMMON_FLAGS, *variant.flags, path, version)).encode())
-    return cache_dir() / f"cpu_kernels-{variant.name}-{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"{variant.sources[0].stem}-{variant.name}-{digest.hexdigest()[:16]}.so"
 
 
 def _compile(variant: Variant, target: Path) -> None:
     cc, _ = compiler()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        base = [cc, *COMMON_FLAGS, *variant.flags, str(SOURCES[0]), "-o", str(built)]
+        base = [cc, *COMMON_FLAGS, *variant.flags, str(variant.sources[0]), "-o", str(built)]
         errors = []
         # libmvec (glibc's vector math) where it links, else the scalar expf.
         for command in (base + ["-lmvec", "-lm"], base + ["-DINFER_NO_LIBMVEC", "-lm"]):

@@ -1,0 +1,425 @@
+"""Matrix-vector products on GGUF-quantized weights, without expanding them to float.
+
+A weight stays in ggml's blocks exactly as the GGUF file stores it (``pack`` is a zero-copy view:
+the kernels read the file layout, so a memory-mapped tensor is used in place). ``linear`` computes
+``x @ W^T`` as ggml does: each activation row is quantized to int8 per 32 elements (scale
+``max|x| / 127``, round to nearest even), each 32-element chunk of a weight row meets it in an
+integer dot product, and the products times the blocks' float scales (and the min terms of Q4_1,
+Q4_K, Q5_K) are summed in float32. One C library per ISA (``build.QUANT_VARIANTS``: AVX-512 VNNI,
+AVX2, ARM NEON with dot products, portable C), the best this CPU runs chosen at run time.
+
+Exactness: an output row depends only on its activation row and the weight, bit for bit, whatever
+the number of rows in the call and the thread count, so a verification pass reproduces a decode
+step. ``reference_linear`` is the same math in numpy (the tests' yardstick).
+
+Every entry point checks devices, dtypes, contiguity, shapes and index ranges and raises
+``ValueError`` naming the problem before any pointer reaches C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from infer.kernels import build
+from infer.kernels.build import KernelUnavailable, Variant
+
+ACTIVATION_BLOCK = 32  # elements per int8 activation block (and per weight chunk)
+
+
+@dataclass(frozen=True)
+class QuantType:
+    """A GGUF block type: its name, ggml's type id, elements and bytes per block."""
+
+    name: str
+    ggml_type_id: int
+    block_elems: int
+    block_bytes: int
+
+    @property
+    def suffix(self) -> str:  # the C functions' suffix
+        return self.name.lower()
+
+
+QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
+    QuantType("Q8_0", 8, 32, 34),
+    QuantType("Q4_0", 2, 32, 18),
+    QuantType("Q4_1", 3, 32, 20),
+    QuantType("Q5_0", 6, 32, 22),
+    QuantType("Q4_K", 12, 256, 144),
+    QuantType("Q5_K", 13, 256, 176),
+    QuantType("Q6_K", 14, 256, 210),
+)}
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A weight ready for the kernels: ``data`` is uint8 [out_features, in_features / block_elems *
+    block_bytes], ggml's block layout as stored in the file."""
+
+    qtype: str
+    out_features: int
+    in_features: int
+    data: torch.Tensor
+
+
+def quant_type(qtype: str) -> QuantType:
+    """The ``QuantType`` named ``qtype`` (any case); ValueError naming the ones there are."""
+    found = QUANT_TYPES.get(qtype.upper()) if isinstance(qtype, str) else None
+    if found is None:
+        raise ValueError(f"unsupported quantization type {qtype!r}: the kernels take {', '.join(QUANT_TYPES)}")
+    return found
+
+
+def _check_raw(raw: torch.Tensor, qt: QuantType, in_features: int, what: str) -> None:
+    if not isinstance(raw, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(raw).__name__}")
+    if raw.device.type != "cpu":
+        raise ValueError(f"{what} must be on the CPU, got {raw.device}")
+    if raw.dtype != torch.uint8:
+        raise ValueError(f"{what} must be uint8 (the file's {qt.name} blocks), got {raw.dtype}")
+    if raw.dim() != 2:
+        raise ValueError(f"{what} must be 2-D [out_features, bytes per row], got shape {tuple(raw.shape)}")
+    if not isinstance(in_features, int) or isinstance(in_features, bool) or in_features <= 0:
+        raise ValueError(f"in_features must be a positive int, got {in_features!r}")
+    if in_features % qt.block_elems:
+        raise ValueError(f"in_features {in_features} is not a multiple of {qt.name}'s block of {qt.block_elems}")
+    row_bytes = in_features // qt.block_elems * qt.block_bytes
+    if raw.shape[1] != row_bytes:
+        raise ValueError(f"{what} has {raw.shape[1]} bytes per row; {in_features} {qt.name} elements take "
+                         f"{row_bytes}")
+    if raw.shape[0] == 0:
+        raise ValueError(f"{what} has no rows")
+    if not raw.is_contiguous():
+        raise ValueError(f"{what} must be contiguous (the kernels read the blocks in place)")
+
+
+def _check_weight(weight: QuantWeight) -> QuantType:
+    if not isinstance(weight, QuantWeight):
+        raise ValueError(f"weight must be a QuantWeight (from QuantKernels.pack), got {type(weight).__name__}")
+    qt = quant_type(weight.qtype)
+    _check_raw(weight.data, qt, weight.in_features, "weight.data")
+    if weight.data.shape[0] != weight.out_features:
+        raise ValueError(f"weight.data has {weight.data.shape[0]} rows, weight.out_features says {weight.out_features}")
+    return qt
+
+
+class QuantKernels:
+    """One loaded variant of ``quant_kernels.c``: its functions typed, its interface checked."""
+
+    def __init__(self, variant: Variant, lib: ctypes.CDLL) -> None:
+        self.variant = variant
+        self.lib = lib
+        try:
+            layout_fn = lib.infer_quant_layout
+        except AttributeError:
+            raise KernelUnavailable("the library has no infer_quant_layout (not quant_kernels.c)") from None
+        layout_fn.argtypes, layout_fn.restype = [], ctypes.c_char_p
+        found = (layout_fn() or b"").decode()
+        if found != expected_layout(variant.name):
+            raise KernelUnavailable(f"the C interface differs from the Python mirror: C says {found!r}, "
+                                    f"Python expects {expected_layout(variant.name)!r}")
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        for qt in QUANT_TYPES.values():
+            linear = getattr(lib, f"quant_linear_{qt.suffix}")
+            linear.argtypes, linear.restype = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int], \
+                ctypes.c_int
+            rows = getattr(lib, f"quant_dequantize_rows_{qt.suffix}")
+            rows.argtypes, rows.restype = [pointer, size, pointer, size, pointer], None
+
+    def __repr__(self) -> str:
+        return f"QuantKernels({self.variant.name})"
+
+    def pack(self, raw: torch.Tensor, qtype: str, in_features: int) -> QuantWeight:
+        """``raw`` (uint8 [out_features, bytes per row], ggml's blocks as the file stores them) as a
+        ``QuantWeight``. Identity for every type: the kernels read the file layout, so ``data`` is
+        ``raw`` itself (no copy; a memory-mapped tensor stays mapped)."""
+        qt = quant_type(qtype)
+        _check_raw(raw, qt, in_features, "raw")
+        return QuantWeight(qt.name, int(raw.shape[0]), in_features, raw)
+
+    def linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, *,
+               threads: int | None = None) -> torch.Tensor:
+        """``x @ W^T + bias`` for float32 ``x`` [..., in_features]: float32 [..., out_features].
+        ``threads``: OpenMP threads (default: the kernels' count, ``infer.kernels.cpu``); the result
+        is the same bits for any count."""
+        qt = _check_weight(weight)
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != torch.float32:
+            raise ValueError(f"x must be a float32 CPU tensor, got "
+                             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
+                             f"{' on ' + str(x.device) if isinstance(x, torch.Tensor) else ''}")
+        if x.dim() == 0 or x.shape[-1] != weight.in_features:
+            raise ValueError(f"x's last dimension must be in_features={weight.in_features}, got shape {tuple(x.shape)}")
+        if not x.is_contiguous():
+            raise ValueError("x must be contiguous")
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or bias.device.type != "cpu" or bias.dtype != torch.float32:
+                raise ValueError("bias must be a float32 CPU tensor")
+            if tuple(bias.shape) != (weight.out_features,) or not bias.is_contiguous():
+                raise ValueError(f"bias must be contiguous with shape ({weight.out_features},), got "
+                                 f"{tuple(bias.shape)}")
+        if threads is None:
+            from infer.kernels.cpu import _threads
+
+            threads = _threads()
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"threads must be a positive int, got {threads!r}")
+        rows = x.numel() // weight.in_features
+        y = torch.empty(*x.shape[:-1], weight.out_features, dtype=torch.float32)
+        if rows == 0:
+            return y
+        failed = getattr(self.lib, f"quant_linear_{qt.suffix}")(
+            weight.data.data_ptr(), weight.out_features, weight.in_features, x.data_ptr(), rows,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), threads)
+        if failed:
+            raise MemoryError(f"the quantized kernel could not allocate {rows} x {weight.in_features} activations")
+        return y
+
+    def dequantize_rows(self, weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight in float32 (an embedding lookup): ids.shape + [in_features],
+        the values gguf-py's ``dequantize`` gives."""
+        qt = _check_weight(weight)
+        if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu" or ids.dtype.is_floating_point \
+                or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError("ids must be an integer CPU tensor")
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.out_features):
+            raise ValueError(f"ids must lie in [0, {weight.out_features}), got values in "
+                             f"[{int(flat.min())}, {int(flat.max())}]")
+        out = torch.empty(*ids.shape, weight.in_features, dtype=torch.float32)
+        if flat.numel():
+            getattr(self.lib, f"quant_dequantize_rows_{qt.suffix}")(
+                weight.data.data_ptr(), weight.in_features, flat.data_ptr(), flat.numel(), out.data_ptr())
+        return out
+
+
+def expected_layout(isa: str) -> str:
+    """``infer_quant_layout()``'s text for the variant ``isa`` (see quant_kernels.c)."""
+    types = " ".join(f"{t.suffix}={t.block_elems}:{t.block_bytes}" for t in QUANT_TYPES.values())
+    return f"isa={isa} qk={ACTIVATION_BLOCK} {types}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: the same math in numpy, written from gguf-py's layouts (the tests check that its
+# weights dequantize to gguf.quants.dequantize's values, and the kernels against it).
+
+
+@dataclass
+class DecodedWeight:
+    """A weight as the kernels see it, per 32-element chunk: value = scale * lane_scale * q + min."""
+
+    q: np.ndarray  # int64 [n, chunks, 32]
+    lane_scale: np.ndarray  # int64 [n, chunks, 2]: the integer scale of each 16-element half (Q6_K; else 1)
+    scale: np.ndarray  # float32 [n, chunks]
+    min: np.ndarray  # float32 [n, chunks] (0 for the types without a min)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's twelve scale bytes [blocks, 12] -> six-bit sc, m [blocks, 8]."""
+    d, m, md = scales[:, 0:4].astype(np.int64), scales[:, 4:8].astype(np.int64), scales[:, 8:12].astype(np.int64)
+    sc = np.concatenate([d & 63, (md & 15) | ((d >> 6) << 4)], axis=1)
+    mn = np.concatenate([m & 63, (md >> 4) | ((m >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def decode_weight(raw: np.ndarray | torch.Tensor, qtype: str, in_features: int) -> DecodedWeight:
+    """``raw``'s blocks as integers and float scales per 32-element chunk (see ``DecodedWeight``)."""
+    qt = quant_type(qtype)
+    data = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+    n = data.shape[0]
+    blocks = data.reshape(n * (in_features // qt.block_elems), qt.block_bytes)
+    nb = blocks.shape[0]
+
+    def f16(at: int) -> np.ndarray:
+        return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32).reshape(nb, 1)
+
+    def nibbles16(qs: np.ndarray) -> np.ndarray:  # [nb, 16] -> [nb, 32]: low nibbles, then high
+        return np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int64)
+
+    ones = np.ones((nb, qt.block_elems // ACTIVATION_BLOCK, 2), dtype=np.int64)
+    zero = np.zeros((nb, qt.block_elems // ACTIVATION_BLOCK), dtype=np.float32)
+    if qt.name == "Q8_0":
+        q, scale, mins = blocks[:, 2:].view(np.int8).astype(np.int64), f16(0), zero
+    elif qt.name == "Q4_0":
+        q, scale, mins = nibbles16(blocks[:, 2:]) - 8, f16(0), zero
+    elif qt.name == "Q4_1":
+        q, scale, mins = nibbles16(blocks[:, 4:]), f16(0), f16(2)
+    elif qt.name == "Q5_0":
+        qh = blocks[:, 2:6].copy().view("<u4").astype(np.int64)  # [nb, 1]
+        high = (qh >> np.arange(32)) & 1
+        q, scale, mins = (nibbles16(blocks[:, 6:]) | (high << 4)) - 16, f16(0), zero
+    elif qt.name in ("Q4_K", "Q5_K"):
+        sc, mn = _k_scales(blocks[:, 4:16])
+        qs = blocks[:, 16:144] if qt.name == "Q4_K" else blocks[:, 48:176]
+        chunks = []
+        for c in range(8):
+            part = qs[:, 32 * (c // 2):32 * (c // 2) + 32].astype(np.int64)
+            values = (part >> 4) if c & 1 else (part & 15)
+            if qt.name == "Q5_K":
+                values = values | (((blocks[:, 16:48].astype(np.int64) >> c) & 1) << 4)
+            chunks.append(values)
+        q = np.stack(chunks, axis=1)
+        scale = f16(0) * sc.astype(np.float32)
+        mins = -(f16(2) * mn.astype(np.float32))
+    elif qt.name == "Q6_K":
+        ql, qh = blocks[:, 0:128].astype(np.int64), blocks[:, 128:192].astype(np.int64)
+        lane_scales = blocks[:, 192:208].view(np.int8).astype(np.int64)
+        chunks, halves = [], []
+        for c in range(8):
+            half, k = divmod(c, 4)
+            low = ql[:, 64 * half + 32 * (k & 1):64 * half + 32 * (k & 1) + 32]
+            low = (low >> 4) if k >> 1 else (low & 15)
+            high = (qh[:, 32 * half:32 * half + 32] >> (2 * k)) & 3
+            chunks.append((low | (high << 4)) - 32)
+            halves.append(lane_scales[:, 8 * half + 2 * k:8 * half + 2 * k + 2])
+        q, ones = np.stack(chunks, axis=1), np.stack(halves, axis=1)
+        scale, mins = np.repeat(f16(208), 8, axis=1), zero
+    else:  # pragma: no cover - QUANT_TYPES and this list are the same
+        raise ValueError(qt.name)
+    chunks_per_row = in_features // ACTIVATION_BLOCK
+    return DecodedWeight(q.reshape(n, chunks_per_row, 32), ones.reshape(n, chunks_per_row, 2),
+                         np.broadcast_to(scale, (nb, qt.block_elems // 32)).reshape(n, chunks_per_row).astype(np.float32),
+                         np.broadcast_to(mins, (nb, qt.block_elems // 32)).reshape(n, chunks_per_row).astype(np.float32))
+
+
+def dequantize_reference(raw: np.ndarray | torch.Tensor, qtype: str, in_features: int) -> np.ndarray:
+    """float32 [n, in_features], rounding as gguf-py does: (scale * lane_scale) * q + min."""
+    w = decode_weight(raw, qtype, in_features)
+    lane = np.repeat(w.lane_scale, 16, axis=2).astype(np.float32)
+    values = (w.scale[..., None] * lane) * w.q.astype(np.float32) + w.min[..., None]
+    return values.reshape(w.q.shape[0], in_features).astype(np.float32)
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 [m, k] -> int8 values [m, k/32, 32], scales dx and d * sum(q) [m, k/32], as the C code."""
+    m, k = x.shape
+    blocks = np.ascontiguousarray(x, dtype=np.float32).reshape(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    d = np.abs(blocks).max(axis=2) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inverse[..., None]).astype(np.int64)
+    return q, d.astype(np.float32), (d * q.sum(axis=2).astype(np.float32)).astype(np.float32)
+
+
+def reference_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``QuantKernels.linear`` computes, in numpy: the integer dot products exactly, their
+    float sum in float64 (the kernels sum in float32, in their own order)."""
+    w = decode_weight(raw, qtype, in_features)
+    xs = x.detach().to(torch.float32).reshape(-1, in_features).numpy()
+    xq, dx, sx = quantize_activations(xs)
+    lo = np.einsum("ncl,mcl->mnc", w.q[..., :16], xq[..., :16])
+    hi = np.einsum("ncl,mcl->mnc", w.q[..., 16:], xq[..., 16:])
+    isum = lo * w.lane_scale[None, ..., 0] + hi * w.lane_scale[None, ..., 1]
+    coef = (w.scale[None] * dx[:, None]).astype(np.float64)  # scale * dx rounds to float32 in C too
+    y = (isum * coef).sum(axis=2) + (w.min[None] * sx[:, None]).astype(np.float64).sum(axis=2)
+    out = torch.from_numpy(y.astype(np.float32)).reshape(*x.shape[:-1], w.q.shape[0])
+    return out if bias is None else out + bias.to(torch.float32)
+
+
+def reference_terms_scale(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """The sum of the magnitudes of the terms ``reference_linear`` adds per output: float32
+    rounding in any order stays within a few ulps of it (the tests' tolerance)."""
+    w = decode_weight(raw, qtype, in_features)
+    xq, dx, sx = quantize_activations(x.detach().to(torch.float32).reshape(-1, in_features).numpy())
+    lo = np.abs(np.einsum("ncl,mcl->mnc", np.abs(w.q[..., :16]), np.abs(xq[..., :16])))
+    hi = np.abs(np.einsum("ncl,mcl->mnc", np.abs(w.q[..., 16:]), np.abs(xq[..., 16:])))
+    isum = lo * np.abs(w.lane_scale[None, ..., 0]) + hi * np.abs(w.lane_scale[None, ..., 1])
+    total = (isum * np.abs(w.scale[None] * dx[:, None])).sum(axis=2) + np.abs(w.min[None] * sx[:, None]).sum(axis=2)
+    return torch.from_numpy(total.astype(np.float32)).reshape(*x.shape[:-1], w.q.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the variant.
+
+
+def _probe(kernels: QuantKernels) -> str | None:
+    """None where the library computes what the reference does on a small product of every
+    type, else what went wrong (a miscompiled or mismatched build must not produce logits)."""
+    generator = torch.Generator().manual_seed(0)
+    for qt in QUANT_TYPES.values():
+        k = 256
+        raw = random_blocks(qt.name, 8, k, generator)
+        x = torch.randn(3, k, generator=generator)
+        got = kernels.linear(x, kernels.pack(raw, qt.name, k), threads=1)
+        want = reference_linear(x, raw, qt.name, k)
+        bound = 1e-5 * reference_terms_scale(x, raw, qt.name, k) + 1e-6
+        if not bool(((got - want).abs() <= bound).all()):
+            return f"{qt.name} product differs from the reference by {float((got - want).abs().max()):.3g}"
+    return None
+
+
+def random_blocks(qtype: str, rows: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
+    """Random but valid blocks (uint8 [rows, bytes per row]): random bits with every float16
+    scale replaced by a small finite one, so the reference dequantizer defines the values."""
+    qt = quant_type(qtype)
+    blocks = rows * (in_features // qt.block_elems)
+    data = torch.randint(0, 256, (blocks, qt.block_bytes), dtype=torch.uint8, generator=generator)
+    scale_at = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                "Q6_K": (208,)}[qt.name]
+    for at in scale_at:
+        scales = (torch.rand(blocks, generator=generator) * 0.02 + 0.001).to(torch.float16)
+        if qt.name == "Q4_1" and at == 2:  # the min of a Q4_1 block: either sign
+            scales = (torch.rand(blocks, generator=generator) * 0.2 - 0.1).to(torch.float16)
+        data[:, at:at + 2] = scales.view(torch.uint8).reshape(blocks, 2)
+    return data.reshape(rows, -1).contiguous()
+
+
+@functools.cache
+def _load(name: str) -> QuantKernels:
+    variant = next(v for v in build.QUANT_VARIANTS if v.name == name)
+    missing = build.missing_cpu_flags(variant)
+    if missing:
+        raise KernelUnavailable(f"{name}: CPU lacks {', '.join(missing)}")
+    try:
+        kernels = QuantKernels(variant, build.load(variant))
+    except KernelUnavailable as err:
+        raise KernelUnavailable(f"{name}: {err}") from None
+    failure = _probe(kernels)
+    if failure is not None:
+        raise KernelUnavailable(f"{name}: probe failed: {failure}")
+    return kernels
+
+
+@functools.cache
+def _best() -> tuple[QuantKernels | None, str]:
+    refused = []
+    for variant in build.QUANT_VARIANTS:
+        try:
+            return _load(variant.name), ""
+        except KernelUnavailable as err:
+            refused.append(str(err))
+        except Exception as err:  # anything else a build can raise must still not break a model load
+            refused.append(f"{variant.name}: {type(err).__name__}: {err}")
+    return None, "; ".join(refused)
+
+
+def quant_kernels(variant: str | None = None) -> QuantKernels | None:
+    """The quantized kernels: by default the best variant this CPU runs (None where none does;
+    ``quant_unavailable_reason()`` says why). A named variant is that one or an error:
+    ValueError for an unknown name, KernelUnavailable naming why it cannot run here."""
+    if variant is None:
+        return _best()[0]
+    names = [v.name for v in build.QUANT_VARIANTS]
+    if variant not in names:
+        raise ValueError(f"unknown quantized-kernel variant {variant!r}: one of {', '.join(names)}")
+    return _load(variant)
+
+
+def quant_unavailable_reason() -> str:
+    """Why ``quant_kernels()`` is None, one line per refused variant joined by '; ' ("" where it is not)."""
+    return _best()[1]
+
+
+def reset() -> None:
+    """Forget the choice (tests that fake another CPU or compiler call this; ``infer.kernels.reset`` does)."""
+    _load.cache_clear()
+    _best.cache_clear()
+
+
+__all__ = ["ACTIVATION_BLOCK", "QUANT_TYPES", "QuantKernels", "QuantType", "QuantWeight", "decode_weight",
+           "dequantize_reference", "quant_kernels", "quant_unavailable_reason", "reference_linear", "reset"]
