@@ -20,7 +20,14 @@ from infer.core.request import Request
 from infer.engine.config import EngineConfig
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
-from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
+from infer.loader import (
+    Tokenizer,
+    choose_dtype,
+    forget_parsed_checkpoints,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+)
 from infer.loader.quantized import loads_quantized
 from infer.models.backend import choose_backend
 from infer.models.compiled import compile_forward
@@ -154,6 +161,7 @@ class Engine:
         self.lock = threading.RLock()
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.tokenizer.eos_token_ids,
                                         self.model_config.vocab_size)
+        forget_parsed_checkpoints()  # every model and tokenizer is loaded: their parsed metadata can go
 
     # -- requests --------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
