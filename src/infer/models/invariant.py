@@ -217,7 +217,8 @@ def check_invariance(model: DecoderOnlyLM, seed: int = 0) -> None:
     with a longer sequence (a few forwards on a scratch cache, at load; it crosses a key block).
     Runs once per process for models of the same shapes, dtype, device and module types."""
     config = model.config
-    weight = model.model.norm.weight  # the run dtype and device (a quantized embedding holds blocks)
+    # The run dtype and device: the first float parameter (a quantized embedding holds blocks, not one).
+    weight = next(p for p in model.parameters() if p.is_floating_point())
     kinds = sorted({type(m).__name__ for m in model.modules()})
     signature = (type(model).__name__, repr(config), str(weight.dtype), str(weight.device), *kinds)
     if signature in _VERIFIED:
