@@ -220,6 +220,9 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
         make_attention_exact(model)
     if pack:
         model.pack_for_cpu(chosen)
+        if chosen.stack and model.cpu_stack is None:  # the startup line must not claim a stack that does not run
+            chosen.stack = False
+            chosen.reasons.append("the C decoder stack takes float Llama-block models: running layer by layer")
     if gguf_file is not None:
         from infer.loader.gguf import release_mapped_pages
 
