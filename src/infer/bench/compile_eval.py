@@ -33,7 +33,7 @@ class _Copy:
 
 def _copy(model_ref: str, dtype: torch.dtype, prompt_ids: list[int], verify_width: int,
           prepare: Callable[[Any], None] | None = None) -> _Copy:
-    model, config = load_model(model_ref, dtype, "cpu")
+    model, config = load_model(model_ref, dtype, "cpu", quantization="none")  # compiled vs eager float layers
     if prepare is not None:
         prepare(model)
     pool = PagedKVCachePool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks=64,
