@@ -155,7 +155,7 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
         if quant.keeps_blocks:
             types = {hf_tensor_name(name, config.model_type) or name: GGMLQuantizationType(t.tensor_type).name
                      for name, t in gguf_file.tensors.items()}
-            keep, notes = gguf_keep(types, config.model_type)
+            keep, notes = gguf_keep(types)
             report.notes += notes
         weights = gguf_weights(gguf_file, config, torch_dtype, dev, keep)
         tensors = {name: (tensor, path) for name, tensor in weights.state.items()}

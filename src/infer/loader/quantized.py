@@ -91,11 +91,10 @@ def choose_quant_kernels(quantization: str, device: torch.device, backend: str) 
     return QuantChoice(quantization, None, reason)
 
 
-def gguf_keep(tensor_types: dict[str, str], config_type: str) -> tuple[Callable[[str, str], bool], list[str]]:
+def gguf_keep(tensor_types: dict[str, str]) -> tuple[Callable[[str, str], bool], list[str]]:
     """Which of a GGUF's tensors (Hugging Face name -> block type name) stay quantized: a quantizable
     weight of a kept type whose fused siblings are all of kept types too. Returns the rule and a
     line per reason another quantized weight is dequantized."""
-    del config_type  # the same names in every architecture infer reads
     quantized = {name: t for name, t in tensor_types.items() if _QUANTIZABLE.fullmatch(name) and t not in ("F32", "F16", "BF16")}
     dropped: dict[str, str] = {}
     for name, type_name in quantized.items():

@@ -173,8 +173,6 @@ class QuantEmbedding(nn.Module):
         return int(self.weight.data.numel() * self.weight.data.element_size())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got {int(ids.min())}..{int(ids.max())}")
         out = self.kernels.dequantize_rows(self.weight, ids.reshape(-1))
         return out.view(*ids.shape, self.embedding_dim).to(self.dtype)
 
