@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,11 +64,19 @@ class Reference:
 
 @torch.no_grad()
 def reference(model_path: Path, prompt: list[int], params: SamplingParams) -> Reference:
-    """Enumerate every (x1, x2) continuation with plain forward passes (no KV cache)."""
+    """Enumerate every (x1, x2) continuation with plain transformers forward passes (no KV cache)."""
     model = load_hf_model(model_path)
+    return reference_from(lambda contexts: model(torch.tensor(contexts)).logits[:, -1].float(), prompt, params)
+
+
+@torch.no_grad()
+def reference_from(last_logits: Callable[[list[list[int]]], torch.Tensor], prompt: list[int],
+                   params: SamplingParams) -> Reference:
+    """``reference`` for any model: ``last_logits(contexts)`` gives each context's next-token logits
+    [N, V] (cache-free forward passes of equal-length contexts)."""
 
     def next_probs(contexts: list[list[int]]) -> torch.Tensor:
-        logits = model(torch.tensor(contexts)).logits[:, -1].float()
+        logits = last_logits(contexts)
         batch = SamplingBatch.from_params([params] * len(contexts), "cpu")
         presence = token_presence(contexts, V, "cpu") if batch.use_penalty else None
         counts = token_counts([c[len(prompt):] for c in contexts], V, "cpu") if batch.use_counts else None

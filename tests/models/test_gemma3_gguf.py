@@ -190,7 +190,8 @@ REFERENCE: dict[str, Any] = json.loads((Path(__file__).parent / "gemma3_270m_ref
 
 @functools.cache
 def real_llm() -> LLM:
-    return LLM("gemma3-270m", dtype="float32", device="cpu", max_seq_len=256, max_batch_size=4)
+    # Dequantized: the reference is transformers' float reading of the file.
+    return LLM("gemma3-270m", dtype="float32", device="cpu", max_seq_len=256, max_batch_size=4, quantization="none")
 
 
 @needs_real

@@ -480,7 +480,9 @@ def hf_reference() -> tuple[Any, Any]:
 
 @pytest.fixture(scope="module")
 def real_llm() -> LLM:
-    return LLM(str(REAL_GGUF), dtype="float32", device="cpu", max_seq_len=512, max_batch_size=4)
+    # Dequantized (quantization="none"): the comparison is with transformers' float reading of the
+    # file; the quantized kernels' run of it is tested in test_quantized.py.
+    return LLM(str(REAL_GGUF), dtype="float32", device="cpu", max_seq_len=512, max_batch_size=4, quantization="none")
 
 
 @needs_real

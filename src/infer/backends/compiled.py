@@ -70,12 +70,14 @@ def _install_progress() -> None:
 def compile_forward(model: nn.Module, say: Callable[[str], None] | None = None) -> None:
     """Replace ``model.forward`` by its compiled form (in place; weights are shared, not copied);
     its backend then runs every pass through it, the C decoder stack no more.
-    A model with oneDNN-packed linears is refused (ValueError): load it with ``compile=True``."""
+    A model with oneDNN-packed or quantized linears is refused (ValueError): load it with ``compile=True``."""
     import torch._dynamo
 
-    if any(isinstance(m, PackedLinear) for m in model.modules()):
-        raise ValueError("this model's linears are pre-packed for oneDNN, which torch.compile cannot lower; "
-                         "load it with load_model(..., compile=True) so they stay nn.Linear")
+    from infer.models.quantized import QuantLinear
+
+    if any(isinstance(m, (PackedLinear, QuantLinear)) for m in model.modules()):
+        raise ValueError("this model's linears are pre-packed for oneDNN or quantized for C kernels, which "
+                         "torch.compile cannot lower; load it with load_model(..., compile=True) so they stay nn.Linear")
 
     config = torch._dynamo.config
     limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"

@@ -39,6 +39,7 @@ from infer.cache import make_pool
 from infer.cache.protocol import build_kv_batch
 from infer.kernels.cpu import GemvLinear
 from infer.models.layers import DecoderLayer, DecoderOnlyLM
+from infer.models.quantized import QuantLinear
 
 # Rows per matmul call: every pass is cut into (zero-padded) blocks of this many rows. 8 covers a
 # decode step of up to 8 requests and a K=7 chain in one call; more rows cost more on one request.
@@ -168,10 +169,21 @@ def _packed_rows_share(scores: torch.Tensor, values_1: torch.Tensor, mask: torch
     return share.view(batch, kv_heads, width, groups, positions, dim_1)[:, :, :, :, 0].transpose(2, 3)
 
 
+def make_attention_exact(model: DecoderOnlyLM) -> None:
+    """Only attention's part of the mode: ``exact_attention`` in every layer. A model whose other
+    row-wise work computes a row alike whatever the pass (the quantized kernels, the C norms) needs
+    nothing else for a token to get the same bits in a decode step and in any verification pass;
+    PyTorch's own attention does not (measured: its float32 SDPA on the CPU gives a token other bits
+    in a 72-row pass than in a decode step)."""
+    for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer)
+        layer.self_attn.attend = exact_attention
+
+
 def make_exact(model: DecoderOnlyLM, rows: int = ROWS) -> None:
     """Switch a loaded model (fused or not, packed or not) to exact-greedy kernels, in place: its
     row-wise modules wrapped in ``RowChunked`` and ``exact_attention`` as its attention function."""
-    if isinstance(model.lm_head, RowChunked):
+    if isinstance(model.model.norm, RowChunked):
         return  # already exact
     stack = backend_of(model).cpu_stack
     if stack is not None and isinstance(model.lm_head, GemvLinear):
@@ -187,11 +199,13 @@ def make_exact(model: DecoderOnlyLM, rows: int = ROWS) -> None:
                             (layer, "mlp"),  # the whole MLP per block, its SiLU included
                             *((attn, n) for n in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj",
                                                   "q_norm", "k_norm"))):
-            if getattr(owner, name, None) is not None:
-                setattr(owner, name, RowChunked(getattr(owner, name), rows))
+            module = getattr(owner, name, None)
+            if module is not None and not isinstance(module, QuantLinear):  # the quantized kernels are row-invariant
+                setattr(owner, name, RowChunked(module, rows))
         attn.attend = exact_attention
     body.norm = RowChunked(body.norm, rows)  # type: ignore[assignment]
-    model.lm_head = RowChunked(model.lm_head, rows)  # type: ignore[assignment]
+    if not isinstance(model.lm_head, QuantLinear):
+        model.lm_head = RowChunked(model.lm_head, rows)  # type: ignore[assignment]
 
 
 # Models whose kernels passed check_invariance in this process, by what picks the kernels: the
@@ -206,7 +220,8 @@ def check_invariance(model: DecoderOnlyLM, seed: int = 0) -> None:
     with a longer sequence (a few forwards on a scratch cache, at load; it crosses a key block).
     Runs once per process for models of the same shapes, dtype, device and module types."""
     config = model.config
-    weight = model.model.embed_tokens.weight
+    # The run dtype and device: the first float parameter (a quantized embedding holds blocks, not one).
+    weight = next(p for p in model.parameters() if p.is_floating_point())
     kinds = sorted({type(m).__name__ for m in model.modules()})
     signature = (type(model).__name__, repr(config), str(weight.dtype), str(weight.device), *kinds)
     if signature in _VERIFIED:

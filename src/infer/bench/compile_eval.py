@@ -33,8 +33,10 @@ class _Copy:
 
 def _copy(model_ref: str, dtype: torch.dtype, prompt_ids: list[int], verify_width: int, backend: str,
           compile: Callable[[Any], None] | None = None) -> _Copy:
-    # The to-be-compiled copy loads as --compile loads it (linears Inductor can lower).
-    model, config = load_model(model_ref, dtype, "cpu", backend=backend, compile=compile is not None)
+    # The to-be-compiled copy loads as --compile loads it (linears Inductor can lower); both copies
+    # are float layers (quantization="none": compiled mode dequantizes).
+    model, config = load_model(model_ref, dtype, "cpu", backend=backend, compile=compile is not None,
+                               quantization="none")
     if compile is not None:
         compile(model)
     pool = PagedKVCachePool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks=64,

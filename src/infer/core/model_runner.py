@@ -14,6 +14,7 @@ from infer.core.cuda_graphs import StepGraphs
 from infer.core.request import Request
 from infer.kernels.cpu import MAX_ROWS, GemvLinear, kernel_threads_only
 from infer.models.layers import DecoderOnlyLM, block_mask_from
+from infer.models.quantized import QuantLinear
 
 
 @dataclass
@@ -59,9 +60,9 @@ class ModelRunner:
         self.tree_attention = tree_attention  # "flex": tree passes use FlexAttention with a block mask
         self.device = pool.device
         self.vocab_size = model.config.vocab_size
-        # Where the CPU kernels carry the matmuls, passes they take whole run torch's own operators
+        # Where the CPU kernels (float or quantized) carry the matmuls, passes they take whole run torch's own operators
         # single-threaded (kernels.cpu.kernel_threads_only); elsewhere torch's threading is left alone.
-        self.kernels = any(isinstance(m, GemvLinear) for m in model.modules())
+        self.kernels = any(isinstance(m, (GemvLinear, QuantLinear)) for m in model.modules())
         self.graphs: StepGraphs | None = None  # set by the engine with cuda_graphs: passes replayed as graphs
 
     def _threads_for(self, rows: int, kind: str) -> contextlib.AbstractContextManager[None]:

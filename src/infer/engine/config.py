@@ -54,6 +54,9 @@ class SpeculativeConfig:
     suffix_max_tokens: int = 65536
     suffix_max_requests: int = 1024
     suffix_scope: str = "salt"
+    # The draft model's weights (loader.quantized): its own checkpoint's format by default (auto), or
+    # quantized at load like the target's --quantization (a Q4_0 copy of the target drafting for it).
+    draft_quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.speculator not in SPECULATORS:
@@ -87,6 +90,9 @@ class SpeculativeConfig:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 0")
         if not 0.0 < self.suffix_min_prob <= 1.0:
             raise ValueError(f"suffix_min_prob={self.suffix_min_prob} is invalid: must be in (0, 1]")
+        from infer.loader.quantized import check_quantization
+
+        check_quantization(self.draft_quantization, "draft_quantization")
         if self.suffix_scope not in SUFFIX_SCOPES:
             raise ValueError(f"suffix_scope={self.suffix_scope!r} is invalid: use one of {', '.join(SUFFIX_SCOPES)}")
 
@@ -135,6 +141,9 @@ class EngineConfig:
     # What computes the forward pass (infer.backends): auto, torch or cpu-kernels. auto picks the
     # fastest this machine runs; naming one it cannot run is an error that says why.
     backend: str = "auto"
+    # The target's weights (loader.quantized): auto keeps a GGUF's quantized blocks quantized and float
+    # weights float; none dequantizes everything; q8_0/q4_0/q4_1/q5_0 quantize float weights at load.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_backend not in KV_BACKENDS:
@@ -169,6 +178,9 @@ class EngineConfig:
 
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is invalid: use {', '.join(BACKENDS)}")
+        from infer.loader.quantized import check_quantization
+
+        check_quantization(self.quantization)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
 

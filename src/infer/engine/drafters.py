@@ -58,7 +58,8 @@ def make_drafter(spec: SpeculativeConfig, target: TargetModel, say: Callable[[st
         assert spec.draft_model is not None
         say(f"loading draft model {spec.draft_model}")
         model, config = load_model(spec.draft_model, target.dtype, str(target.device), backend=target.backend,
-                                   compile=target.compile)
+                                   compile=target.compile, quantization=spec.draft_quantization)
+        say(f"draft model: {model.weights_summary}")
         check_compatible(spec.draft_model, target.path, config.vocab_size, target.config.vocab_size,
                          load_tokenizer(spec.draft_model, config), target.tokenizer)
         if target.compile:

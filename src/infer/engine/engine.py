@@ -23,7 +23,15 @@ from infer.core.request import Request
 from infer.engine.config import EngineConfig
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
-from infer.loader import Tokenizer, choose_dtype, load_model, load_tokenizer, resolve_device
+from infer.loader import (
+    Tokenizer,
+    choose_dtype,
+    forget_parsed_checkpoints,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+)
+from infer.loader.quantized import loads_quantized
 from infer.models.config import ModelConfig
 from infer.sampling.grammar import GrammarCompiler
 from infer.sampling.params import SamplingParams, short_repr
@@ -69,6 +77,11 @@ def window_pass_bounds(config: EngineConfig, max_seq_len: int) -> tuple[int, int
         return 0, longest
     tree = {"medusa": spec.medusa_tree_size or _MAX_TREE_PASS, "suffix": spec.suffix_tree_size}
     return spec.spec_length_limit + 1, max(longest, 1 + spec.spec_length_limit, 1 + tree.get(spec.speculator, 0))
+
+
+def pool_bytes(pool: CachePoolProtocol) -> int:
+    """Bytes of a KV pool's storage (every layer's keys and values)."""
+    return sum(t.numel() * t.element_size() for t in [*pool.k_layers, *pool.v_layers])
 
 
 def kv_budget_tokens(config: EngineConfig, model_config: ModelConfig, device: torch.device,
@@ -141,10 +154,12 @@ class Engine:
         self.config = config
         say = progress or (lambda _msg: None)
         self.device = resolve_device(config.device)
-        self.dtype, dtype_reason = choose_dtype(config.dtype, self.device)
+        quantized = loads_quantized(config.model, config.quantization, self.device, config.backend, config.compile)
+        self.dtype, dtype_reason = choose_dtype(config.dtype, self.device, quantized)
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
         self.model, self.model_config = load_model(config.model, self.dtype, str(self.device),
-                                                   backend=config.backend, compile=config.compile)
+                                                   backend=config.backend, compile=config.compile,
+                                                   quantization=config.quantization)
         self.backend = backend_of(self.model)
         if config.exact_greedy or config.cuda_graphs:
             self.backend.mode = "exact" if config.exact_greedy else "cuda-graphs"
@@ -159,7 +174,8 @@ class Engine:
         self.pool = self._make_pool(self.model_config)
         # What was chosen and why, for the run summary (infer generate/chat print it).
         self.summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({dtype_reason}); context "
-                        f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens; "
+                        f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens "
+                        f"({pool_bytes(self.pool) / 2**20:.1f} MiB); {self.model.weights_summary}; "
                         f"{self.backend.describe()}")
         say(self.summary)
         prefix_cache = None
@@ -194,6 +210,7 @@ class Engine:
         self.lock = threading.RLock()
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.tokenizer.eos_token_ids,
                                         self.model_config.vocab_size)
+        forget_parsed_checkpoints()  # every model and tokenizer is loaded: their parsed metadata can go
 
     # -- requests --------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

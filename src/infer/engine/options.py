@@ -20,6 +20,7 @@ from infer.engine.config import (
     SpeculativeConfig,
 )
 from infer.loader.hub import DEFAULT_MODEL
+from infer.loader.quantized import QUANTIZATIONS
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,13 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("backend", "what computes the forward pass: auto (the fastest this machine runs; the startup line says "
            "which and why), torch (the PyTorch layers) or cpu-kernels (infer's C kernels; an error where they "
            "cannot run)", choices=BACKENDS),
+    Option("quantization", "the target's weights: auto (a GGUF's quantized blocks stay quantized, float weights "
+           "float), none (dequantize everything to float), or q8_0/q4_0/q4_1/q5_0 (quantize a float checkpoint's "
+           "projections, head and embeddings at load); quantized weights run on the quantized CPU kernels",
+           choices=QUANTIZATIONS),
+    Option("draft_quantization", "the draft model's weights, as --quantization (default auto: its own checkpoint's "
+           "format); --draft-model <the target> --draft-quantization q4_0 drafts with the target's own Q4_0 copy",
+           choices=QUANTIZATIONS),
     # Batching and the KV pool: what a server tunes.
     Option("max_batch_size", "most requests decoded together", type=int),
     Option("block_size", "tokens per KV block (paged)", type=int),
@@ -99,7 +107,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
 MODEL_OPTIONS = ("model", "dtype", "device", "use_speculative_decoding", "draft_model", "speculator", "spec_length",
                  "spec_length_policy", "medusa_heads", "medusa_tree_size", "tree_attention", "suffix_tree_size",
                  "suffix_max_tokens", "suffix_max_requests", "suffix_scope", "max_seq_len", "kv_memory_fraction",
-                 "kv_cache_backend", "exact_greedy", "compile", "cuda_graphs", "backend")
+                 "kv_cache_backend", "exact_greedy", "compile", "cuda_graphs", "backend", "quantization",
+                 "draft_quantization")
 SERVING_OPTIONS = ("max_batch_size", "block_size", "num_kv_blocks", "chunked_prefill", "max_prefill_tokens",
                    "prefix_caching", "max_queue")
 

@@ -36,8 +36,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return choose_dtype(dtype, device)[0]
 
 
-def choose_dtype(dtype: str | torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
+def choose_dtype(dtype: str | torch.dtype, device: torch.device, quantized: bool = False) -> tuple[torch.dtype, str]:
     """The dtype to run in and why (for the run summary).
+
+    A model whose weights stay quantized (``quantized``) runs float32 under ``auto``: the quantized
+    kernels take float32 activations (and quantize them per block themselves).
 
     ``auto`` picks bfloat16 where the hardware computes it natively: a GPU with bf16 support, or
     a CPU with avx512_bf16 / AMX / ARM bf16 instructions (there, with pre-packed weights, it runs
@@ -47,6 +50,8 @@ def choose_dtype(dtype: str | torch.dtype, device: torch.device) -> tuple[torch.
     if isinstance(dtype, torch.dtype):
         return dtype, "as requested"
     if dtype == "auto":
+        if quantized:
+            return torch.float32, "auto: quantized weights multiply float32 activations"
         if device.type == "cuda":
             if torch.cuda.is_bf16_supported():
                 return torch.bfloat16, "auto: this GPU supports bfloat16"
@@ -89,18 +94,34 @@ def load_config(ref: str | os.PathLike[str]) -> ModelConfig:
 
 def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
                device: str = "auto", fuse: bool = True, pack: bool | None = None, backend: str = "auto",
-               compile: bool = False) -> tuple[DecoderOnlyLM, ModelConfig]:
+               compile: bool = False, quantization: str = "auto") -> tuple[DecoderOnlyLM, ModelConfig]:
     """Build the architecture the checkpoint names and fill it: a folder's safetensors, or a GGUF's
-    tensors dequantized into ``dtype``.
+    tensors (quantized ones kept in their blocks where the quantized kernels run, else dequantized
+    into ``dtype``).
 
     ``fuse`` merges q/k/v and gate/up projections for faster inference; pass False to get the
     Hugging Face module layout (training, saving). ``pack`` gives a fused model on CPU the inference
     form of ``backend`` (``infer.backends``: ``auto``, ``torch``, ``cpu-kernels``; ``compile`` says
     it will run compiled), recorded as ``model.backend``; the default packs a fused CPU model.
+    ``quantization`` (``loader.quantized``: ``auto``, ``none``, ``q8_0``, ``q4_0``, ``q4_1``,
+    ``q5_0``) says which weights stay or become quantized; ``model.weights_summary`` says what it did.
     """
+    from infer.loader.quantized import (
+        QuantChoice,
+        QuantReport,
+        check_quantization,
+        choose_quant_kernels,
+        gguf_keep,
+        install_quantized,
+        quantize_float_weights,
+        tie_head,
+    )
+    from infer.models.quantized import QuantRows, pack_quantized
+
     path = resolve_model_path(ref)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    check_quantization(quantization)
     if pack is None:
         pack = fuse and dev.type == "cpu"
     if pack or dev.type != "cpu":  # chosen before the weights are read: a refusal comes quickly
@@ -109,16 +130,36 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
         raise ValueError("backend 'cpu-kernels' needs the packed inference layout (fuse=True, pack=True)")
     else:
         chosen = Backend("torch", reasons=["loaded unpacked (training or conversion layout)"])
+    if fuse and (pack or dev.type != "cpu") and not compile:
+        quant = choose_quant_kernels(quantization, dev, backend)
+    elif quantization in ("auto", "none"):
+        quant = QuantChoice(quantization, None, "compiled mode" if compile else "loaded unpacked")
+    else:
+        raise ValueError(f"quantization={quantization!r} needs the packed inference layout and eager mode "
+                         "(fuse=True, pack=True, compile=False)")
+    report = QuantReport(quant)
     config = load_config(path)
     with torch.device("meta"):
         model = MODEL_REGISTRY[config.model_type](config)
     expected = model.state_dict()
     rope_divisors = None
+    quantized: dict[str, QuantRows] = {}
+    gguf_file = None
     if path.is_file():
-        from infer.loader.gguf import gguf_weights, open_gguf
+        from gguf import GGMLQuantizationType
 
-        weights = gguf_weights(open_gguf(path), config, torch_dtype, dev)
+        from infer.loader.gguf import gguf_weights, hf_tensor_name, open_gguf
+
+        gguf_file = open_gguf(path)
+        keep = None
+        if quant.keeps_blocks:
+            types = {hf_tensor_name(name, config.model_type) or name: GGMLQuantizationType(t.tensor_type).name
+                     for name, t in gguf_file.tensors.items()}
+            keep, notes = gguf_keep(types)
+            report.notes += notes
+        weights = gguf_weights(gguf_file, config, torch_dtype, dev, keep)
         tensors = {name: (tensor, path) for name, tensor in weights.state.items()}
+        quantized = weights.quantized
         rope_divisors = weights.rope_freq_divisors
         implied_by = "the GGUF metadata implies"
     else:
@@ -138,15 +179,30 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
             raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"{implied_by} {tuple(expected[name].shape)}")
         state[name] = tensor
+    for name, rows in quantized.items():
+        if name not in expected:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} for a {config.model_type} model")
+        if (rows.rows, rows.in_features) != tuple(expected[name].shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {(rows.rows, rows.in_features)}, "
+                                  f"{implied_by} {tuple(expected[name].shape)}")
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+        quantized.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
+    if quant.keeps_blocks and quantization not in ("auto", "none"):
+        made, notes = quantize_float_weights(state, quantization)
+        quantized.update(made)
+        report.notes += notes
+    missing = sorted(set(expected) - set(state) - set(quantized))
     if missing:
         raise CheckpointError(f"{path}: weights missing from the checkpoint: {', '.join(missing[:5])}"
                               + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
     model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    if quantized:
+        assert quant.kernels is not None
+        report.types.update(rows.qtype for rows in quantized.values())
+        install_quantized(model, quantized, quant.kernels, torch_dtype)
+    if config.tie_word_embeddings and not tie_head(model):
         model.lm_head.weight = model.model.embed_tokens.weight
     inv_freq = rope_inv_freq(config)
     if rope_divisors is not None:  # a GGUF's precomputed per-frequency RoPE scaling (Llama 3.1 and later)
@@ -157,8 +213,31 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     model.inv_freq = inv_freq.to(dev)
     if fuse:
         model.fuse_projections()
+    pack_quantized(model)
+    if quantized:  # the kernels are row-invariant; attention is made so too (greedy speculation stays exact)
+        from infer.backends.exact import make_attention_exact
+
+        make_attention_exact(model)
     chosen.prepare(model)  # the backend's form of the model, recorded on it
+    if chosen.stack and chosen.cpu_stack is None:  # the startup line must not claim a stack that does not run
+        chosen.stack = False
+        chosen.reasons.append("the C decoder stack takes float Llama-block models: running layer by layer")
+    if gguf_file is not None:
+        from infer.loader.gguf import release_mapped_pages
+
+        release_mapped_pages(gguf_file)
+    report.measure(model)
+    model.weights_summary = report.describe()
     return model.eval(), config
+
+
+def forget_parsed_checkpoints() -> None:
+    """Drop the GGUF metadata parsed for loading a model and its tokenizer (``gguf.open_gguf`` keeps
+    it so the file is parsed once for both): about 130 MB of Python objects for a 49k-token
+    vocabulary. The weights keep their own mapping of the file."""
+    from infer.loader.gguf import _open_cached
+
+    _open_cached.cache_clear()
 
 
 def _gemma3_text_name(name: str) -> str:
@@ -187,5 +266,5 @@ def load_tokenizer(ref: str | os.PathLike[str], config: ModelConfig | None = Non
 
 
 __all__ = ["DEFAULT_MODEL", "CheckpointError", "ModelConfig", "Tokenizer", "choose_dtype", "cpu_bf16_feature",
-           "is_gguf_file", "load_config", "load_model", "load_tokenizer", "resolve_device", "resolve_dtype",
+           "forget_parsed_checkpoints", "is_gguf_file", "load_config", "load_model", "load_tokenizer", "resolve_device", "resolve_dtype",
            "resolve_model_path"]

@@ -1,7 +1,9 @@
 """Read GGUF files (llama.cpp's format) with the ``gguf`` library: config, weights, tokenizer.
 
-Quantized weights are dequantized once, at load, into the dtype the engine runs in; the model
-then is an ordinary float model (no quantized kernels). The mapping follows llama.cpp's own
+Weights in the block types the quantized kernels multiply stay in their blocks where the loader
+asks for it (``infer.loader.quantized``: views of the file's mapping, or copies where rows are
+reordered or fused); the others are dequantized once, at load, into the dtype the engine runs in.
+The mapping follows llama.cpp's own
 converter (``convert_hf_to_gguf.py``) backwards:
 
 * config: ``<arch>.block_count``, ``.embedding_length``, ``.attention.head_count`` ... become the
@@ -18,9 +20,13 @@ converter (``convert_hf_to_gguf.py``) backwards:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import mmap
 import re
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +36,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from infer.models.config import CheckpointError, ModelConfig
+from infer.models.quantized import QuantRows
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # general.architecture values infer reads
 
@@ -240,11 +247,19 @@ def _eos_ids(f: GGUFFile) -> list[int]:
 class GGUFWeights:
     state: dict[str, torch.Tensor]  # Hugging Face names, unfused
     rope_freq_divisors: torch.Tensor | None  # from rope_freqs.weight: inv_freq is divided by these
+    # Weights kept in their blocks (``keep`` said so), under Hugging Face names: views of the file's
+    # mapping, with llama q/k rows' HF order as a row index (applied when they are copied).
+    quantized: dict[str, QuantRows] = field(default_factory=dict)
 
 
-def gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> GGUFWeights:
-    """Every tensor dequantized into ``dtype`` on ``device`` under its Hugging Face name."""
+def gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 keep: Callable[[str, str], bool] | None = None) -> GGUFWeights:
+    """Every tensor under its Hugging Face name: dequantized into ``dtype`` on ``device``, or, where
+    ``keep(hf_name, type_name)`` says so, left in its quantized blocks (``GGUFWeights.quantized``)."""
+    from gguf import GGMLQuantizationType
+
     state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantRows] = {}
     divisors = None
     for name, tensor in f.tensors.items():
         if name == ROPE_FREQS_TENSOR:
@@ -253,14 +268,41 @@ def gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: t
         hf_name = hf_tensor_name(name, config.model_type)
         if hf_name is None:
             raise CheckpointError(f"{f.path}: unexpected tensor {name!r} for a {config.model_type} model")
+        permuted = config.model_type == "llama" and (".attn_q." in name or ".attn_k." in name)
+        heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+        type_name = GGMLQuantizationType(tensor.tensor_type).name
+        if keep is not None and len(tensor.shape) == 2 and keep(hf_name, type_name):
+            raw = mapped_blocks(tensor)
+            order = undo_rope_row_order(torch.arange(raw.shape[0]), heads) if permuted else None
+            quantized[hf_name] = QuantRows(type_name, int(tensor.shape[0]), raw, order)
+            continue
         weight = dequantize(f, tensor)
         if config.model_type == "gemma3" and name.endswith("norm.weight"):
             weight = weight - 1  # llama.cpp's converter stores Gemma's norms as 1 + w; the model adds the 1
-        if config.model_type == "llama" and (".attn_q." in name or ".attn_k." in name):
-            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+        if permuted:
             weight = undo_rope_row_order(weight, heads)
         state[hf_name] = weight.to(dtype).to(device)
-    return GGUFWeights(state, divisors)
+    return GGUFWeights(state, divisors, quantized)
+
+
+def mapped_blocks(tensor: Any) -> torch.Tensor:
+    """A quantized tensor's blocks as a uint8 ``[rows, row_bytes]`` view of the file's mapping (no
+    copy; pages are read when first used)."""
+    data = tensor.data
+    with warnings.catch_warnings():  # the mapping is read-only and stays so: nothing writes to these
+        warnings.simplefilter("ignore", UserWarning)
+        view = torch.from_numpy(data)
+    return view.view(torch.uint8).reshape(data.shape[0], -1)
+
+
+def release_mapped_pages(f: GGUFFile) -> None:
+    """Drop the pages of ``f``'s mapping this process has read so far (what was dequantized or copied
+    at load): they stay in the page cache, and the tensors still in use as views fault theirs back
+    in when they are next read, so each weight is resident once."""
+    mapping = getattr(f.reader.data, "_mmap", None)
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        with contextlib.suppress(OSError, ValueError):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def hf_tensor_name(name: str, model_type: str = "llama") -> str | None:

@@ -144,8 +144,8 @@ class Gemma3ForCausalLM(DecoderOnlyLM):
                 kv: KVBatch | None = None) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        embed = self.model.embed_tokens
-        x = embed(input_ids) * torch.tensor(self.config.hidden_size ** 0.5, dtype=embed.weight.dtype)
+        embedded = self.model.embed_tokens(input_ids)
+        x = embedded * torch.tensor(self.config.hidden_size ** 0.5, dtype=embedded.dtype)
         tables = {False: rope_cos_sin(self.inv_freq, positions, x.dtype),  # type: ignore[arg-type]
                   True: rope_cos_sin(self.local_inv_freq(x.device), positions, x.dtype)}
         for index, layer in enumerate(self.model.layers):

@@ -19,6 +19,7 @@ from torch import nn
 
 from infer.cache.protocol import KVBatch, LayerKV
 from infer.models.config import CheckpointError, ModelConfig
+from infer.models.quantized import QuantLinear
 
 # enable_gqa arrived in torch 2.5; older versions repeat K/V heads instead.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -245,8 +246,11 @@ class MLP(nn.Module):
 
 def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     """One Linear computing all of ``linears`` side by side. The fused weight is a new tensor, so the
-    originals are dropped afterwards (``DecoderOnlyLM.fuse_projections``) to keep memory flat."""
+    originals are dropped afterwards (``DecoderOnlyLM.fuse_projections``) to keep memory flat.
+    Quantized projections concatenate their blocks instead (``models.quantized``)."""
     first = linears[0]
+    if isinstance(first, QuantLinear):
+        return QuantLinear.fused(linears)  # type: ignore[arg-type,return-value]
     fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
                       device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
@@ -303,6 +307,7 @@ class DecoderOnlyLM(nn.Module):
         # The execution backend (infer.backends.Backend) that prepared this model, recorded by the
         # loader for the engine and the runners; the math here never reads it.
         self.backend: Any = None
+        self.weights_summary = ""  # set by the loader: the weights' bytes, quantized and float
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv: KVBatch | None = None) -> torch.Tensor:

@@ -1,0 +1,236 @@
+"""Quantized weights at load: which tensors stay in their blocks, the kernels that multiply them, and
+float checkpoints quantized at load (``--quantization``).
+
+``quantization`` (``EngineConfig.quantization``, ``--quantization``) says what a checkpoint's linear
+weights become:
+
+* ``auto`` (default): a GGUF's quantized tensors of the types the kernels multiply (``KEPT_TYPES``)
+  stay in their blocks; float tensors stay float;
+* ``none``: everything dequantized into the run dtype (what infer did before it had the kernels);
+* ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``: as ``auto``, and the float projections, LM head and
+  embeddings (a safetensors folder's, an F16/F32 GGUF's) are quantized into that block type at load
+  (``gguf.quants.quantize``, llama.cpp's rounding).
+
+Only where the quantized kernels run (the CPU, a backend other than ``torch``, the kernels built and
+probed: ``infer.kernels.quant``); elsewhere the model is dequantized to float and the startup line
+says why. A tensor of another block type (Q5_1, Q2_K, the IQ types...) is dequantized, and so are
+the other projections it is fused with (q/k/v, gate/up: a fused projection is all quantized or all
+float), with a line naming them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from infer.models.quantized import QuantEmbedding, QuantLinear, QuantRows, weight_bytes
+
+if TYPE_CHECKING:
+    from infer.kernels.quant import QuantKernels
+
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "q5_0")
+# Block types the quantized kernels multiply (what Q4_K_M, Q5_K_M, Q8_0 and Q4_0 files hold).
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
+
+# Weights that may be quantized: the projections, the LM head and the token embeddings.
+_QUANTIZABLE = re.compile(r"(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+                          r"|lm_head|model\.embed_tokens)\.weight")
+# Projections fused into one matmul (``Attention.fuse``, ``MLP.fuse``): all quantized or all float.
+_FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+_LAYER_PART = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
+
+
+def check_quantization(value: str, option: str = "quantization") -> None:
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"{option}={value!r} is invalid: use {', '.join(QUANTIZATIONS)}")
+
+
+@dataclass
+class QuantChoice:
+    """Whether quantized weights run on quantized kernels in this load, and why not."""
+
+    quantization: str
+    kernels: QuantKernels | None
+    reason: str = ""  # why ``kernels`` is None
+
+    @property
+    def keeps_blocks(self) -> bool:
+        return self.kernels is not None and self.quantization != "none"
+
+
+def choose_quant_kernels(quantization: str, device: torch.device, backend: str) -> QuantChoice:
+    """The quantized kernels for a load (``quantization`` as above, ``backend`` as ``--backend``).
+    ``quantization`` of a block type with no kernels to run it, or ``--backend cpu-kernels`` where
+    they cannot run, raises ValueError naming why; ``auto`` falls back to float and says why."""
+    check_quantization(quantization)
+    if quantization == "none":
+        return QuantChoice(quantization, None, "--quantization none")
+    if device.type != "cpu":
+        reason = f"the quantized kernels run on the CPU; this model runs on {device}"
+    elif backend == "torch":
+        reason = "--backend torch"
+    else:
+        from infer.kernels import quant
+
+        kernels = quant.quant_kernels()
+        if kernels is not None:
+            return QuantChoice(quantization, kernels)
+        reason = quant.quant_unavailable_reason()
+        if backend == "cpu-kernels":
+            raise ValueError(f"backend 'cpu-kernels' cannot run quantized weights on this machine: {reason}")
+    if quantization != "auto":
+        raise ValueError(f"quantization={quantization!r} needs the quantized kernels, which cannot run here: {reason}")
+    return QuantChoice(quantization, None, reason)
+
+
+def gguf_keep(tensor_types: dict[str, str]) -> tuple[Callable[[str, str], bool], list[str]]:
+    """Which of a GGUF's tensors (Hugging Face name -> block type name) stay quantized: a quantizable
+    weight of a kept type whose fused siblings are all of kept types too. Returns the rule and a
+    line per reason another quantized weight is dequantized."""
+    quantized = {name: t for name, t in tensor_types.items() if _QUANTIZABLE.fullmatch(name) and t not in ("F32", "F16", "BF16")}
+    dropped: dict[str, str] = {}
+    for name, type_name in quantized.items():
+        if type_name not in KEPT_TYPES:
+            dropped[name] = f"{type_name} has no quantized kernel"
+    for name in list(quantized):
+        match = _LAYER_PART.fullmatch(name)
+        if match is None or name in dropped:
+            continue
+        layer, part = match.groups()
+        for group in _FUSED_GROUPS:
+            if part in group:
+                siblings = [f"model.layers.{layer}.{p}.weight" for p in group]
+                odd = [s for s in siblings if s not in quantized or s in dropped]
+                if odd:
+                    dropped[name] = f"fused with {odd[0].split('.', 3)[3]} ({tensor_types.get(odd[0], '?')})"
+    keep = {name for name in quantized if name not in dropped}
+    lines = []
+    if dropped:
+        by_reason: Counter[str] = Counter(dropped.values())
+        lines.append("dequantized to float: " + "; ".join(f"{count} tensor{'s' if count > 1 else ''} ({reason}, e.g. "
+                                                          f"{next(n for n, r in dropped.items() if r == reason)})"
+                                                          for reason, count in by_reason.items()))
+    return (lambda name, type_name: name in keep), lines
+
+
+def quantize_float_weights(state: dict[str, torch.Tensor], quantization: str) -> tuple[dict[str, QuantRows], list[str]]:
+    """Quantize ``state``'s float projections, LM head and embeddings into ``quantization``'s blocks
+    (removed from ``state`` one at a time, so at most one float copy of a weight is held beside the
+    blocks). Weights whose width is not a whole number of blocks stay float, with a line."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[quantization.upper()]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    out: dict[str, QuantRows] = {}
+    skipped = []
+    for name in [n for n in state if _QUANTIZABLE.fullmatch(n)]:
+        weight = state[name]
+        if weight.shape[-1] % block:
+            skipped.append(name)
+            continue
+        del state[name]
+        blocks = gguf.quants.quantize(weight.detach().float().cpu().numpy(), qtype)
+        out[name] = QuantRows(qtype.name, int(weight.shape[-1]), torch.from_numpy(np.ascontiguousarray(blocks)))
+    lines = [f"kept float ({len(skipped)} weights of a width not a multiple of {block}, e.g. {skipped[0]})"] if skipped else []
+    return out, lines
+
+
+def dequantized(rows: QuantRows) -> torch.Tensor:
+    """The float32 matrix of ``rows`` (gguf's reference dequantization), in use order."""
+    from gguf import GGMLQuantizationType, quants
+
+    array = quants.dequantize(rows.materialized().numpy(), GGMLQuantizationType[rows.qtype])
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+
+def install_quantized(model: nn.Module, weights: dict[str, QuantRows], kernels: QuantKernels,
+                      dtype: torch.dtype) -> None:
+    """Replace the modules whose weights are in ``weights`` (Hugging Face names) by quantized ones:
+    ``nn.Linear`` -> ``QuantLinear`` (its loaded bias kept), ``nn.Embedding`` -> ``QuantEmbedding``
+    returning ``dtype``. Call after the float weights are loaded and before fusing."""
+    for name, rows in weights.items():
+        path = name.removesuffix(".weight")
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        module = getattr(parent, attr)
+        replacement: nn.Module
+        if isinstance(module, nn.Embedding):
+            replacement = QuantEmbedding(rows, kernels, dtype)
+        elif isinstance(module, nn.Linear):
+            bias = module.bias
+            if bias is not None and bias.device.type == "meta":
+                raise RuntimeError(f"{path}.bias was not loaded before its weight was quantized")
+            replacement = QuantLinear([rows], bias, kernels)
+        else:
+            raise TypeError(f"{name}: a {type(module).__name__} cannot hold quantized weights")
+        setattr(parent, attr, replacement)
+
+
+def tie_head(model: nn.Module) -> bool:
+    """A tied LM head over a quantized embedding: multiplies by the embedding's blocks. False if the
+    embedding is float (the float head is tied as usual)."""
+    embedding = model.model.embed_tokens  # type: ignore[union-attr]
+    if not isinstance(embedding, QuantEmbedding):
+        return False
+    model.lm_head = QuantLinear.tied(embedding)  # type: ignore[assignment]
+    return True
+
+
+@dataclass
+class QuantReport:
+    """What the load did with quantized weights, for the startup line."""
+
+    choice: QuantChoice
+    types: Counter[str] = field(default_factory=Counter)  # block type -> weights kept in it
+    notes: list[str] = field(default_factory=list)
+    quantized_bytes: int = 0
+    float_bytes: int = 0
+
+    def measure(self, model: nn.Module) -> None:
+        self.quantized_bytes, self.float_bytes = weight_bytes(model)
+
+    def describe(self) -> str:
+        """``weights 57.6 MiB quantized (Q4_1 x210, Q8_0 x1, on AVX-512 VNNI kernels) + 0.1 MiB float; ...``."""
+        mib = 2 ** 20
+        if self.types:
+            kinds = ", ".join(f"{t} x{n}" for t, n in sorted(self.types.items()))
+            variant = getattr(getattr(self.choice.kernels, "variant", None), "description", "quantized kernels")
+            text = (f"weights {self.quantized_bytes / mib:.1f} MiB quantized ({kinds}, on {variant}) + "
+                    f"{self.float_bytes / mib:.1f} MiB float")
+        else:
+            text = f"weights {self.float_bytes / mib:.1f} MiB float"
+            if self.choice.reason and self.choice.quantization != "none":
+                text += f" (quantized weights dequantized: {self.choice.reason})"
+        return "; ".join([text, *self.notes])
+
+
+def loads_quantized(ref: str | os.PathLike[str], quantization: str, device: torch.device, backend: str,
+                    compile: bool = False) -> bool:
+    """Whether loading ``ref`` this way keeps weights quantized (the engine then runs float32
+    activations under ``dtype=auto``: the kernels' input)."""
+    check_quantization(quantization)
+    if quantization == "none" or device.type != "cpu" or backend == "torch" or compile:
+        return False
+    if quantization == "auto":
+        from infer.loader.hub import resolve_model_path
+
+        path = resolve_model_path(ref)
+        if not path.is_file():
+            return False
+        from gguf import GGMLQuantizationType
+
+        from infer.loader.gguf import open_gguf
+
+        if not any(GGMLQuantizationType(t.tensor_type).name in KEPT_TYPES for t in open_gguf(path).tensors.values()):
+            return False
+    from infer.kernels import quant
+
+    return quant.quant_kernels() is not None
