@@ -31,7 +31,16 @@ from infer.cache.protocol import KVBatch
 from infer.kernels.cpu import KernelLibrary
 from infer.models.layers import DecoderOnlyLM
 
-BACKENDS = ("auto", "torch", "cpu-kernels")
+# ``cpu-kernels:NAME`` forces kernel variant NAME in each kernel family that has one (the float
+# kernels' ``build.VARIANTS``, the quantized kernels' ``build.QUANT_VARIANTS``; ``avx2`` is in both),
+# the other family taking its best: how CI runs the AVX2 and portable kernels on an AVX-512 machine.
+KERNEL_VARIANTS = tuple(dict.fromkeys([*kernels.build.VARIANT_NAMES, *(v.name for v in kernels.build.QUANT_VARIANTS)]))
+BACKENDS = ("auto", "torch", "cpu-kernels", *(f"cpu-kernels:{name}" for name in KERNEL_VARIANTS))
+
+
+def forced_variant(requested: str) -> str | None:
+    """The kernel variant ``--backend cpu-kernels:NAME`` names (None for the other backends)."""
+    return requested.split(":", 1)[1] if requested.startswith("cpu-kernels:") else None
 
 
 @dataclass
@@ -110,22 +119,34 @@ def choose_backend(device: torch.device | str, dtype: torch.dtype, requested: st
         raise ValueError(f"backend={requested!r} is invalid: use {', '.join(BACKENDS)}")
     device = torch.device(device)
     mode = "compiled" if compile else "eager"
+    forced = requested.startswith("cpu-kernels")
+    variant = forced_variant(requested)
     if device.type != "cpu":
-        if requested == "cpu-kernels":
-            raise ValueError(f"backend 'cpu-kernels' runs on the CPU; this model runs on {device}")
+        if forced:
+            raise ValueError(f"backend {requested!r} runs on the CPU; this model runs on {device}")
         return Backend("torch", mode=mode)
     reasons = []
     if requested == "torch":
         reasons.append("forced by --backend torch")
     else:
-        library = kernels.library_for(dtype)
+        if variant is not None and variant in kernels.build.VARIANT_NAMES:
+            try:
+                library: KernelLibrary | None = kernels.named_library(variant)
+            except kernels.KernelUnavailable as err:
+                raise ValueError(f"backend {requested!r} cannot run on this machine: {err}") from None
+            assert library is not None
+            if dtype not in library.dtypes:
+                raise ValueError(f"backend {requested!r} has no {dtype} kernels (use --dtype float32)")
+            refused = [f"kernel variant {variant} forced by --backend"]
+        else:
+            library = kernels.library_for(dtype)
+            refused = list(kernels.selection().refused)
         if library is None:
             reason = kernels.unavailable_reason(dtype)
             if requested == "cpu-kernels":
                 raise ValueError(f"backend 'cpu-kernels' cannot run {dtype} on this machine: {reason}")
             reasons.append(reason)
         else:
-            refused = [line for line in kernels.selection().refused]
             # Compiled mode traces the layers (the compiler fuses their operators): no stack to probe.
             fused_failure = probe_fused(library, dtype)
             stack_failure = None if compile else probe_stack(library, dtype)

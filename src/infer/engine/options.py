@@ -85,7 +85,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "width and context bucket, captured on first use"),
     Option("backend", "what computes the forward pass: auto (the fastest this machine runs; the startup line says "
            "which and why), torch (the PyTorch layers) or cpu-kernels (infer's C kernels; an error where they "
-           "cannot run)", choices=BACKENDS),
+           "cannot run); cpu-kernels:VARIANT forces one kernel variant (e.g. cpu-kernels:avx2)",
+           choices=BACKENDS),
     Option("quantization", "the target's weights: auto (a GGUF's quantized blocks stay quantized, float weights "
            "float), none (dequantize everything to float), or q8_0/q4_0/q4_1/q5_0 (quantize a float checkpoint's "
            "projections, head and embeddings at load); quantized weights run on the quantized CPU kernels",

@@ -63,6 +63,24 @@ def selection() -> Selection:
     return Selection(None, refused)
 
 
+@functools.cache
+def named_library(name: str) -> KernelLibrary:
+    """Variant ``name`` of the float kernels (``--backend cpu-kernels:NAME``), built, loaded and
+    probed for every dtype it holds; KernelUnavailable naming why it cannot run here."""
+    variant = next((v for v in build.VARIANTS if v.name == name), None)
+    if variant is None:
+        raise ValueError(f"unknown kernel variant {name!r}: one of {', '.join(build.VARIANT_NAMES)}")
+    missing = build.missing_cpu_flags(variant)
+    if missing:
+        raise KernelUnavailable(f"{name}: CPU lacks {', '.join(missing)}")
+    library = load_variant(variant)
+    for dtype in library.dtypes:
+        failure = probe_gemv(library, dtype)
+        if failure is not None:
+            raise KernelUnavailable(f"{name}: probe failed: {failure}")
+    return library
+
+
 def library_for(dtype: torch.dtype) -> KernelLibrary | None:
     """The kernels for ``dtype`` where they run here and passed their probe, else None."""
     chosen = selection()
@@ -91,9 +109,10 @@ def reset() -> None:
     from infer.kernels import cpu, quant
 
     selection.cache_clear()
+    named_library.cache_clear()
     cpu._library_for_op.cache_clear()
     quant.reset()
 
 
 __all__ = ["KernelLibrary", "KernelUnavailable", "Selection", "Variant", "build", "library_for",
-           "load_variant", "reset", "selection", "unavailable_reason"]
+           "load_variant", "named_library", "reset", "selection", "unavailable_reason"]

@@ -126,8 +126,8 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
         pack = fuse and dev.type == "cpu"
     if pack or dev.type != "cpu":  # chosen before the weights are read: a refusal comes quickly
         chosen = choose_backend(dev, torch_dtype, backend, compile)
-    elif backend == "cpu-kernels":
-        raise ValueError("backend 'cpu-kernels' needs the packed inference layout (fuse=True, pack=True)")
+    elif backend.startswith("cpu-kernels"):
+        raise ValueError(f"backend {backend!r} needs the packed inference layout (fuse=True, pack=True)")
     else:
         chosen = Backend("torch", reasons=["loaded unpacked (training or conversion layout)"])
     if fuse and (pack or dev.type != "cpu") and not compile:

@@ -78,14 +78,22 @@ def choose_quant_kernels(quantization: str, device: torch.device, backend: str) 
     elif backend == "torch":
         reason = "--backend torch"
     else:
+        from infer.backends.backend import forced_variant
         from infer.kernels import quant
+        from infer.kernels.build import QUANT_VARIANTS, KernelUnavailable
 
+        variant = forced_variant(backend)
+        if variant in {v.name for v in QUANT_VARIANTS}:  # --backend cpu-kernels:NAME: that variant or an error
+            try:
+                return QuantChoice(quantization, quant.quant_kernels(variant))
+            except KernelUnavailable as err:
+                raise ValueError(f"backend {backend!r} cannot run quantized weights on this machine: {err}") from None
         kernels = quant.quant_kernels()
         if kernels is not None:
             return QuantChoice(quantization, kernels)
         reason = quant.quant_unavailable_reason()
-        if backend == "cpu-kernels":
-            raise ValueError(f"backend 'cpu-kernels' cannot run quantized weights on this machine: {reason}")
+        if backend.startswith("cpu-kernels"):
+            raise ValueError(f"backend {backend!r} cannot run quantized weights on this machine: {reason}")
     if quantization != "auto":
         raise ValueError(f"quantization={quantization!r} needs the quantized kernels, which cannot run here: {reason}")
     return QuantChoice(quantization, None, reason)
