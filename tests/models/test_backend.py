@@ -27,7 +27,10 @@ def test_the_option_reaches_the_engine_from_every_front_end(tiny_llama: Path) ->
         parser.parse_args(["bench", "generation", "--model", "m", "--also-backend", "fastest"])
     with pytest.raises(ValueError, match="backend='fastest' is invalid"):
         EngineConfig(model=str(tiny_llama), backend="fastest")
-    assert set(BACKENDS) == {"auto", "torch", "cpu-kernels"}
+    assert set(BACKENDS) == {"auto", "torch", "cpu-kernels", *(f"cpu-kernels:{v}" for v in (
+        "avx512-bf16", "avx512", "avx2", "avx512-vnni", "neon-dotprod", "portable"))}
+    assert parser.parse_args(["bench", "generation", "--also-backend", "cpu-kernels:avx2"]).also_backend == [
+        "cpu-kernels:avx2"]
 
 
 def test_the_engine_reports_its_backend_in_the_summary_and_the_metrics(tiny_llama: Path) -> None:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import time
 from collections.abc import Callable, Iterable
@@ -290,14 +291,18 @@ _NOT_WEIGHTS = ("inv_freq",)
 
 
 def _held_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """The tensors a module holds itself (not its children's), also inside lists, tuples and dicts
-    (``_parameters`` and ``_buffers`` are dicts among its attributes)."""
+    """The tensors a module holds itself (not its children's), also inside lists, tuples, dicts and
+    dataclasses such as a quantized weight's record (``_parameters`` and ``_buffers`` are dicts
+    among its attributes)."""
     found: list[torch.Tensor] = []
     for key, value in vars(module).items():
         items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple))
                  else [(key, value)])
-        found += [item for name, item in items if isinstance(item, torch.Tensor) and item.device.type != "meta"
-                  and name not in _NOT_WEIGHTS]
+        for name, item in items:
+            if dataclasses.is_dataclass(item) and not isinstance(item, type):
+                found += [v for v in vars(item).values() if isinstance(v, torch.Tensor) and v.device.type != "meta"]
+            elif isinstance(item, torch.Tensor) and item.device.type != "meta" and name not in _NOT_WEIGHTS:
+                found.append(item)
     return found
 
 
