@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import mmap
 import re
 import struct
@@ -165,7 +166,7 @@ class GGUFFile:
         except _Truncated:
             raise CheckpointError(f"{path}: not a readable GGUF file (truncated: the header runs past the end "
                                   f"of its {len(self.mapping)} bytes)") from None
-        except (ValueError, UnicodeDecodeError, struct.error) as err:
+        except (ValueError, KeyError, UnicodeDecodeError, struct.error) as err:
             raise CheckpointError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
         arch = self.get("general.architecture")
         if not isinstance(arch, str):
@@ -291,7 +292,7 @@ class GGUFFile:
             self.tensors[name] = self._tensor(name, dims, GGMLQuantizationType(raw_type), start + relative)
 
     def _tensor(self, name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, offset: int) -> GGUFTensor:
-        n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        n_elements = math.prod(dims)  # exact (a corrupt header's sizes must not wrap around)
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         n_bytes = n_elements * type_size // block_size
         if offset + n_bytes > len(self.mapping):
