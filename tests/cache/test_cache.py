@@ -295,3 +295,17 @@ def test_single_sequence_rows_are_contiguous_ranges(llama: tuple[DecoderOnlyLM, 
     kv = build_kv_batch(pool, [slot], [6], [BLOCK])
     assert kv.read_start is None and kv.read_index is not None
     assert kv.write_index.tolist() == pool.storage_rows(slot, 6 + BLOCK)[6:].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_pool_storage_is_zero_aligned_and_writable(dtype: torch.dtype) -> None:
+    """CPU pools start as zero pages (``cache.protocol.zeroed``): zero, 64-byte aligned like
+    PyTorch's own allocations (the C kernels read them with vector loads), and writable."""
+    pool = PagedKVCachePool(3, 2, 8, num_blocks=5, block_size=BLOCK, max_seq_len=16, dtype=dtype, device="cpu")
+    for tensor in pool.k_layers + pool.v_layers:
+        assert tensor.dtype == dtype and tensor.shape == (5 * BLOCK + 1, 2, 8) and tensor.is_contiguous()
+        assert tensor.data_ptr() % 64 == 0
+        assert not tensor.any()
+    assert len({t.data_ptr() for t in pool.k_layers + pool.v_layers}) == 6  # no two layers share storage
+    pool.k_layers[1].index_copy_(0, torch.tensor([3]), torch.ones(1, 2, 8, dtype=dtype))
+    assert pool.k_layers[1][3].eq(1).all() and not pool.k_layers[0].any() and not pool.k_layers[2].any()

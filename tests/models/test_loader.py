@@ -488,3 +488,29 @@ def test_one_bad_prompt_admits_nothing(short_llm: LLM) -> None:
         short_llm.generate(["import os", list(range(10, 40))], greedy(4))
     assert not short_llm.engine.has_unfinished()
     assert short_llm.generate("import os", greedy(2, ignore_eos=True))[0].finish_reason == "length"
+
+
+def test_loading_does_not_import_torch_dynamo(tiny_llama: Path) -> None:
+    """The loader builds the model skeleton on the meta device, where PyTorch computes some
+    operators (normal_, arange's arithmetic) in Python through torch._refs, whose first use imports
+    torch._dynamo: about a second of every start-up. Eager loading and a decode step need none of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from infer.loader import load_model; import torch; "
+            f"model, _ = load_model({str(tiny_llama)!r}, 'float32', 'cpu'); "
+            "model(torch.tensor([[1, 2, 3]]), torch.arange(3).unsqueeze(0), None); "
+            "print('torch._dynamo' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_models_built_off_the_meta_device_are_still_initialised(tiny_llama: Path) -> None:
+    config = load_config(tiny_llama)
+    torch.manual_seed(0)
+    from infer.models import MODEL_REGISTRY
+
+    model = MODEL_REGISTRY[config.model_type](config)
+    assert model.model.embed_tokens.weight.std() > 0.5  # nn.Embedding's N(0, 1) init
+    torch.testing.assert_close(model.inv_freq, load_model(tiny_llama, "float32", "cpu")[0].inv_freq)

@@ -106,7 +106,7 @@ def assert_loaded_right(model: nn.Module, dequantized: nn.Module, ids: list[int]
 def file_mapping_range(path: Path) -> tuple[int, int]:
     from infer.loader.gguf import open_gguf
 
-    data = open_gguf(path).reader.data
+    data = open_gguf(path).data
     start = data.ctypes.data
     return start, start + data.nbytes
 
@@ -369,7 +369,7 @@ def test_smollm2_q4_1_runs_quantized_and_speculation_is_exact() -> None:
     from infer.models.quantized import weight_bytes
 
     quantized_bytes, float_bytes = weight_bytes(model)
-    tensors = open_gguf(path).reader.tensors
+    tensors = open_gguf(path).tensors.values()
     assert quantized_bytes == sum(int(t.n_bytes) for t in tensors if t.tensor_type.name in ("Q4_1", "Q8_0"))
     assert float_bytes < 2**20  # norms (and RoPE tables) only
     assert "MiB quantized (Q4_1 x210, Q8_0 x1" in llm.engine.summary

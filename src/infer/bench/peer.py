@@ -320,6 +320,5 @@ def gguf_weight_bytes_per_token(path: str | Path) -> int:
     the file has a separate output matrix (a file without one reads the table as its LM head)."""
     from infer.loader.gguf import open_gguf
 
-    tensors = open_gguf(Path(path)).reader.tensors
-    names = {t.name for t in tensors}
-    return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or "output.weight" not in names)
+    tensors = open_gguf(Path(path)).tensors
+    return sum(t.n_bytes for name, t in tensors.items() if name != "token_embd.weight" or "output.weight" not in tensors)

@@ -9,10 +9,12 @@ matter of moving a length (``truncate_to``) and makes the two backends interchan
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 
@@ -161,9 +163,22 @@ def kv_storage(num_layers: int, rows: int, num_kv_heads: int, head_dim: int, dty
     plus one scratch row (index ``rows``) that no sequence owns: a pass padded to a fixed shape
     (``padded_kv_batch``) writes its padding tokens there and reads it for padding keys."""
     def layers() -> list[torch.Tensor]:
-        return [torch.zeros(rows + 1, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        return [zeroed((rows + 1, num_kv_heads, head_dim), dtype, device) for _ in range(num_layers)]
 
     return layers(), layers()
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the CPU its pages are the kernel's zero pages, made resident when first
+    written (numpy's zeros is a calloc): a pool sized for the whole KV budget then costs neither
+    start-up time (``torch.zeros`` writes every byte: seconds for gigabytes) nor memory until
+    sequences fill it. Aligned to 64 bytes, like PyTorch's own CPU allocations."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = dtype.itemsize * math.prod(shape)
+    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
+    skip = -raw.data_ptr() % 64
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
 class CachePoolProtocol(Protocol):

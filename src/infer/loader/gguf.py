@@ -22,16 +22,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import mmap
 import re
+import struct
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from gguf.constants import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLQuantizationType,
+    GGUFValueType,
+)
+from gguf.quants import quant_shape_to_byte_shape
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -96,28 +107,78 @@ _SPLIT_REGEX = {
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor's entry (what ``gguf.ReaderTensor`` holds, less the raw header field)."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: fastest-varying dimension first
+    n_elements: int
+    n_bytes: int
+    data_offset: int  # from the start of the file
+    # A view of the file's mapping shaped as gguf.GGUFReader shapes it: float and integer types as
+    # their numpy dtype, PyTorch's dimension order; block types as uint8 rows of blocks.
+    data: np.ndarray[Any, Any]
+
+
+# Scalar metadata types -> struct format (little-endian); the numpy dtypes are gguf-py's own.
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+# Tensor types gguf.GGUFReader gives their own numpy dtype (the others are bytes of blocks).
+_ELEMENT_DTYPES = {
+    GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32, GGMLQuantizationType.I64: np.int64,
+}
+
+
+class _Truncated(Exception):
+    """The header claims more bytes than the file holds."""
+
+
 class GGUFFile:
-    """One GGUF file, parsed once: metadata and memory-mapped tensors."""
+    """One GGUF file, parsed once: metadata and memory-mapped tensors.
+
+    The header is read here rather than by ``gguf.GGUFReader``, which builds a numpy view per
+    element of every metadata array (seconds for a 49k-token vocabulary with its merges, ~10 s for
+    Gemma's 262k tokens): numeric arrays are read whole with numpy and strings straight from the
+    mapping. The layout, value and tensor types, block sizes and alignment rules are gguf-py's
+    (``gguf.constants``), and ``tests/models/test_gguf.py`` checks every value against its reader.
+    ``reader`` still gives gguf-py's own reader where a caller needs its raw fields.
+    """
 
     def __init__(self, path: Path) -> None:
-        try:
-            import gguf
-        except ModuleNotFoundError:
-            raise CheckpointError(f"{path}: reading GGUF files needs the gguf package: pip install gguf") from None
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as err:  # the reader raises ValueError, struct errors, ... for a bad file
+            with open(path, "rb") as handle:
+                self.mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as err:  # ValueError: an empty file cannot be mapped
+            raise CheckpointError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+        self.data: np.ndarray[Any, Any] = np.frombuffer(self.mapping, dtype=np.uint8)
+        self.fields: dict[str, Any] = {}
+        self.tensors: dict[str, GGUFTensor] = {}
+        try:
+            self._parse()
+        except _Truncated:
+            raise CheckpointError(f"{path}: not a readable GGUF file (truncated: the header runs past the end "
+                                  f"of its {len(self.mapping)} bytes)") from None
+        except (ValueError, KeyError, UnicodeDecodeError, struct.error) as err:
             raise CheckpointError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
         arch = self.get("general.architecture")
         if not isinstance(arch, str):
             raise CheckpointError(f"{path}: no general.architecture in the GGUF metadata")
         self.architecture = arch
-        self.tensors = {t.name: t for t in self.reader.tensors}
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        """A metadata value as ``gguf.ReaderField.contents()`` gives it (arrays as lists)."""
+        value = self.fields.get(key)
+        if value is None:
+            return default
+        return value.tolist() if isinstance(value, np.ndarray) else value
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -127,6 +188,123 @@ class GGUFFile:
 
     def arch_key(self, suffix: str) -> str:
         return f"{self.architecture}.{suffix}"
+
+    @functools.cached_property
+    def reader(self) -> Any:
+        """gguf-py's own ``GGUFReader`` of the file, for callers that need its raw fields (writing a
+        file like this one): slow on a large vocabulary, so built only when asked for."""
+        return gguf.GGUFReader(self.path)
+
+    # -- parsing: layout as gguf.GGUFReader reads it
+
+    def _unpack(self, fmt: str, offset: int) -> tuple[Any, int]:
+        size = struct.calcsize(fmt)
+        if offset + size > len(self.mapping):
+            raise _Truncated
+        return struct.unpack_from(fmt, self.mapping, offset)[0], offset + size
+
+    def _string(self, offset: int) -> tuple[str, int]:
+        length, offset = self._unpack("<Q", offset)
+        end = offset + length
+        if end > len(self.mapping):
+            raise _Truncated
+        return str(self.mapping[offset:end], encoding="utf-8"), end
+
+    def _value(self, value_type: int, offset: int) -> tuple[Any, int]:
+        kind = GGUFValueType(value_type)  # ValueError names an unknown type
+        if kind == GGUFValueType.STRING:
+            return self._string(offset)
+        if kind != GGUFValueType.ARRAY:
+            return self._unpack(_SCALAR_FORMATS[kind], offset)
+        item_type, offset = self._unpack("<I", offset)
+        count, offset = self._unpack("<Q", offset)
+        item = GGUFValueType(item_type)
+        if item in _SCALAR_FORMATS:  # numbers: one numpy read (a view of the mapping)
+            dtype = np.dtype(gguf.GGUFReader.gguf_scalar_to_np[item]).newbyteorder("<")
+            end = offset + count * dtype.itemsize
+            if end > len(self.mapping):
+                raise _Truncated
+            return np.frombuffer(self.mapping, dtype=dtype, count=count, offset=offset), end
+        if item == GGUFValueType.STRING:
+            return self._strings(count, offset)
+        values: list[Any] = []  # arrays of arrays: flattened, as gguf-py reads them
+        for _ in range(count):
+            value, offset = self._value(item, offset)
+            values.extend(value.tolist() if isinstance(value, np.ndarray) else value)
+        return values, offset
+
+    def _strings(self, count: int, offset: int) -> tuple[list[str], int]:
+        mapping, unpack, size = self.mapping, struct.Struct("<Q").unpack_from, len(self.mapping)
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if offset + 8 > size:
+                raise _Truncated
+            (length,) = unpack(mapping, offset)
+            offset += 8
+            end = offset + length
+            if end > size:
+                raise _Truncated
+            append(str(mapping[offset:end], encoding="utf-8"))
+            offset = end
+        return out, offset
+
+    def _parse(self) -> None:
+        magic, offset = self._unpack("<I", 0)
+        if magic != GGUF_MAGIC:
+            raise ValueError("GGUF magic invalid")
+        version, offset = self._unpack("<I", offset)
+        supported = gguf.gguf_reader.READER_SUPPORTED_VERSIONS
+        if version not in supported:
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            if swapped in supported:
+                raise ValueError(f"a big-endian GGUF file (version {swapped}); infer reads little-endian ones")
+            raise ValueError(f"GGUF version {version} is not one gguf-py reads ({', '.join(map(str, supported))})")
+        tensor_count, offset = self._unpack("<Q", offset)
+        kv_count, offset = self._unpack("<Q", offset)
+        self.fields.update({"GGUF.version": version, "GGUF.tensor_count": tensor_count, "GGUF.kv_count": kv_count})
+        for _ in range(kv_count):
+            key, offset = self._string(offset)
+            value_type, offset = self._unpack("<I", offset)
+            if key in self.fields:
+                raise ValueError(f"duplicate metadata key {key!r}")
+            if key == "general.alignment" and value_type != GGUFValueType.UINT32:
+                raise ValueError("Bad type for general.alignment field")
+            self.fields[key], offset = self._value(value_type, offset)
+        infos: list[tuple[str, tuple[int, ...], int, int]] = []
+        for _ in range(tensor_count):
+            name, offset = self._string(offset)
+            n_dims, offset = self._unpack("<I", offset)
+            end = offset + 8 * n_dims
+            if end > len(self.mapping):
+                raise _Truncated
+            dims = tuple(int(d) for d in np.frombuffer(self.mapping, dtype="<u8", count=n_dims, offset=offset))
+            raw_type, offset = self._unpack("<I", end)
+            relative, offset = self._unpack("<Q", offset)
+            infos.append((name, dims, raw_type, relative))
+        alignment = int(self.fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+        if alignment == 0 or alignment & (alignment - 1):
+            raise ValueError("Invalid alignment: must be a non-zero power of two")
+        start = offset + (-offset % alignment)
+        for name, dims, raw_type, relative in infos:
+            if name in self.tensors:
+                raise ValueError(f"duplicate tensor {name!r}")
+            self.tensors[name] = self._tensor(name, dims, GGMLQuantizationType(raw_type), start + relative)
+
+    def _tensor(self, name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, offset: int) -> GGUFTensor:
+        n_elements = math.prod(dims)  # exact (a corrupt header's sizes must not wrap around)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_bytes = n_elements * type_size // block_size
+        if offset + n_bytes > len(self.mapping):
+            raise ValueError(f"tensor {name!r} ({n_bytes} bytes at offset {offset}) runs past the end of the "
+                             f"file ({len(self.mapping)} bytes): truncated")
+        shape = tuple(reversed(dims))
+        element = _ELEMENT_DTYPES.get(qtype)
+        if element is None:
+            data = self.data[offset:offset + n_bytes].reshape(quant_shape_to_byte_shape(shape, qtype))
+        else:
+            data = self.data[offset:offset + n_bytes].view(np.dtype(element).newbyteorder("<")).reshape(shape)
+        return GGUFTensor(name, qtype, dims, n_elements, n_bytes, offset, data)
 
 
 @functools.lru_cache(maxsize=2)
@@ -256,8 +434,6 @@ def gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: t
                  keep: Callable[[str, str], bool] | None = None) -> GGUFWeights:
     """Every tensor under its Hugging Face name: dequantized into ``dtype`` on ``device``, or, where
     ``keep(hf_name, type_name)`` says so, left in its quantized blocks (``GGUFWeights.quantized``)."""
-    from gguf import GGMLQuantizationType
-
     state: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantRows] = {}
     divisors = None
@@ -270,7 +446,7 @@ def gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: t
             raise CheckpointError(f"{f.path}: unexpected tensor {name!r} for a {config.model_type} model")
         permuted = config.model_type == "llama" and (".attn_q." in name or ".attn_k." in name)
         heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
-        type_name = GGMLQuantizationType(tensor.tensor_type).name
+        type_name = tensor.tensor_type.name
         if keep is not None and len(tensor.shape) == 2 and keep(hf_name, type_name):
             raw = mapped_blocks(tensor)
             order = undo_rope_row_order(torch.arange(raw.shape[0]), heads) if permuted else None
@@ -299,10 +475,9 @@ def release_mapped_pages(f: GGUFFile) -> None:
     """Drop the pages of ``f``'s mapping this process has read so far (what was dequantized or copied
     at load): they stay in the page cache, and the tensors still in use as views fault theirs back
     in when they are next read, so each weight is resident once."""
-    mapping = getattr(f.reader.data, "_mmap", None)
-    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+    if hasattr(mmap, "MADV_DONTNEED"):
         with contextlib.suppress(OSError, ValueError):
-            mapping.madvise(mmap.MADV_DONTNEED)
+            f.mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def hf_tensor_name(name: str, model_type: str = "llama") -> str | None:
@@ -319,9 +494,9 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str | None:
 
 def dequantize(f: GGUFFile, tensor: Any) -> torch.Tensor:
     """One tensor as float32 in PyTorch's layout (GGUF lists dimensions fastest-first)."""
-    from gguf import GGMLQuantizationType, quants
+    from gguf import quants
 
-    qtype = GGMLQuantizationType(tensor.tensor_type)
+    qtype = tensor.tensor_type
     if qtype.name not in SUPPORTED_TENSOR_TYPES:
         raise CheckpointError(f"{f.path}: tensor {tensor.name!r} is stored as {qtype.name}, which infer does not "
                               f"dequantize (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")

@@ -278,12 +278,22 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that skips its random init on the meta device, where the loader builds models
+    before filling them from the checkpoint: PyTorch computes ``normal_`` there in Python (through
+    ``torch._refs``), whose first use imports ``torch._dynamo``, about a second of every start-up."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class DecoderBody(nn.Module):
     """Embeddings, the layer stack and the final norm (HF's ``model.`` prefix)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -302,7 +312,9 @@ class DecoderOnlyLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        with torch.device("cpu"):  # not on the meta device: see Embedding (arange's arithmetic runs in Python there)
+            inv_freq = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
         self.fused = False
         # The execution backend (infer.backends.Backend) that prepared this model, recorded by the
         # loader for the engine and the runners; the math here never reads it.
