@@ -416,6 +416,14 @@ class StackTable:
         if quant is not None and len(quant) != shape["layers"] * len(STACK_PROJECTIONS):
             raise ValueError(f"{len(quant)} quantized projections for {shape['layers']} layers of "
                              f"{len(STACK_PROJECTIONS)}")
+        for index, projection in enumerate(quant or ()):
+            name = f"layer {index // len(STACK_PROJECTIONS)}'s quantized {STACK_PROJECTIONS[index % len(STACK_PROJECTIONS)]}"
+            if projection is None:
+                continue
+            if not isinstance(projection, QuantProjection) or not isinstance(projection.kernels, QuantKernels):
+                raise ValueError(f"{name} must be a QuantProjection on the quantized kernels, got {projection!r}")
+            for weight in projection.weights:
+                check_quant_weight(weight)
         heads, kv_heads = shape["heads"], shape["kv_heads"]
         if kv_heads < 1 or heads % kv_heads:
             raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
@@ -467,11 +475,12 @@ class StackTable:
         parts: list[QuantPart] = []
         index: list[int] = []
         for projection in self.quant:
-            weights = () if projection is None else projection.weights
-            index += [len(parts), len(weights)]
+            if projection is None:
+                index += [len(parts), 0]
+                continue
+            index += [len(parts), len(projection.weights)]
             offset = 0
-            for weight in weights:
-                assert projection is not None
+            for weight in projection.weights:
                 parts.append(QuantPart(linear=projection.kernels.linear_entry(weight.qtype),
                                        blocks=weight.data.data_ptr(), offset=offset, rows=weight.out_features,
                                        in_features=weight.in_features))
@@ -490,8 +499,7 @@ class StackTable:
             projection = None
             if slot in _PROJECTION_WEIGHTS and self.quant is not None:
                 projection = self.quant[layer * len(STACK_PROJECTIONS) + _PROJECTION_WEIGHTS.index(slot)]
-            if projection is not None:
-                assert expected is not None
+            if projection is not None and expected is not None:  # (a projection's shape is always known)
                 self._validate_quantized(projection, f"layer {layer}'s quantized {STACK_TENSORS[slot]}", expected)
                 if tensor is not None:
                     raise ValueError(f"{name} is given beside its quantized matrices")
@@ -510,8 +518,6 @@ class StackTable:
         """ValueError unless ``projection``'s matrices make a float32 projection of ``shape`` [out, in]."""
         if self.dtype != torch.float32:
             raise ValueError(f"{name}: quantized projections take float32 activations, the stack is {self.dtype}")
-        if not isinstance(projection, QuantProjection) or not isinstance(projection.kernels, QuantKernels):
-            raise ValueError(f"{name} must be a QuantProjection on the quantized kernels, got {projection!r}")
         if not projection.weights:
             raise ValueError(f"{name} has no matrices")
         out_features, in_features = shape

@@ -139,8 +139,7 @@ class QuantKernels:
         """The address of ``quant_linear_<qtype>``, the C function ``linear`` calls (the C decoder
         stack calls it directly; this library stays loaded for the process)."""
         address = ctypes.cast(getattr(self.lib, f"quant_linear_{quant_type(qtype).suffix}"), ctypes.c_void_p).value
-        assert address is not None
-        return address
+        return int(address or 0)
 
     def pack(self, raw: torch.Tensor, qtype: str, in_features: int) -> QuantWeight:
         """``raw`` (uint8 [out_features, bytes per row], ggml's blocks as the file stores them) as a
