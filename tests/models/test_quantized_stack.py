@@ -168,3 +168,34 @@ def test_bad_descriptors_raise_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="quantized projections for 2 layers"):
         StackTable(list(table.tensors), table.shape, table.eps, table.qk_norm, quant=quant[:-1])
     assert isinstance(qkv.weights[0], QuantWeight)
+
+
+def test_exact_greedy_mode_keeps_the_quantized_stack(tmp_path: Path) -> None:
+    """``exact_greedy`` on a quantized model: the stack keeps every pass (no RowChunked layers) and
+    the engine's invariance check passes; greedy n-gram speculation equals plain decoding."""
+    from infer import LLM, SamplingParams
+    from infer.backends.exact import RowChunked
+
+    path = quantized_file("qwen3", "mixed", tmp_path)
+    exact._VERIFIED.clear()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = ["the cat sat on the mat", "one two three four one two three"]
+    plain = LLM(str(path), device="cpu", exact_greedy=True)
+    model: Any = plain.engine.model
+    assert quantized_stack(model).max_rows is None and not isinstance(model.model.norm, RowChunked)
+    ids = [o.token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(str(path), device="cpu", exact_greedy=True, speculator="ngram", spec_length=4)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == ids
+
+
+def test_the_c_stack_refuses_a_part_that_does_not_fit(tmp_path: Path) -> None:
+    """Behind the Python checks the C stack checks each part against its projection too (inputs,
+    columns): a part tampered with after the checks makes the pass raise instead of misreading."""
+    model, _ = load_model(quantized_file("llama", "mixed", tmp_path), "float32", "cpu")
+    stack = quantized_stack(model)
+    stack.table.addresses()
+    parts = stack.table._parts
+    assert parts is not None
+    parts[0].in_features += 32
+    with pytest.raises(RuntimeError, match="refused a quantized projection"):
+        _probe_passes(model, stack, "slotted", torch.float32)
