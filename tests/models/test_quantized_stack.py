@@ -199,3 +199,16 @@ def test_the_c_stack_refuses_a_part_that_does_not_fit(tmp_path: Path) -> None:
     parts[0].in_features += 32
     with pytest.raises(RuntimeError, match="refused a quantized projection"):
         _probe_passes(model, stack, "slotted", torch.float32)
+
+
+def test_every_pair_of_variants_this_cpu_runs_passes_the_probe() -> None:
+    """The float stack of each ISA variant with the quantized kernels of each (AVX2 laptops, AVX-512
+    without VNNI, the portable C): the stack agrees with the quantized layers on the probe models."""
+    from infer.kernels import build, load_variant, quant
+
+    pairs = [(f, q) for f in build.VARIANTS if "f32" in f.dtypes and not build.missing_cpu_flags(f)
+             for q in build.QUANT_VARIANTS if not build.missing_cpu_flags(q)]
+    assert pairs, "no float32 and quantized kernel variant runs here"
+    for float_variant, quant_variant in pairs:
+        failure = cpu_kernels.probe_quant_stack(load_variant(float_variant), quant.quant_kernels(quant_variant.name))
+        assert failure is None, (float_variant.name, quant_variant.name, failure)
