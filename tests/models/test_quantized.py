@@ -356,7 +356,8 @@ def _real_gguf() -> Path | None:
 def test_smollm2_q4_1_runs_quantized_and_speculation_is_exact() -> None:
     """The built-in SmolLM2-135M-Instruct Q4_1 file: every projection Q4_1 on the kernels, Q8_0
     embeddings with the tied head on the same blocks, weights resident once (their bytes are the
-    file's tensor bytes), and greedy n-gram speculation gives plain decoding's ids."""
+    file's tensor bytes), the decoder stack running every pass, and greedy n-gram speculation gives
+    plain decoding's ids."""
     path = _real_gguf()
     assert path is not None
     from infer.loader.gguf import open_gguf
@@ -373,6 +374,12 @@ def test_smollm2_q4_1_runs_quantized_and_speculation_is_exact() -> None:
     assert quantized_bytes == sum(int(t.n_bytes) for t in tensors if t.tensor_type.name in ("Q4_1", "Q8_0"))
     assert float_bytes < 2**20  # norms (and RoPE tables) only
     assert "MiB quantized (Q4_1 x210, Q8_0 x1" in llm.engine.summary
+    # Every pass on the C decoder stack with the quantized kernels (where the float32 C kernels run).
+    from infer import kernels
+
+    if kernels.library_for(torch.float32) is not None:
+        stack = model.backend.cpu_stack
+        assert stack is not None and stack.quantized and stack.max_rows is None, model.backend.describe()
     params = SamplingParams(max_tokens=40, temperature=0)
     prompts = ["Write a Python function that reverses a string.", "List three colours of the rainbow."]
     plain = [o.token_ids for o in llm.generate(prompts, params)]

@@ -25,7 +25,7 @@ import torch
 
 import infer.kernels as kernels
 from infer.backends import cpu_kernels
-from infer.backends.cpu_kernels import CpuStack, probe_fused, probe_stack
+from infer.backends.cpu_kernels import CpuStack, probe_fused, probe_quant_stack, probe_stack
 from infer.backends.onednn import PackedLinear, cpu_packing_available
 from infer.cache.protocol import KVBatch
 from infer.kernels.cpu import KernelLibrary
@@ -75,6 +75,13 @@ class Backend:
             else:  # a packed LM head gets its own copy of a tied embedding
                 cpu_kernels.convert_linears(model, PackedLinear)
         self.cpu_stack = CpuStack.build(model, self.library) if self.library is not None and self.stack else None
+        if self.cpu_stack is not None and self.cpu_stack.quantized:
+            assert self.library is not None and self.cpu_stack.table.quant is not None
+            kernels = next(q.kernels for q in self.cpu_stack.table.quant if q is not None)
+            failure = probe_quant_stack(self.library, kernels)
+            if failure is not None:
+                self.cpu_stack, self.stack = None, False
+                self.reasons.append(failure)
         model.backend = self
 
     def forward(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None = None,

@@ -32,6 +32,7 @@ from infer.kernels.cpu import (
     MAX_STACK_HEAD_DIM,
     GemvLinear,
     KernelLibrary,
+    QuantProjection,
     StackTable,
 )
 from infer.models.config import ModelConfig
@@ -45,6 +46,7 @@ from infer.models.layers import (
     default_positions,
     rope_cos_sin,
 )
+from infer.models.quantized import QuantKernels, QuantLinear
 
 
 def _run_fused(library: KernelLibrary, *tensors: torch.Tensor) -> bool:
@@ -130,6 +132,8 @@ class CpuStack:
         """The stack for ``model`` (fused, in the kernels' form), or None where it does not apply: not
         the Llama block (Gemma's layers, a sliding window), a projection not on the kernel (a quantized
         one), a head too wide, more than 16 query heads per KV head, or norms with different epsilons."""
+        from infer.backends.exact import exact_attention  # (exact imports the backend: not at the top)
+
         config = model.config
         if type(model).forward is not DecoderOnlyLM.forward:  # an architecture with its own pass
             return None
@@ -140,6 +144,7 @@ class CpuStack:
                 or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads or config.sliding_window is not None):
             return None
         tensors: list[torch.Tensor | None] = []
+        quant: list[QuantProjection | None] = []
         eps = layers[0].input_layernorm.eps
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -147,30 +152,60 @@ class CpuStack:
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
             if attn.q_norm is not None and attn.k_norm is not None:
                 norms += [attn.q_norm, attn.k_norm]
+            # The loader gives a quantized model's layers exact_attention (row-invariant, for passes
+            # that run layer by layer); the stack's own attention is row-invariant too.
             if (type(attn) not in (Attention, KernelAttention) or type(mlp) not in (MLP, KernelMLP)
-                    or not all(isinstance(m, GemvLinear) for m in linears) or not all(isinstance(n, RMSNorm) for n in norms)
-                    or any(n.eps != eps for n in norms) or attn.attend is not None):
+                    or not all(isinstance(m, (GemvLinear, QuantLinear)) for m in linears)
+                    or not all(isinstance(n, RMSNorm) for n in norms)
+                    or any(n.eps != eps for n in norms) or attn.attend not in (None, exact_attention)):
                 return None
-            qkv, o, gate_up, down = linears
-            tensors += [layer.input_layernorm.weight, qkv.weight, qkv.bias,  # type: ignore[union-attr]
+            weights: list[torch.Tensor | None] = []
+            biases: list[torch.Tensor | None] = []
+            for linear in linears:
+                if isinstance(linear, QuantLinear):
+                    linear.pack()
+                    weights.append(None)
+                    quant.append(QuantProjection(linear.kernels, tuple(linear.weights)))  # type: ignore[arg-type]
+                else:
+                    assert isinstance(linear, GemvLinear)
+                    weights.append(linear.weight)
+                    quant.append(None)
+                biases.append(linear.bias)  # type: ignore[arg-type]
+            tensors += [layer.input_layernorm.weight, weights[0], biases[0],
                         None if attn.q_norm is None else attn.q_norm.weight,
                         None if attn.k_norm is None else attn.k_norm.weight,
-                        o.weight, o.bias, layer.post_attention_layernorm.weight,  # type: ignore[union-attr]
-                        gate_up.weight, gate_up.bias, down.weight, down.bias]  # type: ignore[union-attr]
+                        weights[1], biases[1], layer.post_attention_layernorm.weight,
+                        weights[2], biases[2], weights[3], biases[3]]
         shape = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=config.head_dim,
                      inter=config.intermediate_size, layers=len(layers))
         try:
-            table = StackTable(tensors, shape, eps, qk_norm=config.qk_norm)
+            table = StackTable(tensors, shape, eps, qk_norm=config.qk_norm, quant=quant)
             table.addresses()  # checks every tensor now
         except ValueError:
             return None
-        return cls(library, table)
+        stack = cls(library, table)
+        if table.quant is not None:
+            # Every pass of a quantized model runs here, prefill included: its projections run the
+            # same quantized kernel in the stack as outside it (no faster GEMM for long passes, unlike
+            # a float model's oneDNN), and a token must get the same bits in whatever pass computes
+            # it (greedy speculation's exactness): one path for all passes is what guarantees that
+            # (the layers' attention, even exact_attention, rounds differently from the stack's).
+            stack.max_rows = None
+        return stack
+
+    @property
+    def quantized(self) -> bool:
+        """Whether some projection runs on the quantized kernels."""
+        return self.table.quant is not None
 
     def takes(self, x: torch.Tensor, kv: KVBatch) -> bool:
-        """Whether this pass runs here: few enough rows, no FlexAttention mask, not traced by
+        """Whether this pass runs here: few enough rows, no FlexAttention mask (float models), not traced by
         torch.compile or recorded by autograd, and the activations and the cache on the CPU in the
         weights' dtype (a model moved or cast after packing runs its layers)."""
-        return ((self.max_rows is None or x.shape[0] * x.shape[1] <= self.max_rows) and kv.block_mask is None
+        # A quantized model's layers ignore a FlexAttention mask too (exact_attention reads kv.mask, as
+        # the stack does), so its stack takes those passes: one path for all of a model's passes.
+        return ((self.max_rows is None or x.shape[0] * x.shape[1] <= self.max_rows)
+                and (kv.block_mask is None or self.quantized)
                 and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
                 and x.device.type == "cpu" and x.dtype == self.dtype == kv.k_layers[0].dtype
                 and kv.k_layers[0].device.type == "cpu" and self.table.tensors[0] is not None
@@ -276,3 +311,76 @@ def _probe_passes(model: DecoderOnlyLM, stack: CpuStack | None, cache: str, dtyp
             hidden = model(ids, positions, kv) if stack is None else stack.forward(model, ids, positions, kv)
             out.append(hidden.float())
     return out
+
+
+# Tiny quantized models the stack is probed on: block types side by side in the fused q/k/v and
+# gate/up (two kernel calls each), biases, grouped KV heads and Qwen3's q/k norms.
+_QUANT_STACK_PROBES = (
+    (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, qkv_bias=True, o_bias=True),
+     (("Q8_0", "Q8_0", "Q4_0"), ("Q4_1",), ("Q4_0", "Q8_0"), ("Q5_0",))),
+    (dict(num_attention_heads=6, num_key_value_heads=2, head_dim=32, qk_norm=True, mlp_bias=True),
+     (("Q4_0", "Q4_0", "Q4_0"), ("Q8_0",), ("Q4_1", "Q4_1"), ("Q8_0",))),
+)
+# The quantized stack against the layers: the same quantized products, attention rounded otherwise
+# (the layers' exact_attention), and the int8 rounding of the next activations can turn that into a
+# quantization step; a misplaced part or bias moves the outputs by their own size.
+_QUANT_TOLERANCE = 1e-2
+
+
+def quantized_probe_model(case_index: int, quant: QuantKernels) -> DecoderOnlyLM:
+    """Probe model ``case_index`` of ``_QUANT_STACK_PROBES``: float32, fused, its projections
+    ``QuantLinear``s over random blocks of the case's types (q, k, v / o / gate, up / down)."""
+    from infer.kernels.quant import random_blocks
+    from infer.models.quantized import QuantRows
+
+    case, types = _QUANT_STACK_PROBES[case_index]
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64,
+                         num_hidden_layers=2, max_position_embeddings=64, **case)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(100 + case_index)
+    model = DecoderOnlyLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3 + (1.0 if param.dim() == 1 else 0.0))
+    model = model.float().eval()
+    model.fuse_projections()
+    q_rows, kv_rows = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        owners = ((attn, "qkv_proj", (q_rows, kv_rows, kv_rows)), (attn, "o_proj", (config.hidden_size,)),
+                  (mlp, "gate_up_proj", (config.intermediate_size,) * 2), (mlp, "down_proj", (config.hidden_size,)))
+        for (owner, name, rows), qtypes in zip(owners, types, strict=True):
+            linear = getattr(owner, name)
+            parts = [QuantLinear([QuantRows(t, linear.in_features, random_blocks(t, n, linear.in_features, gen))],
+                                 None, quant) for t, n in zip(qtypes, rows, strict=True)]
+            fused = QuantLinear.fused(parts)
+            if linear.bias is not None:
+                fused.register_buffer("bias", linear.bias.detach().float().contiguous(), persistent=False)
+            fused.pack()
+            setattr(owner, name, fused)
+    return model
+
+
+@functools.cache
+def probe_quant_stack(library: KernelLibrary, quant: QuantKernels) -> str | None:
+    """None if the C decoder stack with quantized projections computes what the quantized layers
+    compute (with exact_attention, as the loader gives them) on tiny models, else what differed."""
+    from infer.backends.exact import exact_attention
+
+    for case_index in range(len(_QUANT_STACK_PROBES)):
+        model = quantized_probe_model(case_index, quant)
+        prepare(model, library, fused=True)
+        for layer in model.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.attend = exact_attention
+        stack = CpuStack.build(model, library)
+        if stack is None or not stack.quantized:
+            return f"the decoder stack does not take quantized probe model {case_index}"
+        cache = ("paged", "slotted")[case_index % 2]
+        outputs = [_probe_passes(model, stack, cache, torch.float32), _probe_passes(model, None, cache, torch.float32)]
+        for index, (ours, ref) in enumerate(zip(*outputs, strict=True)):
+            scale = float(ref.abs().max())
+            if not torch.allclose(ours, ref, rtol=0, atol=_QUANT_TOLERANCE * max(scale, 1.0)):
+                return (f"the quantized decoder stack failed its probe against the layers ({cache} cache, model "
+                        f"{case_index}, pass {index}, max error {(ours - ref).abs().max().item():.3g}): "
+                        "running layer by layer")
+    return None

@@ -186,10 +186,14 @@ def make_exact(model: DecoderOnlyLM, rows: int = ROWS) -> None:
     if isinstance(model.model.norm, RowChunked):
         return  # already exact
     stack = backend_of(model).cpu_stack
-    if stack is not None and isinstance(model.lm_head, GemvLinear):
-        # The C stack, the LM head's kernel and the final norm's compute a row alike whatever the
-        # row count: only their row limits (above which passes go to oneDNN) need lifting.
-        stack.max_rows = model.lm_head.max_rows = None
+    if stack is not None and (isinstance(model.lm_head, GemvLinear)
+                              or (stack.quantized and isinstance(model.lm_head, QuantLinear))):
+        # The C stack, the LM head's kernel (streaming or quantized) and the final norm's compute a
+        # row alike whatever the row count: only their row limits (above which passes go to oneDNN)
+        # need lifting.
+        stack.max_rows = None
+        if isinstance(model.lm_head, GemvLinear):
+            model.lm_head.max_rows = None
         return
     body = model.model
     for layer in body.layers:

@@ -19,6 +19,7 @@ import ctypes
 import functools
 import time
 from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from torch import nn
 
 from infer.cache.protocol import KVBatch
 from infer.kernels import build
+from infer.kernels.quant import QuantKernels, QuantWeight
+from infer.kernels.quant import check_weight as check_quant_weight
 
 # Rows above this go to F.linear: beyond a few dozen rows a product is bound by arithmetic, not by
 # reading the weight, and oneDNN's blocked GEMM catches up.
@@ -51,7 +54,16 @@ class StackArgs(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in ("tensors", "k_stores", "v_stores", "write_rows", "read_rows")),
         ("read_start", ctypes.c_int64), ("context", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in ("mask", "cos", "sin", "x")),
-        ("threads", ctypes.c_int)]
+        ("threads", ctypes.c_int), ("quant_parts", ctypes.c_void_p), ("quant_index", ctypes.c_void_p)]
+
+
+class QuantPart(ctypes.Structure):
+    """``QuantPart`` of cpu_kernels.c: one quantized matrix of a projection in the stack (its block
+    type's ``quant_linear_<type>`` entry of ``infer.kernels.quant``'s library, its blocks, the output
+    columns it computes)."""
+
+    _fields_ = [("linear", ctypes.c_void_p), ("blocks", ctypes.c_void_p), ("offset", ctypes.c_int64),
+                ("rows", ctypes.c_int64), ("in_features", ctypes.c_int64)]
 
 
 # The per-layer tensors of ``decoder_stack``'s table, in the C enum's order.
@@ -59,6 +71,9 @@ STACK_TENSORS = ("input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_
                  "gate_up_weight", "gate_up_bias", "down_weight", "down_bias")
 _C_TENSOR_NAMES = ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "ln2", "gate_up_w", "gate_up_b",
                    "down_w", "down_b")
+# A layer's projections, in the order of the C ``quant_index`` table (and of ``StackTable.quant``).
+STACK_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+_PROJECTION_WEIGHTS = (1, 5, 8, 10)  # each projection's weight slot in STACK_TENSORS
 MAX_STACK_HEAD_DIM = 256  # the attention keeps a key or value row in 16 registers of 16 floats
 MAX_STACK_GROUP = 16  # query heads per KV head the attention takes (cpu_kernels.c's MAX_GROUP)
 
@@ -67,7 +82,10 @@ def expected_layout(dtypes: Sequence[str]) -> str:
     """``infer_kernels_layout()``'s text for the interface mirrored here (see cpu_kernels.c)."""
     fields = " ".join(f"{field[0]}={getattr(StackArgs, field[0]).offset}" for field in StackArgs._fields_)
     tensors = ",".join(f"{name}:{i}" for i, name in enumerate(_C_TENSOR_NAMES))
-    return (f"size={ctypes.sizeof(StackArgs)} {fields} tensors={tensors}/{len(_C_TENSOR_NAMES)} "
+    part = " ".join(f"part_{field[0]}={getattr(QuantPart, field[0]).offset}" for field in QuantPart._fields_)
+    projections = ",".join(f"{name}:{i}" for i, name in enumerate(STACK_PROJECTIONS))
+    return (f"size={ctypes.sizeof(StackArgs)} {fields} part_size={ctypes.sizeof(QuantPart)} {part} "
+            f"projections={projections}/{len(STACK_PROJECTIONS)} tensors={tensors}/{len(_C_TENSOR_NAMES)} "
             f"max_group={MAX_STACK_GROUP} max_head_dim={MAX_STACK_HEAD_DIM} dtypes={','.join(dtypes)}")
 
 
@@ -360,12 +378,24 @@ class KernelLibrary:
                          read_rows=None if read_rows is None else read_rows.data_ptr(),
                          read_start=kv.read_start or 0, context=context,
                          mask=None if mask is None else mask.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
-                         x=out.data_ptr(), threads=_threads())
+                         x=out.data_ptr(), threads=_threads(), quant_parts=table.quant_parts_address or None,
+                         quant_index=table.quant_index_address or None)
         with _recorded(STACK_EVENT):
             status = fn(ctypes.byref(args))
+        if status == -2:  # StackTable checked every part: a mismatch between it and the C code
+            raise RuntimeError("the C decoder stack refused a quantized projection's descriptor")
         if status != 0:
             raise MemoryError("the C decoder stack could not allocate its scratch memory")
         return out
+
+
+@dataclass(frozen=True)
+class QuantProjection:
+    """A projection of the stack on the quantized kernels: ``weights`` (``QuantKernels.pack``'s) are
+    its matrices, their outputs side by side (a fused q/k/v of two block types is two)."""
+
+    kernels: QuantKernels
+    weights: tuple[QuantWeight, ...]
 
 
 class StackTable:
@@ -373,11 +403,27 @@ class StackTable:
 
     It holds the Parameters (modules), not their storage: ``model.to(...)`` or a dtype round trip
     gives a Parameter new storage in place, so the address table is rebuilt, after checking every
-    tensor again, whenever an address changed (a list of ``data_ptr``s per call: microseconds)."""
+    tensor again, whenever an address changed (a list of ``data_ptr``s per call: microseconds).
 
-    def __init__(self, tensors: list[torch.Tensor | None], shape: dict[str, int], eps: float, qk_norm: bool) -> None:
+    ``quant`` (float32 stacks only) gives, per layer and projection (``STACK_PROJECTIONS``' order),
+    a ``QuantProjection`` where that projection is quantized (its weight slot in ``tensors`` is then
+    None; its bias, float32, stays there) or None where it is a float weight."""
+
+    def __init__(self, tensors: list[torch.Tensor | None], shape: dict[str, int], eps: float, qk_norm: bool,
+                 quant: Sequence[QuantProjection | None] | None = None) -> None:
         if len(tensors) != shape["layers"] * len(STACK_TENSORS):
             raise ValueError(f"{len(tensors)} tensors for {shape['layers']} layers of {len(STACK_TENSORS)}")
+        if quant is not None and len(quant) != shape["layers"] * len(STACK_PROJECTIONS):
+            raise ValueError(f"{len(quant)} quantized projections for {shape['layers']} layers of "
+                             f"{len(STACK_PROJECTIONS)}")
+        for index, projection in enumerate(quant or ()):
+            name = f"layer {index // len(STACK_PROJECTIONS)}'s quantized {STACK_PROJECTIONS[index % len(STACK_PROJECTIONS)]}"
+            if projection is None:
+                continue
+            if not isinstance(projection, QuantProjection) or not isinstance(projection.kernels, QuantKernels):
+                raise ValueError(f"{name} must be a QuantProjection on the quantized kernels, got {projection!r}")
+            for weight in projection.weights:
+                check_quant_weight(weight)
         heads, kv_heads = shape["heads"], shape["kv_heads"]
         if kv_heads < 1 or heads % kv_heads:
             raise ValueError(f"{heads} query heads do not divide into {kv_heads} KV heads")
@@ -388,9 +434,15 @@ class StackTable:
         if first is None:
             raise ValueError("the stack needs each layer's input norm")
         self.tensors, self.shape, self.eps, self.qk_norm = tensors, shape, eps, qk_norm
+        self.quant = None if quant is None or all(q is None for q in quant) else list(quant)
         self.dtype = first.dtype
         self._pointers: list[int] = []
         self._table = torch.empty(0, dtype=torch.long)
+        # The quantized parts for the C call (QuantPart array, [layers, projections, 2] index), and
+        # their addresses (0 where the stack has no quantized projection).
+        self._parts: ctypes.Array[QuantPart] | None = None
+        self._index = torch.empty(0, dtype=torch.long)
+        self.quant_parts_address = self.quant_index_address = 0
         # The KV stores last checked (their addresses, dtype and shape): a pool is checked once.
         self.checked_cache: tuple[object, ...] = ()
 
@@ -403,12 +455,40 @@ class StackTable:
                 (2 * inter, hidden), (2 * inter,), (hidden, inter), (hidden,)]
 
     def addresses(self) -> torch.Tensor:
+        """The tensor table's addresses (and ``quant_parts_address``/``quant_index_address``), every
+        tensor and quantized part checked again where an address changed."""
         pointers = [0 if t is None else t.data_ptr() for t in self.tensors]
+        if self.quant is not None:
+            pointers += [w.data.data_ptr() for q in self.quant if q is not None for w in q.weights]
         if pointers != self._pointers:
             self._validate()
-            self._table = torch.tensor(pointers, dtype=torch.long)
+            self._table = torch.tensor(pointers[: len(self.tensors)], dtype=torch.long)
+            self._build_parts()
             self._pointers = pointers
         return self._table
+
+    def _build_parts(self) -> None:
+        if self.quant is None:
+            self._parts, self._index = None, torch.empty(0, dtype=torch.long)
+            self.quant_parts_address = self.quant_index_address = 0
+            return
+        parts: list[QuantPart] = []
+        index: list[int] = []
+        for projection in self.quant:
+            if projection is None:
+                index += [len(parts), 0]
+                continue
+            index += [len(parts), len(projection.weights)]
+            offset = 0
+            for weight in projection.weights:
+                parts.append(QuantPart(linear=projection.kernels.linear_entry(weight.qtype),
+                                       blocks=weight.data.data_ptr(), offset=offset, rows=weight.out_features,
+                                       in_features=weight.in_features))
+                offset += weight.out_features
+        self._parts = (QuantPart * max(len(parts), 1))(*parts)
+        self._index = torch.tensor(index, dtype=torch.long)
+        self.quant_parts_address = ctypes.addressof(self._parts)
+        self.quant_index_address = self._index.data_ptr()
 
     def _validate(self) -> None:
         shapes = self._shapes()
@@ -416,6 +496,14 @@ class StackTable:
             layer, slot = divmod(index, len(STACK_TENSORS))
             name = f"layer {layer}'s {STACK_TENSORS[slot]}"
             expected = shapes[slot]
+            projection = None
+            if slot in _PROJECTION_WEIGHTS and self.quant is not None:
+                projection = self.quant[layer * len(STACK_PROJECTIONS) + _PROJECTION_WEIGHTS.index(slot)]
+            if projection is not None and expected is not None:  # (a projection's shape is always known)
+                self._validate_quantized(projection, f"layer {layer}'s quantized {STACK_TENSORS[slot]}", expected)
+                if tensor is not None:
+                    raise ValueError(f"{name} is given beside its quantized matrices")
+                continue
             required = slot in (0, 1, 5, 7, 8, 10) or (self.qk_norm and slot in (3, 4))
             if tensor is None:
                 if required:
@@ -425,6 +513,21 @@ class StackTable:
                 raise ValueError(f"{name} is given but this stack has no such tensor")
             _check(tensor, name, self.dtype)
             _check_shape(tensor, name, expected)
+
+    def _validate_quantized(self, projection: QuantProjection, name: str, shape: tuple[int, ...]) -> None:
+        """ValueError unless ``projection``'s matrices make a float32 projection of ``shape`` [out, in]."""
+        if self.dtype != torch.float32:
+            raise ValueError(f"{name}: quantized projections take float32 activations, the stack is {self.dtype}")
+        if not projection.weights:
+            raise ValueError(f"{name} has no matrices")
+        out_features, in_features = shape
+        for weight in projection.weights:
+            check_quant_weight(weight)
+            if weight.in_features != in_features:
+                raise ValueError(f"{name} has a matrix of {weight.in_features} inputs, the projection takes {in_features}")
+        rows = sum(w.out_features for w in projection.weights)
+        if rows != out_features:
+            raise ValueError(f"{name}'s matrices have {rows} outputs together, the projection {out_features}")
 
 
 def probe_gemv(library: KernelLibrary, dtype: torch.dtype) -> str | None:

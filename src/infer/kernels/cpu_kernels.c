@@ -199,7 +199,26 @@ typedef struct {
     const void *cos, *sin;                /* [rows, head_dim], sin's first half negated */
     void *x;                              /* [rows, hidden]: the embeddings in, the stack's output out */
     int threads;
+    /* Quantized projections (float32 stacks only; NULL: every projection is a float weight in the
+     * tensor table). quant_index [layers, STACK_PROJECTIONS, 2] holds each projection's first part in
+     * quant_parts and its part count; 0 parts: the float weight of the table. */
+    const struct QuantPart *quant_parts;
+    const int64_t *quant_index;
 } StackArgs;
+
+/* One quantized matrix of a projection: infer.kernels.quant's C entry for its block type (all
+ * share quant_linear's signature), its blocks, and the outputs it computes (columns offset ..
+ * offset + rows of the projection's output; a fused q/k/v of two block types is two parts). */
+typedef int (*QuantLinearFn)(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, const float *bias,
+                             float *y, int threads);
+typedef struct QuantPart {
+    QuantLinearFn linear;
+    const uint8_t *blocks;
+    int64_t offset, rows, in_features;
+} QuantPart;
+
+/* The projections of a layer, in quant_index's order. */
+enum { P_QKV, P_O, P_GATE_UP, P_DOWN, STACK_PROJECTIONS };
 
 #define KSFX f32
 #include "cpu_kernels_impl.h"
@@ -214,20 +233,24 @@ typedef struct {
  * which dtypes this variant holds), as one line that infer.kernels.build compares with its own at
  * load: a mismatch refuses the library instead of passing misplaced pointers. */
 const char *infer_kernels_layout(void) {
-    static char text[1024];
+    static char text[2048];
 #define FIELD(f) #f "=%zu "
 #define AT(f) offsetof(StackArgs, f)
     snprintf(text, sizeof text,
              "size=%zu " FIELD(rows) FIELD(width) FIELD(batch) FIELD(hidden) FIELD(heads) FIELD(kv_heads)
              FIELD(head_dim) FIELD(inter) FIELD(layers) FIELD(qk_norm) FIELD(eps) FIELD(scale) FIELD(tensors)
              FIELD(k_stores) FIELD(v_stores) FIELD(write_rows) FIELD(read_rows) FIELD(read_start) FIELD(context)
-             FIELD(mask) FIELD(cos) FIELD(sin) FIELD(x) FIELD(threads)
+             FIELD(mask) FIELD(cos) FIELD(sin) FIELD(x) FIELD(threads) FIELD(quant_parts) FIELD(quant_index)
+             "part_size=%zu part_linear=%zu part_blocks=%zu part_offset=%zu part_rows=%zu part_in_features=%zu "
+             "projections=qkv:%d,o:%d,gate_up:%d,down:%d/%d "
              "tensors=ln1:%d,qkv_w:%d,qkv_b:%d,q_norm:%d,k_norm:%d,o_w:%d,o_b:%d,ln2:%d,gate_up_w:%d,gate_up_b:%d,"
              "down_w:%d,down_b:%d/%d max_group=%d max_head_dim=%d dtypes=%s",
              sizeof(StackArgs), AT(rows), AT(width), AT(batch), AT(hidden), AT(heads), AT(kv_heads), AT(head_dim),
              AT(inter), AT(layers), AT(qk_norm), AT(eps), AT(scale), AT(tensors), AT(k_stores), AT(v_stores),
              AT(write_rows), AT(read_rows), AT(read_start), AT(context), AT(mask), AT(cos), AT(sin), AT(x),
-             AT(threads), T_LN1, T_QKV_W, T_QKV_B, T_Q_NORM, T_K_NORM, T_O_W, T_O_B, T_LN2, T_GATE_UP_W,
+             AT(threads), AT(quant_parts), AT(quant_index), sizeof(QuantPart), offsetof(QuantPart, linear),
+             offsetof(QuantPart, blocks), offsetof(QuantPart, offset), offsetof(QuantPart, rows),
+             offsetof(QuantPart, in_features), P_QKV, P_O, P_GATE_UP, P_DOWN, STACK_PROJECTIONS, T_LN1, T_QKV_W, T_QKV_B, T_Q_NORM, T_K_NORM, T_O_W, T_O_B, T_LN2, T_GATE_UP_W,
              T_GATE_UP_B, T_DOWN_W, T_DOWN_B, STACK_TENSORS, MAX_GROUP, MAX_HEAD_DIM,
 #ifdef __AVX512BF16__
              "f32,bf16"

@@ -200,8 +200,40 @@ static void FN(add_into)(ELEM *x, const ELEM *y, int64_t n) { /* x += y, rounded
     for (int64_t i = 0; i < n; i++) x[i] = FN(store)(FN(load)(x, i) + FN(load)(y, i));
 }
 
-/* Every decoder layer over a->x, in place. Returns 0, or -1 where memory ran out (x is then
- * partly updated: the caller discards it). */
+/* y[m, n] = x[m, k] @ W^T (+ bias) for projection `proj` of `layer`: the float weight w on the
+ * streaming kernel above, or, where a->quant_index gives the projection quantized parts, each part
+ * on its quantized kernel (float32 stacks only), its outputs at its columns of y. The quantized
+ * kernel runs its own OpenMP loop with a->threads, called from this serial code (never nested).
+ * `scratch` holds m * n floats for a part's outputs where several parts share the row. Returns
+ * 0, -1 where a quantized kernel could not allocate, -2 for a descriptor that does not fit. */
+static int FN(project)(const StackArgs *a, int64_t layer, int proj, const ELEM *w, const ELEM *x, const ELEM *bias,
+                       ELEM *y, int64_t m, int64_t n, int64_t k, float *scratch) {
+    const int64_t *index = a->quant_index ? a->quant_index + (layer * STACK_PROJECTIONS + proj) * 2 : NULL;
+    if (!index || index[1] == 0) {
+        FN(gemv)(w, x, bias, y, m, n, k, a->threads);
+        return 0;
+    }
+    if (sizeof(ELEM) != sizeof(float) || !a->quant_parts || index[0] < 0) return -2;
+    const float *xf = (const float *)(const void *)x, *bf = (const float *)(const void *)bias;
+    float *yf = (float *)(void *)y;
+    int64_t covered = 0;
+    for (int64_t i = 0; i < index[1]; i++) {
+        const QuantPart *p = a->quant_parts + index[0] + i;
+        if (p->in_features != k || p->offset != covered || p->rows <= 0 || p->offset + p->rows > n) return -2;
+        covered += p->rows;
+        /* one row, or the only part: the outputs land in place; else in scratch, then their columns */
+        int direct = m == 1 || index[1] == 1;
+        float *out = direct ? yf + p->offset : scratch;
+        if (p->linear(p->blocks, p->rows, k, xf, m, bf ? bf + p->offset : NULL, out, a->threads)) return -1;
+        if (!direct)
+            for (int64_t r = 0; r < m; r++)
+                memcpy(yf + r * n + p->offset, scratch + r * p->rows, sizeof(float) * (size_t)p->rows);
+    }
+    return covered == n ? 0 : -2;
+}
+
+/* Every decoder layer over a->x, in place. Returns 0, -1 where memory ran out, -2 for a quantized
+ * descriptor that does not fit (x is then partly updated: the caller discards it). */
 int FN(decoder_stack)(const StackArgs *a) {
     int64_t m = a->rows, d = a->hidden, hd = a->head_dim, H = a->heads, KV = a->kv_heads;
     int64_t qkv_n = (H + 2 * KV) * hd, qk_n = (H + KV) * hd;
@@ -214,12 +246,17 @@ int FN(decoder_stack)(const StackArgs *a) {
     ELEM *delta = malloc(sizeof(ELEM) * (size_t)(m * d));
     ELEM *gate_up = malloc(sizeof(ELEM) * (size_t)(m * 2 * a->inter));
     ELEM *act = malloc(sizeof(ELEM) * (size_t)(m * a->inter));
-    int status = normed && qkv && qk && attn && delta && gate_up && act && (qk_normed || !a->qk_norm) ? 0 : -1;
+    int64_t widest = qkv_n > 2 * a->inter ? qkv_n : 2 * a->inter;
+    float *scratch = a->quant_parts ? malloc(sizeof(float) * (size_t)(m * (widest > d ? widest : d))) : NULL;
+    int status = normed && qkv && qk && attn && delta && gate_up && act && (qk_normed || !a->qk_norm)
+                 && (scratch || !a->quant_parts) ? 0 : -1;
     for (int64_t layer = 0; layer < a->layers && status == 0; layer++) {
         const int64_t *t = a->tensors + layer * STACK_TENSORS;
         ELEM *ks = (ELEM *)a->k_stores[layer], *vs = (ELEM *)a->v_stores[layer];
         FN(rmsnorm)(x, (const ELEM *)t[T_LN1], normed, m, d, a->eps);
-        FN(gemv)((const ELEM *)t[T_QKV_W], normed, (const ELEM *)t[T_QKV_B], qkv, m, qkv_n, d, a->threads);
+        status = FN(project)(a, layer, P_QKV, (const ELEM *)t[T_QKV_W], normed, (const ELEM *)t[T_QKV_B], qkv, m,
+                             qkv_n, d, scratch);
+        if (status != 0) break;
         if (a->qk_norm) {
             /* Qwen3: RMSNorm over each query and key head (its own weight for each), then RoPE;
              * the norm reads the heads where they lie in the projection's output, row by row. */
@@ -242,15 +279,21 @@ int FN(decoder_stack)(const StackArgs *a) {
             status = -1;
             break;
         }
-        FN(gemv)((const ELEM *)t[T_O_W], attn, (const ELEM *)t[T_O_B], delta, m, d, H * hd, a->threads);
+        status = FN(project)(a, layer, P_O, (const ELEM *)t[T_O_W], attn, (const ELEM *)t[T_O_B], delta, m, d, H * hd,
+                             scratch);
+        if (status != 0) break;
         FN(add_into)(x, delta, m * d);
         FN(rmsnorm)(x, (const ELEM *)t[T_LN2], normed, m, d, a->eps);
-        FN(gemv)((const ELEM *)t[T_GATE_UP_W], normed, (const ELEM *)t[T_GATE_UP_B], gate_up, m, 2 * a->inter, d,
-                 a->threads);
+        status = FN(project)(a, layer, P_GATE_UP, (const ELEM *)t[T_GATE_UP_W], normed, (const ELEM *)t[T_GATE_UP_B],
+                             gate_up, m, 2 * a->inter, d, scratch);
+        if (status != 0) break;
         FN(silu_mul)(gate_up, act, m, a->inter);
-        FN(gemv)((const ELEM *)t[T_DOWN_W], act, (const ELEM *)t[T_DOWN_B], delta, m, d, a->inter, a->threads);
+        status = FN(project)(a, layer, P_DOWN, (const ELEM *)t[T_DOWN_W], act, (const ELEM *)t[T_DOWN_B], delta, m, d,
+                             a->inter, scratch);
+        if (status != 0) break;
         FN(add_into)(x, delta, m * d);
     }
+    free(scratch);
     free(normed);
     free(qkv);
     free(qk);

@@ -98,7 +98,8 @@ def _check_raw(raw: torch.Tensor, qt: QuantType, in_features: int, what: str) ->
         raise ValueError(f"{what} must be contiguous (the kernels read the blocks in place)")
 
 
-def _check_weight(weight: QuantWeight) -> QuantType:
+def check_weight(weight: QuantWeight) -> QuantType:
+    """The weight's ``QuantType``; ValueError unless it is a well-formed ``QuantWeight``."""
     if not isinstance(weight, QuantWeight):
         raise ValueError(f"weight must be a QuantWeight (from QuantKernels.pack), got {type(weight).__name__}")
     qt = quant_type(weight.qtype)
@@ -134,6 +135,12 @@ class QuantKernels:
     def __repr__(self) -> str:
         return f"QuantKernels({self.variant.name})"
 
+    def linear_entry(self, qtype: str) -> int:
+        """The address of ``quant_linear_<qtype>``, the C function ``linear`` calls (the C decoder
+        stack calls it directly; this library stays loaded for the process)."""
+        address = ctypes.cast(getattr(self.lib, f"quant_linear_{quant_type(qtype).suffix}"), ctypes.c_void_p).value
+        return int(address or 0)
+
     def pack(self, raw: torch.Tensor, qtype: str, in_features: int) -> QuantWeight:
         """``raw`` (uint8 [out_features, bytes per row], ggml's blocks as the file stores them) as a
         ``QuantWeight``. Identity for every type: the kernels read the file layout, so ``data`` is
@@ -147,7 +154,7 @@ class QuantKernels:
         """``x @ W^T + bias`` for float32 ``x`` [..., in_features]: float32 [..., out_features].
         ``threads``: OpenMP threads (default: the kernels' count, ``infer.kernels.cpu``); the result
         is the same bits for any count."""
-        qt = _check_weight(weight)
+        qt = check_weight(weight)
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != torch.float32:
             raise ValueError(f"x must be a float32 CPU tensor, got "
                              f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
@@ -182,7 +189,7 @@ class QuantKernels:
     def dequantize_rows(self, weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight in float32 (an embedding lookup): ids.shape + [in_features],
         the values gguf-py's ``dequantize`` gives."""
-        qt = _check_weight(weight)
+        qt = check_weight(weight)
         if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu" or ids.dtype.is_floating_point \
                 or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise ValueError("ids must be an integer CPU tensor")

@@ -214,14 +214,23 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     if fuse:
         model.fuse_projections()
     pack_quantized(model)
-    if quantized:  # the kernels are row-invariant; attention is made so too (greedy speculation stays exact)
+    if quantized:
+        # A token must get the same bits in a decode step and in any verification pass (greedy
+        # speculation's exactness). The quantized kernels are row-invariant; PyTorch's attention is
+        # not, so the layers get exact_attention. Where the C decoder stack takes the model
+        # (CpuStack.build: its own attention computes each token alone) it runs every pass, prefill
+        # included (its max_rows is lifted), so the layers run only where it declines a pass (a
+        # FlexAttention tree mask, autograd, torch.compile) or is not built; those passes must be
+        # row-invariant too, so exact_attention stays set either way (the stack ignores it). The
+        # layers' and the stack's attention round differently: a model runs its passes one way.
         from infer.backends.exact import make_attention_exact
 
         make_attention_exact(model)
     chosen.prepare(model)  # the backend's form of the model, recorded on it
     if chosen.stack and chosen.cpu_stack is None:  # the startup line must not claim a stack that does not run
         chosen.stack = False
-        chosen.reasons.append("the C decoder stack takes float Llama-block models: running layer by layer")
+        chosen.reasons.append("the C decoder stack takes Llama-block models with float projections or quantized ones "
+                              "(float32): running layer by layer")
     if gguf_file is not None:
         from infer.loader.gguf import release_mapped_pages
 

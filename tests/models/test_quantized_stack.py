@@ -1,0 +1,214 @@
+"""Quantized models' passes through the C decoder stack (``CpuStack`` with ``QuantPart`` descriptors).
+
+The stack calls the quantized kernels for every quantized projection (float32 activations), so its
+hidden states equal the quantized layers' up to attention's rounding (the layers run
+``exact_attention``, the stack its own); it takes every pass of a quantized model, so a token gets
+the same bits in a decode step and in any verification pass; a descriptor that does not fit the
+model is refused with ValueError before a pointer reaches C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_gguf import write_gguf
+
+from infer.backends import cpu_kernels, exact
+from infer.backends.cpu_kernels import _QUANT_TOLERANCE, CpuStack, _probe_passes, quantized_probe_model
+from infer.kernels.cpu import STACK_PROJECTIONS, QuantProjection, StackTable
+from infer.kernels.quant import QuantWeight
+from infer.loader import load_model
+from infer.models.quantized import QuantLinear
+from quant_files import by_part, typed_tensors
+
+gguf = pytest.importorskip("gguf", reason="the gguf package reads GGUF files: pip install gguf")
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_here() -> None:
+    """Where the quantized kernels or the float32 C kernels cannot run these tests fail, naming why."""
+    from infer import kernels
+    from infer.kernels import quant
+
+    assert quant.quant_kernels() is not None, f"the quantized kernels do not run here: {quant.quant_unavailable_reason()}"
+    assert kernels.library_for(torch.float32) is not None, kernels.unavailable_reason(torch.float32)
+
+
+# Every part of a layer one type, and the mixes of a Q4_K_M-like file: fused q/k/v and gate/up of
+# two block types each (two kernel calls whose outputs sit side by side).
+TYPE_RULES: dict[str, dict[str, str]] = {
+    "Q4_0": {p: "Q4_0" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")},
+    "Q8_0": {p: "Q8_0" for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")},
+    "mixed": {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0", "ffn_gate": "Q4_K",
+              "ffn_up": "Q6_K", "ffn_down": "Q4_0", "output": "Q6_K", "token_embd": "Q8_0"},
+}
+
+
+def quantized_file(arch: str, types: str, folder: Path) -> Path:
+    """A tiny 256-wide ``arch`` checkpoint (the K types' super-blocks need 256 inputs) as a GGUF of ``types``."""
+    from checkpoints import make_tiny_checkpoint
+
+    extra: dict[str, Any] = dict(head_dim=64) if arch == "qwen3" else {}
+    checkpoint = make_tiny_checkpoint(folder / arch, arch, hidden_size=256, num_layers=2, num_heads=4,  # type: ignore[arg-type]
+                                      num_kv_heads=2, intermediate_size=512, seed=5, **extra)
+    with typed_tensors(by_part(TYPE_RULES[types])):
+        return write_gguf(checkpoint, folder / f"{arch}-{types}.gguf")
+
+
+def quantized_stack(model: Any) -> CpuStack:
+    stack = model.backend.cpu_stack
+    assert stack is not None and stack.quantized, model.backend.describe()
+    return stack  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("types", list(TYPE_RULES))
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_stack_equals_the_quantized_layers(arch: str, types: str, tmp_path: Path) -> None:
+    """Prefills, a batched pass of uneven runs and a decode step on both cache kinds: the stack's
+    hidden states equal the layer-by-layer quantized path's within float tolerance."""
+    model, _ = load_model(quantized_file(arch, types, tmp_path), "float32", "cpu")
+    stack = quantized_stack(model)
+    assert stack.max_rows is None  # every pass of a quantized model runs here
+    layer: Any = model.model.layers[0]
+    qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    assert isinstance(qkv, QuantLinear) and isinstance(gate_up, QuantLinear)
+    if types == "mixed":
+        assert qkv.qtypes == ["Q4_K", "Q6_K"] and gate_up.qtypes == ["Q4_K", "Q6_K"]
+    for cache in ("paged", "slotted"):
+        ours, ref = _probe_passes(model, stack, cache, torch.float32), _probe_passes(model, None, cache, torch.float32)
+        for index, (a, b) in enumerate(zip(ours, ref, strict=True)):
+            bound = _QUANT_TOLERANCE * float(b.abs().max())
+            assert float((a - b).abs().max()) <= bound, (cache, index)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_token_gets_the_same_bits_in_any_pass_of_the_stack(arch: str, threads: int, tmp_path: Path) -> None:
+    """``check_invariance`` (a 72-token pass against a prefill, decode steps and a batched pass
+    beside a longer sequence) on mixed-type models running on the stack."""
+    model, _ = load_model(quantized_file(arch, "mixed", tmp_path), "float32", "cpu")
+    quantized_stack(model)
+    torch.set_num_threads(threads)
+    exact._VERIFIED.clear()
+    exact.check_invariance(model)
+
+
+def test_a_stack_that_misplaces_a_part_fails_the_probes_comparison() -> None:
+    """The load-time probe can fail: the q/k and v matrices of probe model 0 (two block types)
+    given in the wrong order still fill the projection's 128 outputs, but the hidden states move
+    far beyond the probe's tolerance."""
+    from infer import kernels
+    from infer.kernels import quant
+
+    library, quant_kernels = kernels.library_for(torch.float32), quant.quant_kernels()
+    assert library is not None and quant_kernels is not None
+    assert cpu_kernels.probe_quant_stack(library, quant_kernels) is None
+    model = quantized_probe_model(0, quant_kernels)
+    cpu_kernels.prepare(model, library, fused=True)
+    stack = CpuStack.build(model, library)
+    assert stack is not None and stack.table.quant is not None
+    table = stack.table
+    swapped = list(table.quant)  # type: ignore[arg-type]
+    first = swapped[0]
+    assert first is not None and len(first.weights) == 2
+    swapped[0] = QuantProjection(first.kernels, first.weights[::-1])
+    wrong = CpuStack(library, StackTable(table.tensors, table.shape, table.eps, table.qk_norm, quant=swapped))
+    wrong.max_rows = None
+    ours, ref = _probe_passes(model, wrong, "slotted", torch.float32), _probe_passes(model, None, "slotted", torch.float32)
+    assert float((ours[0] - ref[0]).abs().max()) > 5 * _QUANT_TOLERANCE * float(ref[0].abs().max())
+
+
+def test_a_failed_probe_runs_the_layers_and_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from infer.backends import backend
+
+    monkeypatch.setattr(backend, "probe_quant_stack", lambda library, quant: "probe said no")
+    model, _ = load_model(quantized_file("llama", "Q4_0", tmp_path), "float32", "cpu")
+    assert model.backend.cpu_stack is None and not model.backend.stack
+    assert "probe said no" in model.backend.describe()
+    layer: Any = model.model.layers[0]
+    assert layer.self_attn.attend is exact.exact_attention  # the layers stay row-invariant
+
+
+def test_bad_descriptors_raise_value_error(tmp_path: Path) -> None:
+    """Each malformed quantized projection is named by a ValueError before any address is taken."""
+    model, _ = load_model(quantized_file("llama", "mixed", tmp_path), "float32", "cpu")
+    table = quantized_stack(model).table
+    quant = list(table.quant)  # type: ignore[arg-type]
+    qkv, down = quant[0], quant[STACK_PROJECTIONS.index("down")]
+    assert qkv is not None and down is not None
+
+    def refused(match: str, *, tensors: list[torch.Tensor | None] | None = None, parts: Any = quant) -> None:
+        with pytest.raises(ValueError, match=match):  # at construction or at the first addresses()
+            StackTable(tensors if tensors is not None else list(table.tensors), table.shape, table.eps,
+                       table.qk_norm, quant=parts).addresses()
+
+    def with_qkv(projection: Any) -> list[Any]:
+        return [projection, *quant[1:]]
+
+    refused("inputs, the projection takes 256", parts=with_qkv(QuantProjection(qkv.kernels, down.weights)))
+    refused("outputs together, the projection 512", parts=with_qkv(QuantProjection(qkv.kernels, qkv.weights[:1])))
+    refused("has no matrices", parts=with_qkv(QuantProjection(qkv.kernels, ())))
+    refused("must be a QuantProjection", parts=with_qkv((qkv.kernels, qkv.weights)))
+    refused("must be a QuantProjection", parts=with_qkv(QuantProjection(object(), qkv.weights)))  # type: ignore[arg-type]
+    short = dataclasses.replace(qkv.weights[0], data=qkv.weights[0].data[:, :-1])
+    refused("bytes per row", parts=with_qkv(QuantProjection(qkv.kernels, (short, *qkv.weights[1:]))))
+    refused("must be a QuantWeight", parts=with_qkv(QuantProjection(qkv.kernels, ("Q4_K",))))  # type: ignore[arg-type]
+    beside = list(table.tensors)
+    beside[1] = torch.zeros(512, 256)
+    refused("given beside its quantized matrices", tensors=beside)
+    bf16 = list(table.tensors)
+    bf16[0] = bf16[0].bfloat16()  # type: ignore[union-attr]
+    refused("take float32 activations", tensors=bf16)
+    with pytest.raises(ValueError, match="quantized projections for 2 layers"):
+        StackTable(list(table.tensors), table.shape, table.eps, table.qk_norm, quant=quant[:-1])
+    assert isinstance(qkv.weights[0], QuantWeight)
+
+
+def test_exact_greedy_mode_keeps_the_quantized_stack(tmp_path: Path) -> None:
+    """``exact_greedy`` on a quantized model: the stack keeps every pass (no RowChunked layers) and
+    the engine's invariance check passes; greedy n-gram speculation equals plain decoding."""
+    from infer import LLM, SamplingParams
+    from infer.backends.exact import RowChunked
+
+    path = quantized_file("qwen3", "mixed", tmp_path)
+    exact._VERIFIED.clear()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = ["the cat sat on the mat", "one two three four one two three"]
+    plain = LLM(str(path), device="cpu", exact_greedy=True)
+    model: Any = plain.engine.model
+    assert quantized_stack(model).max_rows is None and not isinstance(model.model.norm, RowChunked)
+    ids = [o.token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(str(path), device="cpu", exact_greedy=True, speculator="ngram", spec_length=4)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == ids
+
+
+def test_the_c_stack_refuses_a_part_that_does_not_fit(tmp_path: Path) -> None:
+    """Behind the Python checks the C stack checks each part against its projection too (inputs,
+    columns): a part tampered with after the checks makes the pass raise instead of misreading."""
+    model, _ = load_model(quantized_file("llama", "mixed", tmp_path), "float32", "cpu")
+    stack = quantized_stack(model)
+    stack.table.addresses()
+    parts = stack.table._parts
+    assert parts is not None
+    parts[0].in_features += 32
+    with pytest.raises(RuntimeError, match="refused a quantized projection"):
+        _probe_passes(model, stack, "slotted", torch.float32)
+
+
+def test_every_pair_of_variants_this_cpu_runs_passes_the_probe() -> None:
+    """The float stack of each ISA variant with the quantized kernels of each (AVX2 laptops, AVX-512
+    without VNNI, the portable C): the stack agrees with the quantized layers on the probe models."""
+    from infer.kernels import build, load_variant, quant
+
+    pairs = [(f, q) for f in build.VARIANTS if "f32" in f.dtypes and not build.missing_cpu_flags(f)
+             for q in build.QUANT_VARIANTS if not build.missing_cpu_flags(q)]
+    assert pairs, "no float32 and quantized kernel variant runs here"
+    for float_variant, quant_variant in pairs:
+        failure = cpu_kernels.probe_quant_stack(load_variant(float_variant), quant.quant_kernels(quant_variant.name))
+        assert failure is None, (float_variant.name, quant_variant.name, failure)
