@@ -563,6 +563,13 @@ def environment(device: str) -> dict[str, Any]:
         env["transformers"] = None
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         env["gpu"] = torch.cuda.get_device_name(0)
+    try:  # the peer's build: which instructions its kernels were compiled for (an AVX2-only build, ...)
+        import llama_cpp
+
+        env["llama_cpp"] = {"version": llama_cpp.__version__, "path": str(Path(llama_cpp.__file__).parent),
+                            "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+    except (ImportError, AttributeError, OSError):
+        pass
     try:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
