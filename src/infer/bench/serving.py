@@ -246,6 +246,7 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
         if not args.model:
             raise ValueError("give --server URL, or --model (and --draft-model) to launch servers")
         base = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
+                "--quantization", args.quantization, "--backend", args.backend,
                 "--max-batch-size", str(max(args.concurrency))]
         configs.append(("speculation off", base))
         if args.draft_model:
@@ -405,7 +406,7 @@ def add_serving_parser(kinds: Any) -> None:
                    help="also launch a server with each of these drafters")
     # What the launched servers get, declared as infer serve declares them; a benchmark keeps naming its
     # precision, device and draft length (the same on every machine and in every earlier run).
-    add_engine_args(p, ("draft_model", "spec_length", "dtype", "device"))
+    add_engine_args(p, ("draft_model", "spec_length", "dtype", "device", "quantization", "backend"))
     p.set_defaults(spec_length=4, dtype="float32", device="cpu")
     p.add_argument("--replicas", type=int, nargs="+", default=None, metavar="N",
                    help="also compare replica counts: 0 = one process, N = infer serve --replicas N on Ray Serve "
