@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.bench.quality import REFERENCE, QualityTally, heldout_windows, measure
+from infer.bench.quality import REFERENCE, QualityTally, heldout_windows, measure, pair_name
 from infer.bench.shapes import write_shape
 from infer.cli import main
 from infer.loader import load_config, load_model, load_tokenizer
@@ -80,11 +80,17 @@ def test_measure_runs_every_mode_on_the_same_windows() -> None:
         seen.append(ids.tolist())
         return table[tuple(ids.tolist())]
 
-    figures = measure(windows, ref, {"same": ref, "noisy": lambda ids: ref(ids) + torch.randn(8, 300)})
+    figures = measure(windows, ref, {"same": ref, "noisy": lambda ids: ref(ids) + torch.randn(8, 300)},
+                      pairs=(("same", "noisy"), ("same", "same")))
     assert seen[::3] == [w[:-1].tolist() for w in windows]  # each window: reference, then each mode
     assert figures[REFERENCE]["kl_mean"] == 0 and figures["same"]["kl_mean"] == 0
     assert figures["noisy"]["kl_mean"] > 0.01
     assert figures["same"]["positions"] == 24
+    # A pair measures one mode's logits (those of the same call) against another's.
+    assert figures[pair_name("same", "noisy")] == figures["noisy"]
+    assert figures[pair_name("same", "same")]["kl_mean"] == 0
+    with pytest.raises(ValueError, match=r"pairs name modes \['gone'\]"):
+        measure(windows, ref, {"same": ref}, pairs=(("same", "gone"),))
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +110,8 @@ def test_quality_command_on_a_tiny_gguf(tiny_q8: Path, tmp_path: Path, peer: boo
     assert main(args + ([] if peer else ["--no-peer"])) == 0
     report = json.loads((tmp_path / "quality.json").read_text())
     rows = {r["mode"]: r for r in report["results"]}
-    assert set(rows) == {REFERENCE, "infer auto", *(["llama.cpp"] if peer else [])}
+    both = pair_name("llama.cpp", "infer auto")
+    assert set(rows) == {REFERENCE, "infer auto", *(["llama.cpp", both] if peer else [])}
     assert all(r["file_type"] == "Q8_0" and r["positions"] == 3 * 24 for r in rows.values())
     # The reference's perplexity, recomputed here from the same windows and the float32 model.
     config = load_config(tiny_q8)
@@ -122,4 +129,5 @@ def test_quality_command_on_a_tiny_gguf(tiny_q8: Path, tmp_path: Path, peer: boo
         assert rows[mode]["max_abs_logit_diff"] > 0
     if peer:
         assert rows["llama.cpp"]["kl_mean"] == pytest.approx(rows["infer auto"]["kl_mean"], rel=0.5)
+        assert 0 < rows[both]["kl_mean"] < 1e-5 and rows[both]["perplexity"] == rows["infer auto"]["perplexity"]
     assert "| tiny.Q8_0.gguf (Q8_0) | infer auto |" in capsys.readouterr().out

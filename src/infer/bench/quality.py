@@ -14,7 +14,8 @@ Text: held-out windows of the corpus the trainers hold out (the Python standard 
 that ``infer.data.corpus.split_files`` puts aside), each document followed by EOS, windows evenly
 spread over the stream, every window run from an empty cache. Over every position of every window:
 mean and max KL(reference || mode) of the next-token distributions (nats), the perplexity of the
-text, top-1 (greedy) agreement with the reference, and the largest |logit difference|.
+text, top-1 (greedy) agreement with the reference, and the largest |logit difference|; and infer's
+quantized logits against llama.cpp's on the same file (``infer auto against llama.cpp``).
 
     PYTHONPATH=src python -m infer.bench.quality [--model GGUF_OR_FOLDER ...] [--quantization auto]
         [--windows 16] [--window 256] [--no-peer] [--out bench-out]
@@ -85,21 +86,34 @@ class QualityTally:
 
 
 def measure(windows: torch.Tensor, reference: LogitSource, modes: dict[str, LogitSource],
+            pairs: tuple[tuple[str, str], ...] = (),
             say: Callable[[str], None] = lambda _: None) -> dict[str, dict[str, Any]]:
     """Every mode (and the reference itself, under ``REFERENCE``) over ``windows`` [N, W]: the first
-    W - 1 tokens are run, each position predicting the next token."""
+    W - 1 tokens are run, each position predicting the next token. Each pair ``(a, b)`` of modes
+    also measures b against a as its reference, under ``pair_name(a, b)``."""
     if windows.dim() != 2 or windows.shape[1] < 2 or windows.shape[0] == 0:
         raise ValueError(f"windows of shape {tuple(windows.shape)}: need [N >= 1, W >= 2] token ids")
-    tallies = {REFERENCE: QualityTally(), **{name: QualityTally() for name in modes}}
+    unknown = [name for pair in pairs for name in pair if name not in modes]
+    if unknown:
+        raise ValueError(f"pairs name modes {unknown} that are not measured ({', '.join(modes)})")
+    tallies = {REFERENCE: QualityTally(), **{name: QualityTally() for name in modes},
+               **{pair_name(a, b): QualityTally() for a, b in pairs}}
     for i, window in enumerate(windows):
         ids, targets = window[:-1], window[1:]
         ref = reference(ids)
         tallies[REFERENCE].add(ref, ref, targets)
-        for name, source in modes.items():
-            tallies[name].add(ref, source(ids), targets)
+        logits = {name: source(ids) for name, source in modes.items()}
+        for name, mode_logits in logits.items():
+            tallies[name].add(ref, mode_logits, targets)
+        for a, b in pairs:
+            tallies[pair_name(a, b)].add(logits[a], logits[b], targets)
         say(f"window {i + 1}/{windows.shape[0]}: " + ", ".join(
             f"{name} KL {t.kl_sum / t.positions:.2e}" for name, t in tallies.items() if name != REFERENCE))
     return {name: tally.summary() for name, tally in tallies.items()}
+
+
+def pair_name(reference: str, mode: str) -> str:
+    return f"{mode} against {reference}"
 
 
 def heldout_windows(tokenizer: Any, eos_id: int, window: int, count: int, max_chars: int = 4_000_000) -> torch.Tensor:
@@ -175,7 +189,9 @@ def run_quality(models: list[str], quantizations: list[str], windows: int, windo
             modes["llama.cpp"] = lambda ids, runner=runner: runner.logits(ids.tolist())  # type: ignore[misc]
         elif peer:
             say(f"{path.name}: a Hugging Face folder: no llama.cpp row (give the GGUF)")
-        figures_by_mode = measure(held, infer_logits(reference), modes,
+        # The same blocks on both engines' kernels: how far apart are they from each other?
+        pairs = (("llama.cpp", "infer auto"),) if {"llama.cpp", "infer auto"} <= modes.keys() else ()
+        figures_by_mode = measure(held, infer_logits(reference), modes, pairs,
                                   say=lambda m, name=path.name: say(f"{name}: {m}"))  # type: ignore[misc]
         for mode, figures in figures_by_mode.items():
             results.append({"model": str(path), "file_type": file_type, "mode": mode, **figures})
@@ -188,7 +204,8 @@ def quality_table(report: dict[str, Any]) -> str:
     s = report["settings"]
     env = report["environment"]
     head = (f"{s['windows']} held-out windows of {s['window']} tokens (stdlib text), every position; reference: the "
-            f"same file dequantized to float32; {env['cpu']} ({env['threads']} threads)")
+            f"same weights in float32 (a GGUF's blocks dequantized; a row 'X against Y': Y's logits the reference); "
+            f"{env['cpu']} ({env['threads']} threads)")
     rows = ["| model | mode | KL mean (nats) | KL max | perplexity | top-1 agreement | max abs logit diff |",
             "|---|---|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
