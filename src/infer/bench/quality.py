@@ -174,6 +174,8 @@ def run_quality(models: list[str], quantizations: list[str], windows: int, windo
         path = resolve_model_path(ref)
         file_type = _file_type(path)
         config = load_config(path)
+        if window > config.max_position_embeddings:
+            raise ValueError(f"--window {window} is longer than {path.name}'s {config.max_position_embeddings} positions")
         tokenizer = load_tokenizer(path, config)
         held = heldout_windows(tokenizer, config.eos_token_ids[0], window, windows)
         say(f"{path.name}: {held.shape[0]} held-out windows of {window} tokens")
