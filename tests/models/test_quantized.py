@@ -221,6 +221,8 @@ def test_quantization_of_a_float_checkpoint(tiny_llama: Path, tmp_path: Path) ->
         assert_logits_close(last_logits(model, IDS), last_logits(ref, IDS))
     q4, _ = load_model(tiny_llama, "float32", "cpu", quantization="q4_0")
     assert q4.model.layers[0].mlp.down_proj.qtypes == ["Q4_0"]
+    # The embedding table and the LM head stay at 8 bits (llama.cpp keeps its output tensor at Q6_K).
+    assert q4.model.embed_tokens.weight.qtype == "Q8_0" and q4.lm_head.qtypes == ["Q8_0"]
     assert_logits_close(last_logits(q4, IDS), last_logits(ref, IDS), tolerance=0.25)  # 4 bits: coarser
 
 
