@@ -501,3 +501,28 @@ def test_greedy_ngram_equals_plain_on_gemma3_with_the_c_stack(tiny_gemma3: Path,
     outputs = llm.generate(PROMPTS, _greedy())
     assert [o.token_ids for o in outputs] == gemma_plain
     assert sum(o.metrics.num_rounds for o in outputs) > 0 and calls[0] > len(PROMPTS) * 10
+
+
+def test_a_gemma3_stack_that_fails_its_probe_falls_back_with_the_reason(tiny_gemma3: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from infer.backends.cpu_kernels import probe_gemma_stack
+    from infer.kernels.cpu import KernelLibrary
+
+    real = KernelLibrary.decoder_stack
+
+    def off(self: KernelLibrary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: Any,
+            *args: Any) -> torch.Tensor:  # a Gemma block that errs; the Llama block untouched
+        out = real(self, x, cos, sin, table, *args)
+        return out + 0.5 if table.gemma else out
+
+    monkeypatch.setattr(KernelLibrary, "decoder_stack", off)
+    probe_gemma_stack.cache_clear()
+    try:
+        model, _ = load_model(tiny_gemma3, torch.float32, "cpu", backend="cpu-kernels")
+        assert model.backend.cpu_stack is None
+        assert "Gemma 3 block failed its probe" in model.backend.describe()
+    finally:
+        monkeypatch.undo()
+        probe_gemma_stack.cache_clear()
+    model, _ = load_model(tiny_gemma3, torch.float32, "cpu", backend="cpu-kernels")
+    assert model.backend.cpu_stack is not None
