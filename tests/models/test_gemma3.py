@@ -377,3 +377,152 @@ def test_ragged_pass_equals_the_padded_pass_past_the_window(windowed: Path) -> N
     for b, run in enumerate(runs):
         torch.testing.assert_close(ragged_rows[b, : len(run)], padded[b, : len(run)], atol=1e-5, rtol=0)
     torch.testing.assert_close(after_ragged, after_padded, atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------- the C decoder stack on Gemma 3
+
+def _counting_stack(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the passes the C decoder stack computes (``CpuStack.__call__``)."""
+    from infer.backends.cpu_kernels import CpuStack
+
+    calls = [0]
+    real = CpuStack.__call__
+
+    def counted(self: CpuStack, *args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(CpuStack, "__call__", counted)
+    return calls
+
+
+def _stack_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    from infer import kernels
+
+    if kernels.library_for(dtype) is None:
+        pytest.fail(f"no {dtype} kernels: {kernels.unavailable_reason(dtype)}")  # every CI CPU has float32's
+    model, config = load_model(path, dtype, "cpu", backend="cpu-kernels")
+    stack = model.backend.cpu_stack
+    assert stack is not None and stack.table.gemma, model.backend.describe()
+    return model, config
+
+
+def _decode_past_the_window(model: Any, config: ModelConfig, backend: str) -> list[torch.Tensor]:
+    """Logits of a prefill, 20 greedy decode steps (past the 8-token window) and a 4-token pass."""
+    if backend == "paged":
+        pool: Any = _windowed_pool(config, slack=8, num_blocks=40)
+    else:
+        pool = SlottedKVCache(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_slots=2,
+                              max_seq_len=64, dtype=torch.float32, device="cpu")
+    runner = ModelRunner(model, pool)
+    slot = pool.allocate()
+    out = [runner.logits(runner.forward([slot], [_ids(6, 11)[0].tolist()]))[0]]
+    for _ in range(20):
+        out.append(runner.logits(runner.forward([slot], [[int(out[-1][-1].argmax())]]))[0])
+    out.append(runner.logits(runner.forward([slot], [_ids(4, 12)[0].tolist()]))[0])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["paged", "slotted"])
+def test_the_c_stack_computes_gemma3_like_its_layers_past_the_window(tiny_gemma3: Path, backend: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    model, config = _stack_model(tiny_gemma3)
+    calls = _counting_stack(monkeypatch)
+    with torch.inference_mode():
+        ours = _decode_past_the_window(model, config, backend)
+    assert calls[0] == len(ours)  # every pass, the prefill too (under the stack's 64-row limit)
+    stack, model.backend.cpu_stack = model.backend.cpu_stack, None
+    with torch.inference_mode():
+        reference = _decode_past_the_window(model, config, backend)
+    for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=f"pass {i}")
+    # A negative control: the comparison sees a stack whose local layers see every key.
+    model.backend.cpu_stack = stack
+    monkeypatch.setattr(type(model), "layer_kv", lambda self, kv, index, positions: kv.layer(index))
+    with torch.inference_mode():
+        unwindowed = _decode_past_the_window(model, config, backend)
+    assert max(float((a - b).abs().max()) for a, b in zip(unwindowed, reference, strict=True)) > 100 * ATOL
+
+
+def test_the_c_stack_takes_a_ragged_gemma3_pass(tiny_gemma3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged pass past the window (each token as its own sequence in the stack, the local layers'
+    rows and window mask alike): the same rows as the padded pass, both in the stack."""
+    model, config = _stack_model(tiny_gemma3)
+    calls = _counting_stack(monkeypatch)
+    prompts = [_ids(30, 3)[0].tolist(), _ids(9, 4)[0].tolist()]
+    runs = [_ids(14, 5)[0].tolist(), _ids(2, 6)[0].tolist()]
+    results = []
+    with torch.inference_mode():
+        for ragged in (False, True):
+            pool = _windowed_pool(config, slack=16, num_blocks=40)
+            runner = ModelRunner(model, pool)
+            slots = [pool.allocate(), pool.allocate()]
+            for slot, prompt in zip(slots, prompts, strict=True):
+                runner.forward([slot], [prompt])
+            if ragged:
+                packed = runner.forward_ragged(slots, runs)
+                logits = packed.padded(runner.logits(packed.hidden))
+            else:
+                logits = runner.logits(runner.forward(slots, runs))
+            results.append((logits, runner.logits(runner.forward(slots, [[7], [8]]))))
+    assert calls[0] == 8
+    (padded, after_padded), (ragged_rows, after_ragged) = results
+    for b, run in enumerate(runs):
+        torch.testing.assert_close(ragged_rows[b, : len(run)], padded[b, : len(run)], atol=1e-5, rtol=0)
+    torch.testing.assert_close(after_ragged, after_padded, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_check_invariance_passes_on_gemma3_with_the_c_stack(tiny_gemma3: Path, dtype: torch.dtype,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact-greedy mode lifts the stack's row limit: every pass of the invariance check runs in it,
+    and each token gets the same bits in a long pass, single steps and a batched pass."""
+    from infer.backends import exact
+    from infer.kernels import library_for
+
+    if library_for(dtype) is None:
+        pytest.skip(f"no {dtype} kernels on this CPU")
+    model, _ = _stack_model(tiny_gemma3, dtype)
+    exact.make_exact(model)
+    assert model.backend.cpu_stack.max_rows is None
+    calls = _counting_stack(monkeypatch)
+    monkeypatch.setattr(exact, "_VERIFIED", set())
+    exact.check_invariance(model)
+    assert calls[0] >= 6
+
+
+@pytest.mark.parametrize("backend", ["paged", "slotted"])
+def test_greedy_ngram_equals_plain_on_gemma3_with_the_c_stack(tiny_gemma3: Path, gemma_plain: list[list[int]],
+                                                              backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _counting_stack(monkeypatch)
+    llm = LLM(str(tiny_gemma3), dtype="float32", device="cpu", block_size=4, kv_cache_backend=backend,
+              backend="cpu-kernels", max_prefill_tokens=16, speculator="ngram", spec_length=5)
+    assert llm.engine.backend.cpu_stack is not None
+    outputs = llm.generate(PROMPTS, _greedy())
+    assert [o.token_ids for o in outputs] == gemma_plain
+    assert sum(o.metrics.num_rounds for o in outputs) > 0 and calls[0] > len(PROMPTS) * 10
+
+
+def test_a_gemma3_stack_that_fails_its_probe_falls_back_with_the_reason(tiny_gemma3: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from infer.backends.cpu_kernels import probe_gemma_stack
+    from infer.kernels.cpu import KernelLibrary
+
+    real = KernelLibrary.decoder_stack
+
+    def off(self: KernelLibrary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: Any,
+            *args: Any) -> torch.Tensor:  # a Gemma block that errs; the Llama block untouched
+        out = real(self, x, cos, sin, table, *args)
+        return out + 0.5 if table.gemma else out
+
+    monkeypatch.setattr(KernelLibrary, "decoder_stack", off)
+    probe_gemma_stack.cache_clear()
+    try:
+        model, _ = load_model(tiny_gemma3, torch.float32, "cpu", backend="cpu-kernels")
+        assert model.backend.cpu_stack is None
+        assert "Gemma 3 block failed its probe" in model.backend.describe()
+    finally:
+        monkeypatch.undo()
+        probe_gemma_stack.cache_clear()
+    model, _ = load_model(tiny_gemma3, torch.float32, "cpu", backend="cpu-kernels")
+    assert model.backend.cpu_stack is not None

@@ -207,6 +207,34 @@ def test_real_file_tokenizes_and_decodes_greedily_like_transformers() -> None:
 
 
 @needs_real
+def test_real_file_greedy_ngram_equals_plain_on_the_c_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real Gemma 3 270M (sliding window 512, head_dim 256) with its passes on the C decoder
+    stack: n-gram speculation gives plain decoding's tokens."""
+    from infer.backends.cpu_kernels import CpuStack
+
+    calls = [0]
+    real = CpuStack.__call__
+
+    def counted(self: CpuStack, *args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(CpuStack, "__call__", counted)
+    prompts = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return", "1, 2, 3, 4, 5, 6, 7, 8,"]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    plain = real_llm()
+    assert plain.engine.backend.cpu_stack is not None, plain.engine.backend.describe()
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert calls[0] >= 48
+    spec = LLM("gemma3-270m", dtype="float32", device="cpu", max_seq_len=256, max_batch_size=4, quantization="none",
+               speculator="ngram", spec_length=5)
+    before = calls[0]
+    outputs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(o.metrics.accepted_tokens for o in outputs) > 0 and calls[0] > before
+
+
+@needs_real
 @pytest.mark.slow
 def test_real_file_against_live_transformers() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer

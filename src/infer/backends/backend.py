@@ -25,7 +25,13 @@ import torch
 
 import infer.kernels as kernels
 from infer.backends import cpu_kernels
-from infer.backends.cpu_kernels import CpuStack, probe_fused, probe_quant_stack, probe_stack
+from infer.backends.cpu_kernels import (
+    CpuStack,
+    probe_fused,
+    probe_gemma_stack,
+    probe_quant_stack,
+    probe_stack,
+)
 from infer.backends.onednn import PackedLinear, cpu_packing_available
 from infer.cache.protocol import KVBatch
 from infer.kernels.cpu import KernelLibrary
@@ -75,6 +81,13 @@ class Backend:
             else:  # a packed LM head gets its own copy of a tied embedding
                 cpu_kernels.convert_linears(model, PackedLinear)
         self.cpu_stack = CpuStack.build(model, self.library) if self.library is not None and self.stack else None
+        if self.cpu_stack is not None and self.cpu_stack.table.gemma:
+            assert self.library is not None
+            # Gemma's block (its norms, GELU, windows) is probed only when a Gemma model loads.
+            failure = probe_gemma_stack(self.library, self.cpu_stack.dtype)
+            if failure is not None:
+                self.cpu_stack, self.stack = None, False
+                self.reasons.append(failure)
         if self.cpu_stack is not None and self.cpu_stack.quantized:
             assert self.library is not None and self.cpu_stack.table.quant is not None
             kernels = next(q.kernels for q in self.cpu_stack.table.quant if q is not None)

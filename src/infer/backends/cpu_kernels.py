@@ -36,6 +36,13 @@ from infer.kernels.cpu import (
     StackTable,
 )
 from infer.models.config import ModelConfig
+from infer.models.gemma3 import (
+    Gemma3Attention,
+    Gemma3DecoderLayer,
+    Gemma3ForCausalLM,
+    Gemma3MLP,
+    GemmaRMSNorm,
+)
 from infer.models.layers import (
     MLP,
     Attention,
@@ -130,16 +137,18 @@ class CpuStack:
     @classmethod
     def build(cls, model: DecoderOnlyLM, library: KernelLibrary) -> CpuStack | None:
         """The stack for ``model`` (fused, in the kernels' form), or None where it does not apply: not
-        the Llama block (Gemma's layers, a sliding window), a projection not on the kernel (a quantized
+        the Llama block or Gemma 3's (a Llama with a sliding window), a projection not on the kernel (a quantized
         one), a head too wide, more than 16 query heads per KV head, or norms with different epsilons."""
         from infer.backends.exact import exact_attention  # (exact imports the backend: not at the top)
 
         config = model.config
         if type(model).forward is not DecoderOnlyLM.forward:  # an architecture with its own pass
             return None
+        if isinstance(model, Gemma3ForCausalLM):
+            return cls._build_gemma(model, library)
         layers = [layer for layer in model.model.layers if type(layer) is DecoderLayer]
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        # The stack's attention sees every cached key, so sliding-window layers run layer by layer.
+        # Only Gemma's stack has sliding-window layers; a windowed Llama (Mistral) runs layer by layer.
         if (config.head_dim > MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers) or kv_heads < 1
                 or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads or config.sliding_window is not None):
             return None
@@ -159,23 +168,14 @@ class CpuStack:
                     or not all(isinstance(n, RMSNorm) for n in norms)
                     or any(n.eps != eps for n in norms) or attn.attend not in (None, exact_attention)):
                 return None
-            weights: list[torch.Tensor | None] = []
-            biases: list[torch.Tensor | None] = []
-            for linear in linears:
-                if isinstance(linear, QuantLinear):
-                    linear.pack()
-                    weights.append(None)
-                    quant.append(QuantProjection(linear.kernels, tuple(linear.weights)))  # type: ignore[arg-type]
-                else:
-                    assert isinstance(linear, GemvLinear)
-                    weights.append(linear.weight)
-                    quant.append(None)
-                biases.append(linear.bias)  # type: ignore[arg-type]
+            found = cls._projections(linears, quant)
+            assert found is not None  # (every projection was checked above)
+            weights, biases = found
             tensors += [layer.input_layernorm.weight, weights[0], biases[0],
                         None if attn.q_norm is None else attn.q_norm.weight,
                         None if attn.k_norm is None else attn.k_norm.weight,
                         weights[1], biases[1], layer.post_attention_layernorm.weight,
-                        weights[2], biases[2], weights[3], biases[3]]
+                        weights[2], biases[2], weights[3], biases[3], None, None]
         shape = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=config.head_dim,
                      inter=config.intermediate_size, layers=len(layers))
         try:
@@ -191,6 +191,79 @@ class CpuStack:
             # it (greedy speculation's exactness): one path for all passes is what guarantees that
             # (the layers' attention, even exact_attention, rounds differently from the stack's).
             stack.max_rows = None
+        return stack
+
+    @staticmethod
+    def _projections(linears: tuple[nn.Module | None, ...], quant: list[QuantProjection | None]) -> \
+            tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None:
+        """The float weights (None where quantized: its QuantProjection appended to ``quant``) and
+        biases of a layer's projections, or None where one is on neither kernel."""
+        if not all(isinstance(m, (GemvLinear, QuantLinear)) for m in linears):
+            return None
+        weights: list[torch.Tensor | None] = []
+        biases: list[torch.Tensor | None] = []
+        for linear in linears:
+            if isinstance(linear, QuantLinear):
+                linear.pack()
+                weights.append(None)
+                quant.append(QuantProjection(linear.kernels, tuple(linear.weights)))  # type: ignore[arg-type]
+            else:
+                assert isinstance(linear, GemvLinear)
+                weights.append(linear.weight)
+                quant.append(None)
+            biases.append(linear.bias)  # type: ignore[arg-type]
+        return weights, biases
+
+    @classmethod
+    def _build_gemma(cls, model: Gemma3ForCausalLM, library: KernelLibrary) -> CpuStack | None:
+        """``build`` for Gemma 3's block: its norms, GELU, scale, and sliding-window layers (one window)."""
+        from infer.backends.exact import exact_attention
+
+        config = model.config
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        windows = {config.layer_window(i) for i in range(config.num_hidden_layers)} - {None}
+        if (config.head_dim > MAX_STACK_HEAD_DIM or kv_heads < 1 or heads % kv_heads
+                or heads > MAX_STACK_GROUP * kv_heads or len(windows) > 1):
+            return None
+        tensors: list[torch.Tensor | None] = []
+        quant: list[QuantProjection | None] = []
+        eps, scale = None, None
+        for layer in model.model.layers:
+            if type(layer) is not Gemma3DecoderLayer:
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
+            if (type(attn) is not Gemma3Attention or type(mlp) is not Gemma3MLP
+                    or not all(type(n) is GemmaRMSNorm for n in norms) or attn.attend not in (None, exact_attention)):
+                return None
+            assert isinstance(attn, Gemma3Attention)
+            epsilons = [n.eps for n in norms if isinstance(n, GemmaRMSNorm)]
+            eps = epsilons[0] if eps is None else eps
+            scale = attn.scale if scale is None else scale
+            if any(e != eps for e in epsilons) or attn.scale != scale:
+                return None
+            found = cls._projections((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), quant)
+            if found is None:
+                return None
+            weights, biases = found
+            tensors += [layer.input_layernorm.weight, weights[0], biases[0], attn.q_norm.weight,  # type: ignore[union-attr]
+                        attn.k_norm.weight, weights[1], biases[1], layer.pre_feedforward_layernorm.weight,  # type: ignore[union-attr]
+                        weights[2], biases[2], weights[3], biases[3], layer.post_attention_layernorm.weight,
+                        layer.post_feedforward_layernorm.weight]
+        assert eps is not None and scale is not None
+        shape = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=config.head_dim,
+                     inter=config.intermediate_size, layers=config.num_hidden_layers)
+        local = [config.layer_window(i) is not None for i in range(config.num_hidden_layers)]
+        try:
+            table = StackTable(tensors, shape, eps, qk_norm=True, quant=quant, gemma=True, local_layers=local,
+                               scale=scale)
+            table.addresses()
+        except ValueError:
+            return None
+        stack = cls(library, table)
+        if table.quant is not None:
+            stack.max_rows = None  # every pass here, as build says for a quantized Llama
         return stack
 
     @property
@@ -209,17 +282,37 @@ class CpuStack:
                 and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
                 and x.device.type == "cpu" and x.dtype == self.dtype == kv.k_layers[0].dtype
                 and kv.k_layers[0].device.type == "cpu" and self.table.tensors[0] is not None
-                and self.table.tensors[0].dtype == self.dtype and self.table.tensors[0].device.type == "cpu")
+                and self.table.tensors[0].dtype == self.dtype and self.table.tensors[0].device.type == "cpu"
+                and self._local_layout_fits(kv))
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+    def _local_layout_fits(self, kv: KVBatch) -> bool:
+        """Whether the pool keeps the sliding-window layers where the stack reads them: in the
+        shared rows (no local storage), or in local rows for exactly those layers."""
+        if kv.local is None:
+            return True
+        flags = self.table.local_layers
+        return flags is not None and kv.local_layers == frozenset(int(i) for i in flags.nonzero().flatten())
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch,
+                 local: tuple[torch.Tensor, torch.Tensor, KVBatch] | None = None) -> torch.Tensor:
+        """The stack over ``x``; ``local`` (a stack with sliding-window layers) is their RoPE tables
+        and their view of the cache (``DecoderOnlyLM.layer_kv``'s)."""
         if kv.packed is not None:
             # A ragged pass [1, N]: the stack finds a token's sequence by its row, so each token goes
             # as a sequence of its own (same keys, same order: the same bits as a padded pass).
             rows = x.shape[1]
-            out = self.library.decoder_stack(x.reshape(rows, 1, -1).contiguous(), cos.reshape(rows, 1, 1, -1).contiguous(),
-                                             sin.reshape(rows, 1, 1, -1).contiguous(), self.table, kv.per_token())
+
+            def per_row(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(rows, 1, 1, -1).contiguous()
+
+            if local is not None:
+                local = (per_row(local[0]), per_row(local[1]), local[2].per_token())
+            out = self.library.decoder_stack(x.reshape(rows, 1, -1).contiguous(), per_row(cos), per_row(sin),
+                                             self.table, kv.per_token(), local)
             return out.view(x.shape)
-        return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv)
+        if local is not None:
+            local = (local[0].contiguous(), local[1].contiguous(), local[2])
+        return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv, local)
 
     def forward(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
                 kv: KVBatch) -> torch.Tensor:
@@ -227,7 +320,15 @@ class CpuStack:
         if positions is None:
             positions = default_positions(input_ids)
         x, cos, sin = model.embed(input_ids, positions)
-        x = self(x, cos, sin, kv) if self.takes(x, kv) else model.run_layers(x, cos, sin, positions, kv)
+        if not self.takes(x, kv):
+            x = model.run_layers(x, cos, sin, positions, kv)
+        elif self.table.local_layers is not None:
+            assert isinstance(model, Gemma3ForCausalLM)
+            first = int(self.table.local_layers.nonzero()[0])
+            local_cos, local_sin = model.local_rope(positions, x.dtype)
+            x = self(x, cos, sin, kv, (local_cos, local_sin, model.layer_kv(kv, first, positions).batch))
+        else:
+            x = self(x, cos, sin, kv)
         return model.model.norm(x)  # type: ignore[no-any-return]
 
 
@@ -294,23 +395,64 @@ def probe_stack(library: KernelLibrary, dtype: torch.dtype) -> str | None:
 
 def _probe_passes(model: DecoderOnlyLM, stack: CpuStack | None, cache: str, dtype: torch.dtype) -> list[torch.Tensor]:
     config = model.config
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
     pool = make_pool(cache, num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
                      head_dim=config.head_dim, max_seq_len=32, max_batch_size=2, block_size=4, num_blocks=None,
-                     dtype=dtype, device=torch.device("cpu"))
+                     dtype=dtype, device=torch.device("cpu"), layer_windows=windows, max_pass_tokens=5)
     gen = torch.Generator().manual_seed(7)
     slots = [pool.allocate(), pool.allocate()]
     out = []
+    passes: list[tuple[list[int], list[int]]] = [([slots[0]], [5]), ([slots[1]], [3]), (slots, [3, 1]), (slots, [1, 1])]
+    if any(w is not None for w in windows):  # past the window: keys leave it (and a paged pool's local blocks)
+        passes += [(slots, [1, 3]), ([slots[0]], [1]), (slots, [2, 2])]
     with torch.inference_mode():
         # Two prefills (the paged pool interleaves their blocks), a batched pass of uneven runs
         # (padding, a mask, row tables) and a decode step of both.
-        for slots_now, lengths in (([slots[0]], [5]), ([slots[1]], [3]), (slots, [3, 1]), (slots, [1, 1])):
+        for slots_now, lengths in passes:
             starts = [pool.seq_len(s) for s in slots_now]
             ids = torch.randint(config.vocab_size, (len(slots_now), max(lengths)), generator=gen)
             positions = torch.tensor(starts).unsqueeze(1) + torch.arange(max(lengths))
             kv = build_kv_batch(pool, slots_now, starts, lengths)
+            if stack is not None and not stack.takes(model.embed(ids, positions)[0], kv):
+                raise RuntimeError("the probed stack declined a probe pass")
             hidden = model(ids, positions, kv) if stack is None else stack.forward(model, ids, positions, kv)
             out.append(hidden.float())
     return out
+
+
+# The tiny Gemma 3 the stack is probed on: local and global layers (the window, 4, smaller than
+# the probe's contexts), two RoPE bases, a scale apart from head_dim's, grouped KV heads.
+_GEMMA_PROBE = dict(model_type="gemma3", vocab_size=64, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                    sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_theta=1_000_000.0, rope_local_theta=10_000.0, query_pre_attn_scalar=24.0, qk_norm=True)
+
+
+@functools.cache
+def probe_gemma_stack(library: KernelLibrary, dtype: torch.dtype) -> str | None:
+    """None if the C decoder stack's Gemma 3 block computes what the Gemma layers compute on a tiny
+    model (paged cache with the local layers' own blocks, and slotted), passes running past the
+    window; else what differed."""
+    tol = _tolerance(dtype)
+    config = ModelConfig(**_GEMMA_PROBE)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(5)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    model = model.to(dtype).eval()
+    model.fuse_projections()
+    prepare(model, library, fused=True)
+    stack = CpuStack.build(model, library)
+    if stack is None:
+        return "the decoder stack does not take the Gemma 3 probe model"
+    for cache in ("paged", "slotted"):
+        outputs = [_probe_passes(model, stack, cache, dtype), _probe_passes(model, None, cache, dtype)]
+        for index, (ours, ref) in enumerate(zip(*outputs, strict=True)):
+            if not torch.allclose(ours, ref, rtol=tol, atol=4 * tol):
+                return (f"the decoder stack's Gemma 3 block failed its probe against the layers ({cache} cache, "
+                        f"pass {index}, max error {(ours - ref).abs().max().item():.3g}): running layer by layer")
+    return None
 
 
 # Tiny quantized models the stack is probed on: block types side by side in the fused q/k/v and

@@ -54,7 +54,11 @@ class StackArgs(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in ("tensors", "k_stores", "v_stores", "write_rows", "read_rows")),
         ("read_start", ctypes.c_int64), ("context", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in ("mask", "cos", "sin", "x")),
-        ("threads", ctypes.c_int), ("quant_parts", ctypes.c_void_p), ("quant_index", ctypes.c_void_p)]
+        ("threads", ctypes.c_int), ("quant_parts", ctypes.c_void_p), ("quant_index", ctypes.c_void_p),
+        ("gemma", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in ("local_layers", "local_write_rows", "local_read_rows")),
+        ("local_read_start", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in ("local_mask", "local_cos", "local_sin"))]
 
 
 class QuantPart(ctypes.Structure):
@@ -68,9 +72,10 @@ class QuantPart(ctypes.Structure):
 
 # The per-layer tensors of ``decoder_stack``'s table, in the C enum's order.
 STACK_TENSORS = ("input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias", "post_norm",
-                 "gate_up_weight", "gate_up_bias", "down_weight", "down_bias")
+                 "gate_up_weight", "gate_up_bias", "down_weight", "down_bias", "post_attention_norm",
+                 "post_feedforward_norm")
 _C_TENSOR_NAMES = ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "ln2", "gate_up_w", "gate_up_b",
-                   "down_w", "down_b")
+                   "down_w", "down_b", "post_attn_norm", "post_ff_norm")
 # A layer's projections, in the order of the C ``quant_index`` table (and of ``StackTable.quant``).
 STACK_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _PROJECTION_WEIGHTS = (1, 5, 8, 10)  # each projection's weight slot in STACK_TENSORS
@@ -319,67 +324,70 @@ class KernelLibrary:
         return out
 
     def decoder_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: StackTable,
-                      kv: KVBatch) -> torch.Tensor:
+                      kv: KVBatch, local: tuple[torch.Tensor, torch.Tensor, KVBatch] | None = None) -> torch.Tensor:
         """Every decoder layer over ``x`` [B, T, hidden] (contiguous) in one C call: ``table`` holds
         each layer's tensors, ``kv`` says where the new keys and values go and which cached ones
-        each token sees. Returns the last layer's output (a new tensor)."""
+        each token sees. ``local`` (a table with sliding-window layers) is their RoPE tables and
+        their view of the cache (its rows and window mask). Returns the last layer's output (a new tensor)."""
         dtype, shape = table.dtype, table.shape
         fn = self._fn("decoder_stack", dtype)
         heads, kv_heads, head_dim, layers = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["layers"]
         _check(x, "x", dtype)
         if x.dim() != 3 or x.shape[2] != shape["hidden"]:
             raise ValueError(f"x has shape {tuple(x.shape)}, expected [batch, tokens, {shape['hidden']}]")
+        if (local is None) != (table.local_layers is None):
+            raise ValueError("a stack with sliding-window layers needs their RoPE tables and cache view (local), "
+                             "and one without takes none")
         batch, width, hidden = x.shape
         rows = batch * width
-        for name, rope_table in (("cos", cos), ("sin", sin)):
+        tables = [("cos", cos), ("sin", sin)] + ([] if local is None else [("local cos", local[0]),
+                                                                          ("local sin", local[1])])
+        for name, rope_table in tables:
             _check(rope_table, name, dtype)
             _check_shape(rope_table, name, (batch, width, 1, head_dim))
         if len(kv.k_layers) != layers or len(kv.v_layers) != layers:
             raise ValueError(f"the cache has {len(kv.k_layers)} layers, the model {layers}")
-        storage = kv.k_layers[0].shape[0]
+        # A pool may give the sliding-window layers stores of their own size (PagedKVCachePool):
+        # each view's rows are checked against the stores it reaches.
+        flags = [False] * layers if table.local_layers is None else [bool(f) for f in table.local_layers]
+        rows_of = [t.shape[0] if t.dim() else 0 for t in kv.k_layers]
+        storage = min((r for r, f in zip(rows_of, flags, strict=True) if not f), default=0)
+        local_storage = min((r for r, f in zip(rows_of, flags, strict=True) if f), default=storage)
+        storage = storage if not all(flags) else local_storage  # (every layer local: the main view unused)
         k_pointers, v_pointers = [t.data_ptr() for t in kv.k_layers], [t.data_ptr() for t in kv.v_layers]
-        signature = (tuple(k_pointers), tuple(v_pointers), kv.k_layers[0].dtype, tuple(kv.k_layers[0].shape))
+        signature = (tuple(k_pointers), tuple(v_pointers), kv.k_layers[0].dtype, tuple(rows_of))
         if signature != table.checked_cache:  # every store checked once per pool, not per pass
             for name, stores in (("key", kv.k_layers), ("value", kv.v_layers)):
                 for index, store in enumerate(stores):
                     _check(store, f"layer {index}'s {name} cache", dtype)
-                    _check_shape(store, f"layer {index}'s {name} cache", (storage, kv_heads, head_dim))
+                    _check_shape(store, f"layer {index}'s {name} cache", (rows_of[index], kv_heads, head_dim))
             table.checked_cache = signature
-        context = kv.context_len
-        valid = rows if kv.token_valid is None else int(kv.token_valid.sum())
-        _check_index(kv.write_index, "write_index", 0, storage)
-        _check_shape(kv.write_index, "write_index", (valid,))
-        write_rows = kv.write_index
-        if kv.token_valid is not None:  # padding tokens write nothing
-            _check(kv.token_valid, "token_valid", torch.bool)
-            _check_shape(kv.token_valid, "token_valid", (batch, width))
-            write_rows = torch.full((rows,), -1, dtype=torch.long)
-            write_rows[kv.token_valid.flatten()] = kv.write_index
-        read_rows = None
-        if kv.read_index is not None:
-            read_rows = kv.read_index.contiguous()
-            _check_index(read_rows, "read_index", 0, storage)
-            _check_shape(read_rows, "read_index", (batch, context))
-        elif kv.read_start is None or batch != 1 or not 0 <= kv.read_start <= storage - context:
-            raise ValueError(f"read_start={kv.read_start} with context {context}, batch {batch} does not fit the "
-                             f"{storage} cache rows (a contiguous context needs one sequence)")
-        mask = None
-        if kv.mask is not None:
-            mask = kv.mask.contiguous()
-            _check(mask, "mask", torch.bool)
-            if mask.numel() != rows * context:
-                raise ValueError(f"mask has shape {tuple(mask.shape)}, expected [{batch}, 1, {width}, {context}]")
+        write_rows, read_rows, mask = _cache_view(kv, batch, width, storage)
+        local_view: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+        local_kv = None
+        if local is not None:
+            local_kv = local[2]
+            if local_kv.context_len != kv.context_len:
+                raise ValueError(f"the local view's context is {local_kv.context_len}, the pass's {kv.context_len}")
+            local_view = _cache_view(local_kv, batch, width, local_storage)
         k_stores, v_stores = torch.tensor(k_pointers, dtype=torch.long), torch.tensor(v_pointers, dtype=torch.long)
         out = x.clone()
         args = StackArgs(rows=rows, width=width, batch=batch, hidden=hidden, heads=heads, kv_heads=kv_heads,
                          head_dim=head_dim, inter=shape["inter"], layers=layers, qk_norm=int(table.qk_norm),
-                         eps=table.eps, scale=head_dim ** -0.5, tensors=table.addresses().data_ptr(),
+                         eps=table.eps, scale=table.scale, tensors=table.addresses().data_ptr(),
                          k_stores=k_stores.data_ptr(), v_stores=v_stores.data_ptr(), write_rows=write_rows.data_ptr(),
                          read_rows=None if read_rows is None else read_rows.data_ptr(),
-                         read_start=kv.read_start or 0, context=context,
+                         read_start=kv.read_start or 0, context=kv.context_len,
                          mask=None if mask is None else mask.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
                          x=out.data_ptr(), threads=_threads(), quant_parts=table.quant_parts_address or None,
-                         quant_index=table.quant_index_address or None)
+                         quant_index=table.quant_index_address or None, gemma=int(table.gemma))
+        if local is not None and local_view is not None and local_kv is not None and table.local_layers is not None:
+            args.local_layers = table.local_layers.data_ptr()
+            args.local_write_rows = local_view[0].data_ptr()
+            args.local_read_rows = None if local_view[1] is None else local_view[1].data_ptr()
+            args.local_read_start = local_kv.read_start or 0
+            args.local_mask = None if local_view[2] is None else local_view[2].data_ptr()
+            args.local_cos, args.local_sin = local[0].data_ptr(), local[1].data_ptr()
         with _recorded(STACK_EVENT):
             status = fn(ctypes.byref(args))
         if status == -2:  # StackTable checked every part: a mismatch between it and the C code
@@ -387,6 +395,37 @@ class KernelLibrary:
         if status != 0:
             raise MemoryError("the C decoder stack could not allocate its scratch memory")
         return out
+
+
+def _cache_view(kv: KVBatch, batch: int, width: int,
+                storage: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``kv``'s rows for the C stack, checked: each token's write row (-1: padding), the context's
+    read rows (None: ``read_start`` onward) and the mask (None: every key visible)."""
+    rows, context = batch * width, kv.context_len
+    valid = rows if kv.token_valid is None else int(kv.token_valid.sum())
+    _check_index(kv.write_index, "write_index", 0, storage)
+    _check_shape(kv.write_index, "write_index", (valid,))
+    write_rows = kv.write_index
+    if kv.token_valid is not None:  # padding tokens write nothing
+        _check(kv.token_valid, "token_valid", torch.bool)
+        _check_shape(kv.token_valid, "token_valid", (batch, width))
+        write_rows = torch.full((rows,), -1, dtype=torch.long)
+        write_rows[kv.token_valid.flatten()] = kv.write_index
+    read_rows = None
+    if kv.read_index is not None:
+        read_rows = kv.read_index.contiguous()
+        _check_index(read_rows, "read_index", 0, storage)
+        _check_shape(read_rows, "read_index", (batch, context))
+    elif kv.read_start is None or batch != 1 or not 0 <= kv.read_start <= storage - context:
+        raise ValueError(f"read_start={kv.read_start} with context {context}, batch {batch} does not fit the "
+                         f"{storage} cache rows (a contiguous context needs one sequence)")
+    mask = None
+    if kv.mask is not None:
+        mask = kv.mask.contiguous()
+        _check(mask, "mask", torch.bool)
+        if mask.numel() != rows * context:
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected [{batch}, 1, {width}, {context}]")
+    return write_rows, read_rows, mask
 
 
 @dataclass(frozen=True)
@@ -410,7 +449,8 @@ class StackTable:
     None; its bias, float32, stays there) or None where it is a float weight."""
 
     def __init__(self, tensors: list[torch.Tensor | None], shape: dict[str, int], eps: float, qk_norm: bool,
-                 quant: Sequence[QuantProjection | None] | None = None) -> None:
+                 quant: Sequence[QuantProjection | None] | None = None, *, gemma: bool = False,
+                 local_layers: Sequence[bool] | None = None, scale: float | None = None) -> None:
         if len(tensors) != shape["layers"] * len(STACK_TENSORS):
             raise ValueError(f"{len(tensors)} tensors for {shape['layers']} layers of {len(STACK_TENSORS)}")
         if quant is not None and len(quant) != shape["layers"] * len(STACK_PROJECTIONS):
@@ -434,6 +474,14 @@ class StackTable:
         if first is None:
             raise ValueError("the stack needs each layer's input norm")
         self.tensors, self.shape, self.eps, self.qk_norm = tensors, shape, eps, qk_norm
+        # Gemma 3's block (its norm kind, post norms, GELU) and its sliding-window layers (their own
+        # RoPE table and cache view); the attention's score scale (default 1/sqrt(head_dim)).
+        self.gemma = gemma
+        if local_layers is not None and len(local_layers) != shape["layers"]:
+            raise ValueError(f"{len(local_layers)} window flags for {shape['layers']} layers")
+        self.local_layers = (None if local_layers is None or not any(local_layers)
+                             else torch.tensor([bool(f) for f in local_layers], dtype=torch.uint8))
+        self.scale = float(shape["head_dim"] ** -0.5 if scale is None else scale)
         self.quant = None if quant is None or all(q is None for q in quant) else list(quant)
         self.dtype = first.dtype
         self._pointers: list[int] = []
@@ -451,8 +499,9 @@ class StackTable:
         hidden, hd, inter = s["hidden"], s["head_dim"], s["inter"]
         qkv = (s["heads"] + 2 * s["kv_heads"]) * hd
         norm = (hd,) if self.qk_norm else None
+        post = (hidden,) if self.gemma else None
         return [(hidden,), (qkv, hidden), (qkv,), norm, norm, (hidden, s["heads"] * hd), (hidden,), (hidden,),
-                (2 * inter, hidden), (2 * inter,), (hidden, inter), (hidden,)]
+                (2 * inter, hidden), (2 * inter,), (hidden, inter), (hidden,), post, post]
 
     def addresses(self) -> torch.Tensor:
         """The tensor table's addresses (and ``quant_parts_address``/``quant_index_address``), every
@@ -504,7 +553,8 @@ class StackTable:
                 if tensor is not None:
                     raise ValueError(f"{name} is given beside its quantized matrices")
                 continue
-            required = slot in (0, 1, 5, 7, 8, 10) or (self.qk_norm and slot in (3, 4))
+            required = (slot in (0, 1, 5, 7, 8, 10) or (self.qk_norm and slot in (3, 4))
+                        or (self.gemma and slot in (12, 13)))
             if tensor is None:
                 if required:
                     raise ValueError(f"{name} is missing")

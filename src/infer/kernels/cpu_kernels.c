@@ -179,7 +179,7 @@ extern float expf(float);
  * (Python mirrors it as infer.kernels.cpu.STACK_TENSORS; infer_kernels_layout lets it check). */
 enum {
     T_LN1, T_QKV_W, T_QKV_B, T_Q_NORM, T_K_NORM, T_O_W, T_O_B, T_LN2, T_GATE_UP_W, T_GATE_UP_B, T_DOWN_W,
-    T_DOWN_B, STACK_TENSORS
+    T_DOWN_B, T_POST_ATTN_NORM, T_POST_FF_NORM, STACK_TENSORS
 };
 #define MAX_GROUP 16     /* query heads per KV head the attention takes */
 #define MAX_HEAD_DIM 256 /* the attention keeps a key or value row in 16 registers of 16 floats */
@@ -204,6 +204,18 @@ typedef struct {
      * quant_parts and its part count; 0 parts: the float weight of the table. */
     const struct QuantPart *quant_parts;
     const int64_t *quant_index;
+    /* Gemma 3's block (gemma = 1): norms scale by 1 + weight in float32, a norm after attention
+     * (T_POST_ATTN_NORM) and after the MLP (T_POST_FF_NORM) besides the input and pre-MLP ones (T_LN1,
+     * T_LN2), q/k norms of that kind, GELU (tanh) gating. local_layers [layers] (or NULL: none) marks
+     * the sliding-window layers: they rotate with local_cos/local_sin and read and write through the
+     * local view (their own storage rows and a mask that carries the window; read/write rows as the
+     * main view's fields above). */
+    int64_t gemma;
+    const uint8_t *local_layers;
+    const int64_t *local_write_rows, *local_read_rows;
+    int64_t local_read_start;
+    const uint8_t *local_mask;
+    const void *local_cos, *local_sin;
 } StackArgs;
 
 /* One quantized matrix of a projection: infer.kernels.quant's C entry for its block type (all
@@ -233,7 +245,7 @@ enum { P_QKV, P_O, P_GATE_UP, P_DOWN, STACK_PROJECTIONS };
  * which dtypes this variant holds), as one line that infer.kernels.build compares with its own at
  * load: a mismatch refuses the library instead of passing misplaced pointers. */
 const char *infer_kernels_layout(void) {
-    static char text[2048];
+    static char text[3072];
 #define FIELD(f) #f "=%zu "
 #define AT(f) offsetof(StackArgs, f)
     snprintf(text, sizeof text,
@@ -241,17 +253,20 @@ const char *infer_kernels_layout(void) {
              FIELD(head_dim) FIELD(inter) FIELD(layers) FIELD(qk_norm) FIELD(eps) FIELD(scale) FIELD(tensors)
              FIELD(k_stores) FIELD(v_stores) FIELD(write_rows) FIELD(read_rows) FIELD(read_start) FIELD(context)
              FIELD(mask) FIELD(cos) FIELD(sin) FIELD(x) FIELD(threads) FIELD(quant_parts) FIELD(quant_index)
+             FIELD(gemma) FIELD(local_layers) FIELD(local_write_rows) FIELD(local_read_rows) FIELD(local_read_start)
+             FIELD(local_mask) FIELD(local_cos) FIELD(local_sin)
              "part_size=%zu part_linear=%zu part_blocks=%zu part_offset=%zu part_rows=%zu part_in_features=%zu "
              "projections=qkv:%d,o:%d,gate_up:%d,down:%d/%d "
              "tensors=ln1:%d,qkv_w:%d,qkv_b:%d,q_norm:%d,k_norm:%d,o_w:%d,o_b:%d,ln2:%d,gate_up_w:%d,gate_up_b:%d,"
-             "down_w:%d,down_b:%d/%d max_group=%d max_head_dim=%d dtypes=%s",
+             "down_w:%d,down_b:%d,post_attn_norm:%d,post_ff_norm:%d/%d max_group=%d max_head_dim=%d dtypes=%s",
              sizeof(StackArgs), AT(rows), AT(width), AT(batch), AT(hidden), AT(heads), AT(kv_heads), AT(head_dim),
              AT(inter), AT(layers), AT(qk_norm), AT(eps), AT(scale), AT(tensors), AT(k_stores), AT(v_stores),
              AT(write_rows), AT(read_rows), AT(read_start), AT(context), AT(mask), AT(cos), AT(sin), AT(x),
-             AT(threads), AT(quant_parts), AT(quant_index), sizeof(QuantPart), offsetof(QuantPart, linear),
+             AT(threads), AT(quant_parts), AT(quant_index), AT(gemma), AT(local_layers), AT(local_write_rows),
+             AT(local_read_rows), AT(local_read_start), AT(local_mask), AT(local_cos), AT(local_sin), sizeof(QuantPart), offsetof(QuantPart, linear),
              offsetof(QuantPart, blocks), offsetof(QuantPart, offset), offsetof(QuantPart, rows),
              offsetof(QuantPart, in_features), P_QKV, P_O, P_GATE_UP, P_DOWN, STACK_PROJECTIONS, T_LN1, T_QKV_W, T_QKV_B, T_Q_NORM, T_K_NORM, T_O_W, T_O_B, T_LN2, T_GATE_UP_W,
-             T_GATE_UP_B, T_DOWN_W, T_DOWN_B, STACK_TENSORS, MAX_GROUP, MAX_HEAD_DIM,
+             T_GATE_UP_B, T_DOWN_W, T_DOWN_B, T_POST_ATTN_NORM, T_POST_FF_NORM, STACK_TENSORS, MAX_GROUP, MAX_HEAD_DIM,
 #ifdef __AVX512BF16__
              "f32,bf16"
 #else

@@ -111,9 +111,38 @@ void FN(silu_mul)(const ELEM *gate_up, ELEM *y, int64_t rows, int64_t inter) {
     }
 }
 
+/* Gemma's RMSNorm: y = round((x * rsqrt(sum(x^2) / dim + eps)) * (1 + w)), all in float32 and
+ * rounded once, as infer.models.gemma3.GemmaRMSNorm computes it. */
+void FN(gemma_rmsnorm)(const ELEM *x, const ELEM *w, ELEM *y, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const ELEM *xr = x + r * dim;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < dim; i++) {
+            float v = FN(load)(xr, i);
+            sum += v * v;
+        }
+        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) y[r * dim + i] = FN(store)((FN(load)(xr, i) * inv) * (1.0f + FN(load)(w, i)));
+    }
+}
+
+/* Gemma's gated activation: y = gelu_tanh(gate) * up for gate_up [rows, 2 * inter], the GELU
+ * rounded to the dtype first (PyTorch's F.gelu(approximate="tanh"), then the product). */
+void FN(gelu_mul)(const ELEM *gate_up, ELEM *y, int64_t rows, int64_t inter) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+    for (int64_t r = 0; r < rows; r++) {
+        const ELEM *g = gate_up + r * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i++) {
+            float v = FN(load)(g, i), inner = beta * (v + kappa * v * v * v);
+            y[r * inter + i] = FN(store)(FN(round)(0.5f * v * (1.0f + tanhf(inner))) * FN(load)(u, i));
+        }
+    }
+}
+
 /* Attention of every query row of the pass over its visible cached keys (see decoder_stack).
  * Returns 0, or -1 where a thread's scratch memory could not be allocated. */
-static int FN(attention)(const StackArgs *a, const ELEM *qk, const ELEM *ks, const ELEM *vs, ELEM *out) {
+static int FN(attention)(const StackArgs *a, const int64_t *read_rows, int64_t read_start, const uint8_t *mask,
+                         const ELEM *qk, const ELEM *ks, const ELEM *vs, ELEM *out) {
     int64_t hd = a->head_dim, heads = a->heads, kvh = a->kv_heads, groups = heads / kvh;
     int64_t L = a->context, stride = (L + 15) / 16 * 16, chunks = (hd + LANES - 1) / LANES;
     int64_t items = a->rows * kvh, width = groups * chunks * LANES;
@@ -134,9 +163,9 @@ static int FN(attention)(const StackArgs *a, const ELEM *qk, const ELEM *ks, con
                 continue;
             }
             int64_t r = p / kvh, g = p % kvh, b = r / a->width, n = 0;
-            const uint8_t *visible = a->mask ? a->mask + r * L : NULL;
+            const uint8_t *visible = mask ? mask + r * L : NULL;
             for (int64_t l = 0; l < L; l++)
-                if (!visible || visible[l]) key[n++] = a->read_rows ? a->read_rows[b * L + l] : a->read_start + l;
+                if (!visible || visible[l]) key[n++] = read_rows ? read_rows[b * L + l] : read_start + l;
             float top[MAX_GROUP], total[MAX_GROUP];
             for (int64_t j = 0; j < groups; j++) {
                 const ELEM *qh = qk + (r * (heads + kvh) + g * groups + j) * hd;
@@ -253,44 +282,68 @@ int FN(decoder_stack)(const StackArgs *a) {
     for (int64_t layer = 0; layer < a->layers && status == 0; layer++) {
         const int64_t *t = a->tensors + layer * STACK_TENSORS;
         ELEM *ks = (ELEM *)a->k_stores[layer], *vs = (ELEM *)a->v_stores[layer];
-        FN(rmsnorm)(x, (const ELEM *)t[T_LN1], normed, m, d, a->eps);
+        int local = a->local_layers && a->local_layers[layer];
+        const void *cos = local ? a->local_cos : a->cos, *sin = local ? a->local_sin : a->sin;
+        const int64_t *write_rows = local ? a->local_write_rows : a->write_rows;
+        if (a->gemma)
+            FN(gemma_rmsnorm)(x, (const ELEM *)t[T_LN1], normed, m, d, a->eps);
+        else
+            FN(rmsnorm)(x, (const ELEM *)t[T_LN1], normed, m, d, a->eps);
         status = FN(project)(a, layer, P_QKV, (const ELEM *)t[T_QKV_W], normed, (const ELEM *)t[T_QKV_B], qkv, m,
                              qkv_n, d, scratch);
         if (status != 0) break;
         if (a->qk_norm) {
-            /* Qwen3: RMSNorm over each query and key head (its own weight for each), then RoPE;
-             * the norm reads the heads where they lie in the projection's output, row by row. */
+            /* Qwen3 (Gemma: its norm kind): RMSNorm over each query and key head (its own weight for
+             * each), then RoPE; the norm reads the heads where they lie in the projection's output. */
             for (int64_t r = 0; r < m; r++) {
-                FN(rmsnorm)(qkv + r * qkv_n, (const ELEM *)t[T_Q_NORM], qk_normed + r * qk_n, H, hd, a->eps);
-                FN(rmsnorm)(qkv + r * qkv_n + H * hd, (const ELEM *)t[T_K_NORM], qk_normed + r * qk_n + H * hd, KV, hd,
-                            a->eps);
+                const ELEM *qn = (const ELEM *)t[T_Q_NORM], *kn = (const ELEM *)t[T_K_NORM];
+                ELEM *qo = qk_normed + r * qk_n, *ko = qk_normed + r * qk_n + H * hd;
+                if (a->gemma) {
+                    FN(gemma_rmsnorm)(qkv + r * qkv_n, qn, qo, H, hd, a->eps);
+                    FN(gemma_rmsnorm)(qkv + r * qkv_n + H * hd, kn, ko, KV, hd, a->eps);
+                } else {
+                    FN(rmsnorm)(qkv + r * qkv_n, qn, qo, H, hd, a->eps);
+                    FN(rmsnorm)(qkv + r * qkv_n + H * hd, kn, ko, KV, hd, a->eps);
+                }
             }
-            FN(rope)(qk_normed, qk_n, hd, a->cos, a->sin, qk, m, H + KV, hd);
+            FN(rope)(qk_normed, qk_n, hd, cos, sin, qk, m, H + KV, hd);
         } else {
-            FN(rope)(qkv, qkv_n, hd, a->cos, a->sin, qk, m, H + KV, hd);
+            FN(rope)(qkv, qkv_n, hd, cos, sin, qk, m, H + KV, hd);
         }
         for (int64_t r = 0; r < m; r++) {
-            int64_t row = a->write_rows[r];
+            int64_t row = write_rows[r];
             if (row < 0) continue;
             memcpy(ks + row * KV * hd, qk + (r * (H + KV) + H) * hd, sizeof(ELEM) * (size_t)(KV * hd));
             memcpy(vs + row * KV * hd, qkv + r * qkv_n + (H + KV) * hd, sizeof(ELEM) * (size_t)(KV * hd));
         }
-        if (FN(attention)(a, qk, ks, vs, attn) != 0) {
+        int failed = local ? FN(attention)(a, a->local_read_rows, a->local_read_start, a->local_mask, qk, ks, vs, attn)
+                           : FN(attention)(a, a->read_rows, a->read_start, a->mask, qk, ks, vs, attn);
+        if (failed != 0) {
             status = -1;
             break;
         }
         status = FN(project)(a, layer, P_O, (const ELEM *)t[T_O_W], attn, (const ELEM *)t[T_O_B], delta, m, d, H * hd,
                              scratch);
         if (status != 0) break;
-        FN(add_into)(x, delta, m * d);
-        FN(rmsnorm)(x, (const ELEM *)t[T_LN2], normed, m, d, a->eps);
+        if (a->gemma) { /* the post-attention norm, in place (row by row: each row read before written) */
+            FN(gemma_rmsnorm)(delta, (const ELEM *)t[T_POST_ATTN_NORM], delta, m, d, a->eps);
+            FN(add_into)(x, delta, m * d);
+            FN(gemma_rmsnorm)(x, (const ELEM *)t[T_LN2], normed, m, d, a->eps);
+        } else {
+            FN(add_into)(x, delta, m * d);
+            FN(rmsnorm)(x, (const ELEM *)t[T_LN2], normed, m, d, a->eps);
+        }
         status = FN(project)(a, layer, P_GATE_UP, (const ELEM *)t[T_GATE_UP_W], normed, (const ELEM *)t[T_GATE_UP_B],
                              gate_up, m, 2 * a->inter, d, scratch);
         if (status != 0) break;
-        FN(silu_mul)(gate_up, act, m, a->inter);
+        if (a->gemma)
+            FN(gelu_mul)(gate_up, act, m, a->inter);
+        else
+            FN(silu_mul)(gate_up, act, m, a->inter);
         status = FN(project)(a, layer, P_DOWN, (const ELEM *)t[T_DOWN_W], act, (const ELEM *)t[T_DOWN_B], delta, m, d,
                              a->inter, scratch);
         if (status != 0) break;
+        if (a->gemma) FN(gemma_rmsnorm)(delta, (const ELEM *)t[T_POST_FF_NORM], delta, m, d, a->eps);
         FN(add_into)(x, delta, m * d);
     }
     free(scratch);

@@ -10,9 +10,9 @@
   global layers see everything and use ``rope_theta`` (with any scaling);
 * attention scores are scaled by ``query_pre_attn_scalar ** -0.5``; logits optionally soft-capped.
 
-Gemma 3 runs layer by layer in PyTorch: the C decoder stack (``backends.cpu_kernels.CpuStack``)
-implements the Llama block only (one norm kind, SiLU, one RoPE table, attention over every key),
-so the CPU backend gives it the fast projections but declines it the stack.
+On the cpu-kernels backend the C decoder stack (``backends.cpu_kernels.CpuStack``) runs these
+layers too (its Gemma block: ``StackTable(gemma=True, local_layers=...)``), probed at load against
+the layers here (``probe_gemma_stack``).
 """
 
 from __future__ import annotations
@@ -140,18 +140,24 @@ class Gemma3ForCausalLM(DecoderOnlyLM):
             self._local_inv_freq = rope_inv_freq(local).to(device)
         return self._local_inv_freq
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                kv: KVBatch | None = None) -> torch.Tensor:
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embeddings scaled by sqrt(hidden) and the global layers' RoPE tables."""
         embedded = self.model.embed_tokens(input_ids)
         x = embedded * torch.tensor(self.config.hidden_size ** 0.5, dtype=embedded.dtype)
-        tables = {False: rope_cos_sin(self.inv_freq, positions, x.dtype),  # type: ignore[arg-type]
-                  True: rope_cos_sin(self.local_inv_freq(x.device), positions, x.dtype)}
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # type: ignore[arg-type]
+        return x, cos, sin
+
+    def local_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sliding-window layers' RoPE tables (their own base)."""
+        return rope_cos_sin(self.local_inv_freq(positions.device), positions, dtype)
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   kv: KVBatch | None) -> torch.Tensor:
+        tables = {False: (cos, sin), True: self.local_rope(positions, x.dtype)}
         for index, layer in enumerate(self.model.layers):
-            cos, sin = tables[self.config.layer_window(index) is not None]
-            x = layer(x, cos, sin, None if kv is None else self.layer_kv(kv, index, positions))
-        return self.model.norm(x)  # type: ignore[no-any-return]
+            layer_cos, layer_sin = tables[self.config.layer_window(index) is not None]
+            x = layer(x, layer_cos, layer_sin, None if kv is None else self.layer_kv(kv, index, positions))
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
