@@ -66,16 +66,21 @@ void FN(gemv)(const ELEM *w, const ELEM *x, const ELEM *bias, ELEM *y, int64_t m
     }
 }
 
+/* rsqrt(sum(x^2) / dim + eps) of one row, the sum in order (both RMSNorms below). */
+static inline float FN(inv_rms)(const ELEM *xr, int64_t dim, float eps) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < dim; i++) {
+        float v = FN(load)(xr, i);
+        sum += v * v;
+    }
+    return 1.0f / sqrtf(sum / (float)dim + eps);
+}
+
 /* y = w * round(x * rsqrt(sum(x^2) / dim + eps)), per row of x [rows, dim] (RMSNorm). */
 void FN(rmsnorm)(const ELEM *x, const ELEM *w, ELEM *y, int64_t rows, int64_t dim, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const ELEM *xr = x + r * dim;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < dim; i++) {
-            float v = FN(load)(xr, i);
-            sum += v * v;
-        }
-        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        float inv = FN(inv_rms)(xr, dim, eps);
         for (int64_t i = 0; i < dim; i++) y[r * dim + i] = FN(store)(FN(load)(w, i) * FN(round)(FN(load)(xr, i) * inv));
     }
 }
@@ -116,12 +121,7 @@ void FN(silu_mul)(const ELEM *gate_up, ELEM *y, int64_t rows, int64_t inter) {
 void FN(gemma_rmsnorm)(const ELEM *x, const ELEM *w, ELEM *y, int64_t rows, int64_t dim, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const ELEM *xr = x + r * dim;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < dim; i++) {
-            float v = FN(load)(xr, i);
-            sum += v * v;
-        }
-        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        float inv = FN(inv_rms)(xr, dim, eps);
         for (int64_t i = 0; i < dim; i++) y[r * dim + i] = FN(store)((FN(load)(xr, i) * inv) * (1.0f + FN(load)(w, i)));
     }
 }
