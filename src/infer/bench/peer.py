@@ -311,7 +311,8 @@ def _held_tensors(module: nn.Module) -> list[torch.Tensor]:
                  else [(key, value)])
         for name, item in items:
             if dataclasses.is_dataclass(item) and not isinstance(item, type):
-                found += [v for v in vars(item).values() if isinstance(v, torch.Tensor) and v.device.type != "meta"]
+                fields = (getattr(item, f.name) for f in dataclasses.fields(item))
+                found += [v for v in fields if isinstance(v, torch.Tensor) and v.device.type != "meta"]
             elif isinstance(item, torch.Tensor) and item.device.type != "meta" and name not in _NOT_WEIGHTS:
                 found.append(item)
     return found
