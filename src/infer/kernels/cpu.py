@@ -530,7 +530,7 @@ class StackTable:
             index += [len(parts), len(projection.weights)]
             offset = 0
             for weight in projection.weights:
-                parts.append(QuantPart(linear=projection.kernels.linear_entry(weight.qtype),
+                parts.append(QuantPart(linear=projection.kernels.linear_entry(weight),
                                        blocks=weight.data.data_ptr(), offset=offset, rows=weight.out_features,
                                        in_features=weight.in_features))
                 offset += weight.out_features
