@@ -31,17 +31,22 @@ void X8FN(quant_repack)(const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
 }
 
 /* acc[r][z] for activation rows r0 .. r0 + R - 1 and the groups gbase[0 .. 2 * NZ - 1] over every
- * block: each output's chain starts at 0 and takes the blocks in order. */
+ * block: each output's chain starts at 0 and takes the blocks in order. `stream`: the first pass
+ * over these groups (their bytes come from memory: prefetch every line X8_AHEAD bytes ahead; a
+ * later row tile finds them in L2, where the prefetches only cost). */
 static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *const *gbase, int64_t blocks,
                                                              const X8Act *a, int64_t r0, GF acc[X8_RB][X8_NZ_MAX],
-                                                             const int R, const int NZ) {
+                                                             const int R, const int NZ, const int stream) {
     for (int r = 0; r < R; r++)
         for (int z = 0; z < NZ; z++) acc[r][z] = gf_zero();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *gp[2 * X8_NZ_MAX];
         for (int i = 0; i < 2 * NZ; i++) {
             gp[i] = gbase[i] + b * X8_GROUP_BYTES;
-            __builtin_prefetch(gp[i] + X8_AHEAD);
+#if X8_AHEAD > 0
+            if (stream)
+                for (int line = 0; line < X8_GROUP_BYTES; line += 64) __builtin_prefetch(gp[i] + X8_AHEAD + line);
+#endif
         }
         X8TYPEFN(x8_block)(gp, a, r0, b, acc, R, NZ);
     }
@@ -80,19 +85,19 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
         for (int64_t r0 = 0; r0 < m; r0 += rb) {
             const int64_t rn = m - r0 < rb ? m - r0 : rb;
             if (decode) {
-                X8FN(tile)(gbase, blocks, &act, r0, acc, 1, X8_NZ_DECODE);
+                X8FN(tile)(gbase, blocks, &act, r0, acc, 1, X8_NZ_DECODE, 1);
             } else {
                 switch (rn) {
-                case 1: X8FN(tile)(gbase, blocks, &act, r0, acc, 1, X8_NZ); break;
+                case 1: X8FN(tile)(gbase, blocks, &act, r0, acc, 1, X8_NZ, r0 == 0); break;
 #if X8_RB > 2
-                case 2: X8FN(tile)(gbase, blocks, &act, r0, acc, 2, X8_NZ); break;
-                case 3: X8FN(tile)(gbase, blocks, &act, r0, acc, 3, X8_NZ); break;
+                case 2: X8FN(tile)(gbase, blocks, &act, r0, acc, 2, X8_NZ, r0 == 0); break;
+                case 3: X8FN(tile)(gbase, blocks, &act, r0, acc, 3, X8_NZ, r0 == 0); break;
 #endif
 #if X8_RB > 4
-                case 4: X8FN(tile)(gbase, blocks, &act, r0, acc, 4, X8_NZ); break;
-                case 5: X8FN(tile)(gbase, blocks, &act, r0, acc, 5, X8_NZ); break;
+                case 4: X8FN(tile)(gbase, blocks, &act, r0, acc, 4, X8_NZ, r0 == 0); break;
+                case 5: X8FN(tile)(gbase, blocks, &act, r0, acc, 5, X8_NZ, r0 == 0); break;
 #endif
-                default: X8FN(tile)(gbase, blocks, &act, r0, acc, X8_RB, X8_NZ); break;
+                default: X8FN(tile)(gbase, blocks, &act, r0, acc, X8_RB, X8_NZ, r0 == 0); break;
                 }
             }
             for (int64_t r = 0; r < rn; r++)
