@@ -1,9 +1,9 @@
 """Matrix-vector products on GGUF-quantized weights, without expanding them to float.
 
 ``pack`` makes a weight kernel-ready once, at load, in one of two layouts (``QuantWeight.layout``):
-``"x8"`` (``LAYOUT_X8``: 8 rows interleaved per group, a copy; every type of ``X8_GROUP_BYTES`` on
-the x86 and portable variants, see quant_x8.h) or ``"file"`` (ggml's blocks exactly as the GGUF
-file stores them, a zero-copy view: the other types, and ARM NEON). ``linear`` computes
+``"x8"`` (``LAYOUT_X8``: 8 rows interleaved per group, a copy; the types of ``X8_GROUP_BYTES``,
+see quant_x8.h) or ``"file"`` (ggml's blocks exactly as the GGUF file stores them, a zero-copy
+view: the other types). ``linear`` computes
 ``x @ W^T`` as ggml does: each activation row is quantized to int8 per 32 elements (scale
 ``max|x| / 127``, round to nearest even), each 32-element chunk of a weight row meets it in an
 integer dot product, and the products times the blocks' float scales (and the min terms of Q4_1,
@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,8 +65,6 @@ QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
 # The x8 layout's types and the bytes of one x8 block (8 rows' blocks of the same columns): the
 # mirror of X8_TYPES in quant_kernels.c (a type is registered in both).
 X8_GROUP_BYTES: dict[str, int] = {"Q8_0": 272, "Q4_0": 144, "Q4_1": 160, "Q5_0": 176}
-# The variants that read the x8 layout (ARM NEON reads the file layout only).
-X8_VARIANTS = ("avx512-vnni", "avx2", "portable")
 LAYOUT_FILE, LAYOUT_X8 = "file", "x8"
 X8_ROWS = 8  # weight rows per x8 group
 
@@ -161,8 +160,9 @@ class QuantKernels:
         if found != expected_layout(variant.name):
             raise KernelUnavailable(f"the C interface differs from the Python mirror: C says {found!r}, "
                                     f"Python expects {expected_layout(variant.name)!r}")
-        # the types this variant reads in the x8 layout (the layout line says the same)
-        self.x8_types = frozenset(X8_GROUP_BYTES) if variant.name in X8_VARIANTS else frozenset()
+        # the types this variant reads in the x8 layout (every variant reads every registered type;
+        # the layout line checked above lists them)
+        self.x8_types = frozenset(X8_GROUP_BYTES)
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         for qt in QUANT_TYPES.values():
             for infix in ("", "x8_") if qt.name in self.x8_types else ("",):
@@ -182,7 +182,7 @@ class QuantKernels:
         """The layout ``pack`` gives ``qtype``'s weights in this variant: ``"x8"`` or ``"file"``."""
         return LAYOUT_X8 if quant_type(qtype).name in self.x8_types else LAYOUT_FILE
 
-    def _function(self, name: str, weight: QuantWeight) -> ctypes._CFuncPtr:
+    def _function(self, name: str, weight: QuantWeight) -> Any:
         """This library's ``<name>_[x8_]<type>`` for ``weight`` (checked); ValueError where this
         variant does not read the weight's layout."""
         qt = check_weight(weight)
@@ -271,7 +271,7 @@ class QuantKernels:
 def expected_layout(isa: str) -> str:
     """``infer_quant_layout()``'s text for the variant ``isa`` (see quant_kernels.c)."""
     types = " ".join(f"{t.suffix}={t.block_elems}:{t.block_bytes}" for t in QUANT_TYPES.values())
-    x8 = ",".join(f"{quant_type(t).suffix}:{size}" for t, size in X8_GROUP_BYTES.items()) if isa in X8_VARIANTS else ""
+    x8 = ",".join(f"{quant_type(t).suffix}:{size}" for t, size in X8_GROUP_BYTES.items())
     return f"isa={isa} qk={ACTIVATION_BLOCK} {types} x8={x8}"
 
 

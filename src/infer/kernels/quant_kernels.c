@@ -482,9 +482,7 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, floa
 #include "quant_kernels_impl.h"
 
 /* ---------------------------------------------------------------------------------------------
- * The x8 layout (quant_x8.h): 8 weight rows interleaved, for the types registered in X8_TYPES.
- * ARM NEON keeps the file layout (its variant lists no x8 type). */
-#ifndef Q_NEON
+ * The x8 layout (quant_x8.h): 8 weight rows interleaved, for the types registered in X8_TYPES. */
 #include "quant_x8.h"
 
 /* The 32-value block b's activation values at 4-byte unit u (values 4u .. 4u + 3) of row r. */
@@ -679,9 +677,6 @@ static void x8_dequant_q8_0(const uint8_t *blk, int j, float *out) {
 #define X8_GROUP_BYTES 176
 #include "quant_x8_impl.h"
 #define X8_TYPES " x8=q8_0:272,q4_0:144,q4_1:160,q5_0:176"
-#else
-#define X8_TYPES " x8="
-#endif
 
 /* What Python checks at load: the ISA this build holds, the types and their block sizes, the
  * activation block. A mismatch refuses the library instead of misreading the weights. */

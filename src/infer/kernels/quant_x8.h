@@ -24,7 +24,7 @@
  * Vectors. GW: 64 weight bytes, two groups' 32-byte units side by side (16 lanes of 4 bytes:
  * lanes 0-7 the first group's rows, 8-15 the second's); GI: 16 int32 lanes (the integer sums);
  * GF: 16 float lanes (the accumulators); GX: 4 activation bytes in every lane. AVX-512: one zmm;
- * AVX2: two ymm; portable: arrays.
+ * AVX2: two ymm; NEON: four 128-bit registers; portable: arrays.
  *   gw_load(a, b)         32 bytes at a (lanes 0-7) and 32 at b (lanes 8-15)
  *   gw_lo(w), gw_hi(w)    each byte's low / high nibble
  *   gw_or(a, b), gw_and1(w, s): lane-wise or; ((w >> s) & 1) << 4 per byte (a fifth bit)
@@ -132,6 +132,74 @@ static inline void gf_store(float *p, GF v) { _mm256_storeu_ps(p, v.a), _mm256_s
 #define X8_NZ 1
 #endif
 #define X8_NZ_DECODE 2
+
+#elif defined(Q_NEON)
+/* four 128-bit registers per vector: sdot multiplies signed bytes (every weight byte here is
+ * below 128 as unsigned, or signed Q8_0), vfmaq_f32 is one rounding like fmaf */
+typedef struct { uint8x16_t v[4]; } GW;
+typedef struct { int32x4_t v[4]; } GI;
+typedef int8x16_t GX;
+typedef struct { float32x4_t v[4]; } GF;
+#define X8_S8_OFFSET 0
+static inline GW gw_load(const uint8_t *a, const uint8_t *b) {
+    return (GW){{vld1q_u8(a), vld1q_u8(a + 16), vld1q_u8(b), vld1q_u8(b + 16)}};
+}
+static inline GW gw_lo(GW w) {
+    for (int i = 0; i < 4; i++) w.v[i] = vandq_u8(w.v[i], vdupq_n_u8(0x0f));
+    return w;
+}
+static inline GW gw_hi(GW w) {
+    for (int i = 0; i < 4; i++) w.v[i] = vshrq_n_u8(w.v[i], 4);
+    return w;
+}
+static inline GW gw_or(GW a, GW b) {
+    for (int i = 0; i < 4; i++) a.v[i] = vorrq_u8(a.v[i], b.v[i]);
+    return a;
+}
+static inline GW gw_and1(GW w, int s) {
+    for (int i = 0; i < 4; i++)
+        w.v[i] = vshlq_n_u8(vandq_u8(vshlq_u8(w.v[i], vdupq_n_s8((int8_t)-s)), vdupq_n_u8(1)), 4);
+    return w;
+}
+static inline GX gx_load(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return vreinterpretq_s8_s32(vdupq_n_s32(v)); }
+static inline GI gi_set1(int32_t v) { return (GI){{vdupq_n_s32(v), vdupq_n_s32(v), vdupq_n_s32(v), vdupq_n_s32(v)}}; }
+static inline GI gi_dot_u(GI acc, GW w, GX x) {
+    for (int i = 0; i < 4; i++) acc.v[i] = vdotq_s32(acc.v[i], vreinterpretq_s8_u8(w.v[i]), x);
+    return acc;
+}
+static inline GW gw_s8(GW w) { return w; }
+static inline GI gi_dot_s8(GI acc, GW w, GX x) { return gi_dot_u(acc, w, x); }
+static inline GF gf_zero(void) { return (GF){{vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)}}; }
+static inline GF gf_set1(float f) { return (GF){{vdupq_n_f32(f), vdupq_n_f32(f), vdupq_n_f32(f), vdupq_n_f32(f)}}; }
+static inline float32x4_t x8_fp16x4(const uint8_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+static inline GF gf_fp16(const uint8_t *a, const uint8_t *b) {
+    return (GF){{x8_fp16x4(a), x8_fp16x4(a + 8), x8_fp16x4(b), x8_fp16x4(b + 8)}};
+}
+static inline GF gf_mul(GF a, GF b) {
+    for (int i = 0; i < 4; i++) a.v[i] = vmulq_f32(a.v[i], b.v[i]);
+    return a;
+}
+static inline GF gf_fma_i(GF acc, GI v, GF s) {
+    for (int i = 0; i < 4; i++) acc.v[i] = vfmaq_f32(acc.v[i], vcvtq_f32_s32(v.v[i]), s.v[i]);
+    return acc;
+}
+static inline GF gf_fma(GF acc, GF a, GF b) {
+    for (int i = 0; i < 4; i++) acc.v[i] = vfmaq_f32(acc.v[i], a.v[i], b.v[i]);
+    return acc;
+}
+static inline void gf_store(float *p, GF v) {
+    for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, v.v[i]);
+}
+/* 32 registers: 4 rows x one two-group vector (four registers each) */
+#ifndef X8_RB
+#define X8_RB 2
+#endif
+#ifndef X8_NZ
+#define X8_NZ 1
+#endif
+#ifndef X8_NZ_DECODE
+#define X8_NZ_DECODE 2
+#endif
 
 #else /* portable C: the same integers, and fmaf for every fused multiply-add */
 typedef struct { uint8_t b[64]; } GW;
