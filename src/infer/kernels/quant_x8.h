@@ -275,7 +275,8 @@ static void quantize_rows_x8(const float *x, int64_t m, int64_t k, int8_t *xq, f
             const float *v = x + r * k + b * QK;
             int8_t *q = xq + r * k + b * QK;
             float amax = 0.0f;
-            for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(v[l]));
+            /* fmaxf's result (a NaN never wins either way), as a comparison GCC vectorizes */
+            for (int l = 0; l < QK; l++) amax = fabsf(v[l]) > amax ? fabsf(v[l]) : amax;
             const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
             int32_t sum = 0;
             for (int l = 0; l < QK; l++) {
