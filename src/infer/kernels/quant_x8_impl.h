@@ -67,9 +67,15 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
     }
     quantize_rows_x8(x, m, k, xq, dx, xsum, sx, threads);
     const X8Act act = {xq, dx, xsum, sx, k, xblocks};
-    /* one activation row: more groups per tile; else X8_RB rows x X8_NZ two-group vectors */
-    const int decode = m == 1, nz = decode ? X8_NZ_DECODE : X8_NZ, rb = decode ? 1 : X8_RB;
-    const int64_t pairs = (groups + 1) / 2, tiles = (pairs + nz - 1) / nz;
+    /* One activation row: X8_NZ_DECODE two-group vectors per tile, unless the smaller row tiles
+     * spread the pairs over the threads more evenly (a 576-row weight on 2 threads: 9 decode tiles
+     * are 5 + 4, 18 small ones 9 + 9); else X8_RB rows x X8_NZ two-group vectors. */
+    const int64_t pairs = (groups + 1) / 2, per = threads > 1 ? threads : 1;
+    const int64_t decode_path = ((pairs + X8_NZ_DECODE - 1) / X8_NZ_DECODE + per - 1) / per * X8_NZ_DECODE,
+                  small_path = ((pairs + X8_NZ - 1) / X8_NZ + per - 1) / per * X8_NZ;
+    const int decode = m == 1 && decode_path <= small_path, nz = decode ? X8_NZ_DECODE : X8_NZ,
+              rb = decode ? 1 : X8_RB;
+    const int64_t tiles = (pairs + nz - 1) / nz;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
         /* a tile's missing pairs and a missing last group repeat the last real group (computed,
