@@ -33,7 +33,9 @@ void X8FN(quant_repack)(const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
 /* acc[r][z] for activation rows r0 .. r0 + R - 1 and the groups gbase[0 .. 2 * NZ - 1] over every
  * block: each output's chain starts at 0 and takes the blocks in order. `stream`: the first pass
  * over these groups (their bytes come from memory: prefetch every line X8_AHEAD bytes ahead; a
- * later row tile finds them in L2, where the prefetches only cost). */
+ * later row tile finds them in L2, where the prefetches only cost). Near a group's end the
+ * prefetch runs on into the same group of the next tile (2 * NZ groups on: the next one this
+ * thread takes under a static schedule), so a tile starts on lines already in flight. */
 static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *const *gbase, int64_t blocks,
                                                              const X8Act *a, int64_t r0, GF acc[X8_RB][X8_NZ_MAX],
                                                              const int R, const int NZ, const int stream) {
@@ -44,8 +46,11 @@ static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *cons
         for (int i = 0; i < 2 * NZ; i++) {
             gp[i] = gbase[i] + b * X8_GROUP_BYTES;
 #if X8_AHEAD > 0
-            if (stream)
-                for (int line = 0; line < X8_GROUP_BYTES; line += 64) __builtin_prefetch(gp[i] + X8_AHEAD + line);
+            if (stream) {
+                const int64_t at = b * X8_GROUP_BYTES + X8_AHEAD, group_bytes = blocks * X8_GROUP_BYTES;
+                const uint8_t *ahead = at < group_bytes ? gp[i] + X8_AHEAD : gbase[i] + 2 * NZ * group_bytes + (at - group_bytes);
+                for (int line = 0; line < X8_GROUP_BYTES; line += 64) __builtin_prefetch(ahead + line);
+            }
 #endif
         }
         X8TYPEFN(x8_block)(gp, a, r0, b, acc, R, NZ);
