@@ -71,7 +71,10 @@ def test_matches_the_reference_and_float(qk: QuantKernels, qtype: str, from_gguf
     x[0, 1, :32] = 0.0  # an all-zero activation block (scale 0)
     bias = torch.randn(out_features, generator=generator)
     weight = qk.pack(raw, qtype, in_features)
-    assert weight.data.data_ptr() == raw.data_ptr()  # the file layout, no copy
+    if qtype in quant.X8_GROUP_BYTES:  # repacked: a copy, 8 rows per group, the last group padded
+        assert weight.layout == "x8" and weight.data.shape[0] == 3 and weight.data.data_ptr() != raw.data_ptr()
+    else:  # the file layout, no copy
+        assert weight.layout == "file" and weight.data.data_ptr() == raw.data_ptr()
     got = qk.linear(x, weight, bias)
     assert got.shape == (2, 3, out_features) and got.dtype == torch.float32
 
@@ -120,6 +123,63 @@ def test_rows_and_threads_do_not_change_a_row(qk: QuantKernels, qtype: str) -> N
         assert torch.equal(together, qk.linear(x, weight, threads=2))
 
 
+X8_TYPES = list(quant.X8_GROUP_BYTES)
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES)
+@pytest.mark.parametrize("out_features", [45, 133])  # 6 groups (the last of 5 rows), 17 (an odd count)
+def test_x8_is_the_reference_bit_for_bit_for_any_rows_and_threads(qk: QuantKernels, qtype: str,
+                                                                   out_features: int) -> None:
+    """On the x8 layout every variant does the same float operations in the same order (per output,
+    one fmaf per 32-value block, in block order), so every output is exactly reference_linear_x8's:
+    whatever the number of rows in the call (1 = a decode step's tile, many = prefill tiles), the
+    thread count, and for a row count that is not a multiple of 8 (the padded last group)."""
+    in_features = 640
+    raw = _weight(qtype, out_features, in_features, 8, from_gguf=True)
+    weight = qk.pack(raw, qtype, in_features)
+    assert weight.layout == "x8" and weight.data.shape == (-(-out_features // 8),
+                                                           in_features // 32 * quant.X8_GROUP_BYTES[qtype])
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(11, in_features, generator=generator) * torch.rand(11, 1, generator=generator) * 10
+    x[3, 64:96] = 0.0  # an all-zero activation block
+    bias = torch.randn(out_features, generator=generator)
+    want = quant.reference_linear_x8(x, raw, qtype, in_features, bias)
+    for rows in (1, 2, 3, 4, 5, 8, 11):
+        for threads in (1, 2):
+            got = qk.linear(x[:rows].contiguous(), weight, bias, threads=threads)
+            assert torch.equal(got, want[:rows]), (rows, threads, float((got - want[:rows]).abs().max()))
+    for r in range(11):
+        assert torch.equal(qk.linear(x[r:r + 1].contiguous(), weight, bias, threads=1)[0], want[r]), r
+    # Negative controls: the float64-summed reference differs in some bits (the equality above is
+    # stronger than a tolerance), and one changed weight block changes that row's outputs only.
+    assert not torch.equal(quant.reference_linear(x, raw, qtype, in_features, bias), want)
+    changed = raw.clone()
+    changed[out_features - 1, 2 + 4] ^= 0x11  # a quant byte of the last row's first block
+    moved = qk.linear(x, qk.pack(changed, qtype, in_features), bias) != want
+    assert moved[:, -1].any() and not moved[:, :-1].any()
+
+
+def test_reference_fmaf_rounds_once() -> None:
+    """quant.fmaf where rounding to float64 first and then to float32 errs: a * b + c just below and
+    just above the midpoint between two float32 values (float64 rounds both onto it; ties to even
+    would then pick the wrong neighbour)."""
+    cases = [  # a, b, c, the correctly rounded a * b + c
+        # a * b = 2^-24 (1 - 2^-36): just below the midpoint above c = 1 + 2^-23
+        (2.0 ** -12 * (1 + 2.0 ** -18), 2.0 ** -12 * (1 - 2.0 ** -18), 1 + 2.0 ** -23, 1 + 2.0 ** -23),
+        # a * b = 2^-24 (1 + 4688 * 2^-46): just above the midpoint above c = 1
+        ((2.0 ** 23 - 2895) * 2.0 ** -35, (2.0 ** 23 + 2896) * 2.0 ** -35, 1.0, 1 + 2.0 ** -23),
+    ]
+    for a, b, c, want in cases:
+        assert np.float32(a) == a and np.float32(b) == b  # exact float32 inputs
+        assert float(np.float32(a * b + c)) != want  # the double rounding errs here
+        got = quant.fmaf(np.array([a], dtype=np.float32), np.array([b], dtype=np.float32),
+                         np.array([c], dtype=np.float32))
+        assert got.dtype == np.float32 and float(got[0]) == want, (a, b, c, float(got[0]))
+        negated = quant.fmaf(np.array([-a], dtype=np.float32), np.array([b], dtype=np.float32),
+                             np.array([-c], dtype=np.float32))
+        assert float(negated[0]) == -want
+
+
 def test_bad_inputs_raise_value_errors(qk: QuantKernels) -> None:
     raw = quant.random_blocks("Q4_0", 4, 64, torch.Generator().manual_seed(6))
     weight = qk.pack(raw, "Q4_0", 64)
@@ -146,6 +206,9 @@ def test_bad_inputs_raise_value_errors(qk: QuantKernels) -> None:
         (lambda: qk.linear(x, QuantWeight("Q4_0", 5, 64, raw)), "4 rows, weight.out_features says 5"),
         (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 128, raw)), "bytes per row"),
         (lambda: qk.linear(x, raw), "must be a QuantWeight"),  # type: ignore[arg-type]
+        (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 64, raw, "x8")), r"of shape \(1, 288\)"),
+        (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 64, raw, "x16")), "unknown weight layout 'x16'"),
+        (lambda: qk.linear(torch.randn(2, 256), QuantWeight("Q6_K", 4, 256, raw, "x8")), "Q6_K has no x8 layout"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([0, 4])), r"ids must lie in \[0, 4\)"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([-1])), r"ids must lie in \[0, 4\)"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([0.0])), "integer CPU tensor"),
@@ -192,9 +255,9 @@ def test_no_compiler_means_no_kernels_and_says_why(tmp_path: Path, monkeypatch: 
 
 
 def test_the_built_in_smollm2_file_in_place() -> None:
-    """SmolLM2-135M-Instruct's Q4_1 file (what users run): its tensors used where the file maps
-    them (no copy), products as the reference computes them, the Q8_0 embedding's rows as gguf-py
-    dequantizes them."""
+    """SmolLM2-135M-Instruct's Q4_1 file (what users run): its tensors repacked to x8, products as
+    the reference computes them (bit for bit: reference_linear_x8), the Q8_0 embedding's rows as
+    gguf-py dequantizes them."""
     import importlib.util
     import warnings
 
@@ -213,11 +276,12 @@ def test_the_built_in_smollm2_file_in_place() -> None:
         embedding = torch.from_numpy(tensors["token_embd.weight"].data)
     assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "Q4_1" and down.shape == (576, 960)
     weight = found.pack(down, "Q4_1", 1536)
-    assert weight.data.data_ptr() == tensors["blk.0.ffn_down.weight"].data.ctypes.data  # the mapped bytes
+    assert weight.layout == "x8" and weight.data.shape == (576 // 8, 1536 // 32 * quant.X8_GROUP_BYTES["Q4_1"])
     x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(7))
     got = found.linear(x, weight)
     want = quant.reference_linear(x, down, "Q4_1", 1536)
     assert ((got - want).abs() <= 1e-5 * quant.reference_terms_scale(x, down, "Q4_1", 1536) + 1e-6).all()
+    assert torch.equal(got, quant.reference_linear_x8(x, down, "Q4_1", 1536))
     ids = torch.tensor([0, 1, 49151, 12345])
     rows = found.dequantize_rows(found.pack(embedding, "Q8_0", 576), ids)
     dense = gguf.quants.dequantize(embedding.numpy()[ids.numpy()], GGMLQuantizationType.Q8_0)

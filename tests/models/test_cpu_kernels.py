@@ -542,13 +542,32 @@ def test_thread_choice_follows_the_faster_count_and_keeps_checking() -> None:
         return picks
 
     picks = run(200)
-    assert picks[:2] == [2, 1] and picks.count(1) <= 4  # measured both, then tries at 32, 96, ...
+    assert picks[:4] == [2, 2, 1, 1] and picks.count(1) <= 5  # measured both, then tries at 32, 96, ...
     assert chooser.pick("prefill", 1) == 1  # one thread asked for: nothing to choose
     cost.update({2: 5.0, 1: 1.0})  # another process takes a core: two threads lose
     picks = run(400)
     assert picks[-100:].count(1) >= 97
     tries = [i for i, t in enumerate(picks) if t == 2][3:]  # after the first passes (the switch)
     assert len(tries) >= 3 and tries[2] - tries[1] > tries[1] - tries[0] > 32  # the tries back off
+
+
+def test_a_slow_first_pass_does_not_decide_the_thread_count() -> None:
+    """The first pass of a kind on a count pays one-time costs (page faults, thread start): it is
+    not measured, so a first two-thread pass 6x slower than the rest does not make one thread win;
+    the negative control: measured, the same first pass would."""
+    for measure_first, want in ((False, 2), (True, 1)):
+        chooser = cpu.ThreadChooser()
+        if measure_first:  # as if the first passes were measured
+            chooser.warmed |= {("logits", 2), ("logits", 1)}
+        firsts = {2: True, 1: True}
+        picks = []
+        for _ in range(30):  # before the first retry of the other count (32 passes on)
+            threads = chooser.pick("logits", 2)
+            cost = 6.0 if firsts[threads] and threads == 2 else (1.0 if threads == 2 else 2.0)
+            firsts[threads] = False
+            chooser.record("logits", threads, cost)
+            picks.append(threads)
+        assert picks[4:] == [want] * 26, (measure_first, picks)
 
 
 def test_the_checks_hold_under_python_optimize() -> None:

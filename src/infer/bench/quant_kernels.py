@@ -2,17 +2,20 @@
 
 For one weight shape (default: out 2048 x in 8192, the 1B shape's down projection) it times, at
 each row count and thread count, interleaved in every repeat:
-  - each quantized-kernel variant this CPU runs, on the GGUF blocks (default Q4_0);
+  - each quantized-kernel variant this CPU runs, on the GGUF blocks (default Q4_0) in the layout
+    its ``pack`` gives (x8: 8 rows interleaved) and, where that is x8, also in the file layout
+    (the kernels before the x8 layout);
   - ``F.linear`` in float32 on the dequantized weight;
   - PyTorch's weight-only CPU operators at the same shape: ``_weight_int8pack_mm`` (int8 per
     output channel) and ``_weight_int4pack_mm_for_cpu`` (int4, groups of 32), float32 activations;
   - a numpy copy of a buffer as large as the weight set (the memory bandwidth).
 Each mode cycles through enough copies of its weight to exceed the last-level cache, so every call
 streams its weight from memory. The figure is GB/s of weight bytes read (the mode's own bytes: a
-float32 weight is 7x a Q4_0 one) and the time per product; medians over the repeats.
+float32 weight is 7x a Q4_0 one), the arithmetic rate (GOP/s: 2 x rows x out x in per second) and
+the time per product; medians over the repeats.
 
     PYTHONPATH=src python -m infer.bench.quant_kernels [--qtype Q4_0] [--rows 1 6] [--threads 1 2]
-        [--repeats 7] [--quant-only] [--json out.json]
+        [--repeats 7] [--quant-only] [--variants avx512-vnni avx2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def _copy_call(target: np.ndarray, source: np.ndarray, i: int) -> object:
 
 
 def run(qtype: str, out_features: int, in_features: int, rows: list[int], threads: list[int], repeats: int,
-        calls: int, quant_only: bool = False) -> dict[str, object]:
+        calls: int, quant_only: bool = False, variant_names: list[str] | None = None) -> dict[str, object]:
     generator = torch.Generator().manual_seed(0)
     qt = quant.quant_type(qtype)
     raw = quant.random_blocks(qt.name, out_features, in_features, generator)
@@ -94,13 +97,19 @@ def run(qtype: str, out_features: int, in_features: int, rows: list[int], thread
     variants = []
     refused = {}
     for variant in build.QUANT_VARIANTS:
+        if variant_names is not None and variant.name not in variant_names:
+            continue
         try:
             kernels = quant.quant_kernels(variant.name)
         except build.KernelUnavailable as err:
             refused[variant.name] = str(err)
             continue
         assert kernels is not None
-        variants.append((variant.name, kernels, [kernels.pack(r, qt.name, in_features) for r in raws]))
+        layout = kernels.layout(qt.name)
+        variants.append((f"{variant.name} {layout}", kernels, [kernels.pack(r, qt.name, in_features) for r in raws]))
+        if layout != quant.LAYOUT_FILE:
+            variants.append((f"{variant.name} file", kernels,
+                             [quant.QuantWeight(qt.name, out_features, in_features, r) for r in raws]))
 
     buffer = np.ones(STREAM_BYTES // 4, dtype=np.float32)
     target = np.empty_like(buffer)
@@ -110,7 +119,7 @@ def run(qtype: str, out_features: int, in_features: int, rows: list[int], thread
         for t in threads:
             modes: dict[str, tuple[Callable[[int], object], int, int]] = {}
             for name, kernels, weights in variants:
-                modes[f"quant {name} {qt.name}"] = (functools.partial(_quant_call, kernels, weights, x, t), q_copies,
+                modes[f"quant {qt.name} {name}"] = (functools.partial(_quant_call, kernels, weights, x, t), q_copies,
                                                     q_bytes)
             if not quant_only:
                 modes["F.linear float32"] = (functools.partial(_dense_call, denses, x), f_copies, dense.numel() * 4)
@@ -134,7 +143,8 @@ def run(qtype: str, out_features: int, in_features: int, rows: list[int], thread
             for name, (_, _, nbytes) in modes.items():
                 median = statistics.median(seconds[name])
                 results.append({"mode": name, "rows": m, "threads": t, "weight_bytes": nbytes,
-                                "median_ms": median * 1e3, "gb_per_s": nbytes / median / 1e9, "repeats": repeats})
+                                "median_ms": median * 1e3, "gb_per_s": nbytes / median / 1e9,
+                                "gop_per_s": 2 * m * out_features * in_features / median / 1e9, "repeats": repeats})
     return {"shape": [out_features, in_features], "qtype": qt.name, "results": results, "refused": refused,
             "note": "GB/s = the mode's weight bytes read per second (numpy copy: bytes read; it writes as many)"}
 
@@ -149,15 +159,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--calls", type=int, default=20, help="products timed per repeat and mode")
     parser.add_argument("--quant-only", action="store_true", help="time the quantized kernels only")
+    parser.add_argument("--variants", nargs="+", choices=[v.name for v in build.QUANT_VARIANTS],
+                        help="the quantized-kernel variants to time (default: every one this CPU runs)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     report = run(args.qtype, args.out_features, args.in_features, args.rows, args.threads, args.repeats, args.calls,
-                 args.quant_only)
+                 args.quant_only, args.variants)
     print(f"{report['qtype']} weight [{args.out_features} x {args.in_features}], medians of {args.repeats} "
           f"interleaved repeats x {args.calls} products")
-    print(f"{'mode':34} {'rows':>4} {'thr':>3} {'ms':>8} {'GB/s':>7}")
+    print(f"{'mode':34} {'rows':>4} {'thr':>3} {'ms':>8} {'GB/s':>7} {'GOP/s':>7}")
     for row in report["results"]:  # type: ignore[attr-defined]
-        print(f"{row['mode']:34} {row['rows']:>4} {row['threads']:>3} {row['median_ms']:>8.3f} {row['gb_per_s']:>7.2f}")
+        print(f"{row['mode']:34} {row['rows']:>4} {row['threads']:>3} {row['median_ms']:>8.3f} {row['gb_per_s']:>7.2f} "
+              f"{row['gop_per_s']:>7.1f}")
     for reason in report["refused"].values():  # type: ignore[attr-defined]
         print(f"not run: {reason}")
     if args.json:

@@ -62,9 +62,9 @@ class StackArgs(ctypes.Structure):
 
 
 class QuantPart(ctypes.Structure):
-    """``QuantPart`` of cpu_kernels.c: one quantized matrix of a projection in the stack (its block
-    type's ``quant_linear_<type>`` entry of ``infer.kernels.quant``'s library, its blocks, the output
-    columns it computes)."""
+    """``QuantPart`` of cpu_kernels.c: one quantized matrix of a projection in the stack (the entry
+    of ``infer.kernels.quant``'s library for its block type and layout, ``quant_linear_x8_<type>``
+    or ``quant_linear_<type>``, its blocks, the output columns it computes)."""
 
     _fields_ = [("linear", ctypes.c_void_p), ("blocks", ctypes.c_void_p), ("offset", ctypes.c_int64),
                 ("rows", ctypes.c_int64), ("in_features", ctypes.c_int64)]
@@ -111,8 +111,11 @@ class ThreadChooser:
     waits for it at its end: two threads then ran a SmolLM2 decode step at half the speed of one.
     So each kind of pass (its label and row count) keeps a moving average of its time on all threads
     and on one, runs the faster, and now and then runs the other once to notice the machine
-    changing. Exactness does not depend on it: every output of a kernel is computed the same
-    way whichever thread computes it."""
+    changing. The first pass of a kind on a count is not measured: it pays one-time costs (a 1B
+    model's first LM-head pass on two threads took 5.9 ms, later ones 2.4 ms, faulting in the
+    weight pages the loader had handed back), and as the only sample it made one thread (4.4 ms)
+    look faster for hundreds of steps. Exactness does not depend on it: every output of a kernel
+    is computed the same way whichever thread computes it."""
 
     EXPLORE = 32  # passes between tries of the other count; doubled while the try confirms the choice
     MAX_EXPLORE = 1024
@@ -123,6 +126,7 @@ class ThreadChooser:
         self.countdown: dict[Hashable, int] = {}  # passes until the next try of the other count
         self.interval: dict[Hashable, int] = {}
         self.best: dict[Hashable, int] = {}
+        self.warmed: set[tuple[Hashable, int]] = set()  # (kind, count)s past their unmeasured first pass
 
     def pick(self, kind: Hashable, most: int) -> int:
         if most <= 1:
@@ -145,6 +149,9 @@ class ThreadChooser:
 
     def record(self, kind: Hashable, threads: int, seconds: float) -> None:
         key = (kind, threads)
+        if key not in self.warmed:  # a first pass: one-time costs, not the count's speed
+            self.warmed.add(key)
+            return
         previous = self.seconds.get(key)
         self.seconds[key] = seconds if previous is None else previous + self.WEIGHT * (seconds - previous)
 
@@ -530,7 +537,7 @@ class StackTable:
             index += [len(parts), len(projection.weights)]
             offset = 0
             for weight in projection.weights:
-                parts.append(QuantPart(linear=projection.kernels.linear_entry(weight.qtype),
+                parts.append(QuantPart(linear=projection.kernels.linear_entry(weight),
                                        blocks=weight.data.data_ptr(), offset=offset, rows=weight.out_features,
                                        in_features=weight.in_features))
                 offset += weight.out_features

@@ -1,7 +1,9 @@
 """Matrix-vector products on GGUF-quantized weights, without expanding them to float.
 
-A weight stays in ggml's blocks exactly as the GGUF file stores it (``pack`` is a zero-copy view:
-the kernels read the file layout, so a memory-mapped tensor is used in place). ``linear`` computes
+``pack`` makes a weight kernel-ready once, at load, in one of two layouts (``QuantWeight.layout``):
+``"x8"`` (``LAYOUT_X8``: 8 rows interleaved per group, a copy; the types of ``X8_GROUP_BYTES``,
+see quant_x8.h) or ``"file"`` (ggml's blocks exactly as the GGUF file stores them, a zero-copy
+view: the other types). ``linear`` computes
 ``x @ W^T`` as ggml does: each activation row is quantized to int8 per 32 elements (scale
 ``max|x| / 127``, round to nearest even), each 32-element chunk of a weight row meets it in an
 integer dot product, and the products times the blocks' float scales (and the min terms of Q4_1,
@@ -10,7 +12,10 @@ AVX2, ARM NEON with dot products, portable C), the best this CPU runs chosen at 
 
 Exactness: an output row depends only on its activation row and the weight, bit for bit, whatever
 the number of rows in the call and the thread count, so a verification pass reproduces a decode
-step. ``reference_linear`` is the same math in numpy (the tests' yardstick).
+step. ``reference_linear`` is the same math in numpy (the tests' yardstick). On the x8 layout every
+variant also does the same float operations in the same order (one fused multiply-add per block,
+see quant_x8.h), so its results are the same bits on every variant and equal
+``reference_linear_x8``'s.
 
 Every entry point checks devices, dtypes, contiguity, shapes and index ranges and raises
 ``ValueError`` naming the problem before any pointer reaches C.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,15 +62,25 @@ QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
 )}
 
 
+# The x8 layout's types and the bytes of one x8 block (8 rows' blocks of the same columns): the
+# mirror of X8_TYPES in quant_kernels.c (a type is registered in both).
+X8_GROUP_BYTES: dict[str, int] = {"Q8_0": 272, "Q4_0": 144, "Q4_1": 160, "Q5_0": 176}
+LAYOUT_FILE, LAYOUT_X8 = "file", "x8"
+X8_ROWS = 8  # weight rows per x8 group
+
+
 @dataclass(frozen=True)
 class QuantWeight:
-    """A weight ready for the kernels: ``data`` is uint8 [out_features, in_features / block_elems *
-    block_bytes], ggml's block layout as stored in the file."""
+    """A weight ready for the kernels, in ``layout``: ``"file"``: ``data`` is uint8 [out_features,
+    in_features / block_elems * block_bytes], ggml's blocks as stored in the file; ``"x8"``: uint8
+    [ceil(out_features / 8), in_features / block_elems * X8_GROUP_BYTES[qtype]], each row one group
+    of 8 weight rows interleaved (``QuantKernels.pack`` makes it; the last group padded with zeros)."""
 
     qtype: str
     out_features: int
     in_features: int
     data: torch.Tensor
+    layout: str = LAYOUT_FILE
 
 
 def quant_type(qtype: str) -> QuantType:
@@ -103,9 +119,29 @@ def check_weight(weight: QuantWeight) -> QuantType:
     if not isinstance(weight, QuantWeight):
         raise ValueError(f"weight must be a QuantWeight (from QuantKernels.pack), got {type(weight).__name__}")
     qt = quant_type(weight.qtype)
-    _check_raw(weight.data, qt, weight.in_features, "weight.data")
-    if weight.data.shape[0] != weight.out_features:
-        raise ValueError(f"weight.data has {weight.data.shape[0]} rows, weight.out_features says {weight.out_features}")
+    if weight.layout == LAYOUT_FILE:
+        _check_raw(weight.data, qt, weight.in_features, "weight.data")
+        if weight.data.shape[0] != weight.out_features:
+            raise ValueError(f"weight.data has {weight.data.shape[0]} rows, weight.out_features says "
+                             f"{weight.out_features}")
+    elif weight.layout == LAYOUT_X8:
+        if qt.name not in X8_GROUP_BYTES:
+            raise ValueError(f"{qt.name} has no x8 layout (the x8 types: {', '.join(X8_GROUP_BYTES)})")
+        if not isinstance(weight.out_features, int) or weight.out_features <= 0:
+            raise ValueError(f"out_features must be a positive int, got {weight.out_features!r}")
+        groups = -(-weight.out_features // X8_ROWS)
+        if not isinstance(weight.in_features, int) or weight.in_features <= 0 or weight.in_features % qt.block_elems:
+            raise ValueError(f"in_features {weight.in_features!r} is not a positive multiple of {qt.name}'s block "
+                             f"of {qt.block_elems}")
+        shape = (groups, weight.in_features // qt.block_elems * X8_GROUP_BYTES[qt.name])
+        data = weight.data
+        if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or data.dtype != torch.uint8 \
+                or tuple(data.shape) != shape or not data.is_contiguous():
+            raise ValueError(f"weight.data of an x8 {qt.name} weight of {weight.out_features} x {weight.in_features} "
+                             f"must be a contiguous uint8 CPU tensor of shape {shape}, got "
+                             f"{getattr(data, 'dtype', type(data).__name__)} {tuple(getattr(data, 'shape', ()))}")
+    else:
+        raise ValueError(f"unknown weight layout {weight.layout!r}: {LAYOUT_FILE!r} or {LAYOUT_X8!r}")
     return qt
 
 
@@ -124,37 +160,65 @@ class QuantKernels:
         if found != expected_layout(variant.name):
             raise KernelUnavailable(f"the C interface differs from the Python mirror: C says {found!r}, "
                                     f"Python expects {expected_layout(variant.name)!r}")
+        # the types this variant reads in the x8 layout (every variant reads every registered type;
+        # the layout line checked above lists them)
+        self.x8_types = frozenset(X8_GROUP_BYTES)
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         for qt in QUANT_TYPES.values():
-            linear = getattr(lib, f"quant_linear_{qt.suffix}")
-            linear.argtypes, linear.restype = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int], \
-                ctypes.c_int
-            rows = getattr(lib, f"quant_dequantize_rows_{qt.suffix}")
-            rows.argtypes, rows.restype = [pointer, size, pointer, size, pointer], None
+            for infix in ("", "x8_") if qt.name in self.x8_types else ("",):
+                linear = getattr(lib, f"quant_linear_{infix}{qt.suffix}")
+                linear.argtypes, linear.restype = \
+                    [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int], ctypes.c_int
+                rows = getattr(lib, f"quant_dequantize_rows_{infix}{qt.suffix}")
+                rows.argtypes, rows.restype = [pointer, size, pointer, size, pointer], None
+            if qt.name in self.x8_types:
+                repack = getattr(lib, f"quant_repack_x8_{qt.suffix}")
+                repack.argtypes, repack.restype = [pointer, size, size, pointer], None
 
     def __repr__(self) -> str:
         return f"QuantKernels({self.variant.name})"
 
-    def linear_entry(self, qtype: str) -> int:
-        """The address of ``quant_linear_<qtype>``, the C function ``linear`` calls (the C decoder
-        stack calls it directly; this library stays loaded for the process)."""
-        address = ctypes.cast(getattr(self.lib, f"quant_linear_{quant_type(qtype).suffix}"), ctypes.c_void_p).value
+    def layout(self, qtype: str) -> str:
+        """The layout ``pack`` gives ``qtype``'s weights in this variant: ``"x8"`` or ``"file"``."""
+        return LAYOUT_X8 if quant_type(qtype).name in self.x8_types else LAYOUT_FILE
+
+    def _function(self, name: str, weight: QuantWeight) -> Any:
+        """This library's ``<name>_[x8_]<type>`` for ``weight`` (checked); ValueError where this
+        variant does not read the weight's layout."""
+        qt = check_weight(weight)
+        if weight.layout == LAYOUT_X8 and qt.name not in self.x8_types:
+            raise ValueError(f"the {self.variant.name} kernels do not read {qt.name} in the x8 layout "
+                             f"(pack the weight with them)")
+        return getattr(self.lib, f"{name}_{'x8_' if weight.layout == LAYOUT_X8 else ''}{qt.suffix}")
+
+    def linear_entry(self, weight: QuantWeight) -> int:
+        """The address of the C function ``linear`` calls for ``weight`` (``quant_linear_<type>`` or
+        ``quant_linear_x8_<type>``, one signature; the C decoder stack calls it directly; this
+        library stays loaded for the process)."""
+        address = ctypes.cast(self._function("quant_linear", weight), ctypes.c_void_p).value
         return int(address or 0)
 
     def pack(self, raw: torch.Tensor, qtype: str, in_features: int) -> QuantWeight:
         """``raw`` (uint8 [out_features, bytes per row], ggml's blocks as the file stores them) as a
-        ``QuantWeight``. Identity for every type: the kernels read the file layout, so ``data`` is
-        ``raw`` itself (no copy; a memory-mapped tensor stays mapped)."""
+        ``QuantWeight`` in this variant's layout for the type (``layout``): x8, a new tensor made
+        once (the file's view can then be dropped), or the file layout, ``raw`` itself (no copy; a
+        memory-mapped tensor stays mapped)."""
         qt = quant_type(qtype)
         _check_raw(raw, qt, in_features, "raw")
-        return QuantWeight(qt.name, int(raw.shape[0]), in_features, raw)
+        rows = int(raw.shape[0])
+        if qt.name not in self.x8_types:
+            return QuantWeight(qt.name, rows, in_features, raw)
+        packed = torch.empty(-(-rows // X8_ROWS), in_features // qt.block_elems * X8_GROUP_BYTES[qt.name],
+                             dtype=torch.uint8)
+        getattr(self.lib, f"quant_repack_x8_{qt.suffix}")(raw.data_ptr(), rows, in_features, packed.data_ptr())
+        return QuantWeight(qt.name, rows, in_features, packed, LAYOUT_X8)
 
     def linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, *,
                threads: int | None = None) -> torch.Tensor:
         """``x @ W^T + bias`` for float32 ``x`` [..., in_features]: float32 [..., out_features].
         ``threads``: OpenMP threads (default: the kernels' count, ``infer.kernels.cpu``); the result
         is the same bits for any count."""
-        qt = check_weight(weight)
+        function = self._function("quant_linear", weight)
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != torch.float32:
             raise ValueError(f"x must be a float32 CPU tensor, got "
                              f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
@@ -179,7 +243,7 @@ class QuantKernels:
         y = torch.empty(*x.shape[:-1], weight.out_features, dtype=torch.float32)
         if rows == 0:
             return y
-        failed = getattr(self.lib, f"quant_linear_{qt.suffix}")(
+        failed = function(
             weight.data.data_ptr(), weight.out_features, weight.in_features, x.data_ptr(), rows,
             None if bias is None else bias.data_ptr(), y.data_ptr(), threads)
         if failed:
@@ -189,7 +253,7 @@ class QuantKernels:
     def dequantize_rows(self, weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight in float32 (an embedding lookup): ids.shape + [in_features],
         the values gguf-py's ``dequantize`` gives."""
-        qt = check_weight(weight)
+        function = self._function("quant_dequantize_rows", weight)
         if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu" or ids.dtype.is_floating_point \
                 or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise ValueError("ids must be an integer CPU tensor")
@@ -199,7 +263,7 @@ class QuantKernels:
                              f"[{int(flat.min())}, {int(flat.max())}]")
         out = torch.empty(*ids.shape, weight.in_features, dtype=torch.float32)
         if flat.numel():
-            getattr(self.lib, f"quant_dequantize_rows_{qt.suffix}")(
+            function(
                 weight.data.data_ptr(), weight.in_features, flat.data_ptr(), flat.numel(), out.data_ptr())
         return out
 
@@ -207,7 +271,8 @@ class QuantKernels:
 def expected_layout(isa: str) -> str:
     """``infer_quant_layout()``'s text for the variant ``isa`` (see quant_kernels.c)."""
     types = " ".join(f"{t.suffix}={t.block_elems}:{t.block_bytes}" for t in QUANT_TYPES.values())
-    return f"isa={isa} qk={ACTIVATION_BLOCK} {types}"
+    x8 = ",".join(f"{quant_type(t).suffix}:{size}" for t, size in X8_GROUP_BYTES.items())
+    return f"isa={isa} qk={ACTIVATION_BLOCK} {types} x8={x8}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +393,45 @@ def reference_linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features
     return out if bias is None else out + bias.to(torch.float32)
 
 
+def fmaf(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 ``a * b + c`` rounded once (C's fmaf), elementwise, for float32 arrays.
+
+    a * b is exact in float64 (48 bits), so only the sum rounds: s = fl64(a*b + c) and its exact
+    error e (TwoSum) give the exact value s + e, which rounds to float32 as s does unless s lies
+    exactly halfway between two float32 neighbours (then e's sign picks the side)."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    s = p + c64
+    back = s - p
+    e = (p - (s - back)) + (c64 - back)
+    r = s.astype(np.float32)
+    r64 = r.astype(np.float64)
+    other = np.nextafter(r, np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32))
+    tie = (s != r64) & (s == (r64 + other.astype(np.float64)) / 2) & (e != 0)
+    toward = np.where(e > 0, np.maximum(r, other), np.minimum(r, other))
+    return np.where(tie, toward, r).astype(np.float32)
+
+
+def reference_linear_x8(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``QuantKernels.linear`` computes on the x8 layout, bit for bit (quant_x8.h's sequence):
+    per output, over the 32-value blocks in order from acc = 0, acc = fmaf(float(isum), d_w * d_x,
+    acc), then acc = fmaf(m_w, sx, acc) for the types with a min; then + bias."""
+    qt = quant_type(qtype)
+    if qt.name not in X8_GROUP_BYTES or qt.block_elems != ACTIVATION_BLOCK:
+        raise ValueError(f"reference_linear_x8 covers the 32-value x8 types, not {qt.name}")
+    w = decode_weight(raw, qt.name, in_features)
+    xq, dx, sx = quantize_activations(x.detach().to(torch.float32).reshape(-1, in_features).numpy())
+    isum = np.einsum("ncl,mcl->mnc", w.q, xq).astype(np.float32)  # exact: |isum| < 2^24
+    acc = np.zeros(isum.shape[:2], dtype=np.float32)
+    for c in range(isum.shape[2]):
+        acc = fmaf(isum[..., c], w.scale[None, :, c] * dx[:, None, c], acc)
+        if qt.name == "Q4_1":
+            acc = fmaf(np.broadcast_to(w.min[None, :, c], acc.shape), np.broadcast_to(sx[:, None, c], acc.shape), acc)
+    out = torch.from_numpy(acc).reshape(*x.shape[:-1], w.q.shape[0])
+    return out if bias is None else out + bias.to(torch.float32)
+
+
 def reference_terms_scale(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
     """The sum of the magnitudes of the terms ``reference_linear`` adds per output: float32
     rounding in any order stays within a few ulps of it (the tests' tolerance)."""
@@ -429,4 +533,5 @@ def reset() -> None:
 
 
 __all__ = ["ACTIVATION_BLOCK", "QUANT_TYPES", "QuantKernels", "QuantType", "QuantWeight", "decode_weight",
-           "dequantize_reference", "quant_kernels", "quant_unavailable_reason", "reference_linear", "reset"]
+           "dequantize_reference", "quant_kernels", "quant_unavailable_reason", "reference_linear",
+           "reference_linear_x8", "reset"]

@@ -481,8 +481,205 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, floa
 #endif
 #include "quant_kernels_impl.h"
 
+/* ---------------------------------------------------------------------------------------------
+ * The x8 layout (quant_x8.h): 8 weight rows interleaved, for the types registered in X8_TYPES. */
+#include "quant_x8.h"
+
+/* The 32-value block b's activation values at 4-byte unit u (values 4u .. 4u + 3) of row r. */
+static inline GX x8_x(const X8Act *a, int64_t r, int64_t b, int u) { return gx_load(a->q + r * a->k + b * QK + 4 * u); }
+static inline int32_t x8_xsum(const X8Act *a, int64_t r, int64_t b) { return a->sum[r * a->xblocks + b]; }
+static inline float x8_dx(const X8Act *a, int64_t r, int64_t b) { return a->d[r * a->xblocks + b]; }
+static inline float x8_sx(const X8Act *a, int64_t r, int64_t b) { return a->s[r * a->xblocks + b]; }
+
+/* Row j's scale bytes (a float16 at `at` in each file block) side by side: 16 bytes at dst. */
+static inline void x8_gather16(const uint8_t *const *rows, int at, uint8_t *dst) {
+    for (int j = 0; j < 8; j++) {
+        if (rows[j]) memcpy(dst + 2 * j, rows[j] + at, 2);
+        else memset(dst + 2 * j, 0, 2);
+    }
+}
+/* `units` 4-byte units from each row's bytes at `at`: unit u of row j at dst + 32 u + 4 j. */
+static inline void x8_interleave(const uint8_t *const *rows, int at, int units, uint8_t *dst) {
+    for (int u = 0; u < units; u++)
+        for (int j = 0; j < 8; j++) {
+            if (rows[j]) memcpy(dst + 32 * u + 4 * j, rows[j] + at + 4 * u, 4);
+            else memset(dst + 32 * u + 4 * j, 0, 4);
+        }
+}
+
+/* The 4-bit types' (and Q5_0's) 32 values of a block as 16 nibble bytes (low nibble value l,
+ * high nibble value 16 + l) interleaved in 4 units at `qs`: unit u of row j holds values
+ * 4u .. 4u+3 (low nibbles) and 16 + 4u .. 16 + 4u + 3 (high). With `fifth` >= 0, 32 bytes there
+ * hold the fifth bits the same way: byte 4j + i of the unit has bit u = value 4u + i's, bit 4 + u
+ * = value 16 + 4u + i's. isum[r][z] += the unsigned values' dot products with the activations. */
+static inline __attribute__((always_inline)) void x8_nibble_dots(const uint8_t *const *gp, int qs, int fifth,
+                                                                 const X8Act *a, int64_t r0, int64_t b,
+                                                                 GI isum[X8_RB][X8_NZ_MAX], const int R, const int NZ) {
+    for (int u = 0; u < 4; u++) {
+        GW lo[X8_NZ_MAX], hi[X8_NZ_MAX];
+        for (int z = 0; z < NZ; z++) {
+            GW w = gw_load(gp[2 * z] + qs + 32 * u, gp[2 * z + 1] + qs + 32 * u);
+            lo[z] = gw_lo(w), hi[z] = gw_hi(w);
+            if (fifth >= 0) {
+                GW h = gw_load(gp[2 * z] + fifth, gp[2 * z + 1] + fifth);
+                lo[z] = gw_or(lo[z], gw_and1(h, u)), hi[z] = gw_or(hi[z], gw_and1(h, 4 + u));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            GX xl = x8_x(a, r0 + r, b, u), xh = x8_x(a, r0 + r, b, 4 + u);
+            for (int z = 0; z < NZ; z++) isum[r][z] = gi_dot_u(gi_dot_u(isum[r][z], lo[z], xl), hi[z], xh);
+        }
+    }
+}
+/* acc = fmaf((float)isum, d_w * d_x, acc) per row and two-group vector, d_w the float16 scales at `at` */
+static inline __attribute__((always_inline)) void x8_scale_sums(const uint8_t *const *gp, int at, const X8Act *a,
+                                                                int64_t r0, int64_t b, GI isum[X8_RB][X8_NZ_MAX],
+                                                                GF acc[X8_RB][X8_NZ_MAX], const int R, const int NZ) {
+    for (int z = 0; z < NZ; z++) {
+        GF dw = gf_fp16(gp[2 * z] + at, gp[2 * z + 1] + at);
+        for (int r = 0; r < R; r++) acc[r][z] = gf_fma_i(acc[r][z], isum[r][z], gf_mul(dw, gf_set1(x8_dx(a, r0 + r, b))));
+    }
+}
+/* Rows' nibble-byte values (the layout above) of x8 block `blk`, row j: out[l] = scale * (q - offset) + min */
+static inline void x8_nibble_values(const uint8_t *blk, int j, int qs, int fifth, float scale, int offset, int has_min,
+                                    float min, float *out) {
+    for (int u = 0; u < 4; u++)
+        for (int i = 0; i < 4; i++) {
+            const uint8_t byte = blk[qs + 32 * u + 4 * j + i], high = fifth >= 0 ? blk[fifth + 4 * j + i] : 0;
+            const int lo = (byte & 15) | ((high >> u) & 1) << 4, hi = (byte >> 4) | ((high >> (4 + u)) & 1) << 4;
+            const float vlo = scale * (float)(lo - offset), vhi = scale * (float)(hi - offset);
+            out[4 * u + i] = has_min ? vlo + min : vlo;
+            out[16 + 4 * u + i] = has_min ? vhi + min : vhi;
+        }
+}
+
+/* Q4_0 x8 block, 144 bytes: float16 d[8] (row j's at 2j), then the nibble units at 16 (values
+ * 0..15 as stored; value = d * (q - 8), the -8 applied in integers: isum starts at -8 * sum(x)). */
+static void x8_repack_q4_0(const uint8_t *const *rows, uint8_t *dst) {
+    x8_gather16(rows, 0, dst);
+    x8_interleave(rows, 2, 4, dst + 16);
+}
+static inline __attribute__((always_inline)) void x8_block_q4_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                const int NZ) {
+    GI isum[X8_RB][X8_NZ_MAX];
+    for (int r = 0; r < R; r++)
+        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(-8 * x8_xsum(a, r0 + r, b));
+    x8_nibble_dots(gp, 16, -1, a, r0, b, isum, R, NZ);
+    x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
+}
+static void x8_dequant_q4_0(const uint8_t *blk, int j, float *out) {
+    x8_nibble_values(blk, j, 16, -1, fp16_to_f32(read_u16(blk + 2 * j)), 8, 0, 0.0f, out);
+}
+
+/* Q4_1 x8 block, 160 bytes: float16 d[8] at 0, m[8] at 16, the nibble units at 32 (value d * q + m).
+ * After the scaled sum, acc = fmaf(m_w, sx, acc). */
+static void x8_repack_q4_1(const uint8_t *const *rows, uint8_t *dst) {
+    x8_gather16(rows, 0, dst);
+    x8_gather16(rows, 2, dst + 16);
+    x8_interleave(rows, 4, 4, dst + 32);
+}
+static inline __attribute__((always_inline)) void x8_block_q4_1(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                const int NZ) {
+    GI isum[X8_RB][X8_NZ_MAX];
+    for (int r = 0; r < R; r++)
+        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(0);
+    x8_nibble_dots(gp, 32, -1, a, r0, b, isum, R, NZ);
+    x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
+    for (int z = 0; z < NZ; z++) {
+        GF mw = gf_fp16(gp[2 * z] + 16, gp[2 * z + 1] + 16);
+        for (int r = 0; r < R; r++) acc[r][z] = gf_fma(acc[r][z], mw, gf_set1(x8_sx(a, r0 + r, b)));
+    }
+}
+static void x8_dequant_q4_1(const uint8_t *blk, int j, float *out) {
+    x8_nibble_values(blk, j, 32, -1, fp16_to_f32(read_u16(blk + 2 * j)), 0, 1, fp16_to_f32(read_u16(blk + 16 + 2 * j)),
+                     out);
+}
+
+/* Q5_0 x8 block, 176 bytes: float16 d[8] at 0, the fifth bits at 16 (32 bytes), the nibble units
+ * at 48 (value d * (q - 16), the -16 applied in integers). */
+static void x8_repack_q5_0(const uint8_t *const *rows, uint8_t *dst) {
+    x8_gather16(rows, 0, dst);
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < 4; i++) {
+            uint8_t byte = 0;
+            if (rows[j]) {
+                const uint32_t qh = read_u32(rows[j] + 2);
+                for (int u = 0; u < 4; u++)
+                    byte |= (uint8_t)(((qh >> (4 * u + i)) & 1u) << u | ((qh >> (16 + 4 * u + i)) & 1u) << (4 + u));
+            }
+            dst[16 + 4 * j + i] = byte;
+        }
+    x8_interleave(rows, 6, 4, dst + 48);
+}
+static inline __attribute__((always_inline)) void x8_block_q5_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                const int NZ) {
+    GI isum[X8_RB][X8_NZ_MAX];
+    for (int r = 0; r < R; r++)
+        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(-16 * x8_xsum(a, r0 + r, b));
+    x8_nibble_dots(gp, 48, 16, a, r0, b, isum, R, NZ);
+    x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
+}
+static void x8_dequant_q5_0(const uint8_t *blk, int j, float *out) {
+    x8_nibble_values(blk, j, 48, 16, fp16_to_f32(read_u16(blk + 2 * j)), 16, 0, 0.0f, out);
+}
+
+/* Q8_0 x8 block, 272 bytes: float16 d[8], then 8 units at 16: unit u of row j (at 16 + 32 u + 4 j)
+ * holds its values 4u .. 4u + 3 (signed, as stored; value = d * q). */
+static void x8_repack_q8_0(const uint8_t *const *rows, uint8_t *dst) {
+    x8_gather16(rows, 0, dst);
+    x8_interleave(rows, 2, 8, dst + 16);
+}
+static inline __attribute__((always_inline)) void x8_block_q8_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                const int NZ) {
+    GI isum[X8_RB][X8_NZ_MAX];
+    for (int r = 0; r < R; r++)
+        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(-X8_S8_OFFSET * x8_xsum(a, r0 + r, b));
+    for (int u = 0; u < 8; u++) {
+        GW wv[X8_NZ_MAX];
+        for (int z = 0; z < NZ; z++) wv[z] = gw_s8(gw_load(gp[2 * z] + 16 + 32 * u, gp[2 * z + 1] + 16 + 32 * u));
+        for (int r = 0; r < R; r++) {
+            GX xv = x8_x(a, r0 + r, b, u);
+            for (int z = 0; z < NZ; z++) isum[r][z] = gi_dot_s8(isum[r][z], wv[z], xv);
+        }
+    }
+    x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
+}
+static void x8_dequant_q8_0(const uint8_t *blk, int j, float *out) {
+    const float d = fp16_to_f32(read_u16(blk + 2 * j));
+    for (int u = 0; u < 8; u++)
+        for (int i = 0; i < 4; i++) out[4 * u + i] = d * (float)(int8_t)blk[16 + 32 * u + 4 * j + i];
+}
+
+/* Registration: one include per x8 type, and its name:group bytes in X8_TYPES (Python mirrors
+ * both in quant.X8_GROUP_BYTES). */
+#define X8T q8_0
+#define X8_ELEMS 32
+#define X8_FILE_BYTES 34
+#define X8_GROUP_BYTES 272
+#include "quant_x8_impl.h"
+#define X8T q4_0
+#define X8_ELEMS 32
+#define X8_FILE_BYTES 18
+#define X8_GROUP_BYTES 144
+#include "quant_x8_impl.h"
+#define X8T q4_1
+#define X8_ELEMS 32
+#define X8_FILE_BYTES 20
+#define X8_GROUP_BYTES 160
+#include "quant_x8_impl.h"
+#define X8T q5_0
+#define X8_ELEMS 32
+#define X8_FILE_BYTES 22
+#define X8_GROUP_BYTES 176
+#include "quant_x8_impl.h"
+#define X8_TYPES " x8=q8_0:272,q4_0:144,q4_1:160,q5_0:176"
+
 /* What Python checks at load: the ISA this build holds, the types and their block sizes, the
  * activation block. A mismatch refuses the library instead of misreading the weights. */
 const char *infer_quant_layout(void) {
-    return "isa=" QISA " qk=32 q8_0=32:34 q4_0=32:18 q4_1=32:20 q5_0=32:22 q4_k=256:144 q5_k=256:176 q6_k=256:210";
+    return "isa=" QISA " qk=32 q8_0=32:34 q4_0=32:18 q4_1=32:20 q5_0=32:22 q4_k=256:144 q5_k=256:176 q6_k=256:210" X8_TYPES;
 }

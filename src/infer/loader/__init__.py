@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import TYPE_CHECKING
@@ -213,7 +214,14 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     model.inv_freq = inv_freq.to(dev)
     if fuse:
         model.fuse_projections()
-    pack_quantized(model)
+    if gguf_file is not None:
+        from infer.loader.gguf import release_mapped_pages
+
+        # the pages fusing read, then those each repacking reads: each weight resident once
+        release_mapped_pages(gguf_file)
+        pack_quantized(model, functools.partial(release_mapped_pages, gguf_file))
+    else:
+        pack_quantized(model)
     if quantized:
         # A token must get the same bits in a decode step and in any verification pass (greedy
         # speculation's exactness). The quantized kernels are row-invariant; PyTorch's attention is

@@ -17,7 +17,7 @@ verification pass.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -191,11 +191,15 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.weight.qtype}"
 
 
-def pack_quantized(model: nn.Module) -> None:
-    """Pack every quantized projection (after fusing): the blocks are laid out once, at load."""
+def pack_quantized(model: nn.Module, after_each: Callable[[], None] | None = None) -> None:
+    """Pack every quantized projection (after fusing): the blocks are laid out once, at load.
+    ``after_each`` runs after each projection is packed (the loader hands back the file pages a
+    repacking copy has just read, so a load never holds a weight twice)."""
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.pack()
+            if after_each is not None:
+                after_each()
 
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:

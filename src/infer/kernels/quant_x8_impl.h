@@ -1,0 +1,152 @@
+/* The x8 entry points of one block type (see quant_x8.h), included by quant_kernels.c once per type.
+ *
+ * Before including, quant_kernels.c defines X8T (the type's suffix: q4_0...), X8_ELEMS and
+ * X8_FILE_BYTES (elements and bytes of a block in the file), X8_GROUP_BYTES (bytes of an x8 block:
+ * 8 rows' blocks) and the type's three functions:
+ *   x8_repack_<t>(rows, dst)     rows[8]: the 8 rows' file blocks (NULL: a padding row, zeros);
+ *                                dst: the x8 block
+ *   x8_block_<t>(gp, a, r0, b, acc, R, NZ)   (always inlined, R and NZ constants) adds x8 block b
+ *                                of the 2 * NZ groups at gp[] times activation rows r0 .. r0 + R - 1
+ *                                to acc[r][z], in the float sequence quant_x8.h defines
+ *   x8_dequant_<t>(block, j, out) row j (0..7) of an x8 block as X8_ELEMS floats, as gguf-py does
+ * The functions here are named <name>_x8_<t>; the defines are undone at the end.
+ */
+#define X8CAT_(a, b) a##_x8_##b
+#define X8CAT(a, b) X8CAT_(a, b)
+#define X8FN(name) X8CAT(name, X8T)
+#define X8CAT2_(a, b) a##_##b
+#define X8CAT2(a, b) X8CAT2_(a, b)
+#define X8TYPEFN(name) X8CAT2(name, X8T)
+
+/* W (n rows of k / X8_ELEMS file blocks) -> out: ceil(n / 8) groups of k / X8_ELEMS x8 blocks. */
+void X8FN(quant_repack)(const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
+    const int64_t blocks = k / X8_ELEMS, row_bytes = blocks * X8_FILE_BYTES, groups = (n + 7) / 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *rows[8];
+            for (int j = 0; j < 8; j++) rows[j] = g * 8 + j < n ? w + (g * 8 + j) * row_bytes + b * X8_FILE_BYTES : NULL;
+            X8TYPEFN(x8_repack)(rows, out + (g * blocks + b) * X8_GROUP_BYTES);
+        }
+}
+
+/* acc[r][z] for activation rows r0 .. r0 + R - 1 and the groups gbase[0 .. 2 * NZ - 1] over every
+ * block: each output's chain starts at 0 and takes the blocks in order. `stream`: the first pass
+ * over these groups (their bytes come from memory: prefetch every line X8_AHEAD bytes ahead; a
+ * later row tile finds them in L2, where the prefetches only cost). Near a group's end the
+ * prefetch runs on into the same group of the next tile (2 * NZ groups on: the next one this
+ * thread takes under a static schedule), so a tile starts on lines already in flight. */
+static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *const *gbase, int64_t blocks,
+                                                             const X8Act *a, int64_t r0, GF acc[X8_RB][X8_NZ_MAX],
+                                                             const int R, const int NZ, const int stream) {
+    for (int r = 0; r < R; r++)
+        for (int z = 0; z < NZ; z++) acc[r][z] = gf_zero();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *gp[2 * X8_NZ_MAX];
+        for (int i = 0; i < 2 * NZ; i++) {
+            gp[i] = gbase[i] + b * X8_GROUP_BYTES;
+#if X8_AHEAD > 0
+            if (stream) {
+                const int64_t at = b * X8_GROUP_BYTES + X8_AHEAD, group_bytes = blocks * X8_GROUP_BYTES;
+                const uint8_t *ahead = at < group_bytes ? gp[i] + X8_AHEAD : gbase[i] + 2 * NZ * group_bytes + (at - group_bytes);
+                for (int line = 0; line < X8_GROUP_BYTES; line += 64) __builtin_prefetch(ahead + line);
+            }
+#endif
+        }
+        X8TYPEFN(x8_block)(gp, a, r0, b, acc, R, NZ);
+    }
+}
+
+/* y[m, n] = x[m, k] @ W^T (+ bias[n]) with W in the x8 layout (quant_repack_x8_<t>'s out); the
+ * same signature and result contract as quant_linear_<t>. Returns 0, or 1 where the activations'
+ * scratch could not be allocated (y untouched). */
+int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, const float *bias, float *y,
+                       int threads) {
+    const int64_t blocks = k / X8_ELEMS, xblocks = k / QK, groups = (n + 7) / 8, group_bytes = blocks * X8_GROUP_BYTES;
+    int8_t *xq = malloc((size_t)(m * k) + 1);
+    float *dx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1), *sx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1);
+    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(m * xblocks) + 1);
+    if (!xq || !dx || !sx || !xsum) {
+        free(xq), free(dx), free(sx), free(xsum);
+        return 1;
+    }
+    quantize_rows_x8(x, m, k, xq, dx, xsum, sx, threads);
+    const X8Act act = {xq, dx, xsum, sx, k, xblocks};
+    /* One activation row: X8_NZ_DECODE two-group vectors per tile, unless the smaller row tiles
+     * spread the pairs over the threads more evenly (a 576-row weight on 2 threads: 9 decode tiles
+     * are 5 + 4, 18 small ones 9 + 9); else X8_RB rows x X8_NZ two-group vectors. */
+    const int64_t pairs = (groups + 1) / 2, per = threads > 1 ? threads : 1;
+    const int64_t decode_path = ((pairs + X8_NZ_DECODE - 1) / X8_NZ_DECODE + per - 1) / per * X8_NZ_DECODE,
+                  small_path = ((pairs + X8_NZ - 1) / X8_NZ + per - 1) / per * X8_NZ;
+    const int decode = m == 1 && decode_path <= small_path, nz = decode ? X8_NZ_DECODE : X8_NZ,
+              rb = decode ? 1 : X8_RB;
+    const int64_t tiles = (pairs + nz - 1) / nz;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        /* a tile's missing pairs and a missing last group repeat the last real group (computed,
+         * never stored) */
+        const uint8_t *gbase[2 * X8_NZ_MAX];
+        int64_t gindex[2 * X8_NZ_MAX];
+        for (int i = 0; i < 2 * nz; i++) {
+            int64_t g = t * nz * 2 + i;
+            gindex[i] = g < groups ? g : -1;
+            gbase[i] = w + (g < groups ? g : groups - 1) * group_bytes;
+        }
+        GF acc[X8_RB][X8_NZ_MAX];
+        for (int64_t r0 = 0; r0 < m; r0 += rb) {
+            const int64_t rn = m - r0 < rb ? m - r0 : rb;
+            if (decode) {
+                X8FN(tile)(gbase, blocks, &act, r0, acc, 1, X8_NZ_DECODE, 1);
+            } else {
+                switch (rn) {
+                case 1: X8FN(tile)(gbase, blocks, &act, r0, acc, 1, X8_NZ, r0 == 0); break;
+#if X8_RB > 2
+                case 2: X8FN(tile)(gbase, blocks, &act, r0, acc, 2, X8_NZ, r0 == 0); break;
+                case 3: X8FN(tile)(gbase, blocks, &act, r0, acc, 3, X8_NZ, r0 == 0); break;
+#endif
+#if X8_RB > 4
+                case 4: X8FN(tile)(gbase, blocks, &act, r0, acc, 4, X8_NZ, r0 == 0); break;
+                case 5: X8FN(tile)(gbase, blocks, &act, r0, acc, 5, X8_NZ, r0 == 0); break;
+#endif
+                default: X8FN(tile)(gbase, blocks, &act, r0, acc, X8_RB, X8_NZ, r0 == 0); break;
+                }
+            }
+            for (int64_t r = 0; r < rn; r++)
+                for (int z = 0; z < nz; z++) {
+                    float lanes[16];
+                    gf_store(lanes, acc[r][z]);
+                    for (int half = 0; half < 2; half++) {
+                        const int64_t g = gindex[2 * z + half];
+                        if (g < 0) continue;
+                        for (int64_t j = 0; j < 8 && g * 8 + j < n; j++) {
+                            const float v = lanes[8 * half + j];
+                            y[(r0 + r) * n + g * 8 + j] = bias ? v + bias[g * 8 + j] : v;
+                        }
+                    }
+                }
+        }
+    }
+    free(xq), free(dx), free(sx), free(xsum);
+    return 0;
+}
+
+/* out[i, :] = row ids[i] of W (x8 layout, k columns) in float, as gguf-py dequantizes it. */
+void X8FN(quant_dequantize_rows)(const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, float *out) {
+    const int64_t blocks = k / X8_ELEMS;
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *group = w + ids[i] / 8 * blocks * X8_GROUP_BYTES;
+        for (int64_t b = 0; b < blocks; b++)
+            X8TYPEFN(x8_dequant)(group + b * X8_GROUP_BYTES, (int)(ids[i] % 8), out + i * k + b * X8_ELEMS);
+    }
+}
+
+#undef X8FN
+#undef X8CAT
+#undef X8CAT_
+#undef X8TYPEFN
+#undef X8CAT2
+#undef X8CAT2_
+#undef X8T
+#undef X8_ELEMS
+#undef X8_FILE_BYTES
+#undef X8_GROUP_BYTES
