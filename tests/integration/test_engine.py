@@ -265,3 +265,25 @@ def test_text_keeps_an_incomplete_tail_when_the_request_ends(llm: LLM, reference
     assert out.finish_reason == "length"
     # transformers' tokenizer.decode(token_ids) shows the partial character as U+FFFD; infer drops it
     assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_engine_freezes_what_it_loaded_and_a_new_engine_frees_old_garbage(tiny_llama: Path) -> None:
+    """The loaded objects are frozen (generation's collections skip them), and making the next
+    engine collects cyclic garbage frozen with the previous one (no leak across engines)."""
+    import gc
+    import weakref
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    garbage = Cycle()
+    alive = weakref.ref(garbage)
+    first = make_llm(tiny_llama)
+    assert gc.get_freeze_count() > 0
+    assert first.engine not in gc.get_objects()  # frozen objects are outside every generation
+    del garbage  # unreachable now, but frozen with the first engine: the collector cannot free it
+    gc.collect()
+    assert alive() is not None
+    make_llm(tiny_llama)
+    assert alive() is None

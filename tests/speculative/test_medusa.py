@@ -578,3 +578,22 @@ def test_tree_sizer_follows_a_change_in_costs() -> None:
     assert sizer.best_tree_size == 16
     play(sizer, 400, lambda n: 1000 * expected_tokens(n, 0.9), lambda n: 1 + n)  # nodes became dear
     assert sizer.best_tree_size == 0
+
+
+@pytest.mark.parametrize("backend", list(KV_BACKENDS))
+def test_greedy_parity_over_a_quantized_target(tiny_llama: Path, heads_dirs: dict[str, Path], backend: str) -> None:
+    """Medusa in front of a target quantized at load (Q4_1 blocks on the quantized kernels): the tree
+    verification passes give every accepted token plain quantized decoding's bits, with long paths
+    accepted through the tree (an oracle plants the true continuation)."""
+    from infer.models.quantized import QuantLinear
+
+    options: dict[str, Any] = dict(dtype="float32", device="cpu", quantization="q4_1", max_batch_size=3,
+                                   **KV_BACKENDS[backend])
+    plain = [o.token_ids for o in LLM(str(tiny_llama), **options).generate(DRAFTER_PROMPTS, greedy())]
+    llm = LLM(str(tiny_llama), speculator="medusa", medusa_heads=str(heads_dirs["default"]), **options)
+    assert isinstance(llm.engine.model.model.layers[0].mlp.gate_up_proj, QuantLinear)  # type: ignore[union-attr]
+    prompt_ids = [llm.tokenizer.encode(p) for p in DRAFTER_PROMPTS]
+    plant_oracle(llm, {tuple(ids): out for ids, out in zip(prompt_ids, plain, strict=True)})
+    outputs = llm.generate(prompt_ids, greedy())
+    assert [o.token_ids for o in outputs] == plain
+    assert sum(o.metrics.mean_accepted_tokens or 0 for o in outputs) / len(outputs) > 2.0

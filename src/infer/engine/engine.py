@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import threading
 from collections.abc import Callable
@@ -147,6 +149,24 @@ class ContextLengthError(ValueError):
     """A prompt plus the tokens asked for do not fit the context (``fit_context=True``)."""
 
 
+def freeze_loaded_objects() -> None:
+    """Move every object alive now out of the cyclic collector's sight (``gc.freeze``).
+
+    What loading made (modules, tensors, tokenizer, imported libraries: ~185k objects for SmolLM2)
+    lives as long as the engine; frozen, the collector's full passes during generation stop walking
+    it: 151 vs 141 tok/s SmolLM2 Q4_1 decode (8 interleaved runs, 2 threads). Frozen objects are
+    never collected, so what an earlier engine froze is unfrozen and collected first: a process
+    that makes engine after engine (tests, notebooks) keeps no garbage beyond the newest one's, and
+    at exit everything is unfrozen, so the interpreter's last collection finalizes it (extension
+    modules such as nanobind's report objects they see left alive as leaks).
+    """
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
 class Engine:
     """Continuous-batching engine. Thread-safe entry points: ``add_request``, ``abort``, ``step``."""
 
@@ -211,6 +231,7 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.tokenizer.eos_token_ids,
                                         self.model_config.vocab_size)
         forget_parsed_checkpoints()  # every model and tokenizer is loaded: their parsed metadata can go
+        freeze_loaded_objects()
 
     # -- requests --------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
