@@ -36,6 +36,11 @@
  *   gf_zero(), gf_set1(f), gf_fp16(a, b): 8 float16 at a and 8 at b as floats
  *   gf_mul(a, b), gf_fma_i(acc, isum, s) = fmaf((float)isum, s, acc), gf_fma(acc, a, b) = fmaf(a, b, acc)
  *   gf_store(p, v)        16 floats
+ * For the K types' per-chunk scales:
+ *   gf_u8(a, b)           8 uint8 at a (lanes 0-7) and 8 at b (lanes 8-15) as floats
+ *   gi_i8(a, b)           8 int8 at a and 8 at b as int32
+ *   gi_add(a, b), gi_mul(a, b): lane-wise int32 sum, product (low 32 bits)
+ *   gw_and3(w, s)         ((w >> s) & 3) << 4 per byte (Q6_K's top two bits)
  */
 
 #if defined(Q_X86) && defined(Q_VNNI)
@@ -70,6 +75,16 @@ static inline GF gf_mul(GF a, GF b) { return _mm512_mul_ps(a, b); }
 static inline GF gf_fma_i(GF acc, GI v, GF s) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, acc); }
 static inline GF gf_fma(GF acc, GF a, GF b) { return _mm512_fmadd_ps(a, b, acc); }
 static inline void gf_store(float *p, GF v) { _mm512_storeu_ps(p, v); }
+static inline __m128i x8_two8(const uint8_t *a, const uint8_t *b) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+}
+static inline GF gf_u8(const uint8_t *a, const uint8_t *b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x8_two8(a, b))); }
+static inline GI gi_i8(const uint8_t *a, const uint8_t *b) { return _mm512_cvtepi8_epi32(x8_two8(a, b)); }
+static inline GI gi_add(GI a, GI b) { return _mm512_add_epi32(a, b); }
+static inline GI gi_mul(GI a, GI b) { return _mm512_mullo_epi32(a, b); }
+static inline GW gw_and3(GW w, int s) {
+    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(w, _mm_cvtsi32_si128(s)), _mm512_set1_epi8(3)), 4);
+}
 /* Activation rows per tile and two-group vectors per tile: R x NZ accumulators and as many
  * integer sums, plus the unpacked weights, in 32 registers (2048x8192 and 8192x2048 Q4_0 and
  * Q8_0, 512 rows, 2 threads: 4 x 2 gave 1000-1230 GOP/s, 6 x 2 and 2 x 3 5-20% less, 8 x 1 25% less). */
@@ -125,6 +140,16 @@ static inline GF gf_fma_i(GF acc, GI v, GF s) {
 }
 static inline GF gf_fma(GF acc, GF a, GF b) { return (GF){_mm256_fmadd_ps(a.a, b.a, acc.a), _mm256_fmadd_ps(a.b, b.b, acc.b)}; }
 static inline void gf_store(float *p, GF v) { _mm256_storeu_ps(p, v.a), _mm256_storeu_ps(p + 8, v.b); }
+static inline __m256 x8_u8_256(const uint8_t *a) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)a))); }
+static inline __m256i x8_i8_256(const uint8_t *a) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)a)); }
+static inline GF gf_u8(const uint8_t *a, const uint8_t *b) { return (GF){x8_u8_256(a), x8_u8_256(b)}; }
+static inline GI gi_i8(const uint8_t *a, const uint8_t *b) { return (GI){x8_i8_256(a), x8_i8_256(b)}; }
+static inline GI gi_add(GI a, GI b) { return (GI){_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)}; }
+static inline GI gi_mul(GI a, GI b) { return (GI){_mm256_mullo_epi32(a.a, b.a), _mm256_mullo_epi32(a.b, b.b)}; }
+static inline __m256i x8_and3_256(__m256i w, int s) {
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(3)), 4);
+}
+static inline GW gw_and3(GW w, int s) { return (GW){x8_and3_256(w.a, s), x8_and3_256(w.b, s)}; }
 /* 16 ymm registers: one two-group vector (two ymm) by 4 rows spills some accumulators and still
  * beat 2 rows (2048x8192 Q4_0, 512 rows, 1 thread: 210 GOP/s vs 182; Q8_0 even) */
 #ifndef X8_RB
@@ -192,6 +217,29 @@ static inline GF gf_fma(GF acc, GF a, GF b) {
 static inline void gf_store(float *p, GF v) {
     for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, v.v[i]);
 }
+static inline GF gf_u8(const uint8_t *a, const uint8_t *b) {
+    const uint16x8_t wa = vmovl_u8(vld1_u8(a)), wb = vmovl_u8(vld1_u8(b));
+    return (GF){{vcvtq_f32_u32(vmovl_u16(vget_low_u16(wa))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(wa))),
+                 vcvtq_f32_u32(vmovl_u16(vget_low_u16(wb))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(wb)))}};
+}
+static inline GI gi_i8(const uint8_t *a, const uint8_t *b) {
+    const int16x8_t wa = vmovl_s8(vld1_s8((const int8_t *)a)), wb = vmovl_s8(vld1_s8((const int8_t *)b));
+    return (GI){{vmovl_s16(vget_low_s16(wa)), vmovl_s16(vget_high_s16(wa)), vmovl_s16(vget_low_s16(wb)),
+                 vmovl_s16(vget_high_s16(wb))}};
+}
+static inline GI gi_add(GI a, GI b) {
+    for (int i = 0; i < 4; i++) a.v[i] = vaddq_s32(a.v[i], b.v[i]);
+    return a;
+}
+static inline GI gi_mul(GI a, GI b) {
+    for (int i = 0; i < 4; i++) a.v[i] = vmulq_s32(a.v[i], b.v[i]);
+    return a;
+}
+static inline GW gw_and3(GW w, int s) {
+    for (int i = 0; i < 4; i++)
+        w.v[i] = vshlq_n_u8(vandq_u8(vshlq_u8(w.v[i], vdupq_n_s8((int8_t)-s)), vdupq_n_u8(3)), 4);
+    return w;
+}
 /* 32 registers: 4 rows x one two-group vector (four registers each) */
 #ifndef X8_RB
 #define X8_RB 2
@@ -238,6 +286,19 @@ static inline GF gf_mul(GF a, GF b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v
 static inline GF gf_fma_i(GF acc, GI v, GF s) { for (int l = 0; l < 16; l++) acc.v[l] = fmaf((float)v.v[l], s.v[l], acc.v[l]); return acc; }
 static inline GF gf_fma(GF acc, GF a, GF b) { for (int l = 0; l < 16; l++) acc.v[l] = fmaf(a.v[l], b.v[l], acc.v[l]); return acc; }
 static inline void gf_store(float *p, GF v) { memcpy(p, v.v, sizeof v.v); }
+static inline GF gf_u8(const uint8_t *a, const uint8_t *b) {
+    GF f;
+    for (int l = 0; l < 8; l++) f.v[l] = (float)a[l], f.v[l + 8] = (float)b[l];
+    return f;
+}
+static inline GI gi_i8(const uint8_t *a, const uint8_t *b) {
+    GI v;
+    for (int l = 0; l < 8; l++) v.v[l] = (int8_t)a[l], v.v[l + 8] = (int8_t)b[l];
+    return v;
+}
+static inline GI gi_add(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] += b.v[l]; return a; }
+static inline GI gi_mul(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v[l]; return a; }
+static inline GW gw_and3(GW w, int s) { for (int l = 0; l < 64; l++) w.b[l] = (uint8_t)(((w.b[l] >> s) & 3) << 4); return w; }
 #ifndef X8_RB
 #define X8_RB 2
 #endif
@@ -257,19 +318,21 @@ static inline void gf_store(float *p, GF v) { memcpy(p, v.v, sizeof v.v); }
 #endif
 
 /* The quantized activations of a call: row r's value e is q[r * k + e]; its 32-value block c has
- * scale d[r * xblocks + c], integer sum sum[...] and float sum s[...] = d * (float)sum. */
+ * scale d[r * xblocks + c], integer sum sum[...], the integer sum of its first 16 values
+ * sum16[...] (Q6_K's 16-value scales) and float sum s[...] = d * (float)sum. */
 typedef struct {
     const int8_t *q;
     const float *d;
     const int32_t *sum;
     const float *s;
     int64_t k, xblocks;
+    const int32_t *sum16;
 } X8Act;
 
 /* The file layout's quantization of activation rows (the same values as quantize_rows), with each
  * block's integer sum; rows in parallel (a row's blocks depend on that row only). */
 static void quantize_rows_x8(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx, int32_t *xsum, float *sx,
-                             int threads) {
+                             int32_t *xsum16, int threads) {
     const int64_t blocks = k / QK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1)
     for (int64_t r = 0; r < m; r++)
@@ -284,6 +347,7 @@ static void quantize_rows_x8(const float *x, int64_t m, int64_t k, int8_t *xq, f
             for (int l = 0; l < QK; l++) {
                 q[l] = (int8_t)nearbyintf(v[l] * inverse);
                 sum += q[l];
+                if (l == 15) xsum16[r * blocks + b] = sum;
             }
             dx[r * blocks + b] = d;
             xsum[r * blocks + b] = sum;

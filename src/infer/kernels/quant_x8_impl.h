@@ -65,13 +65,13 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
     const int64_t blocks = k / X8_ELEMS, xblocks = k / QK, groups = (n + 7) / 8, group_bytes = blocks * X8_GROUP_BYTES;
     int8_t *xq = malloc((size_t)(m * k) + 1);
     float *dx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1), *sx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1);
-    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(m * xblocks) + 1);
+    int32_t *xsum = malloc(2 * sizeof(int32_t) * (size_t)(m * xblocks) + 1);
     if (!xq || !dx || !sx || !xsum) {
         free(xq), free(dx), free(sx), free(xsum);
         return 1;
     }
-    quantize_rows_x8(x, m, k, xq, dx, xsum, sx, threads);
-    const X8Act act = {xq, dx, xsum, sx, k, xblocks};
+    quantize_rows_x8(x, m, k, xq, dx, xsum, sx, xsum + m * xblocks, threads);
+    const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum + m * xblocks};
     /* One activation row: X8_NZ_DECODE two-group vectors per tile, unless the smaller row tiles
      * spread the pairs over the threads more evenly (a 576-row weight on 2 threads: 9 decode tiles
      * are 5 + 4, 18 small ones 9 + 9); else X8_RB rows x X8_NZ two-group vectors. */
