@@ -329,8 +329,38 @@ typedef struct {
     const int32_t *sum16;
 } X8Act;
 
+#if defined(Q_X86)
+/* One activation block as quantize_rows computes it, in AVX2: 32 floats -> 32 int8 at q (in
+ * order), d = max|v| / 127, q = round-to-even of v * (1 / d) (cvtps_epi32 under the default
+ * rounding mode, as nearbyintf), and the integer sums of all 32 and of the first 16 values. */
+static inline float x8_quantize32(const float *v, int8_t *q, int32_t *sum, int32_t *sum16) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a[4];
+    for (int i = 0; i < 4; i++) a[i] = _mm256_loadu_ps(v + 8 * i);
+    const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 inv = _mm256_set1_ps(inverse);
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv));
+    const __m256i s0 = _mm256_add_epi32(qi[0], qi[1]), s1 = _mm256_add_epi32(qi[2], qi[3]);
+    __m128i h = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(s0), _mm256_extracti128_si256(s0, 1)),
+                               _mm_add_epi32(_mm256_castsi256_si128(s1), _mm256_extracti128_si256(s1, 1)));
+    h = _mm_hadd_epi32(h, h); /* [first 16, last 16, ...] */
+    *sum16 = _mm_cvtsi128_si32(h);
+    *sum = *sum16 + _mm_extract_epi32(h, 1);
+    /* packs work per 128-bit half: the dword permute puts the 32 bytes back in order */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return d;
+}
+#endif
+
 /* The file layout's quantization of activation rows (the same values as quantize_rows), with each
- * block's integer sum; rows in parallel (a row's blocks depend on that row only). */
+ * block's integer sums; rows in parallel (a row's blocks depend on that row only). */
 static void quantize_rows_x8(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx, int32_t *xsum, float *sx,
                              int32_t *xsum16, int threads) {
     const int64_t blocks = k / QK;
@@ -339,18 +369,23 @@ static void quantize_rows_x8(const float *x, int64_t m, int64_t k, int8_t *xq, f
         for (int64_t b = 0; b < blocks; b++) {
             const float *v = x + r * k + b * QK;
             int8_t *q = xq + r * k + b * QK;
+            int32_t sum = 0, sum16 = 0;
+#if defined(Q_X86)
+            const float d = x8_quantize32(v, q, &sum, &sum16);
+#else
             float amax = 0.0f;
             /* fmaxf's result (a NaN never wins either way), as a comparison GCC vectorizes */
             for (int l = 0; l < QK; l++) amax = fabsf(v[l]) > amax ? fabsf(v[l]) : amax;
             const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-            int32_t sum = 0;
             for (int l = 0; l < QK; l++) {
                 q[l] = (int8_t)nearbyintf(v[l] * inverse);
                 sum += q[l];
-                if (l == 15) xsum16[r * blocks + b] = sum;
+                if (l == 15) sum16 = sum;
             }
+#endif
             dx[r * blocks + b] = d;
             xsum[r * blocks + b] = sum;
+            xsum16[r * blocks + b] = sum16;
             sx[r * blocks + b] = d * (float)sum;
         }
 }
