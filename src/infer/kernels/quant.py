@@ -170,7 +170,8 @@ class QuantKernels:
                 linear.argtypes, linear.restype = \
                     [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int], ctypes.c_int
                 rows = getattr(lib, f"quant_dequantize_rows_{infix}{qt.suffix}")
-                rows.argtypes, rows.restype = [pointer, size, pointer, size, pointer], None
+                # x8 also takes out_features (where the last run of groups ends, quant_x8.h)
+                rows.argtypes, rows.restype = [pointer, *([size] if infix else []), size, pointer, size, pointer], None
             if qt.name in self.x8_types:
                 repack = getattr(lib, f"quant_repack_x8_{qt.suffix}")
                 repack.argtypes, repack.restype = [pointer, size, size, pointer], None
@@ -263,8 +264,8 @@ class QuantKernels:
                              f"[{int(flat.min())}, {int(flat.max())}]")
         out = torch.empty(*ids.shape, weight.in_features, dtype=torch.float32)
         if flat.numel():
-            function(
-                weight.data.data_ptr(), weight.in_features, flat.data_ptr(), flat.numel(), out.data_ptr())
+            shape = (weight.out_features, weight.in_features) if weight.layout == LAYOUT_X8 else (weight.in_features,)
+            function(weight.data.data_ptr(), *shape, flat.data_ptr(), flat.numel(), out.data_ptr())
         return out
 
 
