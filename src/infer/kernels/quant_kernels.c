@@ -675,12 +675,13 @@ static inline void x8_k_scale_min(const uint8_t *s, int c, int *sc, int *m) {
     }
 }
 
-/* Q4_K x8 block, 1184 bytes: float16 d[8] at 0 and -dmin[8] at 16 (the sign flipped at repack:
- * exact), the six-bit scales sc[8 chunks][8 rows] at 32 and mins m[8][8] at 96 a byte each, the
- * nibble units at 160. Per output, chunk c in order (isum exact):
+/* Q4_K x8 block, 1152 bytes (the file's 8 blocks): float16 d[8] at 0 and -dmin[8] at 16 (the sign
+ * flipped at repack: exact), the six-bit scales and mins of chunk c, row j: sc | (m >> 4) << 6 in
+ * byte 32 + 8c + j and m's low four bits in nibble c % 2 of byte 96 + 8 (c / 2) + j; the nibble
+ * units at 128. Per output, chunk c in order (isum exact):
  *     acc = fmaf((float)isum_c, (d * sc_c) * dx_c, acc);  acc = fmaf((-dmin) * m_c, sx_c, acc) */
 static void x8_repack_q4_k(const uint8_t *const *rows, uint8_t *dst) {
-    memset(dst, 0, 1184);
+    memset(dst, 0, 1152);
     for (int j = 0; j < 8; j++) {
         const uint8_t *f = rows[j];
         if (!f) continue;
@@ -689,8 +690,9 @@ static void x8_repack_q4_k(const uint8_t *const *rows, uint8_t *dst) {
         for (int c = 0; c < 8; c++) {
             int sc, m;
             x8_k_scale_min(f + 4, c, &sc, &m);
-            dst[32 + 8 * c + j] = (uint8_t)sc, dst[96 + 8 * c + j] = (uint8_t)m;
-            for (int l = 0; l < QK; l++) x8_k_put_nibble(dst, 160, j, c, l, f[16 + 32 * (c >> 1) + l] >> (4 * (c & 1)));
+            dst[32 + 8 * c + j] = (uint8_t)(sc | (m >> 4) << 6);
+            dst[96 + 8 * (c >> 1) + j] |= (uint8_t)((m & 15) << (4 * (c & 1)));
+            for (int l = 0; l < QK; l++) x8_k_put_nibble(dst, 128, j, c, l, f[16 + 32 * (c >> 1) + l] >> (4 * (c & 1)));
         }
     }
 }
@@ -706,7 +708,7 @@ static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *c
         for (int w = 0; w < 8; w++) {
             GW lo[X8_NZ_MAX], hi[X8_NZ_MAX];
             for (int z = 0; z < NZ; z++) {
-                GW v = gw_load(gp[2 * z] + 160 + 32 * (8 * p + w), gp[2 * z + 1] + 160 + 32 * (8 * p + w));
+                GW v = gw_load(gp[2 * z] + 128 + 32 * (8 * p + w), gp[2 * z + 1] + 128 + 32 * (8 * p + w));
                 lo[z] = gw_lo(v), hi[z] = gw_hi(v);
             }
             for (int r = 0; r < R; r++) {
@@ -717,8 +719,11 @@ static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *c
         for (int h = 0; h < 2; h++) {
             const int c = 2 * p + h;
             for (int z = 0; z < NZ; z++) {
-                const GF dsc = gf_mul(d[z], gf_u8(gp[2 * z] + 32 + 8 * c, gp[2 * z + 1] + 32 + 8 * c));
-                const GF mn = gf_mul(negmin[z], gf_u8(gp[2 * z] + 96 + 8 * c, gp[2 * z + 1] + 96 + 8 * c));
+                const uint8_t *s0 = gp[2 * z] + 32 + 8 * c, *s1 = gp[2 * z + 1] + 32 + 8 * c;
+                const GF dsc = gf_mul(d[z], gf_bits(s0, s1, 0, 63));
+                const GF m = gf_fma(gf_bits(gp[2 * z] + 96 + 8 * p, gp[2 * z + 1] + 96 + 8 * p, 4 * h, 15),
+                                    gf_bits(s0, s1, 6, 3), gf_set1(16.0f)); /* low + 16 * high, exact */
+                const GF mn = gf_mul(negmin[z], m);
                 for (int r = 0; r < R; r++) {
                     acc[r][z] = gf_fma_i(acc[r][z], h ? i1[r][z] : i0[r][z], gf_mul(dsc, gf_set1(x8_dx(a, r0 + r, 8 * b + c))));
                     acc[r][z] = gf_fma(acc[r][z], mn, gf_set1(x8_sx(a, r0 + r, 8 * b + c)));
@@ -730,8 +735,9 @@ static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *c
 static void x8_dequant_q4_k(const uint8_t *blk, int j, float *out) {
     const float d = fp16_to_f32(read_u16(blk + 2 * j)), negmin = fp16_to_f32(read_u16(blk + 16 + 2 * j));
     for (int c = 0; c < 8; c++) {
-        const float scale = d * (float)blk[32 + 8 * c + j], min = negmin * (float)blk[96 + 8 * c + j];
-        for (int l = 0; l < QK; l++) out[QK * c + l] = scale * (float)x8_k_nibble(blk, 160, j, c, l) + min;
+        const int m = (blk[96 + 8 * (c >> 1) + j] >> (4 * (c & 1)) & 15) | (blk[32 + 8 * c + j] >> 6) << 4;
+        const float scale = d * (float)(blk[32 + 8 * c + j] & 63), min = negmin * (float)m;
+        for (int l = 0; l < QK; l++) out[QK * c + l] = scale * (float)x8_k_nibble(blk, 128, j, c, l) + min;
     }
 }
 
@@ -832,14 +838,14 @@ static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
 #define X8T q4_k
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 144
-#define X8_GROUP_BYTES 1184
+#define X8_GROUP_BYTES 1152
 #include "quant_x8_impl.h"
 #define X8T q6_k
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 210
 #define X8_GROUP_BYTES 1680
 #include "quant_x8_impl.h"
-#define X8_TYPES " x8=q8_0:272,q4_0:144,q4_1:160,q5_0:176,q4_k:1184,q6_k:1680"
+#define X8_TYPES " x8=q8_0:272,q4_0:144,q4_1:160,q5_0:176,q4_k:1152,q6_k:1680"
 
 /* What Python checks at load: the ISA this build holds, the types and their block sizes, the
  * activation block. A mismatch refuses the library instead of misreading the weights. */

@@ -37,7 +37,8 @@
  *   gf_mul(a, b), gf_fma_i(acc, isum, s) = fmaf((float)isum, s, acc), gf_fma(acc, a, b) = fmaf(a, b, acc)
  *   gf_store(p, v)        16 floats
  * For the K types' per-chunk scales:
- *   gf_u8(a, b)           8 uint8 at a (lanes 0-7) and 8 at b (lanes 8-15) as floats
+ *   gf_bits(a, b, s, m)   (byte >> s) & m of 8 bytes at a (lanes 0-7) and 8 at b (lanes 8-15), as floats
+ *                         (m < 256 >> s)
  *   gi_i8(a, b)           8 int8 at a and 8 at b as int32
  *   gi_add(a, b), gi_mul(a, b): lane-wise int32 sum, product (low 32 bits)
  *   gw_and3(w, s)         ((w >> s) & 3) << 4 per byte (Q6_K's top two bits)
@@ -78,7 +79,10 @@ static inline void gf_store(float *p, GF v) { _mm512_storeu_ps(p, v); }
 static inline __m128i x8_two8(const uint8_t *a, const uint8_t *b) {
     return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
 }
-static inline GF gf_u8(const uint8_t *a, const uint8_t *b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x8_two8(a, b))); }
+static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) {
+    const __m128i v = _mm_and_si128(_mm_srl_epi16(x8_two8(a, b), _mm_cvtsi32_si128(s)), _mm_set1_epi8((char)m));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
 static inline GI gi_i8(const uint8_t *a, const uint8_t *b) { return _mm512_cvtepi8_epi32(x8_two8(a, b)); }
 static inline GI gi_add(GI a, GI b) { return _mm512_add_epi32(a, b); }
 static inline GI gi_mul(GI a, GI b) { return _mm512_mullo_epi32(a, b); }
@@ -140,9 +144,12 @@ static inline GF gf_fma_i(GF acc, GI v, GF s) {
 }
 static inline GF gf_fma(GF acc, GF a, GF b) { return (GF){_mm256_fmadd_ps(a.a, b.a, acc.a), _mm256_fmadd_ps(a.b, b.b, acc.b)}; }
 static inline void gf_store(float *p, GF v) { _mm256_storeu_ps(p, v.a), _mm256_storeu_ps(p + 8, v.b); }
-static inline __m256 x8_u8_256(const uint8_t *a) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)a))); }
+static inline __m256 x8_bits256(const uint8_t *a, int s, int m) {
+    const __m128i v = _mm_and_si128(_mm_srl_epi16(_mm_loadl_epi64((const __m128i *)a), _mm_cvtsi32_si128(s)), _mm_set1_epi8((char)m));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
 static inline __m256i x8_i8_256(const uint8_t *a) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)a)); }
-static inline GF gf_u8(const uint8_t *a, const uint8_t *b) { return (GF){x8_u8_256(a), x8_u8_256(b)}; }
+static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) { return (GF){x8_bits256(a, s, m), x8_bits256(b, s, m)}; }
 static inline GI gi_i8(const uint8_t *a, const uint8_t *b) { return (GI){x8_i8_256(a), x8_i8_256(b)}; }
 static inline GI gi_add(GI a, GI b) { return (GI){_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)}; }
 static inline GI gi_mul(GI a, GI b) { return (GI){_mm256_mullo_epi32(a.a, b.a), _mm256_mullo_epi32(a.b, b.b)}; }
@@ -217,8 +224,10 @@ static inline GF gf_fma(GF acc, GF a, GF b) {
 static inline void gf_store(float *p, GF v) {
     for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, v.v[i]);
 }
-static inline GF gf_u8(const uint8_t *a, const uint8_t *b) {
-    const uint16x8_t wa = vmovl_u8(vld1_u8(a)), wb = vmovl_u8(vld1_u8(b));
+static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) {
+    const int8x8_t shift = vdup_n_s8((int8_t)-s);
+    const uint8x8_t mask = vdup_n_u8((uint8_t)m);
+    const uint16x8_t wa = vmovl_u8(vand_u8(vshl_u8(vld1_u8(a), shift), mask)), wb = vmovl_u8(vand_u8(vshl_u8(vld1_u8(b), shift), mask));
     return (GF){{vcvtq_f32_u32(vmovl_u16(vget_low_u16(wa))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(wa))),
                  vcvtq_f32_u32(vmovl_u16(vget_low_u16(wb))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(wb)))}};
 }
@@ -286,9 +295,9 @@ static inline GF gf_mul(GF a, GF b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v
 static inline GF gf_fma_i(GF acc, GI v, GF s) { for (int l = 0; l < 16; l++) acc.v[l] = fmaf((float)v.v[l], s.v[l], acc.v[l]); return acc; }
 static inline GF gf_fma(GF acc, GF a, GF b) { for (int l = 0; l < 16; l++) acc.v[l] = fmaf(a.v[l], b.v[l], acc.v[l]); return acc; }
 static inline void gf_store(float *p, GF v) { memcpy(p, v.v, sizeof v.v); }
-static inline GF gf_u8(const uint8_t *a, const uint8_t *b) {
+static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) {
     GF f;
-    for (int l = 0; l < 8; l++) f.v[l] = (float)a[l], f.v[l + 8] = (float)b[l];
+    for (int l = 0; l < 8; l++) f.v[l] = (float)((a[l] >> s) & m), f.v[l + 8] = (float)((b[l] >> s) & m);
     return f;
 }
 static inline GI gi_i8(const uint8_t *a, const uint8_t *b) {
