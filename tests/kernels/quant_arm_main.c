@@ -18,7 +18,7 @@ static const struct { LinearFn linear; RowsFn rows; int64_t elems, bytes; X8Fns 
     {quant_linear_q4_1, quant_dequantize_rows_q4_1, 32, 20, {quant_linear_x8_q4_1, quant_dequantize_rows_x8_q4_1, quant_repack_x8_q4_1, 160}},
     {quant_linear_q5_0, quant_dequantize_rows_q5_0, 32, 22, {quant_linear_x8_q5_0, quant_dequantize_rows_x8_q5_0, quant_repack_x8_q5_0, 176}},
     {quant_linear_q4_k, quant_dequantize_rows_q4_k, 256, 144, {quant_linear_x8_q4_k, quant_dequantize_rows_x8_q4_k, quant_repack_x8_q4_k, 1152}},
-    {quant_linear_q5_k, quant_dequantize_rows_q5_k, 256, 176, {0}},
+    {quant_linear_q5_k, quant_dequantize_rows_q5_k, 256, 176, {quant_linear_x8_q5_k, quant_dequantize_rows_x8_q5_k, quant_repack_x8_q5_k, 1408}},
     {quant_linear_q6_k, quant_dequantize_rows_q6_k, 256, 210, {quant_linear_x8_q6_k, quant_dequantize_rows_x8_q6_k, quant_repack_x8_q6_k, 1680}},
 };
 

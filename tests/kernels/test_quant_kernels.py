@@ -160,19 +160,25 @@ def test_x8_is_the_reference_bit_for_bit_for_any_rows_and_threads(qk: QuantKerne
     assert moved[:, -1].any() and not moved[:, :-1].any()
 
 
+def test_a_type_without_an_x8_layout_is_refused_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every type has an x8 layout today; one that had none (not in X8_GROUP_BYTES) is named."""
+    monkeypatch.delitem(quant.X8_GROUP_BYTES, "Q6_K")
+    with pytest.raises(ValueError, match="Q6_K has no x8 layout"):
+        quant.check_weight(QuantWeight("Q6_K", 4, 256, torch.zeros(1, 1680, dtype=torch.uint8), "x8"))
+
+
 @pytest.mark.parametrize("qtype", [t for t in X8_TYPES if QUANT_TYPES[t].block_elems == 256])
 def test_x8_k_types_at_their_integer_extremes(qk: QuantKernels, qtype: str) -> None:
-    """The K types' integer sums at their largest: every weight value at its extreme (Q4_K: 15 with
-    scale and min 63; Q6_K: -32 with 16-value scales -128, |isum| = 128 * 32 * 127 * 32, just under
+    """The K types' integer sums at their largest: every weight value at its extreme (Q4_K: 15, Q5_K:
+    31, with scale and min 63; Q6_K: -32 with 16-value scales -128, |isum| = 128 * 32 * 127 * 32, just under
     2^24) against activations of 127 and -127 (AVX2's maddubs pairs must not saturate, the float
     convert must be exact): still reference_linear_x8's bits, on every variant."""
     qt = QUANT_TYPES[qtype]
     rows, in_features = 9, 512
     raw = quant.random_blocks(qtype, rows, in_features, torch.Generator().manual_seed(11))
     blocks = raw.reshape(-1, qt.block_bytes)
-    if qtype == "Q4_K":
-        blocks[:, 4:16] = 0xFF  # every six-bit scale and min 63
-        blocks[:, 16:] = 0xFF  # every value 15
+    if qtype in ("Q4_K", "Q5_K"):
+        blocks[:, 4:] = 0xFF  # every six-bit scale and min 63, every value 15 (Q5_K: 31)
     else:
         blocks[:, 0:192] = 0  # every value 0 - 32
         blocks[:, 192:208] = 0x80  # every scale -128
@@ -236,7 +242,6 @@ def test_bad_inputs_raise_value_errors(qk: QuantKernels) -> None:
         (lambda: qk.linear(x, raw), "must be a QuantWeight"),  # type: ignore[arg-type]
         (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 64, raw, "x8")), r"of shape \(1, 288\)"),
         (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 64, raw, "x16")), "unknown weight layout 'x16'"),
-        (lambda: qk.linear(torch.randn(2, 256), QuantWeight("Q5_K", 4, 256, raw, "x8")), "Q5_K has no x8 layout"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([0, 4])), r"ids must lie in \[0, 4\)"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([-1])), r"ids must lie in \[0, 4\)"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([0.0])), "integer CPU tensor"),

@@ -64,7 +64,7 @@ QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
 
 # The x8 layout's types and the bytes of one x8 block (8 rows' blocks of the same columns): the
 # mirror of X8_TYPES in quant_kernels.c (a type is registered in both).
-X8_GROUP_BYTES: dict[str, int] = {"Q8_0": 272, "Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q4_K": 1152, "Q6_K": 1680}
+X8_GROUP_BYTES: dict[str, int] = {"Q8_0": 272, "Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q4_K": 1152, "Q5_K": 1408, "Q6_K": 1680}
 LAYOUT_FILE, LAYOUT_X8 = "file", "x8"
 X8_ROWS = 8  # weight rows per x8 group
 

@@ -678,10 +678,13 @@ static inline void x8_k_scale_min(const uint8_t *s, int c, int *sc, int *m) {
 /* Q4_K x8 block, 1152 bytes (the file's 8 blocks): float16 d[8] at 0 and -dmin[8] at 16 (the sign
  * flipped at repack: exact), the six-bit scales and mins of chunk c, row j: sc | (m >> 4) << 6 in
  * byte 32 + 8c + j and m's low four bits in nibble c % 2 of byte 96 + 8 (c / 2) + j; the nibble
- * units at 128. Per output, chunk c in order (isum exact):
+ * units at 128. Q5_K x8 block, 1408 bytes: the same, then the fifth bits at 1152: unit (p, t) =
+ * 32 bytes at 1152 + 32 (2p + t), byte 4j + i's bit s = row j's value 4 (4t + s) + i of chunk 2p,
+ * bit 4 + s the same of chunk 2p + 1. Per output, chunk c in order (isum exact):
  *     acc = fmaf((float)isum_c, (d * sc_c) * dx_c, acc);  acc = fmaf((-dmin) * m_c, sx_c, acc) */
-static void x8_repack_q4_k(const uint8_t *const *rows, uint8_t *dst) {
-    memset(dst, 0, 1152);
+static void x8_repack_k45(const uint8_t *const *rows, uint8_t *dst, int fifth) {
+    memset(dst, 0, fifth ? 1408 : 1152);
+    const int qs = fifth ? 48 : 16; /* the file's nibbles (Q5_K: after qh[32] at 16) */
     for (int j = 0; j < 8; j++) {
         const uint8_t *f = rows[j];
         if (!f) continue;
@@ -692,13 +695,20 @@ static void x8_repack_q4_k(const uint8_t *const *rows, uint8_t *dst) {
             x8_k_scale_min(f + 4, c, &sc, &m);
             dst[32 + 8 * c + j] = (uint8_t)(sc | (m >> 4) << 6);
             dst[96 + 8 * (c >> 1) + j] |= (uint8_t)((m & 15) << (4 * (c & 1)));
-            for (int l = 0; l < QK; l++) x8_k_put_nibble(dst, 128, j, c, l, f[16 + 32 * (c >> 1) + l] >> (4 * (c & 1)));
+            for (int l = 0; l < QK; l++) {
+                x8_k_put_nibble(dst, 128, j, c, l, f[qs + 32 * (c >> 1) + l] >> (4 * (c & 1)));
+                if (fifth)
+                    dst[1152 + 32 * (2 * (c >> 1) + (l >> 4)) + 4 * j + (l & 3)] |=
+                        (uint8_t)(((f[16 + l] >> c) & 1) << (4 * (c & 1) + ((l >> 2) & 3)));
+            }
         }
     }
 }
-static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
-                                                                const int NZ) {
+static void x8_repack_q4_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 0); }
+static void x8_repack_q5_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 1); }
+static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                               int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                               const int NZ, const int fifth) {
     GF d[X8_NZ_MAX], negmin[X8_NZ_MAX];
     for (int z = 0; z < NZ; z++) d[z] = gf_fp16(gp[2 * z], gp[2 * z + 1]), negmin[z] = gf_fp16(gp[2 * z] + 16, gp[2 * z + 1] + 16);
     for (int p = 0; p < 4; p++) {
@@ -710,6 +720,11 @@ static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *c
             for (int z = 0; z < NZ; z++) {
                 GW v = gw_load(gp[2 * z] + 128 + 32 * (8 * p + w), gp[2 * z + 1] + 128 + 32 * (8 * p + w));
                 lo[z] = gw_lo(v), hi[z] = gw_hi(v);
+                if (fifth) {
+                    const int at = 1152 + 32 * (2 * p + (w >> 2));
+                    GW h = gw_load(gp[2 * z] + at, gp[2 * z + 1] + at);
+                    lo[z] = gw_or(lo[z], gw_and1(h, w & 3)), hi[z] = gw_or(hi[z], gw_and1(h, 4 + (w & 3)));
+                }
             }
             for (int r = 0; r < R; r++) {
                 GX x0 = x8_x(a, r0 + r, 8 * b + 2 * p, w), x1 = x8_x(a, r0 + r, 8 * b + 2 * p + 1, w);
@@ -732,14 +747,30 @@ static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *c
         }
     }
 }
-static void x8_dequant_q4_k(const uint8_t *blk, int j, float *out) {
+static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                const int NZ) {
+    x8_block_k45(gp, a, r0, b, acc, R, NZ, 0);
+}
+static inline __attribute__((always_inline)) void x8_block_q5_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                const int NZ) {
+    x8_block_k45(gp, a, r0, b, acc, R, NZ, 1);
+}
+static void x8_dequant_k45(const uint8_t *blk, int j, float *out, int fifth) {
     const float d = fp16_to_f32(read_u16(blk + 2 * j)), negmin = fp16_to_f32(read_u16(blk + 16 + 2 * j));
     for (int c = 0; c < 8; c++) {
         const int m = (blk[96 + 8 * (c >> 1) + j] >> (4 * (c & 1)) & 15) | (blk[32 + 8 * c + j] >> 6) << 4;
         const float scale = d * (float)(blk[32 + 8 * c + j] & 63), min = negmin * (float)m;
-        for (int l = 0; l < QK; l++) out[QK * c + l] = scale * (float)x8_k_nibble(blk, 128, j, c, l) + min;
+        for (int l = 0; l < QK; l++) {
+            int q = x8_k_nibble(blk, 128, j, c, l);
+            if (fifth) q |= ((blk[1152 + 32 * (2 * (c >> 1) + (l >> 4)) + 4 * j + (l & 3)] >> (4 * (c & 1) + ((l >> 2) & 3))) & 1) << 4;
+            out[QK * c + l] = scale * (float)q + min;
+        }
     }
 }
+static void x8_dequant_q4_k(const uint8_t *blk, int j, float *out) { x8_dequant_k45(blk, j, out, 0); }
+static void x8_dequant_q5_k(const uint8_t *blk, int j, float *out) { x8_dequant_k45(blk, j, out, 1); }
 
 /* Q6_K x8 block, 1680 bytes: float16 d[8] at 0, the int8 scales sc[8 chunks][2 halves][8 rows]
  * at 16 (half 0: a chunk's values 0-15), the low four bits as nibble units at 144, the top two
@@ -840,12 +871,17 @@ static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
 #define X8_FILE_BYTES 144
 #define X8_GROUP_BYTES 1152
 #include "quant_x8_impl.h"
+#define X8T q5_k
+#define X8_ELEMS 256
+#define X8_FILE_BYTES 176
+#define X8_GROUP_BYTES 1408
+#include "quant_x8_impl.h"
 #define X8T q6_k
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 210
 #define X8_GROUP_BYTES 1680
 #include "quant_x8_impl.h"
-#define X8_TYPES " x8=q8_0:272,q4_0:144,q4_1:160,q5_0:176,q4_k:1152,q6_k:1680"
+#define X8_TYPES " x8=q8_0:272,q4_0:144,q4_1:160,q5_0:176,q4_k:1152,q5_k:1408,q6_k:1680"
 
 /* What Python checks at load: the ISA this build holds, the types and their block sizes, the
  * activation block. A mismatch refuses the library instead of misreading the weights. */
