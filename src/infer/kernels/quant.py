@@ -73,8 +73,9 @@ X8_ROWS = 8  # weight rows per x8 group
 class QuantWeight:
     """A weight ready for the kernels, in ``layout``: ``"file"``: ``data`` is uint8 [out_features,
     in_features / block_elems * block_bytes], ggml's blocks as stored in the file; ``"x8"``: uint8
-    [ceil(out_features / 8), in_features / block_elems * X8_GROUP_BYTES[qtype]], each row one group
-    of 8 weight rows interleaved (``QuantKernels.pack`` makes it; the last group padded with zeros)."""
+    [ceil(out_features / 8), in_features / block_elems * X8_GROUP_BYTES[qtype]]: groups of 8 weight
+    rows interleaved, stored in runs of 8 groups interleaved block by block (quant_x8.h;
+    ``QuantKernels.pack`` makes it; the last group padded with zeros)."""
 
     qtype: str
     out_features: int

@@ -3,8 +3,8 @@
  * Included by quant_kernels.c on x86 and in the portable build (ARM NEON keeps the file layout).
  *
  * Layout. A weight of n rows becomes ceil(n / 8) groups of 8 rows (the last one padded with zero
- * blocks); group g is contiguous: its blocks in order, each X8 block holding the 8 rows' blocks
- * (same columns) interleaved in 4-byte units, so one 32-bit lane of a vector holds 4 consecutive
+ * blocks), stored in runs of X8_RUN groups interleaved block by block (below: x8_group_at), each
+ * X8 block holding the 8 rows' blocks (same columns) interleaved in 4-byte units, so one 32-bit lane of a vector holds 4 consecutive
  * values of one row and a vector dot product against 4 activation bytes broadcast to every lane
  * gives the 8 rows' partial sums in 8 int32 lanes. Each type's exact bytes are documented with its
  * code in quant_kernels.c (x8_repack_<t>).
