@@ -10,19 +10,21 @@
 typedef int (*LinearFn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, const float *, float *, int);
 typedef void (*RowsFn)(const uint8_t *, int64_t, const int64_t *, int64_t, float *);
 typedef void (*RepackFn)(const uint8_t *, int64_t, int64_t, uint8_t *);
-typedef struct { LinearFn linear; RowsFn rows; RepackFn repack; int64_t group_bytes; } X8Fns;
+typedef void (*RowsX8Fn)(const uint8_t *, int64_t, int64_t, const int64_t *, int64_t, float *); /* + n */
+typedef struct { LinearFn linear; RowsX8Fn rows; RepackFn repack; int64_t group_bytes; } X8Fns;
 static const struct { LinearFn linear; RowsFn rows; int64_t elems, bytes; X8Fns x8; } TYPES[] = {
     {quant_linear_q8_0, quant_dequantize_rows_q8_0, 32, 34, {quant_linear_x8_q8_0, quant_dequantize_rows_x8_q8_0, quant_repack_x8_q8_0, 272}},
     {quant_linear_q4_0, quant_dequantize_rows_q4_0, 32, 18, {quant_linear_x8_q4_0, quant_dequantize_rows_x8_q4_0, quant_repack_x8_q4_0, 144}},
     {quant_linear_q4_1, quant_dequantize_rows_q4_1, 32, 20, {quant_linear_x8_q4_1, quant_dequantize_rows_x8_q4_1, quant_repack_x8_q4_1, 160}},
     {quant_linear_q5_0, quant_dequantize_rows_q5_0, 32, 22, {quant_linear_x8_q5_0, quant_dequantize_rows_x8_q5_0, quant_repack_x8_q5_0, 176}},
-    {quant_linear_q4_k, quant_dequantize_rows_q4_k, 256, 144, {0}}, {quant_linear_q5_k, quant_dequantize_rows_q5_k, 256, 176, {0}},
-    {quant_linear_q6_k, quant_dequantize_rows_q6_k, 256, 210, {0}},
+    {quant_linear_q4_k, quant_dequantize_rows_q4_k, 256, 144, {quant_linear_x8_q4_k, quant_dequantize_rows_x8_q4_k, quant_repack_x8_q4_k, 1152}},
+    {quant_linear_q5_k, quant_dequantize_rows_q5_k, 256, 176, {quant_linear_x8_q5_k, quant_dequantize_rows_x8_q5_k, quant_repack_x8_q5_k, 1408}},
+    {quant_linear_q6_k, quant_dequantize_rows_q6_k, 256, 210, {quant_linear_x8_q6_k, quant_dequantize_rows_x8_q6_k, quant_repack_x8_q6_k, 1680}},
 };
 
 /* y for all m rows in one call, y row by row, the n rows dequantized: the harness's three outputs */
-static int emit(LinearFn linear, RowsFn rows, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
-                float *y, float *dense, int64_t *ids) {
+static int emit(LinearFn linear, RowsFn rows, RowsX8Fn rows_x8, const uint8_t *w, int64_t n, int64_t k, const float *x,
+                int64_t m, float *y, float *dense, int64_t *ids) {
     if (linear(w, n, k, x, m, NULL, y, 1)) return 3;
     fwrite(y, sizeof(float), (size_t)(m * n), stdout);
     for (int64_t r = 0; r < m; r++) {
@@ -30,7 +32,8 @@ static int emit(LinearFn linear, RowsFn rows, const uint8_t *w, int64_t n, int64
         fwrite(y, sizeof(float), (size_t)n, stdout);
     }
     for (int64_t i = 0; i < n; i++) ids[i] = i;
-    rows(w, k, ids, n, dense);
+    if (rows_x8) rows_x8(w, n, k, ids, n, dense);
+    else rows(w, k, ids, n, dense);
     fwrite(dense, sizeof(float), (size_t)(n * k), stdout);
     return 0;
 }
@@ -56,12 +59,12 @@ int main(void) {
     float *dense = malloc(sizeof(float) * (size_t)(n * k));
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)n);
     printf("%s\n", infer_quant_layout());
-    int failed = emit(TYPES[type].linear, TYPES[type].rows, w, n, k, x, m, y, dense, ids);
+    int failed = emit(TYPES[type].linear, TYPES[type].rows, NULL, w, n, k, x, m, y, dense, ids);
     const X8Fns *x8 = &TYPES[type].x8;
     if (!failed && x8->linear) {
         uint8_t *packed = malloc((size_t)((n + 7) / 8 * (k / TYPES[type].elems) * x8->group_bytes));
         x8->repack(w, n, k, packed);
-        failed = emit(x8->linear, x8->rows, packed, n, k, x, m, y, dense, ids);
+        failed = emit(x8->linear, NULL, x8->rows, packed, n, k, x, m, y, dense, ids);
     }
     return failed;
 }

@@ -134,11 +134,12 @@ def test_x8_is_the_reference_bit_for_bit_for_any_rows_and_threads(qk: QuantKerne
     one fmaf per 32-value block, in block order), so every output is exactly reference_linear_x8's:
     whatever the number of rows in the call (1 = a decode step's tile, many = prefill tiles), the
     thread count, and for a row count that is not a multiple of 8 (the padded last group)."""
-    in_features = 640
-    raw = _weight(qtype, out_features, in_features, 8, from_gguf=True)
+    block = QUANT_TYPES[qtype].block_elems
+    in_features = 640 if block == 32 else 768  # 20 blocks of 32, or 3 K super-blocks
+    raw = _weight(qtype, out_features, in_features, 8, from_gguf=qtype in GGUF_QUANTIZES)
     weight = qk.pack(raw, qtype, in_features)
     assert weight.layout == "x8" and weight.data.shape == (-(-out_features // 8),
-                                                           in_features // 32 * quant.X8_GROUP_BYTES[qtype])
+                                                           in_features // block * quant.X8_GROUP_BYTES[qtype])
     generator = torch.Generator().manual_seed(9)
     x = torch.randn(11, in_features, generator=generator) * torch.rand(11, 1, generator=generator) * 10
     x[3, 64:96] = 0.0  # an all-zero activation block
@@ -157,6 +158,39 @@ def test_x8_is_the_reference_bit_for_bit_for_any_rows_and_threads(qk: QuantKerne
     changed[out_features - 1, 2 + 4] ^= 0x11  # a quant byte of the last row's first block
     moved = qk.linear(x, qk.pack(changed, qtype, in_features), bias) != want
     assert moved[:, -1].any() and not moved[:, :-1].any()
+
+
+def test_a_type_without_an_x8_layout_is_refused_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every type has an x8 layout today; one that had none (not in X8_GROUP_BYTES) is named."""
+    monkeypatch.delitem(quant.X8_GROUP_BYTES, "Q6_K")
+    with pytest.raises(ValueError, match="Q6_K has no x8 layout"):
+        quant.check_weight(QuantWeight("Q6_K", 4, 256, torch.zeros(1, 1680, dtype=torch.uint8), "x8"))
+
+
+@pytest.mark.parametrize("qtype", [t for t in X8_TYPES if QUANT_TYPES[t].block_elems == 256])
+def test_x8_k_types_at_their_integer_extremes(qk: QuantKernels, qtype: str) -> None:
+    """The K types' integer sums at their largest: every weight value at its extreme (Q4_K: 15, Q5_K:
+    31, with scale and min 63; Q6_K: -32 with 16-value scales -128, |isum| = 128 * 32 * 127 * 32, just under
+    2^24) against activations of 127 and -127 (AVX2's maddubs pairs must not saturate, the float
+    convert must be exact): still reference_linear_x8's bits, on every variant."""
+    qt = QUANT_TYPES[qtype]
+    rows, in_features = 9, 512
+    raw = quant.random_blocks(qtype, rows, in_features, torch.Generator().manual_seed(11))
+    blocks = raw.reshape(-1, qt.block_bytes)
+    if qtype in ("Q4_K", "Q5_K"):
+        blocks[:, 4:] = 0xFF  # every six-bit scale and min 63, every value 15 (Q5_K: 31)
+    else:
+        blocks[:, 0:192] = 0  # every value 0 - 32
+        blocks[:, 192:208] = 0x80  # every scale -128
+    x = torch.ones(4, in_features)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # alternating signs
+    x[3] = torch.linspace(-3, 3, in_features)
+    got = qk.linear(x, qk.pack(raw, qtype, in_features))
+    assert torch.equal(got, quant.reference_linear_x8(x, raw, qtype, in_features))
+    if qtype == "Q6_K":  # the extreme really is reached: each value is d * -128 * -32, each activation 1
+        d = blocks[:, 208:210].contiguous().view(torch.float16).float().reshape(rows, -1)
+        assert torch.allclose(got[0], (d * 128 * 32 * 256).sum(dim=1), rtol=1e-5)
 
 
 def test_reference_fmaf_rounds_once() -> None:
@@ -208,7 +242,6 @@ def test_bad_inputs_raise_value_errors(qk: QuantKernels) -> None:
         (lambda: qk.linear(x, raw), "must be a QuantWeight"),  # type: ignore[arg-type]
         (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 64, raw, "x8")), r"of shape \(1, 288\)"),
         (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 64, raw, "x16")), "unknown weight layout 'x16'"),
-        (lambda: qk.linear(torch.randn(2, 256), QuantWeight("Q6_K", 4, 256, raw, "x8")), "Q6_K has no x8 layout"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([0, 4])), r"ids must lie in \[0, 4\)"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([-1])), r"ids must lie in \[0, 4\)"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([0.0])), "integer CPU tensor"),

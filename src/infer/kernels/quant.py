@@ -64,7 +64,7 @@ QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
 
 # The x8 layout's types and the bytes of one x8 block (8 rows' blocks of the same columns): the
 # mirror of X8_TYPES in quant_kernels.c (a type is registered in both).
-X8_GROUP_BYTES: dict[str, int] = {"Q8_0": 272, "Q4_0": 144, "Q4_1": 160, "Q5_0": 176}
+X8_GROUP_BYTES: dict[str, int] = {"Q8_0": 272, "Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q4_K": 1152, "Q5_K": 1408, "Q6_K": 1680}
 LAYOUT_FILE, LAYOUT_X8 = "file", "x8"
 X8_ROWS = 8  # weight rows per x8 group
 
@@ -73,8 +73,9 @@ X8_ROWS = 8  # weight rows per x8 group
 class QuantWeight:
     """A weight ready for the kernels, in ``layout``: ``"file"``: ``data`` is uint8 [out_features,
     in_features / block_elems * block_bytes], ggml's blocks as stored in the file; ``"x8"``: uint8
-    [ceil(out_features / 8), in_features / block_elems * X8_GROUP_BYTES[qtype]], each row one group
-    of 8 weight rows interleaved (``QuantKernels.pack`` makes it; the last group padded with zeros)."""
+    [ceil(out_features / 8), in_features / block_elems * X8_GROUP_BYTES[qtype]]: groups of 8 weight
+    rows interleaved, stored in runs of 8 groups interleaved block by block (quant_x8.h;
+    ``QuantKernels.pack`` makes it; the last group padded with zeros)."""
 
     qtype: str
     out_features: int
@@ -170,7 +171,8 @@ class QuantKernels:
                 linear.argtypes, linear.restype = \
                     [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int], ctypes.c_int
                 rows = getattr(lib, f"quant_dequantize_rows_{infix}{qt.suffix}")
-                rows.argtypes, rows.restype = [pointer, size, pointer, size, pointer], None
+                # x8 also takes out_features (where the last run of groups ends, quant_x8.h)
+                rows.argtypes, rows.restype = [pointer, *([size] if infix else []), size, pointer, size, pointer], None
             if qt.name in self.x8_types:
                 repack = getattr(lib, f"quant_repack_x8_{qt.suffix}")
                 repack.argtypes, repack.restype = [pointer, size, size, pointer], None
@@ -263,8 +265,8 @@ class QuantKernels:
                              f"[{int(flat.min())}, {int(flat.max())}]")
         out = torch.empty(*ids.shape, weight.in_features, dtype=torch.float32)
         if flat.numel():
-            function(
-                weight.data.data_ptr(), weight.in_features, flat.data_ptr(), flat.numel(), out.data_ptr())
+            shape = (weight.out_features, weight.in_features) if weight.layout == LAYOUT_X8 else (weight.in_features,)
+            function(weight.data.data_ptr(), *shape, flat.data_ptr(), flat.numel(), out.data_ptr())
         return out
 
 
@@ -414,19 +416,25 @@ def fmaf(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 def reference_linear_x8(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_features: int,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What ``QuantKernels.linear`` computes on the x8 layout, bit for bit (quant_x8.h's sequence):
-    per output, over the 32-value blocks in order from acc = 0, acc = fmaf(float(isum), d_w * d_x,
-    acc), then acc = fmaf(m_w, sx, acc) for the types with a min; then + bias."""
+    """What ``QuantKernels.linear`` computes on the x8 layout, bit for bit (quant_x8.h's sequence,
+    and the K types' beside their code in quant_kernels.c): per output, over the 32-value chunks
+    in order from acc = 0, acc = fmaf(float(isum), scale * d_x, acc), then acc = fmaf(min, sx, acc)
+    for the types with a min; then + bias. ``isum`` is the chunk's exact integer dot product (Q6_K:
+    its two 16-value halves times their integer scales), ``scale`` the chunk's float scale
+    (Q4_K: d * sc; Q6_K: d) and ``min`` its float min (Q4_K: -dmin * m)."""
     qt = quant_type(qtype)
-    if qt.name not in X8_GROUP_BYTES or qt.block_elems != ACTIVATION_BLOCK:
-        raise ValueError(f"reference_linear_x8 covers the 32-value x8 types, not {qt.name}")
+    if qt.name not in X8_GROUP_BYTES:
+        raise ValueError(f"{qt.name} has no x8 layout (the x8 types: {', '.join(X8_GROUP_BYTES)})")
     w = decode_weight(raw, qt.name, in_features)
     xq, dx, sx = quantize_activations(x.detach().to(torch.float32).reshape(-1, in_features).numpy())
-    isum = np.einsum("ncl,mcl->mnc", w.q, xq).astype(np.float32)  # exact: |isum| < 2^24
+    lo = np.einsum("ncl,mcl->mnc", w.q[..., :16], xq[..., :16])
+    hi = np.einsum("ncl,mcl->mnc", w.q[..., 16:], xq[..., 16:])
+    isum = (lo * w.lane_scale[None, ..., 0] + hi * w.lane_scale[None, ..., 1]).astype(np.float32)  # |isum| < 2^24
+    has_min = qt.name in ("Q4_1", "Q4_K", "Q5_K")
     acc = np.zeros(isum.shape[:2], dtype=np.float32)
     for c in range(isum.shape[2]):
         acc = fmaf(isum[..., c], w.scale[None, :, c] * dx[:, None, c], acc)
-        if qt.name == "Q4_1":
+        if has_min:
             acc = fmaf(np.broadcast_to(w.min[None, :, c], acc.shape), np.broadcast_to(sx[:, None, c], acc.shape), acc)
     out = torch.from_numpy(acc).reshape(*x.shape[:-1], w.q.shape[0])
     return out if bias is None else out + bias.to(torch.float32)

@@ -654,6 +654,196 @@ static void x8_dequant_q8_0(const uint8_t *blk, int j, float *out) {
         for (int i = 0; i < 4; i++) out[4 * u + i] = d * (float)(int8_t)blk[16 + 32 * u + 4 * j + i];
 }
 
+/* The K types: super-blocks of 256 values in 8 chunks of 32, each chunk with its own integer
+ * scale (Q6_K: one per 16 values). A chunk meets its activation block (same dx) in an exact
+ * integer dot product; its float work is one fmaf per output (plus the min term). Chunks 2p and
+ * 2p + 1 share nibble bytes: unit (p, w) = 32 bytes at qs + 32 (8p + w), row j's 4 bytes at 4j,
+ * byte i's low nibble is chunk 2p's value 4w + i and its high nibble chunk 2p + 1's. */
+static inline size_t x8_k_nibble_at(int qs, int j, int c, int l) { return (size_t)(qs + 32 * (8 * (c >> 1) + (l >> 2)) + 4 * j + (l & 3)); }
+static inline void x8_k_put_nibble(uint8_t *dst, int qs, int j, int c, int l, int v) {
+    dst[x8_k_nibble_at(qs, j, c, l)] |= (uint8_t)((v & 15) << (4 * (c & 1)));
+}
+static inline int x8_k_nibble(const uint8_t *blk, int qs, int j, int c, int l) {
+    return (blk[x8_k_nibble_at(qs, j, c, l)] >> (4 * (c & 1))) & 15;
+}
+/* 6-bit scale and min of chunk c from a Q4_K/Q5_K file block's 12 scale bytes s */
+static inline void x8_k_scale_min(const uint8_t *s, int c, int *sc, int *m) {
+    if (c < 4) {
+        *sc = s[c] & 63, *m = s[c + 4] & 63;
+    } else {
+        *sc = (s[c + 4] & 15) | ((s[c - 4] >> 6) << 4), *m = (s[c + 4] >> 4) | ((s[c] >> 6) << 4);
+    }
+}
+
+/* Q4_K x8 block, 1152 bytes (the file's 8 blocks): float16 d[8] at 0 and -dmin[8] at 16 (the sign
+ * flipped at repack: exact), the six-bit scales and mins of chunk c, row j: sc | (m >> 4) << 6 in
+ * byte 32 + 8c + j and m's low four bits in nibble c % 2 of byte 96 + 8 (c / 2) + j; the nibble
+ * units at 128. Q5_K x8 block, 1408 bytes: the same, then the fifth bits at 1152: unit (p, t) =
+ * 32 bytes at 1152 + 32 (2p + t), byte 4j + i's bit s = row j's value 4 (4t + s) + i of chunk 2p,
+ * bit 4 + s the same of chunk 2p + 1. Per output, chunk c in order (isum exact):
+ *     acc = fmaf((float)isum_c, (d * sc_c) * dx_c, acc);  acc = fmaf((-dmin) * m_c, sx_c, acc) */
+static void x8_repack_k45(const uint8_t *const *rows, uint8_t *dst, int fifth) {
+    memset(dst, 0, fifth ? 1408 : 1152);
+    const int qs = fifth ? 48 : 16; /* the file's nibbles (Q5_K: after qh[32] at 16) */
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *f = rows[j];
+        if (!f) continue;
+        memcpy(dst + 2 * j, f, 2);
+        dst[16 + 2 * j] = f[2], dst[16 + 2 * j + 1] = (uint8_t)(f[3] ^ 0x80);
+        for (int c = 0; c < 8; c++) {
+            int sc, m;
+            x8_k_scale_min(f + 4, c, &sc, &m);
+            dst[32 + 8 * c + j] = (uint8_t)(sc | (m >> 4) << 6);
+            dst[96 + 8 * (c >> 1) + j] |= (uint8_t)((m & 15) << (4 * (c & 1)));
+            for (int l = 0; l < QK; l++) {
+                x8_k_put_nibble(dst, 128, j, c, l, f[qs + 32 * (c >> 1) + l] >> (4 * (c & 1)));
+                if (fifth)
+                    dst[1152 + 32 * (2 * (c >> 1) + (l >> 4)) + 4 * j + (l & 3)] |=
+                        (uint8_t)(((f[16 + l] >> c) & 1) << (4 * (c & 1) + ((l >> 2) & 3)));
+            }
+        }
+    }
+}
+static void x8_repack_q4_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 0); }
+static void x8_repack_q5_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 1); }
+static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                               int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                               const int NZ, const int fifth) {
+    GF d[X8_NZ_MAX], negmin[X8_NZ_MAX];
+    for (int z = 0; z < NZ; z++) d[z] = gf_fp16(gp[2 * z], gp[2 * z + 1]), negmin[z] = gf_fp16(gp[2 * z] + 16, gp[2 * z + 1] + 16);
+    for (int p = 0; p < 4; p++) {
+        GI i0[X8_RB][X8_NZ_MAX], i1[X8_RB][X8_NZ_MAX];
+        for (int r = 0; r < R; r++)
+            for (int z = 0; z < NZ; z++) i0[r][z] = i1[r][z] = gi_set1(0);
+        for (int w = 0; w < 8; w++) {
+            GW lo[X8_NZ_MAX], hi[X8_NZ_MAX];
+            for (int z = 0; z < NZ; z++) {
+                GW v = gw_load(gp[2 * z] + 128 + 32 * (8 * p + w), gp[2 * z + 1] + 128 + 32 * (8 * p + w));
+                lo[z] = gw_lo(v), hi[z] = gw_hi(v);
+                if (fifth) {
+                    const int at = 1152 + 32 * (2 * p + (w >> 2));
+                    GW h = gw_load(gp[2 * z] + at, gp[2 * z + 1] + at);
+                    lo[z] = gw_or(lo[z], gw_and1(h, w & 3)), hi[z] = gw_or(hi[z], gw_and1(h, 4 + (w & 3)));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                GX x0 = x8_x(a, r0 + r, 8 * b + 2 * p, w), x1 = x8_x(a, r0 + r, 8 * b + 2 * p + 1, w);
+                for (int z = 0; z < NZ; z++) i0[r][z] = gi_dot_u(i0[r][z], lo[z], x0), i1[r][z] = gi_dot_u(i1[r][z], hi[z], x1);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const int c = 2 * p + h;
+            for (int z = 0; z < NZ; z++) {
+                const uint8_t *s0 = gp[2 * z] + 32 + 8 * c, *s1 = gp[2 * z + 1] + 32 + 8 * c;
+                const GF dsc = gf_mul(d[z], gf_bits(s0, s1, 0, 63));
+                const GF m = gf_fma(gf_bits(gp[2 * z] + 96 + 8 * p, gp[2 * z + 1] + 96 + 8 * p, 4 * h, 15),
+                                    gf_bits(s0, s1, 6, 3), gf_set1(16.0f)); /* low + 16 * high, exact */
+                const GF mn = gf_mul(negmin[z], m);
+                for (int r = 0; r < R; r++) {
+                    acc[r][z] = gf_fma_i(acc[r][z], h ? i1[r][z] : i0[r][z], gf_mul(dsc, gf_set1(x8_dx(a, r0 + r, 8 * b + c))));
+                    acc[r][z] = gf_fma(acc[r][z], mn, gf_set1(x8_sx(a, r0 + r, 8 * b + c)));
+                }
+            }
+        }
+    }
+}
+static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                const int NZ) {
+    x8_block_k45(gp, a, r0, b, acc, R, NZ, 0);
+}
+static inline __attribute__((always_inline)) void x8_block_q5_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                const int NZ) {
+    x8_block_k45(gp, a, r0, b, acc, R, NZ, 1);
+}
+static void x8_dequant_k45(const uint8_t *blk, int j, float *out, int fifth) {
+    const float d = fp16_to_f32(read_u16(blk + 2 * j)), negmin = fp16_to_f32(read_u16(blk + 16 + 2 * j));
+    for (int c = 0; c < 8; c++) {
+        const int m = (blk[96 + 8 * (c >> 1) + j] >> (4 * (c & 1)) & 15) | (blk[32 + 8 * c + j] >> 6) << 4;
+        const float scale = d * (float)(blk[32 + 8 * c + j] & 63), min = negmin * (float)m;
+        for (int l = 0; l < QK; l++) {
+            int q = x8_k_nibble(blk, 128, j, c, l);
+            if (fifth) q |= ((blk[1152 + 32 * (2 * (c >> 1) + (l >> 4)) + 4 * j + (l & 3)] >> (4 * (c & 1) + ((l >> 2) & 3))) & 1) << 4;
+            out[QK * c + l] = scale * (float)q + min;
+        }
+    }
+}
+static void x8_dequant_q4_k(const uint8_t *blk, int j, float *out) { x8_dequant_k45(blk, j, out, 0); }
+static void x8_dequant_q5_k(const uint8_t *blk, int j, float *out) { x8_dequant_k45(blk, j, out, 1); }
+
+/* Q6_K x8 block, 1680 bytes: float16 d[8] at 0, the int8 scales sc[8 chunks][2 halves][8 rows]
+ * at 16 (half 0: a chunk's values 0-15), the low four bits as nibble units at 144, the top two
+ * bits at 1168: unit (c, t) = 32 bytes at 1168 + 32 (2c + t), byte 4j + i's bits 2s, 2s + 1 =
+ * row j's value 4 (4t + s) + i of chunk c. A value is (low | top << 4) - 32: the unsigned
+ * (low | top << 4) goes into the dot product, each half's sum started at -32 * its activation
+ * sum. Per output, chunk c in order (isum exact, |isum| < 2^24):
+ *     isum_c = sc0 * dot(values 0-15) + sc1 * dot(values 16-31);  acc = fmaf((float)isum_c, d * dx_c, acc) */
+static void x8_repack_q6_k(const uint8_t *const *rows, uint8_t *dst) {
+    memset(dst, 0, 1680);
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *f = rows[j];
+        if (!f) continue;
+        memcpy(dst + 2 * j, f + 208, 2);
+        for (int c = 0; c < 8; c++) {
+            const int half = c / 4, kk = c % 4;
+            dst[16 + 16 * c + j] = f[192 + 8 * half + 2 * kk], dst[16 + 16 * c + 8 + j] = f[192 + 8 * half + 2 * kk + 1];
+            for (int l = 0; l < QK; l++) {
+                const int low = (f[64 * half + 32 * (kk & 1) + l] >> (4 * (kk >> 1))) & 15;
+                const int top = (f[128 + 32 * half + l] >> (2 * kk)) & 3;
+                x8_k_put_nibble(dst, 144, j, c, l, low);
+                dst[1168 + 32 * (2 * c + (l >> 4)) + 4 * j + (l & 3)] |= (uint8_t)(top << (2 * ((l >> 2) & 3)));
+            }
+        }
+    }
+}
+static inline __attribute__((always_inline)) void x8_block_q6_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                const int NZ) {
+    GF d[X8_NZ_MAX];
+    for (int z = 0; z < NZ; z++) d[z] = gf_fp16(gp[2 * z], gp[2 * z + 1]);
+    for (int c = 0; c < 8; c++) {
+        const int64_t xb = 8 * b + c;
+        GI half[2][X8_RB][X8_NZ_MAX];
+        for (int r = 0; r < R; r++) {
+            const int32_t s16 = a->sum16[(r0 + r) * a->xblocks + xb];
+            for (int z = 0; z < NZ; z++) half[0][r][z] = gi_set1(-32 * s16), half[1][r][z] = gi_set1(-32 * (x8_xsum(a, r0 + r, xb) - s16));
+        }
+        for (int t = 0; t < 2; t++) {
+            GW top[X8_NZ_MAX];
+            for (int z = 0; z < NZ; z++) top[z] = gw_load(gp[2 * z] + 1168 + 32 * (2 * c + t), gp[2 * z + 1] + 1168 + 32 * (2 * c + t));
+            for (int s = 0; s < 4; s++) {
+                const int w = 4 * t + s;
+                GW u[X8_NZ_MAX];
+                for (int z = 0; z < NZ; z++) {
+                    GW v = gw_load(gp[2 * z] + 144 + 32 * (8 * (c >> 1) + w), gp[2 * z + 1] + 144 + 32 * (8 * (c >> 1) + w));
+                    u[z] = gw_or(c & 1 ? gw_hi(v) : gw_lo(v), gw_and3(top[z], 2 * s));
+                }
+                for (int r = 0; r < R; r++) {
+                    GX xv = x8_x(a, r0 + r, xb, w);
+                    for (int z = 0; z < NZ; z++) half[t][r][z] = gi_dot_u(half[t][r][z], u[z], xv);
+                }
+            }
+        }
+        for (int z = 0; z < NZ; z++) {
+            const GI sc0 = gi_i8(gp[2 * z] + 16 + 16 * c, gp[2 * z + 1] + 16 + 16 * c);
+            const GI sc1 = gi_i8(gp[2 * z] + 24 + 16 * c, gp[2 * z + 1] + 24 + 16 * c);
+            for (int r = 0; r < R; r++)
+                acc[r][z] = gf_fma_i(acc[r][z], gi_add(gi_mul(half[0][r][z], sc0), gi_mul(half[1][r][z], sc1)),
+                                     gf_mul(d[z], gf_set1(x8_dx(a, r0 + r, xb))));
+        }
+    }
+}
+static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
+    const float d = fp16_to_f32(read_u16(blk + 2 * j));
+    for (int c = 0; c < 8; c++)
+        for (int l = 0; l < QK; l++) {
+            const int top = (blk[1168 + 32 * (2 * c + (l >> 4)) + 4 * j + (l & 3)] >> (2 * ((l >> 2) & 3))) & 3;
+            const float scale = d * (float)(int8_t)blk[16 + 16 * c + 8 * (l >> 4) + j];
+            out[QK * c + l] = scale * (float)((x8_k_nibble(blk, 144, j, c, l) | top << 4) - 32);
+        }
+}
+
 /* Registration: one include per x8 type, and its name:group bytes in X8_TYPES (Python mirrors
  * both in quant.X8_GROUP_BYTES). */
 #define X8T q8_0
@@ -676,7 +866,22 @@ static void x8_dequant_q8_0(const uint8_t *blk, int j, float *out) {
 #define X8_FILE_BYTES 22
 #define X8_GROUP_BYTES 176
 #include "quant_x8_impl.h"
-#define X8_TYPES " x8=q8_0:272,q4_0:144,q4_1:160,q5_0:176"
+#define X8T q4_k
+#define X8_ELEMS 256
+#define X8_FILE_BYTES 144
+#define X8_GROUP_BYTES 1152
+#include "quant_x8_impl.h"
+#define X8T q5_k
+#define X8_ELEMS 256
+#define X8_FILE_BYTES 176
+#define X8_GROUP_BYTES 1408
+#include "quant_x8_impl.h"
+#define X8T q6_k
+#define X8_ELEMS 256
+#define X8_FILE_BYTES 210
+#define X8_GROUP_BYTES 1680
+#include "quant_x8_impl.h"
+#define X8_TYPES " x8=q8_0:272,q4_0:144,q4_1:160,q5_0:176,q4_k:1152,q5_k:1408,q6_k:1680"
 
 /* What Python checks at load: the ISA this build holds, the types and their block sizes, the
  * activation block. A mismatch refuses the library instead of misreading the weights. */

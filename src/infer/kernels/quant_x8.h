@@ -3,8 +3,8 @@
  * Included by quant_kernels.c on x86 and in the portable build (ARM NEON keeps the file layout).
  *
  * Layout. A weight of n rows becomes ceil(n / 8) groups of 8 rows (the last one padded with zero
- * blocks); group g is contiguous: its blocks in order, each X8 block holding the 8 rows' blocks
- * (same columns) interleaved in 4-byte units, so one 32-bit lane of a vector holds 4 consecutive
+ * blocks), stored in runs of X8_RUN groups interleaved block by block (below: x8_group_at), each
+ * X8 block holding the 8 rows' blocks (same columns) interleaved in 4-byte units, so one 32-bit lane of a vector holds 4 consecutive
  * values of one row and a vector dot product against 4 activation bytes broadcast to every lane
  * gives the 8 rows' partial sums in 8 int32 lanes. Each type's exact bytes are documented with its
  * code in quant_kernels.c (x8_repack_<t>).
@@ -36,6 +36,12 @@
  *   gf_zero(), gf_set1(f), gf_fp16(a, b): 8 float16 at a and 8 at b as floats
  *   gf_mul(a, b), gf_fma_i(acc, isum, s) = fmaf((float)isum, s, acc), gf_fma(acc, a, b) = fmaf(a, b, acc)
  *   gf_store(p, v)        16 floats
+ * For the K types' per-chunk scales:
+ *   gf_bits(a, b, s, m)   (byte >> s) & m of 8 bytes at a (lanes 0-7) and 8 at b (lanes 8-15), as floats
+ *                         (m < 256 >> s)
+ *   gi_i8(a, b)           8 int8 at a and 8 at b as int32
+ *   gi_add(a, b), gi_mul(a, b): lane-wise int32 sum, product (low 32 bits)
+ *   gw_and3(w, s)         ((w >> s) & 3) << 4 per byte (Q6_K's top two bits)
  */
 
 #if defined(Q_X86) && defined(Q_VNNI)
@@ -70,6 +76,19 @@ static inline GF gf_mul(GF a, GF b) { return _mm512_mul_ps(a, b); }
 static inline GF gf_fma_i(GF acc, GI v, GF s) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, acc); }
 static inline GF gf_fma(GF acc, GF a, GF b) { return _mm512_fmadd_ps(a, b, acc); }
 static inline void gf_store(float *p, GF v) { _mm512_storeu_ps(p, v); }
+static inline __m128i x8_two8(const uint8_t *a, const uint8_t *b) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+}
+static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) {
+    const __m128i v = _mm_and_si128(_mm_srl_epi16(x8_two8(a, b), _mm_cvtsi32_si128(s)), _mm_set1_epi8((char)m));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+static inline GI gi_i8(const uint8_t *a, const uint8_t *b) { return _mm512_cvtepi8_epi32(x8_two8(a, b)); }
+static inline GI gi_add(GI a, GI b) { return _mm512_add_epi32(a, b); }
+static inline GI gi_mul(GI a, GI b) { return _mm512_mullo_epi32(a, b); }
+static inline GW gw_and3(GW w, int s) {
+    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(w, _mm_cvtsi32_si128(s)), _mm512_set1_epi8(3)), 4);
+}
 /* Activation rows per tile and two-group vectors per tile: R x NZ accumulators and as many
  * integer sums, plus the unpacked weights, in 32 registers (2048x8192 and 8192x2048 Q4_0 and
  * Q8_0, 512 rows, 2 threads: 4 x 2 gave 1000-1230 GOP/s, 6 x 2 and 2 x 3 5-20% less, 8 x 1 25% less). */
@@ -125,6 +144,19 @@ static inline GF gf_fma_i(GF acc, GI v, GF s) {
 }
 static inline GF gf_fma(GF acc, GF a, GF b) { return (GF){_mm256_fmadd_ps(a.a, b.a, acc.a), _mm256_fmadd_ps(a.b, b.b, acc.b)}; }
 static inline void gf_store(float *p, GF v) { _mm256_storeu_ps(p, v.a), _mm256_storeu_ps(p + 8, v.b); }
+static inline __m256 x8_bits256(const uint8_t *a, int s, int m) {
+    const __m128i v = _mm_and_si128(_mm_srl_epi16(_mm_loadl_epi64((const __m128i *)a), _mm_cvtsi32_si128(s)), _mm_set1_epi8((char)m));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
+static inline __m256i x8_i8_256(const uint8_t *a) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)a)); }
+static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) { return (GF){x8_bits256(a, s, m), x8_bits256(b, s, m)}; }
+static inline GI gi_i8(const uint8_t *a, const uint8_t *b) { return (GI){x8_i8_256(a), x8_i8_256(b)}; }
+static inline GI gi_add(GI a, GI b) { return (GI){_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)}; }
+static inline GI gi_mul(GI a, GI b) { return (GI){_mm256_mullo_epi32(a.a, b.a), _mm256_mullo_epi32(a.b, b.b)}; }
+static inline __m256i x8_and3_256(__m256i w, int s) {
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(3)), 4);
+}
+static inline GW gw_and3(GW w, int s) { return (GW){x8_and3_256(w.a, s), x8_and3_256(w.b, s)}; }
 /* 16 ymm registers: one two-group vector (two ymm) by 4 rows spills some accumulators and still
  * beat 2 rows (2048x8192 Q4_0, 512 rows, 1 thread: 210 GOP/s vs 182; Q8_0 even) */
 #ifndef X8_RB
@@ -192,6 +224,31 @@ static inline GF gf_fma(GF acc, GF a, GF b) {
 static inline void gf_store(float *p, GF v) {
     for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, v.v[i]);
 }
+static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) {
+    const int8x8_t shift = vdup_n_s8((int8_t)-s);
+    const uint8x8_t mask = vdup_n_u8((uint8_t)m);
+    const uint16x8_t wa = vmovl_u8(vand_u8(vshl_u8(vld1_u8(a), shift), mask)), wb = vmovl_u8(vand_u8(vshl_u8(vld1_u8(b), shift), mask));
+    return (GF){{vcvtq_f32_u32(vmovl_u16(vget_low_u16(wa))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(wa))),
+                 vcvtq_f32_u32(vmovl_u16(vget_low_u16(wb))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(wb)))}};
+}
+static inline GI gi_i8(const uint8_t *a, const uint8_t *b) {
+    const int16x8_t wa = vmovl_s8(vld1_s8((const int8_t *)a)), wb = vmovl_s8(vld1_s8((const int8_t *)b));
+    return (GI){{vmovl_s16(vget_low_s16(wa)), vmovl_s16(vget_high_s16(wa)), vmovl_s16(vget_low_s16(wb)),
+                 vmovl_s16(vget_high_s16(wb))}};
+}
+static inline GI gi_add(GI a, GI b) {
+    for (int i = 0; i < 4; i++) a.v[i] = vaddq_s32(a.v[i], b.v[i]);
+    return a;
+}
+static inline GI gi_mul(GI a, GI b) {
+    for (int i = 0; i < 4; i++) a.v[i] = vmulq_s32(a.v[i], b.v[i]);
+    return a;
+}
+static inline GW gw_and3(GW w, int s) {
+    for (int i = 0; i < 4; i++)
+        w.v[i] = vshlq_n_u8(vandq_u8(vshlq_u8(w.v[i], vdupq_n_s8((int8_t)-s)), vdupq_n_u8(3)), 4);
+    return w;
+}
 /* 32 registers: 4 rows x one two-group vector (four registers each) */
 #ifndef X8_RB
 #define X8_RB 2
@@ -238,6 +295,19 @@ static inline GF gf_mul(GF a, GF b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v
 static inline GF gf_fma_i(GF acc, GI v, GF s) { for (int l = 0; l < 16; l++) acc.v[l] = fmaf((float)v.v[l], s.v[l], acc.v[l]); return acc; }
 static inline GF gf_fma(GF acc, GF a, GF b) { for (int l = 0; l < 16; l++) acc.v[l] = fmaf(a.v[l], b.v[l], acc.v[l]); return acc; }
 static inline void gf_store(float *p, GF v) { memcpy(p, v.v, sizeof v.v); }
+static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) {
+    GF f;
+    for (int l = 0; l < 8; l++) f.v[l] = (float)((a[l] >> s) & m), f.v[l + 8] = (float)((b[l] >> s) & m);
+    return f;
+}
+static inline GI gi_i8(const uint8_t *a, const uint8_t *b) {
+    GI v;
+    for (int l = 0; l < 8; l++) v.v[l] = (int8_t)a[l], v.v[l + 8] = (int8_t)b[l];
+    return v;
+}
+static inline GI gi_add(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] += b.v[l]; return a; }
+static inline GI gi_mul(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v[l]; return a; }
+static inline GW gw_and3(GW w, int s) { for (int l = 0; l < 64; l++) w.b[l] = (uint8_t)(((w.b[l] >> s) & 3) << 4); return w; }
 #ifndef X8_RB
 #define X8_RB 2
 #endif
@@ -256,37 +326,88 @@ static inline void gf_store(float *p, GF v) { memcpy(p, v.v, sizeof v.v); }
 #define X8_AHEAD 1024
 #endif
 
+/* Groups are stored in runs of X8_RUN (the last run may be shorter): a run's groups interleaved
+ * block by block, so a tile of a run's groups (a decode step's 8 on AVX-512) reads one sequential
+ * stream. Eight separate streams read 20 GB/s on one core of the project's EPYC where one stream
+ * reads 34 (the prefetchers follow one stream best; software prefetching did not close the gap).
+ * Block b of group g is at x8_group_at(g) + b * x8_stride(g), both in x8 blocks of its type. */
+#define X8_RUN 8
+static inline int64_t x8_run_groups(int64_t g, int64_t groups) {
+    const int64_t start = g - g % X8_RUN;
+    return groups - start < X8_RUN ? groups - start : X8_RUN;
+}
+static inline int64_t x8_group_at(int64_t g, int64_t blocks) { return (g - g % X8_RUN) * blocks + g % X8_RUN; }
+_Static_assert(X8_RUN % (2 * X8_NZ) == 0 && X8_RUN % (2 * X8_NZ_DECODE) == 0, "a tile's groups must lie in one run");
+
 /* The quantized activations of a call: row r's value e is q[r * k + e]; its 32-value block c has
- * scale d[r * xblocks + c], integer sum sum[...] and float sum s[...] = d * (float)sum. */
+ * scale d[r * xblocks + c], integer sum sum[...], the integer sum of its first 16 values
+ * sum16[...] (Q6_K's 16-value scales) and float sum s[...] = d * (float)sum. */
 typedef struct {
     const int8_t *q;
     const float *d;
     const int32_t *sum;
     const float *s;
     int64_t k, xblocks;
+    const int32_t *sum16;
 } X8Act;
 
+#if defined(Q_X86)
+/* One activation block as quantize_rows computes it, in AVX2: 32 floats -> 32 int8 at q (in
+ * order), d = max|v| / 127, q = round-to-even of v * (1 / d) (cvtps_epi32 under the default
+ * rounding mode, as nearbyintf), and the integer sums of all 32 and of the first 16 values. */
+static inline float x8_quantize32(const float *v, int8_t *q, int32_t *sum, int32_t *sum16) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a[4];
+    for (int i = 0; i < 4; i++) a[i] = _mm256_loadu_ps(v + 8 * i);
+    const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 inv = _mm256_set1_ps(inverse);
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv));
+    const __m256i s0 = _mm256_add_epi32(qi[0], qi[1]), s1 = _mm256_add_epi32(qi[2], qi[3]);
+    __m128i h = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(s0), _mm256_extracti128_si256(s0, 1)),
+                               _mm_add_epi32(_mm256_castsi256_si128(s1), _mm256_extracti128_si256(s1, 1)));
+    h = _mm_hadd_epi32(h, h); /* [first 16, last 16, ...] */
+    *sum16 = _mm_cvtsi128_si32(h);
+    *sum = *sum16 + _mm_extract_epi32(h, 1);
+    /* packs work per 128-bit half: the dword permute puts the 32 bytes back in order */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return d;
+}
+#endif
+
 /* The file layout's quantization of activation rows (the same values as quantize_rows), with each
- * block's integer sum; rows in parallel (a row's blocks depend on that row only). */
+ * block's integer sums; rows in parallel (a row's blocks depend on that row only). */
 static void quantize_rows_x8(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx, int32_t *xsum, float *sx,
-                             int threads) {
+                             int32_t *xsum16, int threads) {
     const int64_t blocks = k / QK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1)
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const float *v = x + r * k + b * QK;
             int8_t *q = xq + r * k + b * QK;
+            int32_t sum = 0, sum16 = 0;
+#if defined(Q_X86)
+            const float d = x8_quantize32(v, q, &sum, &sum16);
+#else
             float amax = 0.0f;
             /* fmaxf's result (a NaN never wins either way), as a comparison GCC vectorizes */
             for (int l = 0; l < QK; l++) amax = fabsf(v[l]) > amax ? fabsf(v[l]) : amax;
             const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-            int32_t sum = 0;
             for (int l = 0; l < QK; l++) {
                 q[l] = (int8_t)nearbyintf(v[l] * inverse);
                 sum += q[l];
+                if (l == 15) sum16 = sum;
             }
+#endif
             dx[r * blocks + b] = d;
             xsum[r * blocks + b] = sum;
+            xsum16[r * blocks + b] = sum16;
             sx[r * blocks + b] = d * (float)sum;
         }
 }

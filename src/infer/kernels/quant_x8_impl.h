@@ -26,17 +26,17 @@ void X8FN(quant_repack)(const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *rows[8];
             for (int j = 0; j < 8; j++) rows[j] = g * 8 + j < n ? w + (g * 8 + j) * row_bytes + b * X8_FILE_BYTES : NULL;
-            X8TYPEFN(x8_repack)(rows, out + (g * blocks + b) * X8_GROUP_BYTES);
+            X8TYPEFN(x8_repack)(rows, out + (x8_group_at(g, blocks) + b * x8_run_groups(g, groups)) * X8_GROUP_BYTES);
         }
 }
 
 /* acc[r][z] for activation rows r0 .. r0 + R - 1 and the groups gbase[0 .. 2 * NZ - 1] over every
  * block: each output's chain starts at 0 and takes the blocks in order. `stream`: the first pass
  * over these groups (their bytes come from memory: prefetch every line X8_AHEAD bytes ahead; a
- * later row tile finds them in L2, where the prefetches only cost). Near a group's end the
- * prefetch runs on into the same group of the next tile (2 * NZ groups on: the next one this
- * thread takes under a static schedule), so a tile starts on lines already in flight. */
-static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *const *gbase, int64_t blocks,
+ * later row tile finds them in L2, where the prefetches only cost). A decode tile is a run of
+ * groups (quant_x8.h), one sequential stream: near its end the prefetch runs on into the next
+ * run, the tile this thread takes next under a static schedule. */
+static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *const *gbase, int64_t blocks, int64_t stride,
                                                              const X8Act *a, int64_t r0, GF acc[X8_RB][X8_NZ_MAX],
                                                              const int R, const int NZ, const int stream) {
     for (int r = 0; r < R; r++)
@@ -44,13 +44,14 @@ static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *cons
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *gp[2 * X8_NZ_MAX];
         for (int i = 0; i < 2 * NZ; i++) {
-            gp[i] = gbase[i] + b * X8_GROUP_BYTES;
+            gp[i] = gbase[i] + b * stride;
 #if X8_AHEAD > 0
-            if (stream) {
-                const int64_t at = b * X8_GROUP_BYTES + X8_AHEAD, group_bytes = blocks * X8_GROUP_BYTES;
-                const uint8_t *ahead = at < group_bytes ? gp[i] + X8_AHEAD : gbase[i] + 2 * NZ * group_bytes + (at - group_bytes);
-                for (int line = 0; line < X8_GROUP_BYTES; line += 64) __builtin_prefetch(ahead + line);
-            }
+            if (stream) /* the whole blocks that fit in X8_AHEAD ahead in the run's stream (Q4_0: 7 block
+                         * rows, 8 KB), or X8_AHEAD bytes where no block fits (the K types: longer was
+                         * slower, 1-row decode shapes, one thread: Q6_K 25.4 GB/s at 1 KB, 20.4 at one
+                         * block row, 13 KB; Q4_0 31.6 at 7 rows, 25.4 at 1 KB) */
+                for (int line = 0; line < X8_GROUP_BYTES; line += 64)
+                    __builtin_prefetch(gp[i] + (X8_AHEAD >= X8_GROUP_BYTES ? X8_AHEAD / X8_GROUP_BYTES * stride : X8_AHEAD) + line);
 #endif
         }
         X8TYPEFN(x8_block)(gp, a, r0, b, acc, R, NZ);
@@ -62,16 +63,16 @@ static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *cons
  * scratch could not be allocated (y untouched). */
 int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, const float *bias, float *y,
                        int threads) {
-    const int64_t blocks = k / X8_ELEMS, xblocks = k / QK, groups = (n + 7) / 8, group_bytes = blocks * X8_GROUP_BYTES;
+    const int64_t blocks = k / X8_ELEMS, xblocks = k / QK, groups = (n + 7) / 8;
     int8_t *xq = malloc((size_t)(m * k) + 1);
     float *dx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1), *sx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1);
-    int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(m * xblocks) + 1);
+    int32_t *xsum = malloc(2 * sizeof(int32_t) * (size_t)(m * xblocks) + 1);
     if (!xq || !dx || !sx || !xsum) {
         free(xq), free(dx), free(sx), free(xsum);
         return 1;
     }
-    quantize_rows_x8(x, m, k, xq, dx, xsum, sx, threads);
-    const X8Act act = {xq, dx, xsum, sx, k, xblocks};
+    quantize_rows_x8(x, m, k, xq, dx, xsum, sx, xsum + m * xblocks, threads);
+    const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum + m * xblocks};
     /* One activation row: X8_NZ_DECODE two-group vectors per tile, unless the smaller row tiles
      * spread the pairs over the threads more evenly (a 576-row weight on 2 threads: 9 decode tiles
      * are 5 + 4, 18 small ones 9 + 9); else X8_RB rows x X8_NZ two-group vectors. */
@@ -90,25 +91,27 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
         for (int i = 0; i < 2 * nz; i++) {
             int64_t g = t * nz * 2 + i;
             gindex[i] = g < groups ? g : -1;
-            gbase[i] = w + (g < groups ? g : groups - 1) * group_bytes;
+            gbase[i] = w + x8_group_at(g < groups ? g : groups - 1, blocks) * X8_GROUP_BYTES;
         }
+        /* a tile's groups lie in one run (2 * nz divides X8_RUN): one stride */
+        const int64_t stride = x8_run_groups(t * nz * 2, groups) * X8_GROUP_BYTES;
         GF acc[X8_RB][X8_NZ_MAX];
         for (int64_t r0 = 0; r0 < m; r0 += rb) {
             const int64_t rn = m - r0 < rb ? m - r0 : rb;
             if (decode) {
-                X8FN(tile)(gbase, blocks, &act, r0, acc, 1, X8_NZ_DECODE, 1);
+                X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 1, X8_NZ_DECODE, 1);
             } else {
                 switch (rn) {
-                case 1: X8FN(tile)(gbase, blocks, &act, r0, acc, 1, X8_NZ, r0 == 0); break;
+                case 1: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 1, X8_NZ, r0 == 0); break;
 #if X8_RB > 2
-                case 2: X8FN(tile)(gbase, blocks, &act, r0, acc, 2, X8_NZ, r0 == 0); break;
-                case 3: X8FN(tile)(gbase, blocks, &act, r0, acc, 3, X8_NZ, r0 == 0); break;
+                case 2: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 2, X8_NZ, r0 == 0); break;
+                case 3: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 3, X8_NZ, r0 == 0); break;
 #endif
 #if X8_RB > 4
-                case 4: X8FN(tile)(gbase, blocks, &act, r0, acc, 4, X8_NZ, r0 == 0); break;
-                case 5: X8FN(tile)(gbase, blocks, &act, r0, acc, 5, X8_NZ, r0 == 0); break;
+                case 4: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 4, X8_NZ, r0 == 0); break;
+                case 5: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 5, X8_NZ, r0 == 0); break;
 #endif
-                default: X8FN(tile)(gbase, blocks, &act, r0, acc, X8_RB, X8_NZ, r0 == 0); break;
+                default: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, X8_RB, X8_NZ, r0 == 0); break;
                 }
             }
             for (int64_t r = 0; r < rn; r++)
@@ -130,13 +133,15 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
     return 0;
 }
 
-/* out[i, :] = row ids[i] of W (x8 layout, k columns) in float, as gguf-py dequantizes it. */
-void X8FN(quant_dequantize_rows)(const uint8_t *w, int64_t k, const int64_t *ids, int64_t count, float *out) {
-    const int64_t blocks = k / X8_ELEMS;
+/* out[i, :] = row ids[i] of W (x8 layout, n rows of k columns) in float, as gguf-py dequantizes it
+ * (n: where the last run of groups ends). */
+void X8FN(quant_dequantize_rows)(const uint8_t *w, int64_t n, int64_t k, const int64_t *ids, int64_t count, float *out) {
+    const int64_t blocks = k / X8_ELEMS, groups = (n + 7) / 8;
     for (int64_t i = 0; i < count; i++) {
-        const uint8_t *group = w + ids[i] / 8 * blocks * X8_GROUP_BYTES;
+        const int64_t g = ids[i] / 8, stride = x8_run_groups(g, groups) * X8_GROUP_BYTES;
+        const uint8_t *group = w + x8_group_at(g, blocks) * X8_GROUP_BYTES;
         for (int64_t b = 0; b < blocks; b++)
-            X8TYPEFN(x8_dequant)(group + b * X8_GROUP_BYTES, (int)(ids[i] % 8), out + i * k + b * X8_ELEMS);
+            X8TYPEFN(x8_dequant)(group + b * stride, (int)(ids[i] % 8), out + i * k + b * X8_ELEMS);
     }
 }
 
