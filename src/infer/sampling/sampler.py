@@ -10,6 +10,7 @@ import torch
 from infer.sampling.params import SamplingParams
 from infer.sampling.transforms import (
     SamplingBatch,
+    argmax_only,
     probs_from_processed,
     process_logits,
     processed_logprobs,
@@ -144,6 +145,9 @@ def sample_with_logprobs(
     outputs: Sequence[Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
     """``sample_next_tokens``, and each token's ``TokenLogprobs`` for the rows whose params ask."""
+    if allowed is None and argmax_only(params) and all(p.logprobs is None for p in params):
+        # Each distribution would be the one-hot argmax of the raw logits: take the argmax.
+        return logits.argmax(dim=-1), [None] * len(params)
     batch = SamplingBatch.from_params(params, logits.device)
     presence = context_presence(batch, contexts, logits.shape[-1], logits.device)
     counts = output_counts(batch, outputs if outputs is not None else [[] for _ in params], logits.shape[-1],
