@@ -522,7 +522,7 @@ static inline __attribute__((always_inline)) void x8_nibble_dots(const uint8_t *
             lo[z] = gw_lo(w), hi[z] = gw_hi(w);
             if (fifth >= 0) {
                 GW h = gw_load(gp[2 * z] + fifth, gp[2 * z + 1] + fifth);
-                lo[z] = gw_or(lo[z], gw_and1(h, u)), hi[z] = gw_or(hi[z], gw_and1(h, 4 + u));
+                lo[z] = gw_or(lo[z], gw_field(h, u, 1)), hi[z] = gw_or(hi[z], gw_field(h, 4 + u, 1));
             }
         }
         for (int r = 0; r < R; r++) {
@@ -723,7 +723,7 @@ static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *co
                 if (fifth) {
                     const int at = 1152 + 32 * (2 * p + (w >> 2));
                     GW h = gw_load(gp[2 * z] + at, gp[2 * z + 1] + at);
-                    lo[z] = gw_or(lo[z], gw_and1(h, w & 3)), hi[z] = gw_or(hi[z], gw_and1(h, 4 + (w & 3)));
+                    lo[z] = gw_or(lo[z], gw_field(h, w & 3, 1)), hi[z] = gw_or(hi[z], gw_field(h, 4 + (w & 3), 1));
                 }
             }
             for (int r = 0; r < R; r++) {
@@ -817,7 +817,7 @@ static inline __attribute__((always_inline)) void x8_block_q6_k(const uint8_t *c
                 GW u[X8_NZ_MAX];
                 for (int z = 0; z < NZ; z++) {
                     GW v = gw_load(gp[2 * z] + 144 + 32 * (8 * (c >> 1) + w), gp[2 * z + 1] + 144 + 32 * (8 * (c >> 1) + w));
-                    u[z] = gw_or(c & 1 ? gw_hi(v) : gw_lo(v), gw_and3(top[z], 2 * s));
+                    u[z] = gw_or(c & 1 ? gw_hi(v) : gw_lo(v), gw_field(top[z], 2 * s, 3));
                 }
                 for (int r = 0; r < R; r++) {
                     GX xv = x8_x(a, r0 + r, xb, w);

@@ -27,7 +27,8 @@
  * AVX2: two ymm; NEON: four 128-bit registers; portable: arrays.
  *   gw_load(a, b)         32 bytes at a (lanes 0-7) and 32 at b (lanes 8-15)
  *   gw_lo(w), gw_hi(w)    each byte's low / high nibble
- *   gw_or(a, b), gw_and1(w, s): lane-wise or; ((w >> s) & 1) << 4 per byte (a fifth bit)
+ *   gw_or(a, b), gw_field(w, s, mask): lane-wise or; ((w >> s) & mask) << 4 per byte (mask 1: a fifth
+ *                         bit; mask 3: Q6_K's top two bits)
  *   gx_load(p)            the 4 bytes at p in every lane
  *   gi_set1(v)            v in every lane
  *   gi_dot_u(acc, w, x)   acc + per lane sum of 4 products w (unsigned, <= 128) x x (signed, |x| <= 127)
@@ -41,7 +42,6 @@
  *                         (m < 256 >> s)
  *   gi_i8(a, b)           8 int8 at a and 8 at b as int32
  *   gi_add(a, b), gi_mul(a, b): lane-wise int32 sum, product (low 32 bits)
- *   gw_and3(w, s)         ((w >> s) & 3) << 4 per byte (Q6_K's top two bits)
  */
 
 #if defined(Q_X86) && defined(Q_VNNI)
@@ -57,8 +57,8 @@ static inline GW gw_load(const uint8_t *a, const uint8_t *b) {
 static inline GW gw_lo(GW w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0f)); }
 static inline GW gw_hi(GW w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0f)); }
 static inline GW gw_or(GW a, GW b) { return _mm512_or_si512(a, b); }
-static inline GW gw_and1(GW w, int s) {
-    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(w, _mm_cvtsi32_si128(s)), _mm512_set1_epi8(1)), 4);
+static inline GW gw_field(GW w, int s, int mask) {
+    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(w, _mm_cvtsi32_si128(s)), _mm512_set1_epi8((char)mask)), 4);
 }
 static inline GX gx_load(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 static inline GI gi_set1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -86,9 +86,6 @@ static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) {
 static inline GI gi_i8(const uint8_t *a, const uint8_t *b) { return _mm512_cvtepi8_epi32(x8_two8(a, b)); }
 static inline GI gi_add(GI a, GI b) { return _mm512_add_epi32(a, b); }
 static inline GI gi_mul(GI a, GI b) { return _mm512_mullo_epi32(a, b); }
-static inline GW gw_and3(GW w, int s) {
-    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(w, _mm_cvtsi32_si128(s)), _mm512_set1_epi8(3)), 4);
-}
 /* Activation rows per tile and two-group vectors per tile: R x NZ accumulators and as many
  * integer sums, plus the unpacked weights, in 32 registers (2048x8192 and 8192x2048 Q4_0 and
  * Q8_0, 512 rows, 2 threads: 4 x 2 gave 1000-1230 GOP/s, 6 x 2 and 2 x 3 5-20% less, 8 x 1 25% less). */
@@ -116,10 +113,10 @@ static inline __m256i x8_hi256(__m256i w) { return _mm256_and_si256(_mm256_srli_
 static inline GW gw_lo(GW w) { return (GW){x8_lo256(w.a), x8_lo256(w.b)}; }
 static inline GW gw_hi(GW w) { return (GW){x8_hi256(w.a), x8_hi256(w.b)}; }
 static inline GW gw_or(GW a, GW b) { return (GW){_mm256_or_si256(a.a, b.a), _mm256_or_si256(a.b, b.b)}; }
-static inline __m256i x8_and1_256(__m256i w, int s) {
-    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1)), 4);
+static inline __m256i x8_field_256(__m256i w, int s, int mask) {
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(s)), _mm256_set1_epi8((char)mask)), 4);
 }
-static inline GW gw_and1(GW w, int s) { return (GW){x8_and1_256(w.a, s), x8_and1_256(w.b, s)}; }
+static inline GW gw_field(GW w, int s, int mask) { return (GW){x8_field_256(w.a, s, mask), x8_field_256(w.b, s, mask)}; }
 static inline GX gx_load(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 static inline GI gi_set1(int32_t v) { return (GI){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
 /* maddubs: pairs of u8 x s8 products summed into int16 (no saturation: w <= 128, |x| <= 127), then
@@ -153,10 +150,6 @@ static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) { ret
 static inline GI gi_i8(const uint8_t *a, const uint8_t *b) { return (GI){x8_i8_256(a), x8_i8_256(b)}; }
 static inline GI gi_add(GI a, GI b) { return (GI){_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)}; }
 static inline GI gi_mul(GI a, GI b) { return (GI){_mm256_mullo_epi32(a.a, b.a), _mm256_mullo_epi32(a.b, b.b)}; }
-static inline __m256i x8_and3_256(__m256i w, int s) {
-    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(3)), 4);
-}
-static inline GW gw_and3(GW w, int s) { return (GW){x8_and3_256(w.a, s), x8_and3_256(w.b, s)}; }
 /* 16 ymm registers: one two-group vector (two ymm) by 4 rows spills some accumulators and still
  * beat 2 rows (2048x8192 Q4_0, 512 rows, 1 thread: 210 GOP/s vs 182; Q8_0 even) */
 #ifndef X8_RB
@@ -190,9 +183,9 @@ static inline GW gw_or(GW a, GW b) {
     for (int i = 0; i < 4; i++) a.v[i] = vorrq_u8(a.v[i], b.v[i]);
     return a;
 }
-static inline GW gw_and1(GW w, int s) {
+static inline GW gw_field(GW w, int s, int mask) {
     for (int i = 0; i < 4; i++)
-        w.v[i] = vshlq_n_u8(vandq_u8(vshlq_u8(w.v[i], vdupq_n_s8((int8_t)-s)), vdupq_n_u8(1)), 4);
+        w.v[i] = vshlq_n_u8(vandq_u8(vshlq_u8(w.v[i], vdupq_n_s8((int8_t)-s)), vdupq_n_u8((uint8_t)mask)), 4);
     return w;
 }
 static inline GX gx_load(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return vreinterpretq_s8_s32(vdupq_n_s32(v)); }
@@ -244,11 +237,6 @@ static inline GI gi_mul(GI a, GI b) {
     for (int i = 0; i < 4; i++) a.v[i] = vmulq_s32(a.v[i], b.v[i]);
     return a;
 }
-static inline GW gw_and3(GW w, int s) {
-    for (int i = 0; i < 4; i++)
-        w.v[i] = vshlq_n_u8(vandq_u8(vshlq_u8(w.v[i], vdupq_n_s8((int8_t)-s)), vdupq_n_u8(3)), 4);
-    return w;
-}
 /* 32 registers: 4 rows x one two-group vector (four registers each) */
 #ifndef X8_RB
 #define X8_RB 2
@@ -270,7 +258,10 @@ static inline GW gw_load(const uint8_t *a, const uint8_t *b) { GW w; memcpy(w.b,
 static inline GW gw_lo(GW w) { for (int l = 0; l < 64; l++) w.b[l] &= 0x0f; return w; }
 static inline GW gw_hi(GW w) { for (int l = 0; l < 64; l++) w.b[l] >>= 4; return w; }
 static inline GW gw_or(GW a, GW b) { for (int l = 0; l < 64; l++) a.b[l] |= b.b[l]; return a; }
-static inline GW gw_and1(GW w, int s) { for (int l = 0; l < 64; l++) w.b[l] = (uint8_t)(((w.b[l] >> s) & 1) << 4); return w; }
+static inline GW gw_field(GW w, int s, int mask) {
+    for (int l = 0; l < 64; l++) w.b[l] = (uint8_t)(((w.b[l] >> s) & mask) << 4);
+    return w;
+}
 static inline GX gx_load(const int8_t *p) { GX x; memcpy(x.b, p, 4); return x; }
 static inline GI gi_set1(int32_t v) { GI a; for (int l = 0; l < 16; l++) a.v[l] = v; return a; }
 static inline GI gi_dot_u(GI acc, GW w, GX x) {
@@ -307,7 +298,6 @@ static inline GI gi_i8(const uint8_t *a, const uint8_t *b) {
 }
 static inline GI gi_add(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] += b.v[l]; return a; }
 static inline GI gi_mul(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v[l]; return a; }
-static inline GW gw_and3(GW w, int s) { for (int l = 0; l < 64; l++) w.b[l] = (uint8_t)(((w.b[l] >> s) & 3) << 4); return w; }
 #ifndef X8_RB
 #define X8_RB 2
 #endif
