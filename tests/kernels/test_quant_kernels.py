@@ -71,10 +71,9 @@ def test_matches_the_reference_and_float(qk: QuantKernels, qtype: str, from_gguf
     x[0, 1, :32] = 0.0  # an all-zero activation block (scale 0)
     bias = torch.randn(out_features, generator=generator)
     weight = qk.pack(raw, qtype, in_features)
-    if qtype in quant.X8_GROUP_BYTES:  # repacked: a copy, 8 rows per group, the last group padded
-        assert weight.layout == "x8" and weight.data.shape[0] == 3 and weight.data.data_ptr() != raw.data_ptr()
-    else:  # the file layout, no copy
-        assert weight.layout == "file" and weight.data.data_ptr() == raw.data_ptr()
+    # repacked: a copy, 8 rows per group, the last group padded
+    assert weight.data.shape == (3, in_features // QUANT_TYPES[qtype].block_elems * QUANT_TYPES[qtype].x8_block_bytes)
+    assert weight.data.data_ptr() != raw.data_ptr()
     got = qk.linear(x, weight, bias)
     assert got.shape == (2, 3, out_features) and got.dtype == torch.float32
 
@@ -123,14 +122,11 @@ def test_rows_and_threads_do_not_change_a_row(qk: QuantKernels, qtype: str) -> N
         assert torch.equal(together, qk.linear(x, weight, threads=2))
 
 
-X8_TYPES = list(quant.X8_GROUP_BYTES)
-
-
-@pytest.mark.parametrize("qtype", X8_TYPES)
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("out_features", [45, 133])  # 6 groups (the last of 5 rows), 17 (an odd count)
 def test_x8_is_the_reference_bit_for_bit_for_any_rows_and_threads(qk: QuantKernels, qtype: str,
                                                                    out_features: int) -> None:
-    """On the x8 layout every variant does the same float operations in the same order (per output,
+    """Every variant does the same float operations in the same order (per output,
     one fmaf per 32-value block, in block order), so every output is exactly reference_linear_x8's:
     whatever the number of rows in the call (1 = a decode step's tile, many = prefill tiles), the
     thread count, and for a row count that is not a multiple of 8 (the padded last group)."""
@@ -138,8 +134,7 @@ def test_x8_is_the_reference_bit_for_bit_for_any_rows_and_threads(qk: QuantKerne
     in_features = 640 if block == 32 else 768  # 20 blocks of 32, or 3 K super-blocks
     raw = _weight(qtype, out_features, in_features, 8, from_gguf=qtype in GGUF_QUANTIZES)
     weight = qk.pack(raw, qtype, in_features)
-    assert weight.layout == "x8" and weight.data.shape == (-(-out_features // 8),
-                                                           in_features // block * quant.X8_GROUP_BYTES[qtype])
+    assert weight.data.shape == (-(-out_features // 8), in_features // block * QUANT_TYPES[qtype].x8_block_bytes)
     generator = torch.Generator().manual_seed(9)
     x = torch.randn(11, in_features, generator=generator) * torch.rand(11, 1, generator=generator) * 10
     x[3, 64:96] = 0.0  # an all-zero activation block
@@ -160,14 +155,7 @@ def test_x8_is_the_reference_bit_for_bit_for_any_rows_and_threads(qk: QuantKerne
     assert moved[:, -1].any() and not moved[:, :-1].any()
 
 
-def test_a_type_without_an_x8_layout_is_refused_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every type has an x8 layout today; one that had none (not in X8_GROUP_BYTES) is named."""
-    monkeypatch.delitem(quant.X8_GROUP_BYTES, "Q6_K")
-    with pytest.raises(ValueError, match="Q6_K has no x8 layout"):
-        quant.check_weight(QuantWeight("Q6_K", 4, 256, torch.zeros(1, 1680, dtype=torch.uint8), "x8"))
-
-
-@pytest.mark.parametrize("qtype", [t for t in X8_TYPES if QUANT_TYPES[t].block_elems == 256])
+@pytest.mark.parametrize("qtype", [t for t in TYPES if QUANT_TYPES[t].block_elems == 256])
 def test_x8_k_types_at_their_integer_extremes(qk: QuantKernels, qtype: str) -> None:
     """The K types' integer sums at their largest: every weight value at its extreme (Q4_K: 15, Q5_K:
     31, with scale and min 63; Q6_K: -32 with 16-value scales -128, |isum| = 128 * 32 * 127 * 32, just under
@@ -237,11 +225,14 @@ def test_bad_inputs_raise_value_errors(qk: QuantKernels) -> None:
         (lambda: qk.linear(x, weight, torch.randn(5)), r"bias must be contiguous with shape \(4,\)"),
         (lambda: qk.linear(x, weight, torch.randn(4).double()), "bias must be a float32"),
         (lambda: qk.linear(x, weight, threads=0), "threads must be a positive int"),
-        (lambda: qk.linear(x, QuantWeight("Q4_0", 5, 64, raw)), "4 rows, weight.out_features says 5"),
-        (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 128, raw)), "bytes per row"),
+        (lambda: qk.linear(x, QuantWeight("Q4_0", 9, 64, weight.data)), r"9 x 64 must be .* of shape \(2, 288\)"),
+        (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 128, weight.data)), r"of shape \(1, 576\)"),
+        (lambda: qk.linear(x, QuantWeight("Q4_0", 0, 64, weight.data)), "out_features must be a positive int"),
+        (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 48, weight.data)), "not a positive multiple of Q4_0's block"),
+        (lambda: qk.linear(x, QuantWeight("Q4_K", 4, 64, weight.data)), "not a positive multiple of Q4_K's block"),
+        (lambda: qk.linear(x, QuantWeight("Q3_K", 4, 64, weight.data)), "unsupported quantization type 'Q3_K'"),
         (lambda: qk.linear(x, raw), "must be a QuantWeight"),  # type: ignore[arg-type]
-        (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 64, raw, "x8")), r"of shape \(1, 288\)"),
-        (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 64, raw, "x16")), "unknown weight layout 'x16'"),
+        (lambda: qk.linear(x, QuantWeight("Q4_0", 4, 64, raw)), r"of shape \(1, 288\)"),  # the file's blocks, not repacked
         (lambda: qk.dequantize_rows(weight, torch.tensor([0, 4])), r"ids must lie in \[0, 4\)"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([-1])), r"ids must lie in \[0, 4\)"),
         (lambda: qk.dequantize_rows(weight, torch.tensor([0.0])), "integer CPU tensor"),
@@ -309,7 +300,7 @@ def test_the_built_in_smollm2_file_in_place() -> None:
         embedding = torch.from_numpy(tensors["token_embd.weight"].data)
     assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "Q4_1" and down.shape == (576, 960)
     weight = found.pack(down, "Q4_1", 1536)
-    assert weight.layout == "x8" and weight.data.shape == (576 // 8, 1536 // 32 * quant.X8_GROUP_BYTES["Q4_1"])
+    assert weight.data.shape == (576 // 8, 1536 // 32 * QUANT_TYPES["Q4_1"].x8_block_bytes)
     x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(7))
     got = found.linear(x, weight)
     want = quant.reference_linear(x, down, "Q4_1", 1536)

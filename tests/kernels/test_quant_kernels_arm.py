@@ -1,5 +1,5 @@
-"""The ARM NEON (dot-product) variant of the quantized kernels, cross-built and run under qemu: the
-file layout and, for the x8 types, the x8 layout (bit for bit reference_linear_x8's, as on x86).
+"""The ARM NEON (dot-product) variant of the quantized kernels, cross-built and run under qemu: every
+block type repacked into the x8 layout, its products bit for bit reference_linear_x8's (as on x86).
 
 No ARM machine runs the tests, so quant_kernels.c is built with ``aarch64-linux-gnu-gcc
 -march=armv8.2-a+dotprod -static`` into a small program (quant_arm_main.c) and run under
@@ -52,7 +52,7 @@ def arm_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("qtype", list(QUANT_TYPES))
 def test_neon_dotprod_kernels_under_qemu(arm_program: Path, qtype: str) -> None:
     qt = QUANT_TYPES[qtype]
-    out_features, in_features, rows = 19, 512, 6  # x8: a pair of groups, then one of 3 rows
+    out_features, in_features, rows = 19, 512, 6  # a pair of groups, then one of 3 rows (padded)
     generator = torch.Generator().manual_seed(11)
     raw = quant.random_blocks(qtype, out_features, in_features, generator)
     x = torch.randn(rows, in_features, generator=generator)
@@ -63,18 +63,15 @@ def test_neon_dotprod_kernels_under_qemu(arm_program: Path, qtype: str) -> None:
     line, _, body = result.stdout.partition(b"\n")
     assert line.decode() == quant.expected_layout("neon-dotprod")  # the NEON path, not the portable one
     values = np.frombuffer(body, dtype=np.float32)
-    size = 2 * rows * out_features + out_features * in_features  # per layout
-    layouts = 2 if qtype in quant.X8_GROUP_BYTES else 1  # the file layout, then x8
-    assert values.size == layouts * size
+    assert values.size == 2 * rows * out_features + out_features * in_features
+    together = torch.from_numpy(values[:rows * out_features].reshape(rows, out_features).copy())
+    alone = torch.from_numpy(values[rows * out_features:2 * rows * out_features].reshape(rows, out_features).copy())
+    dense = values[2 * rows * out_features:].reshape(out_features, in_features)
+    # the same float operations as every variant, so the reference's bits
+    assert torch.equal(together, quant.reference_linear_x8(x, raw, qtype, in_features))
+    assert torch.equal(together, alone)  # a row's bits do not depend on the rows beside it
+    # and the float64-summed reference within float32 rounding (an independent check of the integers)
     want = quant.reference_linear(x, raw, qtype, in_features)
     bound = 1e-5 * quant.reference_terms_scale(x, raw, qtype, in_features) + 1e-6
-    for layout in range(layouts):
-        part = values[layout * size:(layout + 1) * size]
-        together = torch.from_numpy(part[:rows * out_features].reshape(rows, out_features).copy())
-        alone = torch.from_numpy(part[rows * out_features:2 * rows * out_features].reshape(rows, out_features).copy())
-        dense = part[2 * rows * out_features:].reshape(out_features, in_features)
-        assert ((together - want).abs() <= bound).all(), float((together - want).abs().max())
-        assert torch.equal(together, alone)  # a row's bits do not depend on the rows beside it
-        assert np.array_equal(dense, gguf.quants.dequantize(raw.numpy(), GGMLQuantizationType(qt.ggml_type_id)))
-        if layout == 1:  # x8: the same float operations as every variant, so the reference's bits
-            assert torch.equal(together, quant.reference_linear_x8(x, raw, qtype, in_features))
+    assert ((together - want).abs() <= bound).all(), float((together - want).abs().max())
+    assert np.array_equal(dense, gguf.quants.dequantize(raw.numpy(), GGMLQuantizationType(qt.ggml_type_id)))

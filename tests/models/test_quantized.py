@@ -1,5 +1,5 @@
 """Quantized weights stay quantized: GGUF tensors of the kernels' types load as ``QuantLinear`` /
-``QuantEmbedding`` over the file's blocks (mapped, not copied, where the stored layout is used),
+``QuantEmbedding`` over the file's blocks (repacked once at load into the kernels' x8 layout),
 float checkpoints quantize at load (``--quantization``), and a quantized model stays exact under
 speculation: greedy ids equal plain decoding's, sampled tokens follow the quantized target's own
 distribution.
@@ -80,7 +80,7 @@ class FloatActivations:
         return self.kernels.pack(raw, qtype, in_features)
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # every row dequantized as gguf-py does, whatever layout pack chose
+        # every row dequantized as gguf-py does
         dense = self.kernels.dequantize_rows(weight, torch.arange(weight.out_features))
         return F.linear(x, dense, bias)
 
@@ -115,23 +115,20 @@ def file_mapping_range(path: Path) -> tuple[int, int]:
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
 def test_gguf_weights_stay_in_their_blocks(qtype: str, tiny_llama: Path, tmp_path: Path) -> None:
-    """Every projection, the head and the embeddings are quantized modules; in the file layout
-    o_proj and down_proj (used as stored) are views of the file's mapping, the fused and reordered
-    ones copies; in the x8 layout every matrix is its repacked copy; the logits match the same
-    file dequantized, and (Q8_0) the float checkpoint it was made from."""
+    """Every projection, the head and the embeddings are quantized modules, each matrix its x8 copy
+    (none a view of the file's mapping); the logits match the same file dequantized, and (Q8_0) the
+    float checkpoint it was made from."""
     path = write_gguf(tiny_llama, tmp_path / f"{qtype}.gguf", gguf.GGMLQuantizationType[qtype])
     model, _ = load_model(path, "float32", "cpu")
     assert all(isinstance(m, QuantLinear) and m.qtypes == [qtype] for m in projections(model))
     assert isinstance(model.lm_head, QuantLinear) and isinstance(model.model.embed_tokens, QuantEmbedding)
     start, end = file_mapping_range(path)
     layer = model.model.layers[0]
-    layout = model.lm_head.kernels.layout(qtype)
-    kept = (layer.self_attn.o_proj, layer.mlp.down_proj, model.lm_head) if layout == "file" else ()
-    for module in kept:
-        assert start <= module.weights[0].data.data_ptr() < end  # the mapped blocks themselves
-    for module in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, *(m for m in (layer.self_attn.o_proj,
-                   layer.mlp.down_proj, model.lm_head) if m not in kept)):
-        assert module.weights[0].layout == layout and not start <= module.weights[0].data.data_ptr() < end
+    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                   model.lm_head):
+        weight = module.weights[0]
+        assert weight.data.shape[0] == -(-weight.out_features // 8)  # 8 rows per group
+        assert not start <= weight.data.data_ptr() < end
     assert f"quantized ({qtype} x" in model.weights_summary
     dequantized, _ = load_model(path, "float32", "cpu", quantization="none")
     assert not any(isinstance(m, QuantLinear) for m in dequantized.modules())

@@ -2,9 +2,8 @@
 
 For one weight shape (default: out 2048 x in 8192, the 1B shape's down projection) it times, at
 each row count and thread count, interleaved in every repeat:
-  - each quantized-kernel variant this CPU runs, on the GGUF blocks (default Q4_0) in the layout
-    its ``pack`` gives (x8: 8 rows interleaved) and, where that is x8, also in the file layout
-    (the kernels before the x8 layout);
+  - each quantized-kernel variant this CPU runs, on the GGUF blocks (default Q4_0) as its ``pack``
+    gives them (the x8 layout: 8 rows interleaved);
   - ``F.linear`` in float32 on the dequantized weight;
   - PyTorch's weight-only CPU operators at the same shape: ``_weight_int8pack_mm`` (int8 per
     output channel) and ``_weight_int4pack_mm_for_cpu`` (int4, groups of 32), float32 activations;
@@ -105,11 +104,7 @@ def run(qtype: str, out_features: int, in_features: int, rows: list[int], thread
             refused[variant.name] = str(err)
             continue
         assert kernels is not None
-        layout = kernels.layout(qt.name)
-        variants.append((f"{variant.name} {layout}", kernels, [kernels.pack(r, qt.name, in_features) for r in raws]))
-        if layout != quant.LAYOUT_FILE:
-            variants.append((f"{variant.name} file", kernels,
-                             [quant.QuantWeight(qt.name, out_features, in_features, r) for r in raws]))
+        variants.append((variant.name, kernels, [kernels.pack(r, qt.name, in_features) for r in raws]))
 
     buffer = np.ones(STREAM_BYTES // 4, dtype=np.float32)
     target = np.empty_like(buffer)

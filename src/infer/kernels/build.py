@@ -71,7 +71,7 @@ VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 
 # The quantized matrix-vector kernels (quant_kernels.c, infer.kernels.quant), best first. Each
 # holds every GGUF block type; only the int8 dot product and the nibble unpacking differ per ISA.
-QUANT_SOURCES = (_HERE / "quant_kernels.c", _HERE / "quant_kernels_impl.h", _HERE / "quant_x8.h", _HERE / "quant_x8_impl.h")
+QUANT_SOURCES = (_HERE / "quant_kernels.c", _HERE / "quant_x8.h", _HERE / "quant_x8_impl.h")
 _QUANT_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 QUANT_VARIANTS = (
     Variant("avx512-vnni", "AVX-512 VNNI quantized kernels", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",

@@ -1,10 +1,8 @@
 """Matrix-vector products on GGUF-quantized weights, without expanding them to float.
 
-``pack`` makes a weight kernel-ready once, at load, in one of two layouts (``QuantWeight.layout``):
-``"x8"`` (``LAYOUT_X8``: 8 rows interleaved per group, a copy; the types of ``X8_GROUP_BYTES``,
-see quant_x8.h) or ``"file"`` (ggml's blocks exactly as the GGUF file stores them, a zero-copy
-view: the other types). ``linear`` computes
-``x @ W^T`` as ggml does: each activation row is quantized to int8 per 32 elements (scale
+``pack`` makes a weight kernel-ready once, at load: the file's blocks repacked into the x8 layout
+(8 rows interleaved per group, a copy; see quant_x8.h), the one layout the kernels read.
+``linear`` computes ``x @ W^T`` as ggml does: each activation row is quantized to int8 per 32 elements (scale
 ``max|x| / 127``, round to nearest even), each 32-element chunk of a weight row meets it in an
 integer dot product, and the products times the blocks' float scales (and the min terms of Q4_1,
 Q4_K, Q5_K) are summed in float32. One C library per ISA (``build.QUANT_VARIANTS``: AVX-512 VNNI,
@@ -12,10 +10,10 @@ AVX2, ARM NEON with dot products, portable C), the best this CPU runs chosen at 
 
 Exactness: an output row depends only on its activation row and the weight, bit for bit, whatever
 the number of rows in the call and the thread count, so a verification pass reproduces a decode
-step. ``reference_linear`` is the same math in numpy (the tests' yardstick). On the x8 layout every
-variant also does the same float operations in the same order (one fused multiply-add per block,
-see quant_x8.h), so its results are the same bits on every variant and equal
-``reference_linear_x8``'s.
+step. Every variant also does the same float operations in the same order (one fused multiply-add
+per block, see quant_x8.h), so its results are the same bits on every variant and equal
+``reference_linear_x8``'s (numpy). ``reference_linear`` is the same math summed in float64 (the
+tests' independent yardstick, within float32 rounding).
 
 Every entry point checks devices, dtypes, contiguity, shapes and index ranges and raises
 ``ValueError`` naming the problem before any pointer reaches C.
@@ -39,12 +37,14 @@ ACTIVATION_BLOCK = 32  # elements per int8 activation block (and per weight chun
 
 @dataclass(frozen=True)
 class QuantType:
-    """A GGUF block type: its name, ggml's type id, elements and bytes per block."""
+    """A GGUF block type: its name, ggml's type id, elements and bytes per block in the file, and
+    bytes per x8 block (8 rows' blocks of the same columns, repacked: quant_kernels.c's X8_TYPES)."""
 
     name: str
     ggml_type_id: int
     block_elems: int
     block_bytes: int
+    x8_block_bytes: int
 
     @property
     def suffix(self) -> str:  # the C functions' suffix
@@ -52,36 +52,28 @@ class QuantType:
 
 
 QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
-    QuantType("Q8_0", 8, 32, 34),
-    QuantType("Q4_0", 2, 32, 18),
-    QuantType("Q4_1", 3, 32, 20),
-    QuantType("Q5_0", 6, 32, 22),
-    QuantType("Q4_K", 12, 256, 144),
-    QuantType("Q5_K", 13, 256, 176),
-    QuantType("Q6_K", 14, 256, 210),
+    QuantType("Q8_0", 8, 32, 34, 272),
+    QuantType("Q4_0", 2, 32, 18, 144),
+    QuantType("Q4_1", 3, 32, 20, 160),
+    QuantType("Q5_0", 6, 32, 22, 176),
+    QuantType("Q4_K", 12, 256, 144, 1152),
+    QuantType("Q5_K", 13, 256, 176, 1408),
+    QuantType("Q6_K", 14, 256, 210, 1680),
 )}
-
-
-# The x8 layout's types and the bytes of one x8 block (8 rows' blocks of the same columns): the
-# mirror of X8_TYPES in quant_kernels.c (a type is registered in both).
-X8_GROUP_BYTES: dict[str, int] = {"Q8_0": 272, "Q4_0": 144, "Q4_1": 160, "Q5_0": 176, "Q4_K": 1152, "Q5_K": 1408, "Q6_K": 1680}
-LAYOUT_FILE, LAYOUT_X8 = "file", "x8"
 X8_ROWS = 8  # weight rows per x8 group
 
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A weight ready for the kernels, in ``layout``: ``"file"``: ``data`` is uint8 [out_features,
-    in_features / block_elems * block_bytes], ggml's blocks as stored in the file; ``"x8"``: uint8
-    [ceil(out_features / 8), in_features / block_elems * X8_GROUP_BYTES[qtype]]: groups of 8 weight
-    rows interleaved, stored in runs of 8 groups interleaved block by block (quant_x8.h;
-    ``QuantKernels.pack`` makes it; the last group padded with zeros)."""
+    """A weight ready for the kernels (``QuantKernels.pack`` makes it): ``data`` is uint8
+    [ceil(out_features / 8), in_features / block_elems * x8_block_bytes], the x8 layout: groups of 8
+    weight rows interleaved, stored in runs of 8 groups interleaved block by block (quant_x8.h; the
+    last group padded with zeros)."""
 
     qtype: str
     out_features: int
     in_features: int
     data: torch.Tensor
-    layout: str = LAYOUT_FILE
 
 
 def quant_type(qtype: str) -> QuantType:
@@ -112,7 +104,7 @@ def _check_raw(raw: torch.Tensor, qt: QuantType, in_features: int, what: str) ->
     if raw.shape[0] == 0:
         raise ValueError(f"{what} has no rows")
     if not raw.is_contiguous():
-        raise ValueError(f"{what} must be contiguous (the kernels read the blocks in place)")
+        raise ValueError(f"{what} must be contiguous (the repacking reads the blocks in place)")
 
 
 def check_weight(weight: QuantWeight) -> QuantType:
@@ -120,29 +112,20 @@ def check_weight(weight: QuantWeight) -> QuantType:
     if not isinstance(weight, QuantWeight):
         raise ValueError(f"weight must be a QuantWeight (from QuantKernels.pack), got {type(weight).__name__}")
     qt = quant_type(weight.qtype)
-    if weight.layout == LAYOUT_FILE:
-        _check_raw(weight.data, qt, weight.in_features, "weight.data")
-        if weight.data.shape[0] != weight.out_features:
-            raise ValueError(f"weight.data has {weight.data.shape[0]} rows, weight.out_features says "
-                             f"{weight.out_features}")
-    elif weight.layout == LAYOUT_X8:
-        if qt.name not in X8_GROUP_BYTES:
-            raise ValueError(f"{qt.name} has no x8 layout (the x8 types: {', '.join(X8_GROUP_BYTES)})")
-        if not isinstance(weight.out_features, int) or weight.out_features <= 0:
-            raise ValueError(f"out_features must be a positive int, got {weight.out_features!r}")
-        groups = -(-weight.out_features // X8_ROWS)
-        if not isinstance(weight.in_features, int) or weight.in_features <= 0 or weight.in_features % qt.block_elems:
-            raise ValueError(f"in_features {weight.in_features!r} is not a positive multiple of {qt.name}'s block "
-                             f"of {qt.block_elems}")
-        shape = (groups, weight.in_features // qt.block_elems * X8_GROUP_BYTES[qt.name])
-        data = weight.data
-        if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or data.dtype != torch.uint8 \
-                or tuple(data.shape) != shape or not data.is_contiguous():
-            raise ValueError(f"weight.data of an x8 {qt.name} weight of {weight.out_features} x {weight.in_features} "
-                             f"must be a contiguous uint8 CPU tensor of shape {shape}, got "
-                             f"{getattr(data, 'dtype', type(data).__name__)} {tuple(getattr(data, 'shape', ()))}")
-    else:
-        raise ValueError(f"unknown weight layout {weight.layout!r}: {LAYOUT_FILE!r} or {LAYOUT_X8!r}")
+    if not isinstance(weight.out_features, int) or isinstance(weight.out_features, bool) or weight.out_features <= 0:
+        raise ValueError(f"out_features must be a positive int, got {weight.out_features!r}")
+    groups = -(-weight.out_features // X8_ROWS)
+    if not isinstance(weight.in_features, int) or isinstance(weight.in_features, bool) or weight.in_features <= 0 \
+            or weight.in_features % qt.block_elems:
+        raise ValueError(f"in_features {weight.in_features!r} is not a positive multiple of {qt.name}'s block "
+                         f"of {qt.block_elems}")
+    shape = (groups, weight.in_features // qt.block_elems * qt.x8_block_bytes)
+    data = weight.data
+    if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or data.dtype != torch.uint8 \
+            or tuple(data.shape) != shape or not data.is_contiguous():
+        raise ValueError(f"weight.data of an x8 {qt.name} weight of {weight.out_features} x {weight.in_features} "
+                         f"must be a contiguous uint8 CPU tensor of shape {shape}, got "
+                         f"{getattr(data, 'dtype', type(data).__name__)} {tuple(getattr(data, 'shape', ()))}")
     return qt
 
 
@@ -161,59 +144,38 @@ class QuantKernels:
         if found != expected_layout(variant.name):
             raise KernelUnavailable(f"the C interface differs from the Python mirror: C says {found!r}, "
                                     f"Python expects {expected_layout(variant.name)!r}")
-        # the types this variant reads in the x8 layout (every variant reads every registered type;
-        # the layout line checked above lists them)
-        self.x8_types = frozenset(X8_GROUP_BYTES)
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         for qt in QUANT_TYPES.values():
-            for infix in ("", "x8_") if qt.name in self.x8_types else ("",):
-                linear = getattr(lib, f"quant_linear_{infix}{qt.suffix}")
-                linear.argtypes, linear.restype = \
-                    [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int], ctypes.c_int
-                rows = getattr(lib, f"quant_dequantize_rows_{infix}{qt.suffix}")
-                # x8 also takes out_features (where the last run of groups ends, quant_x8.h)
-                rows.argtypes, rows.restype = [pointer, *([size] if infix else []), size, pointer, size, pointer], None
-            if qt.name in self.x8_types:
-                repack = getattr(lib, f"quant_repack_x8_{qt.suffix}")
-                repack.argtypes, repack.restype = [pointer, size, size, pointer], None
+            linear = getattr(lib, f"quant_linear_x8_{qt.suffix}")
+            linear.argtypes, linear.restype = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int], ctypes.c_int
+            rows = getattr(lib, f"quant_dequantize_rows_x8_{qt.suffix}")
+            rows.argtypes, rows.restype = [pointer, size, size, pointer, size, pointer], None
+            repack = getattr(lib, f"quant_repack_x8_{qt.suffix}")
+            repack.argtypes, repack.restype = [pointer, size, size, pointer], None
 
     def __repr__(self) -> str:
         return f"QuantKernels({self.variant.name})"
 
-    def layout(self, qtype: str) -> str:
-        """The layout ``pack`` gives ``qtype``'s weights in this variant: ``"x8"`` or ``"file"``."""
-        return LAYOUT_X8 if quant_type(qtype).name in self.x8_types else LAYOUT_FILE
-
     def _function(self, name: str, weight: QuantWeight) -> Any:
-        """This library's ``<name>_[x8_]<type>`` for ``weight`` (checked); ValueError where this
-        variant does not read the weight's layout."""
-        qt = check_weight(weight)
-        if weight.layout == LAYOUT_X8 and qt.name not in self.x8_types:
-            raise ValueError(f"the {self.variant.name} kernels do not read {qt.name} in the x8 layout "
-                             f"(pack the weight with them)")
-        return getattr(self.lib, f"{name}_{'x8_' if weight.layout == LAYOUT_X8 else ''}{qt.suffix}")
+        """This library's ``<name>_x8_<type>`` for ``weight`` (checked first)."""
+        return getattr(self.lib, f"{name}_x8_{check_weight(weight).suffix}")
 
     def linear_entry(self, weight: QuantWeight) -> int:
-        """The address of the C function ``linear`` calls for ``weight`` (``quant_linear_<type>`` or
-        ``quant_linear_x8_<type>``, one signature; the C decoder stack calls it directly; this
-        library stays loaded for the process)."""
+        """The address of the C function ``linear`` calls for ``weight`` (``quant_linear_x8_<type>``,
+        one signature for every type; the C decoder stack calls it directly; this library stays
+        loaded for the process)."""
         address = ctypes.cast(self._function("quant_linear", weight), ctypes.c_void_p).value
         return int(address or 0)
 
     def pack(self, raw: torch.Tensor, qtype: str, in_features: int) -> QuantWeight:
-        """``raw`` (uint8 [out_features, bytes per row], ggml's blocks as the file stores them) as a
-        ``QuantWeight`` in this variant's layout for the type (``layout``): x8, a new tensor made
-        once (the file's view can then be dropped), or the file layout, ``raw`` itself (no copy; a
-        memory-mapped tensor stays mapped)."""
+        """``raw`` (uint8 [out_features, bytes per row], ggml's blocks as the file stores them)
+        repacked into the x8 layout: a new tensor made once (the file's view can then be dropped)."""
         qt = quant_type(qtype)
         _check_raw(raw, qt, in_features, "raw")
         rows = int(raw.shape[0])
-        if qt.name not in self.x8_types:
-            return QuantWeight(qt.name, rows, in_features, raw)
-        packed = torch.empty(-(-rows // X8_ROWS), in_features // qt.block_elems * X8_GROUP_BYTES[qt.name],
-                             dtype=torch.uint8)
+        packed = torch.empty(-(-rows // X8_ROWS), in_features // qt.block_elems * qt.x8_block_bytes, dtype=torch.uint8)
         getattr(self.lib, f"quant_repack_x8_{qt.suffix}")(raw.data_ptr(), rows, in_features, packed.data_ptr())
-        return QuantWeight(qt.name, rows, in_features, packed, LAYOUT_X8)
+        return QuantWeight(qt.name, rows, in_features, packed)
 
     def linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, *,
                threads: int | None = None) -> torch.Tensor:
@@ -264,16 +226,16 @@ class QuantKernels:
             raise ValueError(f"ids must lie in [0, {weight.out_features}), got values in "
                              f"[{int(flat.min())}, {int(flat.max())}]")
         out = torch.empty(*ids.shape, weight.in_features, dtype=torch.float32)
-        if flat.numel():
-            shape = (weight.out_features, weight.in_features) if weight.layout == LAYOUT_X8 else (weight.in_features,)
-            function(weight.data.data_ptr(), *shape, flat.data_ptr(), flat.numel(), out.data_ptr())
+        if flat.numel():  # out_features: where the last run of groups ends (quant_x8.h)
+            function(weight.data.data_ptr(), weight.out_features, weight.in_features, flat.data_ptr(), flat.numel(),
+                     out.data_ptr())
         return out
 
 
 def expected_layout(isa: str) -> str:
     """``infer_quant_layout()``'s text for the variant ``isa`` (see quant_kernels.c)."""
     types = " ".join(f"{t.suffix}={t.block_elems}:{t.block_bytes}" for t in QUANT_TYPES.values())
-    x8 = ",".join(f"{quant_type(t).suffix}:{size}" for t, size in X8_GROUP_BYTES.items())
+    x8 = ",".join(f"{t.suffix}:{t.x8_block_bytes}" for t in QUANT_TYPES.values())
     return f"isa={isa} qk={ACTIVATION_BLOCK} {types} x8={x8}"
 
 
@@ -423,8 +385,6 @@ def reference_linear_x8(x: torch.Tensor, raw: torch.Tensor, qtype: str, in_featu
     its two 16-value halves times their integer scales), ``scale`` the chunk's float scale
     (Q4_K: d * sc; Q6_K: d) and ``min`` its float min (Q4_K: -dmin * m)."""
     qt = quant_type(qtype)
-    if qt.name not in X8_GROUP_BYTES:
-        raise ValueError(f"{qt.name} has no x8 layout (the x8 types: {', '.join(X8_GROUP_BYTES)})")
     w = decode_weight(raw, qt.name, in_features)
     xq, dx, sx = quantize_activations(x.detach().to(torch.float32).reshape(-1, in_features).numpy())
     lo = np.einsum("ncl,mcl->mnc", w.q[..., :16], xq[..., :16])

@@ -1,6 +1,6 @@
 /* The "x8" layout of the quantized kernels: 8 weight rows interleaved, made once at load.
  *
- * Included by quant_kernels.c on x86 and in the portable build (ARM NEON keeps the file layout).
+ * Included by quant_kernels.c (every ISA variant reads this layout, and only it).
  *
  * Layout. A weight of n rows becomes ceil(n / 8) groups of 8 rows (the last one padded with zero
  * blocks), stored in runs of X8_RUN groups interleaved block by block (below: x8_group_at), each
@@ -10,8 +10,8 @@
  * code in quant_kernels.c (x8_repack_<t>).
  *
  * Arithmetic (the contract every variant and the numpy reference share, bit for bit): activation
- * row r is quantized per 32 values as for the file layout (int8 xq, float dx, int sum xsum,
- * float sx = dx * (float)xsum). Output y[r, j] is one float32 chain over the weight's blocks in
+ * row r is quantized per 32 values (int8 xq, float dx, int sum xsum, float sx = dx * (float)xsum:
+ * quantize_rows below). Output y[r, j] is one float32 chain over the weight's blocks in
  * order, started at 0:
  *     acc = fmaf((float)isum, d_w * d_x, acc)       (d_w * d_x: one float32 multiply)
  *     acc = fmaf(m_w, sx, acc)                      (only the types with a min, e.g. Q4_1)
@@ -342,7 +342,7 @@ typedef struct {
 } X8Act;
 
 #if defined(Q_X86)
-/* One activation block as quantize_rows computes it, in AVX2: 32 floats -> 32 int8 at q (in
+/* One activation block as quantize_rows' plain C computes it, in AVX2: 32 floats -> 32 int8 at q (in
  * order), d = max|v| / 127, q = round-to-even of v * (1 / d) (cvtps_epi32 under the default
  * rounding mode, as nearbyintf), and the integer sums of all 32 and of the first 16 values. */
 static inline float x8_quantize32(const float *v, int8_t *q, int32_t *sum, int32_t *sum16) {
@@ -371,10 +371,10 @@ static inline float x8_quantize32(const float *v, int8_t *q, int32_t *sum, int32
 }
 #endif
 
-/* The file layout's quantization of activation rows (the same values as quantize_rows), with each
- * block's integer sums; rows in parallel (a row's blocks depend on that row only). */
-static void quantize_rows_x8(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx, int32_t *xsum, float *sx,
-                             int32_t *xsum16, int threads) {
+/* The activation rows quantized per 32 values (quant.quantize_activations mirrors it exactly), with
+ * each block's integer sums; rows in parallel (a row's blocks depend on that row only). */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx, int32_t *xsum, float *sx,
+                          int32_t *xsum16, int threads) {
     const int64_t blocks = k / QK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1)
     for (int64_t r = 0; r < m; r++)

@@ -58,9 +58,10 @@ static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *cons
     }
 }
 
-/* y[m, n] = x[m, k] @ W^T (+ bias[n]) with W in the x8 layout (quant_repack_x8_<t>'s out); the
- * same signature and result contract as quant_linear_<t>. Returns 0, or 1 where the activations'
- * scratch could not be allocated (y untouched). */
+/* y[m, n] = x[m, k] @ W^T (+ bias[n]) with W in the x8 layout (quant_repack_x8_<t>'s out), on
+ * `threads` OpenMP threads; y[r, j] is quant_x8.h's float sequence, the same bits whatever m, the
+ * tiling and the thread count. Returns 0, or 1 where the activations' scratch could not be
+ * allocated (y untouched). */
 int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, const float *bias, float *y,
                        int threads) {
     const int64_t blocks = k / X8_ELEMS, xblocks = k / QK, groups = (n + 7) / 8;
@@ -71,7 +72,7 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
         free(xq), free(dx), free(sx), free(xsum);
         return 1;
     }
-    quantize_rows_x8(x, m, k, xq, dx, xsum, sx, xsum + m * xblocks, threads);
+    quantize_rows(x, m, k, xq, dx, xsum, sx, xsum + m * xblocks, threads);
     const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum + m * xblocks};
     /* One activation row: X8_NZ_DECODE two-group vectors per tile, unless the smaller row tiles
      * spread the pairs over the threads more evenly (a 576-row weight on 2 threads: 9 decode tiles

@@ -134,8 +134,8 @@ class QuantLinear(nn.Module):
         return head
 
     def pack(self) -> None:
-        """Hand the matrices to the kernels (``QuantKernels.pack``: the stored blocks, or a layout
-        the kernels prefer made once); the rows in use order are made here if reordered."""
+        """Hand the matrices to the kernels (``QuantKernels.pack``: the blocks repacked once into the
+        kernels' layout); the rows in use order are made here if reordered."""
         if not self.weights:
             self.weights = [self.kernels.pack(p.materialized(), p.qtype, p.in_features) for p in self.parts]
             self.parts = []
