@@ -237,7 +237,8 @@ static inline GI gi_mul(GI a, GI b) {
     for (int i = 0; i < 4; i++) a.v[i] = vmulq_s32(a.v[i], b.v[i]);
     return a;
 }
-/* 32 registers: 4 rows x one two-group vector (four registers each) */
+/* 32 registers: 2 rows x one two-group vector, four registers each: 8 of integer sums and 8 of
+ * accumulators, the rest for the unpacked weights */
 #ifndef X8_RB
 #define X8_RB 2
 #endif
