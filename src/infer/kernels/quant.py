@@ -2,10 +2,10 @@
 
 ``pack`` makes a weight kernel-ready once, at load: the file's blocks repacked into the x8 layout
 (8 rows interleaved per group, a copy; see quant_x8.h), the one layout the kernels read.
-``linear`` computes ``x @ W^T`` as ggml does: each activation row is quantized to int8 per 32 elements (scale
-``max|x| / 127``, round to nearest even), each 32-element chunk of a weight row meets it in an
-integer dot product, and the products times the blocks' float scales (and the min terms of Q4_1,
-Q4_K, Q5_K) are summed in float32. One C library per ISA (``build.QUANT_VARIANTS``: AVX-512 VNNI,
+``linear`` computes ``x @ W^T`` as ggml does: each activation row is quantized to int8 per 32
+elements (scale ``max|x| / 127``, round to nearest even), each 32-element chunk of a weight row
+meets it in an integer dot product, and the products times the blocks' float scales (and the min
+terms of Q4_1, Q4_K, Q5_K) are summed in float32. One C library per ISA (``build.QUANT_VARIANTS``: AVX-512 VNNI,
 AVX2, ARM NEON with dot products, portable C), the best this CPU runs chosen at run time.
 
 Exactness: an output row depends only on its activation row and the weight, bit for bit, whatever
