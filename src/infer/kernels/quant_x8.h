@@ -316,6 +316,9 @@ static inline GI gi_mul(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v
 #ifndef X8_AHEAD
 #define X8_AHEAD 1024
 #endif
+#ifndef X8_AHEAD_ROWS
+#define X8_AHEAD_ROWS 2 /* block rows ahead for a tile of part of a run (quant_x8_impl.h's tile) */
+#endif
 
 /* Groups are stored in runs of X8_RUN (the last run may be shorter): a run's groups interleaved
  * block by block, so a tile of a run's groups (a decode step's 8 on AVX-512) reads one sequential

@@ -41,17 +41,23 @@ static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *cons
                                                              const int R, const int NZ, const int stream) {
     for (int r = 0; r < R; r++)
         for (int z = 0; z < NZ; z++) acc[r][z] = gf_zero();
+    /* Prefetch distance: the whole blocks that fit in X8_AHEAD ahead in the run's stream (Q4_0: 7
+     * block rows, 8 KB). Where no block fits (the K types): X8_AHEAD bytes ahead when the tile reads
+     * its whole run, one stream (AVX-512 decode; longer was slower, 1-row decode shapes, one thread:
+     * Q6_K 25.4 GB/s at 1 KB, 20.4 at one block row, 13 KB; Q4_0 31.6 at 7 rows, 25.4 at 1 KB), else
+     * X8_AHEAD_ROWS block rows ahead: there the bytes just ahead are another tile's groups (AVX2
+     * decode, 4 of a run's 8 groups, Q4_K 2048 x 8192, 1 row, one thread: 0.36 ms at 2 rows, 0.42 at
+     * 1, 0.59 at 1 KB; prefill tiles too) */
+    const int64_t ahead = X8_AHEAD >= X8_GROUP_BYTES ? X8_AHEAD / X8_GROUP_BYTES * stride
+                          : 2 * NZ >= X8_RUN ? X8_AHEAD : X8_AHEAD_ROWS * stride;
+    (void)ahead; /* unused where X8_AHEAD is 0 */
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *gp[2 * X8_NZ_MAX];
         for (int i = 0; i < 2 * NZ; i++) {
             gp[i] = gbase[i] + b * stride;
 #if X8_AHEAD > 0
-            if (stream) /* the whole blocks that fit in X8_AHEAD ahead in the run's stream (Q4_0: 7 block
-                         * rows, 8 KB), or X8_AHEAD bytes where no block fits (the K types: longer was
-                         * slower, 1-row decode shapes, one thread: Q6_K 25.4 GB/s at 1 KB, 20.4 at one
-                         * block row, 13 KB; Q4_0 31.6 at 7 rows, 25.4 at 1 KB) */
-                for (int line = 0; line < X8_GROUP_BYTES; line += 64)
-                    __builtin_prefetch(gp[i] + (X8_AHEAD >= X8_GROUP_BYTES ? X8_AHEAD / X8_GROUP_BYTES * stride : X8_AHEAD) + line);
+            if (stream)
+                for (int line = 0; line < X8_GROUP_BYTES; line += 64) __builtin_prefetch(gp[i] + ahead + line);
 #endif
         }
         X8TYPEFN(x8_block)(gp, a, r0, b, acc, R, NZ);
