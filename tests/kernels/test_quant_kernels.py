@@ -158,27 +158,31 @@ def test_x8_is_the_reference_bit_for_bit_for_any_rows_and_threads(qk: QuantKerne
 @pytest.mark.parametrize("qtype", [t for t in TYPES if QUANT_TYPES[t].block_elems == 256])
 def test_x8_k_types_at_their_integer_extremes(qk: QuantKernels, qtype: str) -> None:
     """The K types' integer sums at their largest: every weight value at its extreme (Q4_K: 15, Q5_K:
-    31, with scale and min 63; Q6_K: -32 with 16-value scales -128, |isum| = 128 * 32 * 127 * 32, just under
-    2^24) against activations of 127 and -127 (AVX2's maddubs pairs must not saturate, the float
-    convert must be exact): still reference_linear_x8's bits, on every variant."""
+    31, with scale and min 63; Q6_K: -32 in rows 0-4 and 31 in rows 5-8, with 16-value scales -128,
+    |isum| up to 128 * 32 * 127 * 32, just under 2^24) against activations of 127 and -127: AVX2's
+    maddubs pairs must not saturate, nor its int16 runs of them overflow (Q4_K: 8 units of 15 * 127
+    pairs, Q5_K: 4 of 31 * 127, Q6_K: 2 of the unsigned 63 * 127), the float convert must be exact:
+    still reference_linear_x8's bits, on every variant."""
     qt = QUANT_TYPES[qtype]
     rows, in_features = 9, 512
     raw = quant.random_blocks(qtype, rows, in_features, torch.Generator().manual_seed(11))
-    blocks = raw.reshape(-1, qt.block_bytes)
+    blocks = raw.reshape(rows, -1, qt.block_bytes)
     if qtype in ("Q4_K", "Q5_K"):
-        blocks[:, 4:] = 0xFF  # every six-bit scale and min 63, every value 15 (Q5_K: 31)
+        blocks[:, :, 4:] = 0xFF  # every six-bit scale and min 63, every value 15 (Q5_K: 31)
     else:
-        blocks[:, 0:192] = 0  # every value 0 - 32
-        blocks[:, 192:208] = 0x80  # every scale -128
+        blocks[:5, :, 0:192] = 0  # every value 0 - 32
+        blocks[5:, :, 0:192] = 0xFF  # every value 63 - 32 (63 in the unsigned product)
+        blocks[:, :, 192:208] = 0x80  # every scale -128
     x = torch.ones(4, in_features)
     x[1] = -1.0
     x[2, ::2] = -1.0  # alternating signs
     x[3] = torch.linspace(-3, 3, in_features)
     got = qk.linear(x, qk.pack(raw, qtype, in_features))
     assert torch.equal(got, quant.reference_linear_x8(x, raw, qtype, in_features))
-    if qtype == "Q6_K":  # the extreme really is reached: each value is d * -128 * -32, each activation 1
-        d = blocks[:, 208:210].contiguous().view(torch.float16).float().reshape(rows, -1)
-        assert torch.allclose(got[0], (d * 128 * 32 * 256).sum(dim=1), rtol=1e-5)
+    if qtype == "Q6_K":  # the extremes really are reached: each value d * -128 * -32 (or 31), each activation 1
+        d = blocks[:, :, 208:210].contiguous().view(torch.float16).float().reshape(rows, -1)
+        assert torch.allclose(got[0, :5], (d[:5] * 128 * 32 * 256).sum(dim=1), rtol=1e-5)
+        assert torch.allclose(got[0, 5:], (d[5:] * -128 * 31 * 256).sum(dim=1), rtol=1e-5)
 
 
 def test_reference_fmaf_rounds_once() -> None:

@@ -34,6 +34,10 @@
  *   gi_dot_u(acc, w, x)   acc + per lane sum of 4 products w (unsigned, <= 128) x x (signed, |x| <= 127)
  *   gw_s8(w)/gi_dot_s8(acc, gw_s8(w), x) - X8_S8_OFFSET * sum(x): the same with w signed (-128..127);
  *                         the caller starts isum at -X8_S8_OFFSET * xsum
+ *   GP, gp_begin(acc), gp_dot_u(p, w, x), gi_end(acc, p): a run of gi_dot_u's on acc, the same
+ *                         integers. AVX2 keeps the run's sums in its maddubs' int16 pairs and widens
+ *                         them once, at gi_end (the other ISAs add into acc as gi_dot_u does), so a run
+ *                         must fit in int16: at most X8_RUN16(wmax) units of values w <= wmax
  *   gf_zero(), gf_set1(f), gf_fp16(a, b): 8 float16 at a and 8 at b as floats
  *   gf_mul(a, b), gf_fma_i(acc, isum, s) = fmaf((float)isum, s, acc), gf_fma(acc, a, b) = fmaf(a, b, acc)
  *   gf_store(p, v)        16 floats
@@ -43,6 +47,11 @@
  *   gi_i8(a, b)           8 int8 at a and 8 at b as int32
  *   gi_add(a, b), gi_mul(a, b): lane-wise int32 sum, product (low 32 bits)
  */
+
+/* Units of unsigned weight values <= wmax in one gp_dot_u run: each int16 pair sum of a unit is at
+ * most 2 * wmax * 128 in magnitude (|x| <= 127; 128 even if an inf or NaN activation packs to -128),
+ * so the run's sum stays within int16 (4-bit values: 8 units, 5-bit: 4, 6-bit: 2). */
+#define X8_RUN16(wmax) (32767 / (2 * 128 * (wmax)))
 
 #if defined(Q_X86) && defined(Q_VNNI)
 typedef __m512i GW;
@@ -65,6 +74,10 @@ static inline GI gi_set1(int32_t v) { return _mm512_set1_epi32(v); }
 static inline GI gi_dot_u(GI acc, GW w, GX x) { return _mm512_dpbusd_epi32(acc, w, x); }
 static inline GW gw_s8(GW w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); }
 static inline GI gi_dot_s8(GI acc, GW w, GX x) { return _mm512_dpbusd_epi32(acc, w, x); }
+typedef GI GP;
+static inline GP gp_begin(GI acc) { return acc; }
+static inline GP gp_dot_u(GP p, GW w, GX x) { return gi_dot_u(p, w, x); }
+static inline GI gi_end(GI acc, GP p) { (void)acc; return p; }
 static inline GF gf_zero(void) { return _mm512_setzero_ps(); }
 static inline GF gf_set1(float f) { return _mm512_set1_ps(f); }
 static inline GF gf_fp16(const uint8_t *a, const uint8_t *b) {
@@ -129,6 +142,16 @@ static inline GW gw_s8(GW w) { return w; }
 static inline GI gi_dot_s8(GI acc, GW w, GX x) {
     return (GI){x8_dot256(acc.a, _mm256_abs_epi8(w.a), _mm256_sign_epi8(x, w.a)),
                 x8_dot256(acc.b, _mm256_abs_epi8(w.b), _mm256_sign_epi8(x, w.b))};
+}
+/* a run: int16 pairs summed (one add per unit instead of a madd and an add), widened at the end */
+typedef GW GP;
+static inline GP gp_begin(GI acc) { (void)acc; return (GP){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline GP gp_dot_u(GP p, GW w, GX x) {
+    return (GP){_mm256_add_epi16(p.a, _mm256_maddubs_epi16(w.a, x)), _mm256_add_epi16(p.b, _mm256_maddubs_epi16(w.b, x))};
+}
+static inline GI gi_end(GI acc, GP p) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return (GI){_mm256_add_epi32(acc.a, _mm256_madd_epi16(p.a, ones)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(p.b, ones))};
 }
 static inline GF gf_zero(void) { return (GF){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline GF gf_set1(float f) { return (GF){_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
@@ -196,6 +219,10 @@ static inline GI gi_dot_u(GI acc, GW w, GX x) {
 }
 static inline GW gw_s8(GW w) { return w; }
 static inline GI gi_dot_s8(GI acc, GW w, GX x) { return gi_dot_u(acc, w, x); }
+typedef GI GP;
+static inline GP gp_begin(GI acc) { return acc; }
+static inline GP gp_dot_u(GP p, GW w, GX x) { return gi_dot_u(p, w, x); }
+static inline GI gi_end(GI acc, GP p) { (void)acc; return p; }
 static inline GF gf_zero(void) { return (GF){{vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)}}; }
 static inline GF gf_set1(float f) { return (GF){{vdupq_n_f32(f), vdupq_n_f32(f), vdupq_n_f32(f), vdupq_n_f32(f)}}; }
 static inline float32x4_t x8_fp16x4(const uint8_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
@@ -276,6 +303,10 @@ static inline GI gi_dot_s8(GI acc, GW w, GX x) {
         for (int i = 0; i < 4; i++) acc.v[l] += (int32_t)(int8_t)w.b[4 * l + i] * x.b[i];
     return acc;
 }
+typedef GI GP;
+static inline GP gp_begin(GI acc) { return acc; }
+static inline GP gp_dot_u(GP p, GW w, GX x) { return gi_dot_u(p, w, x); }
+static inline GI gi_end(GI acc, GP p) { (void)acc; return p; }
 static inline GF gf_zero(void) { GF a; for (int l = 0; l < 16; l++) a.v[l] = 0.0f; return a; }
 static inline GF gf_set1(float f) { GF a; for (int l = 0; l < 16; l++) a.v[l] = f; return a; }
 static inline GF gf_fp16(const uint8_t *a, const uint8_t *b) {
