@@ -228,9 +228,12 @@ def test_real_file_greedy_ngram_equals_plain_on_the_c_stack(monkeypatch: pytest.
 
 @needs_real
 @pytest.mark.slow
-def test_real_file_against_live_transformers() -> None:
+def test_real_file_against_live_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # transformers parses the file's header anew for the tokenizer, the config and the weights (gguf-py,
+    # ~13 s each for the 262k-entry vocabulary); one parse read three times is the same reading of the file.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
     path = resolve_model_path("gemma3-270m")
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text, ids in REFERENCE["tokenize"].items():

@@ -36,6 +36,12 @@ PROMPTS = ("def add(a, b):\n    return", "import os\nimport sys\n", "class Stack
 START_DEADLINE_S = 240.0  # Ray's start plus two model loads on a busy 2-core machine
 DEADLINE_S = 120.0  # bound for every other wait
 CLIENT_TIMEOUT_S = 60.0
+API_KEY = "secret"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# One Ray server for every test (a Ray start costs ~20 s): prefix caching (session-affinity routing),
+# an API key and a drafter, each of which must reach the proxy or the replicas; the single-process
+# reference runs the same engine options.
+SERVE_FLAGS = ("--prefix-caching", "--api-key", API_KEY, "--speculator", "ngram", "--spec-length", "3")
 
 
 # -- no Ray needed ------------------------------------------------------------------------------
@@ -165,7 +171,7 @@ class RayServer:
     log: Path
 
     def client(self) -> AsyncOpenAI:
-        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
 
     def processes(self) -> list[psutil.Process]:
         return psutil.Process(self.process.pid).children(recursive=True)
@@ -241,7 +247,7 @@ def stop_ray_server(server: RayServer) -> int:
 
 @pytest.fixture(scope="module")
 def ray_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
-    server = start_ray_server(tiny_llama, tmp_path_factory.mktemp("ray") / "serve.log")
+    server = start_ray_server(tiny_llama, tmp_path_factory.mktemp("ray") / "serve.log", *SERVE_FLAGS)
     yield server
     if server.process.poll() is None:
         stop_ray_server(server)
@@ -250,8 +256,9 @@ def ray_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 @pytest.fixture(scope="module")
 def single(tiny_llama: Path) -> Iterator[str]:
     """The same engine in one process (no Ray): the reference every replica must match."""
-    engine = Engine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu", max_batch_size=4))
-    with BackgroundServer(create_app(engine, MODEL, None)) as server:
+    engine = Engine(EngineConfig.from_options(model=str(tiny_llama), dtype="float32", device="cpu", max_batch_size=4,
+                                              prefix_caching=True, speculator="ngram", spec_length=3))
+    with BackgroundServer(create_app(engine, MODEL, API_KEY)) as server:
         yield server.url
 
 
@@ -315,6 +322,17 @@ def counts_reaching(server: RayServer, total: float) -> dict[str, float]:
                     f"{total:.0f} finished requests in /metrics")
 
 
+def settled_counts(server: RayServer) -> dict[str, float]:
+    """Finished requests per replica once /metrics stops changing (replicas publish every second)."""
+    last: dict[str, float] | None = None
+    deadline = time.monotonic() + DEADLINE_S
+    while (now := server.requests_by_replica()) != last:
+        assert time.monotonic() < deadline, "/metrics kept changing"
+        last = now
+        time.sleep(2.5)
+    return now
+
+
 def without_created(body: Any) -> Any:
     """``body`` without its "created" timestamps (two servers started at different times)."""
     if isinstance(body, dict):
@@ -332,7 +350,7 @@ def wait_for(condition: Any, what: str, deadline_s: float = DEADLINE_S) -> Any:
 
 @pytest.mark.ray
 def test_two_replicas_answer_like_one_process(ray_server: RayServer, single: str) -> None:
-    expected = asyncio.run(ask_all(AsyncOpenAI(base_url=f"{single}/v1", api_key="x", max_retries=0), MIXED))
+    expected = asyncio.run(ask_all(AsyncOpenAI(base_url=f"{single}/v1", api_key=API_KEY, max_retries=0), MIXED))
     got = asyncio.run(ask_all(ray_server.client(), MIXED))
     for a, want, have in zip(MIXED, expected, got, strict=True):
         assert not isinstance(want, BaseException), (a, want)
@@ -345,15 +363,40 @@ def test_two_replicas_answer_like_one_process(ray_server: RayServer, single: str
 
     # Everything else the single process answers, the replicas answer the same way.
     for path in ("/health", "/v1/models", f"/v1/models/{MODEL}", "/v1/models/nope"):
-        a, b = httpx.get(single + path, timeout=10), httpx.get(ray_server.url + path, timeout=10)
+        a, b = httpx.get(single + path, timeout=10, headers=AUTH), httpx.get(ray_server.url + path, timeout=10, headers=AUTH)
         assert a.status_code == b.status_code, path
         assert without_created(a.json()) == without_created(b.json()), path
     for body in ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, {"model": "gpt-4", "prompt": "hi"},
                  {"model": MODEL}, ["not", "an", "object"]):
-        a = httpx.post(f"{single}/v1/completions", json=body, timeout=10)
-        b = httpx.post(f"{ray_server.url}/v1/completions", json=body, timeout=10)
+        a = httpx.post(f"{single}/v1/completions", json=body, timeout=10, headers=AUTH)
+        b = httpx.post(f"{ray_server.url}/v1/completions", json=body, timeout=10, headers=AUTH)
         assert (a.status_code, a.json()) == (b.status_code, b.json()), body
         assert a.status_code == (404 if body == {"model": "gpt-4", "prompt": "hi"} else 400)
+
+
+@pytest.mark.ray
+def test_prefix_caching_keeps_a_session_on_its_replica_and_flags_reach_replicas(ray_server: RayServer) -> None:
+    server = ray_server
+    body = {"model": MODEL, "prompt": "a b c a b c a b c", "max_tokens": 12}
+    denied = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    before = sum(settled_counts(server).values())  # the earlier tests' requests, all published
+    speculated = httpx.post(f"{server.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S, headers=AUTH).json()
+    assert speculated["speculative"]["num_rounds"] > 0, speculated  # the drafter flags reached the replica
+    seen = counts_reaching(server, before + 1)  # the request above, once its replica published it
+    for session in ("alice", "bob", "carol"):  # six turns of one conversation each
+        for turn in [Ask(i, chat=True, stream=i % 2 == 0, max_tokens=4, seed=None) for i in range(6)]:
+            (result,) = asyncio.run(ask_all(server.client(), [turn], headers={"x-session-id": session}))
+            assert not isinstance(result, BaseException), result
+        now = counts_reaching(server, sum(seen.values()) + 6)
+        grew = {r: n - seen.get(r, 0) for r, n in now.items() if n > seen.get(r, 0)}
+        assert list(grew.values()) == [6], (session, grew)  # every turn on the same replica
+        seen = now
+    # Without a session id: the power of two choices spreads concurrent requests over both.
+    spread = [Ask(i, chat=False, stream=False, max_tokens=16, seed=None) for i in range(16)]
+    assert not any(isinstance(r, BaseException) for r in asyncio.run(ask_all(server.client(), spread)))
+    final = counts_reaching(server, sum(seen.values()) + 16)
+    assert len(final) == 2 and all(final[r] > seen.get(r, 0) for r in final), (seen, final)
 
 
 @pytest.mark.ray
@@ -361,7 +404,7 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_server: RayServ
     # Long enough that the victim is still decoding when it is killed, however fast the machine (the tiny
     # model finishes 160 tokens in a fraction of a second).
     long = [Ask(i, chat=i % 2 == 0, stream=True, max_tokens=400, seed=None) for i in range(16)]
-    expected = asyncio.run(ask_all(AsyncOpenAI(base_url=f"{single}/v1", api_key="x", max_retries=0), long))
+    expected = asyncio.run(ask_all(AsyncOpenAI(base_url=f"{single}/v1", api_key=API_KEY, max_retries=0), long))
     before = {p.pid for p in ray_server.replica_processes()}
     labels_before = set(ray_server.requests_by_replica())
     assert len(before) == 2
@@ -392,7 +435,7 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(ray_server: RayServ
 
     # New requests succeed at once, on the surviving replica.
     fresh = [Ask(100 + i, chat=i % 2 == 1, stream=i % 3 == 0, max_tokens=8, seed=None) for i in range(8)]
-    want_fresh = asyncio.run(ask_all(AsyncOpenAI(base_url=f"{single}/v1", api_key="x", max_retries=0), fresh))
+    want_fresh = asyncio.run(ask_all(AsyncOpenAI(base_url=f"{single}/v1", api_key=API_KEY, max_retries=0), fresh))
     assert asyncio.run(ask_all(ray_server.client(), fresh)) == want_fresh
 
     # Ray Serve starts a replacement, and it serves.
@@ -425,36 +468,3 @@ def test_shutdown_leaves_no_ray_processes(ray_server: RayServer) -> None:
     wait_for(lambda: all(gone(p) for p in ray_processes), "every Ray process to exit", 60)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{ray_server.url}/health", timeout=5)
-
-
-@pytest.mark.ray
-def test_prefix_caching_keeps_a_session_on_its_replica_and_flags_reach_replicas(
-        tiny_llama: Path, tmp_path: Path) -> None:
-    server = start_ray_server(tiny_llama, tmp_path / "serve.log", "--prefix-caching", "--api-key", "secret",
-                              "--speculator", "ngram", "--spec-length", "3")
-    try:
-        body = {"model": MODEL, "prompt": "a b c a b c a b c", "max_tokens": 12}
-        denied = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
-        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
-        speculated = httpx.post(f"{server.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S,
-                                headers={"Authorization": "Bearer secret"}).json()
-        assert speculated["speculative"]["num_rounds"] > 0, speculated  # the drafter flags reached the replica
-        def client() -> AsyncOpenAI:
-            return AsyncOpenAI(base_url=f"{server.url}/v1", api_key="secret", max_retries=0, timeout=CLIENT_TIMEOUT_S)
-
-        seen = counts_reaching(server, 1)  # the request above, once its replica published it
-        for session in ("alice", "bob", "carol"):  # six turns of one conversation each
-            for turn in [Ask(i, chat=True, stream=i % 2 == 0, max_tokens=4, seed=None) for i in range(6)]:
-                (result,) = asyncio.run(ask_all(client(), [turn], headers={"x-session-id": session}))
-                assert not isinstance(result, BaseException), result
-            now = counts_reaching(server, sum(seen.values()) + 6)
-            grew = {r: n - seen.get(r, 0) for r, n in now.items() if n > seen.get(r, 0)}
-            assert list(grew.values()) == [6], (session, grew)  # every turn on the same replica
-            seen = now
-        # Without a session id: the power of two choices spreads concurrent requests over both.
-        spread = [Ask(i, chat=False, stream=False, max_tokens=16, seed=None) for i in range(16)]
-        assert not any(isinstance(r, BaseException) for r in asyncio.run(ask_all(client(), spread)))
-        final = counts_reaching(server, sum(seen.values()) + 16)
-        assert len(final) == 2 and all(final[r] > seen.get(r, 0) for r in final), (seen, final)
-    finally:
-        assert stop_ray_server(server) == 0

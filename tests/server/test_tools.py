@@ -59,7 +59,12 @@ def test_prompt_rendering_keeps_tools_and_history() -> None:
     messages, tools = prompt_messages(history, TOOLS, "{% for m in messages %}{{ m.content }}{% endfor %}")
     assert tools is None and messages[0]["role"] == "system" and '"weather"' in messages[0]["content"]
     assert '"city": "Paris"' in messages[2]["content"] and "tool_calls" not in messages[2]
-    assert messages[3] == {"role": "user", "content": "Tool result (call_1): sunny, 21 C"}
+    # The result is named by its call's place in the list: the call's id (random, from the server) stays
+    # out of the prompt, so a greedy answer cannot depend on it.
+    assert messages[3] == {"role": "user", "content": "Tool result (call 1): sunny, 21 C"}
+    renamed = [{**m, "tool_calls": [{**m["tool_calls"][0], "id": "call_2"}]} if m.get("tool_calls") else
+               {**m, "tool_call_id": "call_2"} if m["role"] == "tool" else m for m in history]
+    assert prompt_messages(renamed, TOOLS, "{% for m in messages %}{{ m.content }}{% endfor %}")[0] == messages
 
 
 def test_forced_schema() -> None:

@@ -81,18 +81,23 @@ def prompt_messages(messages: list[dict[str, Any]], tools: list[Any] | None, tem
     """Messages and tools as the template gets them (see the module docstring)."""
     template = template or ""
     out = []
+    called: dict[Any, str] = {}  # tool call id -> "call N", its place in its assistant message's list
     for message in messages:
         message = dict(message)
         calls = message.get("tool_calls")
         if calls:
             message["tool_calls"] = [_template_call(c) for c in calls]
+            called |= {c.get("id"): f"call {i}" for i, c in enumerate(message["tool_calls"], 1)}
             if "tool_calls" not in template:
                 listed = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
                           for c in message.pop("tool_calls")]
                 message["content"] = ((message.get("content") or "") + "\n" + json.dumps(listed)).strip()
         if message.get("role") == "tool" and "tool_calls" not in template:
-            message = {"role": "user", "content": f"Tool result ({message.get('tool_call_id') or 'call'}): "
-                                                  f"{message.get('content') or ''}"}
+            # Named by its call's place in the folded list, not by its id: the server's ids are random,
+            # and an id in the prompt changes a greedy answer from run to run (SmolLM2 answered another
+            # tool call instead of the result for 4 of 40 random ids).
+            label = called.get(message.get("tool_call_id"), "call")
+            message = {"role": "user", "content": f"Tool result ({label}): {message.get('content') or ''}"}
         out.append(message)
     if tools and "tools" not in template:
         described = "\n".join(json.dumps(t.get("function", t)) for t in tools)
