@@ -137,13 +137,13 @@ def test_weight_bytes_count_what_any_module_stores(tied: bool) -> None:
 
 @needs_smollm2
 @needs_llama_cpp
-def test_peer_runs_on_the_model_file_with_prefill_rows(tiny_shape: Path, tmp_path: Path,
+def test_peer_runs_on_the_model_file_with_prefill_and_long_context_rows(tiny_shape: Path, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     model = tiny_shape / "tiny.Q8_0.gguf"
     out = tmp_path / "report"
     assert main(["bench", "generation", "--model", str(model), "--num-prompts", "1", "--max-tokens", "4",
                  "--repeats", "1", "--no-ngram", "--no-suffix", "--no-transformers", "--peer", "llama.cpp",
-                 "--prefill-tokens", "24", "--out", str(out)]) == 0
+                 "--prefill-tokens", "24", "--context-tokens", "40", "--out", str(out)]) == 0
     report = json.loads((out / "generation.json").read_text())
     assert report["settings"]["peer_gguf"] == [str(model)]  # no --peer-gguf: the file infer loaded
     modes = {r["mode"]: r for r in report["results"]}
@@ -157,7 +157,14 @@ def test_peer_runs_on_the_model_file_with_prefill_rows(tiny_shape: Path, tmp_pat
     assert all(r["prompt_tokens"] == 24 and r["tokens_per_s"] > 0 for r in prefill.values())
     assert prefill["infer plain"]["speedup_vs_peer"] == pytest.approx(
         prefill["infer plain"]["tokens_per_s"] / prefill["llama.cpp Q8_0"]["tokens_per_s"])
-    assert "Prompt processing" in capsys.readouterr().out
+    long_context = {r["mode"]: r for r in report["long_context"]}
+    assert long_context.keys() == {"infer plain", "llama.cpp Q8_0"}
+    assert all(r["context_tokens"] == 40 and len(r["samples"]) == 1 and r["decode_tokens_per_s"] > 0
+               for r in long_context.values())
+    assert long_context["infer plain"]["speedup_vs_peer"] == pytest.approx(
+        long_context["infer plain"]["decode_tokens_per_s"] / long_context["llama.cpp Q8_0"]["decode_tokens_per_s"])
+    printed = capsys.readouterr().out
+    assert "Prompt processing" in printed and "Decode after a long context" in printed
 
 
 def test_peer_needs_a_gguf_when_the_model_is_a_folder(tiny_llama: Path, tmp_path: Path,

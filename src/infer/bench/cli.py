@@ -78,6 +78,10 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--prefill-tokens", type=int, nargs="*", default=[], metavar="N",
                      help="also time prompt processing of an N-token prompt (prefill tok/s) on every plain row, "
                           "llama.cpp's beside infer's, interleaved (e.g. 512)")
+    gen.add_argument("--context-tokens", type=int, nargs="*", default=[], metavar="N",
+                     help="also time decoding after an N-token prompt (decode tok/s, prefill excluded) on every "
+                          "plain row, llama.cpp's beside infer's, interleaved: attention over a long cache "
+                          "(e.g. 1024)")
     gen.add_argument("--also-dtype", nargs="*", default=[], choices=["float32", "bfloat16", "float16"],
                      help="an extra 'infer plain (DTYPE)' row for each, next to --dtype's rows")
     gen.set_defaults(func=_run_generation)
@@ -172,6 +176,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         compiled=args.compiled, cuda_graphs=args.cuda_graphs, backend=args.backend,
         peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, extra_backends=args.also_backend, chat=args.chat, stop_at_eos=repetitive,
         warmup_prompts=warmup, prefill_tokens=args.prefill_tokens,
+        context_tokens=args.context_tokens,
         engine_options={name: getattr(args, name) for name in ROW_OPTIONS
                         if name not in _SETTINGS_FIELDS and getattr(args, name) != OPTIONS[name].default()},
     )

@@ -90,6 +90,9 @@ class BenchSettings:
     cuda_graphs: bool = False
     # Prompt lengths whose processing (prefill) is timed on every plain row, llama.cpp's too, interleaved.
     prefill_tokens: list[int] = field(default_factory=list)
+    # Context lengths after which every plain row's decode speed is timed (llama.cpp's too), interleaved:
+    # a prompt of that many tokens, then max_tokens greedy tokens, the prefill excluded.
+    context_tokens: list[int] = field(default_factory=list)
     # Engine options every infer row loads with (max_seq_len, kv_cache_backend, ...: what the bench CLI
     # takes from the option registry beyond the fields above).
     engine_options: dict[str, Any] = field(default_factory=dict)
@@ -254,7 +257,8 @@ def _peer_modes(settings: BenchSettings, llm: LLM, threads: int, say: Callable[[
         prompt_ids = {p: ids for p, ids in zip(settings.prompts, _prepare(settings, settings.prompts), strict=True)
                       if isinstance(ids, list)}
     context = max(max(len(ids) for ids in prompt_ids.values()) + settings.max_tokens,
-                  max(settings.prefill_tokens, default=0)) + 8
+                  max(settings.prefill_tokens, default=0),
+                  max(settings.context_tokens, default=0) + settings.max_tokens) + 8
     # One plain row per file, named by its precision; prompt lookup on the first file only.
     variants: list[tuple[str, str, int | None]] = []
     for i, path in enumerate(settings.peer_gguf):
@@ -390,17 +394,14 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
             f"{m.result.mode} {statistics.median(m.result.samples):.1f}" for m in modes if m.reported))
 
     prefill = _time_prefill(settings, plain_llm, modes, say) if settings.prefill_tokens else []
+    long_context = _time_long_context(settings, plain_llm, modes, say) if settings.context_tokens else []
 
     for mode in modes:
         r = mode.result
         r.tokens_per_s = statistics.median(r.samples)
         r.cpu_ms_per_token = statistics.median(mode.cpu_ms_per_token)
         r.texts = [o.text for o in mode.outputs[: len(settings.prompts)]]
-        if r.engine == "infer":
-            decode_rates = [o.metrics.decode_tokens_per_s for o in mode.outputs]
-        else:
-            decode_rates = [getattr(o, "decode_tokens_per_s", None) for o in mode.outputs]
-        measured = [d for d in decode_rates if d]
+        measured = [d for d in map(_decode_rate, mode.outputs) if d]
         r.decode_tokens_per_s = statistics.median(measured) if measured else None
         if r.engine == "infer" and not r.mode.startswith(plain.mode):
             for key, value in speculation_stats(mode.outputs).items():
@@ -474,6 +475,7 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         "cuda_graphs_outputs_identical": twin_identical[GRAPHS],
         "results": [{k: v for k, v in asdict(r).items() if k != "texts"} for r in results],
         "prefill": prefill,
+        "long_context": long_context,
         "sample_output": plain.texts[0] if plain.texts else "",
     }
 
@@ -508,6 +510,47 @@ def _time_prefill(settings: BenchSettings, plain_llm: LLM, modes: list[_Mode],
                 row["speedup_vs_peer"] = row["tokens_per_s"] / peer["tokens_per_s"] if peer else None
         say(f"prefill of {tokens} tokens: " + ", ".join(
             f"{r['mode']} {r['tokens_per_s']:.0f} tok/s" for r in rows if r["prompt_tokens"] == tokens))
+    return rows
+
+
+def _decode_rate(output: Any) -> float | None:
+    """Decode tokens/s of one run's output (prefill excluded): infer's metrics or a peer's field."""
+    metrics = getattr(output, "metrics", None)
+    return metrics.decode_tokens_per_s if metrics is not None else getattr(output, "decode_tokens_per_s", None)
+
+
+def _time_long_context(settings: BenchSettings, plain_llm: LLM, modes: list[_Mode],
+                       say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Decode tok/s of every plain row (llama.cpp's too) after a prompt of each context length:
+    what attention over a long cache costs, which the workload's short prompts do not show. Timed
+    like the prefill rows (one warm-up, then repeats interleaved in a rotating order, each on another
+    prompt); the prefill is excluded."""
+    timed = [m for m in modes if m.prefill is not None]
+    rows: list[dict[str, Any]] = []
+    for tokens in settings.context_tokens:
+        if tokens < 1:
+            raise ValueError(f"--context-tokens {tokens} is invalid: must be >= 1")
+        say(f"decode after {tokens} tokens of context: {len(timed)} rows")
+        samples: dict[str, list[float]] = {m.result.mode: [] for m in timed}
+        for rep in range(-1, settings.repeats):  # -1: the warm-up
+            ids = prefill_prompt(plain_llm.tokenizer, settings.prompts, tokens, offset=29 * (rep + 1))
+            order = timed[rep % len(timed):] + timed[: rep % len(timed)]
+            for mode in order:
+                _, out = mode.run(ids, settings.seed)
+                rate = _decode_rate(out)
+                if rate is None:
+                    raise ValueError(f"{mode.result.mode} decoded fewer than 2 tokens after {tokens} tokens of "
+                                     "context: no decode rate (raise --max-tokens)")
+                if rep >= 0:
+                    samples[mode.result.mode].append(rate)
+        peer = next((m for m in timed if m.result.engine == "llama.cpp"), None)
+        for mode in timed:
+            rate = statistics.median(samples[mode.result.mode])
+            rows.append({"mode": mode.result.mode, "engine": mode.result.engine, "context_tokens": tokens,
+                         "decode_tokens_per_s": rate, "samples": samples[mode.result.mode],
+                         "speedup_vs_peer": rate / statistics.median(samples[peer.result.mode]) if peer else None})
+        say(f"decode after {tokens} tokens: " + ", ".join(
+            f"{r['mode']} {r['decode_tokens_per_s']:.1f} tok/s" for r in rows if r["context_tokens"] == tokens))
     return rows
 
 

@@ -64,7 +64,8 @@ def generation_table(report: dict[str, Any]) -> str:
                  f"{memory['infer_weight_bytes_per_token'] / 1e6:.0f} MB")
         if memory.get("peer_weight_bytes_per_token"):
             head += f", llama.cpp {memory['peer_weight_bytes_per_token'] / 1e6:.0f} MB"
-    return head + "\n\n" + "\n".join(rows) + "\n" + _rounds_table(report) + _prefill_table(report)
+    return (head + "\n\n" + "\n".join(rows) + "\n" + _rounds_table(report) + _prefill_table(report)
+            + _long_context_table(report))
 
 
 def _prefill_table(report: dict[str, Any]) -> str:
@@ -80,6 +81,21 @@ def _prefill_table(report: dict[str, Any]) -> str:
                     + (f" {_fmt(r.get('speedup_vs_peer'), 2, '×')} |" if peer else ""))
     return ("\nPrompt processing (prefill: a prompt of that many tokens from an empty cache, to the first "
             "token's logits; median over repeats, each on another prompt):\n\n" + "\n".join(rows) + "\n")
+
+
+def _long_context_table(report: dict[str, Any]) -> str:
+    """Decode speed of the plain rows after a long context, llama.cpp's beside infer's."""
+    long_context = report.get("long_context") or []
+    if not long_context:
+        return ""
+    peer = any(r.get("speedup_vs_peer") is not None for r in long_context)
+    rows = ["| mode | context tokens | decode tok/s |" + (" vs llama.cpp |" if peer else ""),
+            "|---|---:|---:|" + ("---:|" if peer else "")]
+    for r in long_context:
+        rows.append(f"| {r['mode']} | {r['context_tokens']} | {r['decode_tokens_per_s']:.1f} |"
+                    + (f" {_fmt(r.get('speedup_vs_peer'), 2, '×')} |" if peer else ""))
+    return ("\nDecode after a long context (a prompt of that many tokens, then the greedy tokens; prefill "
+            "excluded; median over repeats, each on another prompt):\n\n" + "\n".join(rows) + "\n")
 
 
 def _rounds_table(report: dict[str, Any]) -> str:

@@ -75,6 +75,24 @@ static inline FVEC fvec_mul(FVEC a, FVEC b) { return _mm512_mul_ps(a, b); }
 static inline float fvec_sum(FVEC v) { return _mm512_reduce_add_ps(v); }
 static inline LMASK lanes(int64_t n) { return n >= 16 ? (LMASK)0xffff : (LMASK)((1u << n) - 1); }
 static inline FVEC fvec_maskload(const float *p, LMASK m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline FVEC fvec_max(FVEC a, FVEC b) { return _mm512_max_ps(a, b); }
+static inline float fvec_hmax(FVEC v) { return _mm512_reduce_max_ps(v); }
+/* The lanes' sums of LANES vectors at once: lane t of the result is the sum of v[t]'s lanes. A
+ * transpose tree (pairs, then quads, then 128-bit quarters), one fixed order of additions, at
+ * about three instructions per vector where a reduction of each alone takes eight. */
+static inline FVEC fvec_sums(const FVEC v[LANES]) {
+    FVEC pair[8], quad[4], half[2];
+    for (int t = 0; t < 8; t++) /* per 128-bit lane: v2t[0]+v2t[2], v2t+1[0]+v2t+1[2], v2t[1]+v2t[3], ... */
+        pair[t] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * t], v[2 * t + 1]), _mm512_unpackhi_ps(v[2 * t], v[2 * t + 1]));
+    for (int t = 0; t < 4; t++) /* per 128-bit lane: one partial sum of each of four vectors, in order */
+        quad[t] = _mm512_add_ps(_mm512_shuffle_ps(pair[2 * t], pair[2 * t + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_ps(pair[2 * t], pair[2 * t + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int t = 0; t < 2; t++) /* quarters 0+1 and 2+3 of two quads */
+        half[t] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * t], quad[2 * t + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(quad[2 * t], quad[2 * t + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
 /* The four sums of a, b, c, d's lanes, in that order; each is the same tree of additions. */
 static inline __m128 sum4(FVEC a, FVEC b, FVEC c, FVEC d) {
     __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
@@ -105,6 +123,22 @@ static inline LMASK lanes(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 static inline FVEC fvec_maskload(const float *p, LMASK m) { return _mm256_maskload_ps(p, m); }
+static inline FVEC fvec_max(FVEC a, FVEC b) { return _mm256_max_ps(a, b); }
+static inline float fvec_hmax(FVEC v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+/* The lanes' sums of LANES vectors at once (lane t: the sum of v[t]'s lanes), one fixed tree. */
+static inline FVEC fvec_sums(const FVEC v[LANES]) {
+    FVEC pair[4], quad[2];
+    for (int t = 0; t < 4; t++)
+        pair[t] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * t], v[2 * t + 1]), _mm256_unpackhi_ps(v[2 * t], v[2 * t + 1]));
+    for (int t = 0; t < 2; t++)
+        quad[t] = _mm256_add_ps(_mm256_shuffle_ps(pair[2 * t], pair[2 * t + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm256_shuffle_ps(pair[2 * t], pair[2 * t + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(quad[0], quad[1], 0x20), _mm256_permute2f128_ps(quad[0], quad[1], 0x31));
+}
 /* The four sums of a, b, c, d's lanes, in that order; each is the same tree of additions. */
 static inline __m128 sum4(FVEC a, FVEC b, FVEC c, FVEC d) {
     __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));

@@ -139,81 +139,212 @@ void FN(gelu_mul)(const ELEM *gate_up, ELEM *y, int64_t rows, int64_t inter) {
     }
 }
 
+/* Cached rows to fetch ahead of the block in use. Each key's K (then V) row of one KV head lies a
+ * whole row of heads after the last, a stride the hardware prefetcher followed poorly: a 1B
+ * model's decode step over 1,024 keys read its cache at 4 GB/s without these, 16 GB/s with. */
+#define KEYS_AHEAD (2 * LANES)
+static inline void FN(fetch_rows)(const ELEM *base, const int64_t *key, int64_t from, int64_t to, int64_t kvh,
+                                  int64_t g, int64_t hd) {
+    for (int64_t i = from; i < to; i++)
+        for (int64_t b = 0; b < hd * (int64_t)sizeof(ELEM); b += 64)
+            _mm_prefetch((const char *)(base + (key[i] * kvh + g) * hd) + b, _MM_HINT_T0);
+}
+
+/* One block's share of the weighted sum of values for JT heads and CT chunks of LANES elements:
+ * sum[jj][c] += w[jj][t] * v_t[c] for the block's bn keys in order, the JT x CT sums held in
+ * registers across the block (always inlined with constant JT and CT). */
+static inline __attribute__((always_inline)) void FN(value_tile)(const ELEM *const *vrow, int64_t bn,
+                                                                 const float *w, int64_t w_stride, float *sum,
+                                                                 int64_t sum_stride, const LMASK *mask,
+                                                                 const int JT, const int CT) {
+    FVEC acc[2][4];
+    for (int jj = 0; jj < JT; jj++)
+        for (int c = 0; c < CT; c++) acc[jj][c] = fvec_load(sum + jj * sum_stride + c * LANES);
+    for (int64_t t = 0; t < bn; t++) {
+        FVEC v[4];
+        for (int c = 0; c < CT; c++) v[c] = FN(widen)(vrow[t] + c * LANES, mask[c]);
+        for (int jj = 0; jj < JT; jj++) {
+            FVEC weight = fvec_set1(w[jj * w_stride + t]);
+            for (int c = 0; c < CT; c++) acc[jj][c] = fvec_fma(weight, v[c], acc[jj][c]);
+        }
+    }
+    for (int jj = 0; jj < JT; jj++)
+        for (int c = 0; c < CT; c++) fvec_store(sum + jj * sum_stride + c * LANES, acc[jj][c]);
+}
+
+/* The shape of one attention work item: a query row's heads that share a KV head. */
+typedef struct {
+    int64_t groups, chunks, hd, stride; /* query heads, LANES-chunks of a head, its elements, score row length */
+    float scale;
+    const LMASK *mask;                  /* [chunks]: each chunk's valid lanes */
+} FN(AttnShape);
+
+/* The scores of one block of keys (rows krow[0 .. LANES - 1], bn real) for every head of a query:
+ * score[j][i0 + t] = scale * dot(query_j, k_t), each a chain over the chunks in order whose lanes
+ * fvec_sums adds; top[j] takes the block's largest real score. */
+static __attribute__((noinline)) void FN(score_block)(const FN(AttnShape) *sh, const ELEM *const *krow, int64_t bn, const float *query,
+                            float *score, float *top) {
+    const int64_t groups = sh->groups, chunks = sh->chunks, stride = sh->stride;
+    const FVEC scale = fvec_set1(sh->scale);
+    for (int64_t j = 0; j < groups; j++) {
+        FVEC acc[LANES];
+        for (int t = 0; t < LANES; t++) acc[t] = fvec_zero();
+        for (int64_t c = 0; c < chunks; c++) {
+            const FVEC q = fvec_load(query + (j * chunks + c) * LANES);
+            const LMASK m = sh->mask[c];
+            for (int t = 0; t < LANES; t++) acc[t] = fvec_fma(q, FN(widen)(krow[t] + LANES * c, m), acc[t]);
+        }
+        FVEC s = fvec_mul(fvec_sums(acc), scale);
+        fvec_store(score + j * stride, s);
+        float lane[LANES];
+        fvec_storeu(lane, s);
+        for (int64_t t = 0; t < bn; t++) top[j] = lane[t] > top[j] ? lane[t] : top[j];
+    }
+}
+
+/* One block of values (rows vrow[0 .. bn - 1]) into a query's weighted sums: sum[j] += w[j][t] * v_t
+ * for every head j, the keys in order; heads two at a time, chunks four at a time, in registers. */
+static __attribute__((noinline)) void FN(value_block)(const FN(AttnShape) *sh, const ELEM *const *vrow, int64_t bn, const float *w, float *sum) {
+    const int64_t groups = sh->groups, chunks = sh->chunks, ss = chunks * LANES;
+    const ELEM *later[LANES], *const *shifted = vrow; /* the rows from chunk c on */
+    for (int64_t c = 0; c < chunks; c += 4) {
+        const int64_t ct = chunks - c < 4 ? chunks - c : 4;
+        if (c) {
+            for (int64_t t = 0; t < bn; t++) later[t] = vrow[t] + c * LANES;
+            shifted = later;
+        }
+        for (int64_t j = 0; j < groups; j += 2) {
+            const int64_t jt = groups - j < 2 ? groups - j : 2;
+            const float *wj = w + j * sh->stride;
+            float *acc = sum + (j * chunks + c) * LANES;
+            const LMASK *m = sh->mask + c;
+            switch (jt * 8 + ct) {
+            case 8 + 1: FN(value_tile)(shifted, bn, wj, sh->stride, acc, ss, m, 1, 1); break;
+            case 8 + 2: FN(value_tile)(shifted, bn, wj, sh->stride, acc, ss, m, 1, 2); break;
+            case 8 + 3: FN(value_tile)(shifted, bn, wj, sh->stride, acc, ss, m, 1, 3); break;
+            case 8 + 4: FN(value_tile)(shifted, bn, wj, sh->stride, acc, ss, m, 1, 4); break;
+            case 16 + 1: FN(value_tile)(shifted, bn, wj, sh->stride, acc, ss, m, 2, 1); break;
+            case 16 + 2: FN(value_tile)(shifted, bn, wj, sh->stride, acc, ss, m, 2, 2); break;
+            case 16 + 3: FN(value_tile)(shifted, bn, wj, sh->stride, acc, ss, m, 2, 3); break;
+            default: FN(value_tile)(shifted, bn, wj, sh->stride, acc, ss, m, 2, 4); break;
+            }
+        }
+    }
+}
+
+/* Rows krow[0 .. LANES - 1] of block i0 of a key list (a short last block repeats its last key),
+ * and the rows of the block KEYS_AHEAD keys on fetched. */
+static inline void FN(block_rows)(const ELEM *base, const int64_t *key, int64_t n, int64_t i0, int64_t kvh,
+                                  int64_t g, int64_t hd, const ELEM **row) {
+    const int64_t bn = n - i0 < LANES ? n - i0 : LANES, ahead = i0 + KEYS_AHEAD;
+    FN(fetch_rows)(base, key, ahead < n ? ahead : n, ahead + LANES < n ? ahead + LANES : n, kvh, g, hd);
+    for (int64_t t = 0; t < LANES; t++) row[t] = base + (key[i0 + (t < bn ? t : bn - 1)] * kvh + g) * hd;
+}
+
+#define ATTN_ROWS 8 /* query rows of one sequence per work item: they share the reads of their common keys */
+
 /* Attention of every query row of the pass over its visible cached keys (see decoder_stack).
- * Returns 0, or -1 where a thread's scratch memory could not be allocated. */
+ * A work item is up to ATTN_ROWS query rows of one sequence and one KV head. Each row's visible keys
+ * form its own list, taken in blocks of LANES: a block's scores are LANES dot products (chunks in
+ * order) whose lanes one transpose tree sums, the softmax is float32 with the vector exp, and the
+ * values are summed key by key in order, in registers across a block. The leading blocks every row
+ * of the item sees whole (the cached context of a verification pass or a prefill chunk) are read
+ * once for all of them; a row's arithmetic is the same as alone, so its result depends on its
+ * visible keys only, never on the pass around it. Returns 0, or -1 where a thread's scratch memory
+ * could not be allocated. */
 static int FN(attention)(const StackArgs *a, const int64_t *read_rows, int64_t read_start, const uint8_t *mask,
                          const ELEM *qk, const ELEM *ks, const ELEM *vs, ELEM *out) {
     int64_t hd = a->head_dim, heads = a->heads, kvh = a->kv_heads, groups = heads / kvh;
-    int64_t L = a->context, stride = (L + 15) / 16 * 16, chunks = (hd + LANES - 1) / LANES;
-    int64_t items = a->rows * kvh, width = groups * chunks * LANES;
+    int64_t L = a->context, stride = (L + LANES - 1) / LANES * LANES, chunks = (hd + LANES - 1) / LANES;
+    int64_t per_seq = (a->width + ATTN_ROWS - 1) / ATTN_ROWS, items = a->batch * per_seq * kvh;
+    int64_t width = groups * chunks * LANES;
     int failed = 0;
 #pragma omp parallel num_threads(a->threads) if (a->threads > 1 && items > 1) reduction(| : failed)
     {
-        /* per head: its scores (rows 64-byte aligned, so the vectorised exp below splits every row
-         * alike), its query and its weighted sum, in float32 */
-        float *score = aligned_alloc(64, sizeof(float) * (size_t)(stride * groups));
-        float *query = aligned_alloc(64, sizeof(float) * (size_t)width);
-        float *sum = aligned_alloc(64, sizeof(float) * (size_t)width);
-        int64_t *key = malloc(sizeof(int64_t) * (size_t)(L > 0 ? L : 1));
+        /* per row of an item, per head: its scores (then weights; each row 64-byte aligned and
+         * padded to whole blocks), its query and its weighted sum, in float32; the row's key list */
+        float *score = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * stride * groups + LANES));
+        float *query = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
+        float *sum = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
+        int64_t *key = malloc(sizeof(int64_t) * (size_t)(ATTN_ROWS * (L > 0 ? L : 1)));
         int ok = score && query && sum && key;
+        LMASK mask_of[MAX_HEAD_DIM / LANES];
+        for (int64_t c = 0; c < chunks; c++) mask_of[c] = lanes(hd - LANES * c);
+        const FN(AttnShape) sh = {groups, chunks, hd, stride, a->scale, mask_of};
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < items; p++) {
             if (!ok) { /* every thread still meets the loop; this one reports instead of working */
                 failed = 1;
                 continue;
             }
-            int64_t r = p / kvh, g = p % kvh, b = r / a->width, n = 0;
-            const uint8_t *visible = mask ? mask + r * L : NULL;
-            for (int64_t l = 0; l < L; l++)
-                if (!visible || visible[l]) key[n++] = read_rows ? read_rows[b * L + l] : read_start + l;
-            float top[MAX_GROUP], total[MAX_GROUP];
-            for (int64_t j = 0; j < groups; j++) {
-                const ELEM *qh = qk + (r * (heads + kvh) + g * groups + j) * hd;
-                for (int64_t c = 0; c < chunks; c++)
-                    fvec_store(query + (j * chunks + c) * LANES, FN(widen)(qh + LANES * c, lanes(hd - LANES * c)));
-                top[j] = -INFINITY;
-                total[j] = 0.0f;
-            }
-            /* each key (and value) row is read once for all the query heads that share it */
-            for (int64_t i = 0; i < n; i++) {
-                const ELEM *kr = ks + (key[i] * kvh + g) * hd;
-                FVEC kc[MAX_HEAD_DIM / LANES];
-                for (int64_t c = 0; c < chunks; c++) kc[c] = FN(widen)(kr + LANES * c, lanes(hd - LANES * c));
-                for (int64_t j = 0; j < groups; j++) {
-                    FVEC acc = fvec_zero();
-                    for (int64_t c = 0; c < chunks; c++)
-                        acc = fvec_fma(fvec_load(query + (j * chunks + c) * LANES), kc[c], acc);
-                    float s = fvec_sum(acc) * a->scale;
-                    score[j * stride + i] = s;
-                    top[j] = s > top[j] ? s : top[j];
-                }
-            }
-            for (int64_t j = 0; j < groups; j++) {
-                float *row = score + j * stride, peak = top[j];
-#pragma omp simd
-                for (int64_t i = 0; i < n; i++) row[i] = expf(row[i] - peak);
-            }
-            for (int64_t e = 0; e < width; e += LANES) fvec_store(sum + e, fvec_zero());
-            for (int64_t i = 0; i < n; i++) {
-                const ELEM *vr = vs + (key[i] * kvh + g) * hd;
-                FVEC vc[MAX_HEAD_DIM / LANES];
-                for (int64_t c = 0; c < chunks; c++) vc[c] = FN(widen)(vr + LANES * c, lanes(hd - LANES * c));
-                for (int64_t j = 0; j < groups; j++) {
-                    float weight = score[j * stride + i];
-                    FVEC w = fvec_set1(weight);
-                    total[j] += weight;
-                    for (int64_t c = 0; c < chunks; c++) {
-                        float *acc = sum + (j * chunks + c) * LANES;
-                        fvec_store(acc, fvec_fma(w, vc[c], fvec_load(acc)));
+            const int64_t g = p % kvh, b = p / kvh / per_seq, r0 = b * a->width + p / kvh % per_seq * ATTN_ROWS;
+            const int64_t nr = b * a->width + a->width - r0 < ATTN_ROWS ? b * a->width + a->width - r0 : ATTN_ROWS;
+            int64_t n[ATTN_ROWS], shared = L;
+            float top[ATTN_ROWS][MAX_GROUP], total[ATTN_ROWS][MAX_GROUP];
+            for (int64_t rr = 0; rr < nr; rr++) {
+                const uint8_t *visible = mask ? mask + (r0 + rr) * L : NULL;
+                int64_t *keys = key + rr * L, count = 0, lead = 0;
+                for (int64_t l = 0; l < L; l++)
+                    if (!visible || visible[l]) {
+                        lead += count == l; /* the keys every one of the first l seen */
+                        keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
                     }
+                n[rr] = count;
+                shared = lead < shared ? lead : shared;
+                for (int64_t j = 0; j < groups; j++) {
+                    const ELEM *qh = qk + ((r0 + rr) * (heads + kvh) + g * groups + j) * hd;
+                    for (int64_t c = 0; c < chunks; c++)
+                        fvec_store(query + rr * width + (j * chunks + c) * LANES, FN(widen)(qh + LANES * c, mask_of[c]));
+                    top[rr][j] = -INFINITY;
                 }
             }
-            for (int64_t j = 0; j < groups; j++) {
-                float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f, lane[LANES];
-                ELEM *o = out + (r * heads + g * groups + j) * hd;
-                for (int64_t c = 0; c < chunks; c++) {
-                    fvec_storeu(lane, fvec_mul(fvec_load(sum + (j * chunks + c) * LANES), fvec_set1(inv)));
-                    for (int64_t e = 0; e < LANES && LANES * c + e < hd; e++) o[LANES * c + e] = FN(store)(lane[e]);
+            /* blocks that are the same leading keys in every row's list */
+            const int64_t common = shared / LANES * LANES;
+            const ELEM *row[LANES];
+            FN(fetch_rows)(ks, key, 0, n[0] < KEYS_AHEAD ? n[0] : KEYS_AHEAD, kvh, g, hd);
+            for (int64_t i0 = 0; i0 < common; i0 += LANES) {
+                FN(block_rows)(ks, key, common, i0, kvh, g, hd, row);
+                for (int64_t rr = 0; rr < nr; rr++)
+                    FN(score_block)(&sh, row, LANES, query + rr * width, score + rr * stride * groups + i0, top[rr]);
+            }
+            for (int64_t rr = 0; rr < nr; rr++)
+                for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
+                    FN(block_rows)(ks, key + rr * L, n[rr], i0, kvh, g, hd, row);
+                    FN(score_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, query + rr * width,
+                                    score + rr * stride * groups + i0, top[rr]);
+                }
+            for (int64_t rr = 0; rr < nr; rr++) {
+                const int64_t padded = (n[rr] + LANES - 1) / LANES * LANES;
+                for (int64_t j = 0; j < groups; j++) {
+                    float *w = score + (rr * groups + j) * stride, peak = top[rr][j];
+#pragma omp simd
+                    for (int64_t i = 0; i < n[rr]; i++) w[i] = expf(w[i] - peak);
+                    for (int64_t i = n[rr]; i < padded; i++) w[i] = 0.0f;
+                    FVEC tot = fvec_zero();
+                    for (int64_t i = 0; i < padded; i += LANES) tot = tot + fvec_load(w + i);
+                    total[rr][j] = fvec_sum(tot);
+                }
+                for (int64_t e = 0; e < width; e += LANES) fvec_store(sum + rr * width + e, fvec_zero());
+            }
+            FN(fetch_rows)(vs, key, 0, n[0] < KEYS_AHEAD ? n[0] : KEYS_AHEAD, kvh, g, hd);
+            for (int64_t i0 = 0; i0 < common; i0 += LANES) {
+                FN(block_rows)(vs, key, common, i0, kvh, g, hd, row);
+                for (int64_t rr = 0; rr < nr; rr++)
+                    FN(value_block)(&sh, row, LANES, score + rr * stride * groups + i0, sum + rr * width);
+            }
+            for (int64_t rr = 0; rr < nr; rr++) {
+                for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
+                    FN(block_rows)(vs, key + rr * L, n[rr], i0, kvh, g, hd, row);
+                    FN(value_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, score + rr * stride * groups + i0,
+                                    sum + rr * width);
+                }
+                for (int64_t j = 0; j < groups; j++) {
+                    float inv = total[rr][j] > 0.0f ? 1.0f / total[rr][j] : 0.0f, lane[LANES];
+                    ELEM *o = out + ((r0 + rr) * heads + g * groups + j) * hd;
+                    for (int64_t c = 0; c < chunks; c++) {
+                        fvec_storeu(lane, fvec_mul(fvec_load(sum + rr * width + (j * chunks + c) * LANES), fvec_set1(inv)));
+                        for (int64_t e = 0; e < LANES && LANES * c + e < hd; e++) o[LANES * c + e] = FN(store)(lane[e]);
+                    }
                 }
             }
         }
