@@ -63,8 +63,8 @@ class StackArgs(ctypes.Structure):
 
 class QuantPart(ctypes.Structure):
     """``QuantPart`` of cpu_kernels.c: one quantized matrix of a projection in the stack (the entry
-    of ``infer.kernels.quant``'s library for its block type and layout, ``quant_linear_x8_<type>``
-    or ``quant_linear_<type>``, its blocks, the output columns it computes)."""
+    of ``infer.kernels.quant``'s library for its block type, ``quant_linear_x8_<type>``, its
+    blocks, the output columns it computes)."""
 
     _fields_ = [("linear", ctypes.c_void_p), ("blocks", ctypes.c_void_p), ("offset", ctypes.c_int64),
                 ("rows", ctypes.c_int64), ("in_features", ctypes.c_int64)]
