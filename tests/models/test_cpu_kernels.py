@@ -431,6 +431,14 @@ def built_library() -> tuple[build.Variant, str]:
     return variant, build.load(variant)._name
 
 
+@pytest.fixture(scope="module")
+def built_fallbacks(built_library: tuple[build.Variant, str]) -> list[tuple[build.Variant, str]]:
+    """The lesser variants this CPU runs and their libraries in the real cache (built once): planted
+    beside the refused one, the fallback loads instead of compiling afresh in every test."""
+    return [(v, build.load(v)._name) for v in build.VARIANTS
+            if v != built_library[0] and not build.missing_cpu_flags(v)]
+
+
 def _refuses_planted(tiny_llama: Path, planted: build.Variant, reason: str) -> None:
     """The planted library is refused with ``reason`` (a lesser variant, built afresh, or the PyTorch
     layers take over) and a model still loads and runs."""
@@ -442,8 +450,10 @@ def _refuses_planted(tiny_llama: Path, planted: build.Variant, reason: str) -> N
         assert model(torch.tensor([[1, 2, 3]])).shape[:2] == (1, 3)
 
 
-def _plant(built_library: tuple[build.Variant, str]) -> Path:
-    """The built library, copied to where the private cache expects it."""
+def _plant(built_library: tuple[build.Variant, str], fallbacks: list[tuple[build.Variant, str]]) -> Path:
+    """The built library, copied to where the private cache expects it (the lesser variants too)."""
+    for variant, built in fallbacks:
+        shutil.copy(built, build.library_path(variant))
     variant, built = built_library
     target = build.library_path(variant)
     shutil.copy(built, target)
@@ -451,8 +461,9 @@ def _plant(built_library: tuple[build.Variant, str]) -> Path:
 
 
 def test_a_library_others_can_write_is_refused(tiny_llama: Path, built_library: tuple[build.Variant, str],
+                                               built_fallbacks: list[tuple[build.Variant, str]],
                                                private_cache: Path) -> None:
-    target = _plant(built_library)
+    target = _plant(built_library, built_fallbacks)
     target.chmod(0o777)
     kernels.reset()
     _refuses_planted(tiny_llama, built_library[0], "writable by group or others")
@@ -462,20 +473,22 @@ def test_a_library_others_can_write_is_refused(tiny_llama: Path, built_library: 
 
 
 def test_a_library_that_does_not_load_is_refused(tiny_llama: Path, built_library: tuple[build.Variant, str],
+                                                 built_fallbacks: list[tuple[build.Variant, str]],
                                                  private_cache: Path) -> None:
     """A file dlopen rejects (a shared home on a host without a library it needs, say): refused
     with dlopen's reason, no crash."""
-    target = _plant(built_library)
+    target = _plant(built_library, built_fallbacks)
     target.write_bytes(b"not an ELF file")
     kernels.reset()
     _refuses_planted(tiny_llama, built_library[0], "failed")
 
 
 def test_a_library_owned_by_another_user_is_refused(tiny_llama: Path, built_library: tuple[build.Variant, str],
+                                                    built_fallbacks: list[tuple[build.Variant, str]],
                                                     private_cache: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("giving a file another owner needs root")
-    target = _plant(built_library)
+    target = _plant(built_library, built_fallbacks)
     os.chown(target, 65534, 65534)  # nobody's: planted by another user
     kernels.reset()
     _refuses_planted(tiny_llama, built_library[0], "not this user")
