@@ -211,6 +211,33 @@ def test_small_passes_run_torch_single_threaded_and_the_kernels_on_every_thread(
     assert seen == [(1, 2), (1, 2)]
 
 
+def test_a_try_of_one_thread_leaves_torch_at_the_settled_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between passes torch keeps a kind's settled thread count (a prefill runs on it), never the
+    count a pass only tried; where one thread won, it keeps one."""
+    chooser = cpu.ThreadChooser()
+    monkeypatch.setattr(cpu, "THREADS", chooser)
+    clock = [0.0]
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: clock[0])
+    torch.set_num_threads(2)  # the autouse fixture restores the test's thread count
+
+    def run_pass(two: float, one: float) -> tuple[int, int]:
+        """A pass timed `two` seconds on two threads, `one` on one: (its kernel count, torch's after)."""
+        with cpu.kernel_threads_only("decode"):
+            used = cpu._threads()
+            clock[0] += two if used == 2 else one
+        return used, torch.get_num_threads()
+
+    seen = [run_pass(1.0, 3.0) for _ in range(4)]  # warm, measured on 2; warm, measured on 1
+    assert [used for used, _ in seen] == [2, 2, 1, 1]
+    assert [after for _, after in seen] == [2, 2, 2, 2]  # the one-thread tries left torch on two
+    # A machine where one thread wins: once measured so, torch stays on one between passes.
+    seen = [run_pass(5.0, 1.0) for _ in range(6)]
+    assert seen[-1] == (1, 1) and chooser.settled("decode", 2) == 1
+    # The settled count follows the measurements, whichever count the last pass used.
+    chooser.seconds[("decode", 1)] = 10.0
+    assert chooser.settled("decode", 2) == 2
+
+
 # ----------------------------------------------------------------------------- the decoder stack in C
 
 

@@ -155,6 +155,14 @@ class ThreadChooser:
         previous = self.seconds.get(key)
         self.seconds[key] = seconds if previous is None else previous + self.WEIGHT * (seconds - previous)
 
+    def settled(self, kind: Hashable, most: int) -> int:
+        """The count ``kind``'s passes run on outside their tries of the other: the faster measured
+        one, or every thread until both counts are measured."""
+        every, one = self.seconds.get((kind, most)), self.seconds.get((kind, 1))
+        if every is None or one is None:
+            return most
+        return most if every <= one else 1
+
     def preferred(self) -> dict[Hashable, int]:
         """The thread count each kind of pass runs on now (for reports)."""
         kinds = {kind for kind, _ in self.seconds}
@@ -176,8 +184,10 @@ def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
     the kernels on torch's threads, or on one where that measured faster for this ``kind`` of pass
     (``ThreadChooser``: a shared machine). PyTorch's operators here work on rows of a few hundred
     elements, where handing work to another thread costs more than it saves. After a pass of a
-    ``kind``, torch keeps the chosen count until the next one: where one thread won, the sampling
-    and the prefill between passes run on one too (two threads lost there alike)."""
+    ``kind``, torch keeps the kind's settled count until the next one: where one thread won, the
+    sampling and the prefill between passes run on one too (two threads lost there alike). A try of
+    the other count leaves it alone: a 1B model's 512-token prefill after a one-thread try ran at
+    half speed."""
     current = torch.get_num_threads()
     if _kernel_threads[0] is not None:
         yield
@@ -195,7 +205,7 @@ def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
         after = most
         if kind is not None:
             THREADS.record(kind, chosen, time.perf_counter() - start)
-            after = chosen
+            after = THREADS.settled(kind, most)
         torch.set_num_threads(after)
         _left_at[0] = after if after != most else None
         _kernel_threads[0] = None
