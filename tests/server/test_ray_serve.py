@@ -356,10 +356,21 @@ def test_two_replicas_answer_like_one_process(ray_server: RayServer, single: str
         assert not isinstance(want, BaseException), (a, want)
         assert have == want, a
         assert want[1] in ("stop", "length")
-    # Both replicas served: their counts reach the hub within a second or two.
+    # Every request is counted once, by the replica that served it (counts reach the hub within a
+    # second or two), and both replicas serve: Ray's router samples two replicas a request, but on a
+    # loaded machine a replica whose queue-length probe is late loses every draw for a while (seen
+    # once: all 32 on one replica while the suite shared the cores with a compiler), so further
+    # greedy batches go out, a bounded number, until both have served.
     counts = counts_reaching(ray_server, len(MIXED))
-    assert len(counts) == 2 and all(n > 0 for n in counts.values()), counts
-    assert sum(counts.values()) == len(MIXED), counts
+    assert len(counts) == 2 and sum(counts.values()) == len(MIXED), counts
+    greedy = [a for a in MIXED if a.seed is None][:8]
+    for _ in range(4):
+        if all(n > 0 for n in counts.values()):
+            break
+        again = asyncio.run(ask_all(ray_server.client(), greedy))
+        assert again == [expected[a.index] for a in greedy]
+        counts = counts_reaching(ray_server, sum(counts.values()) + len(greedy))
+    assert all(n > 0 for n in counts.values()), f"one replica served every request: {counts}"
 
     # Everything else the single process answers, the replicas answer the same way.
     for path in ("/health", "/v1/models", f"/v1/models/{MODEL}", "/v1/models/nope"):
