@@ -306,6 +306,29 @@ def test_stack_matches_the_layers_it_replaces(tiny_qwen2: Path, tiny_qwen3: Path
         _passes(model, backend, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_stack_stages_key_rows_a_multiple_of_4kb_apart(tmp_path: Path, dtype: torch.dtype) -> None:
+    """16 KV heads of 128 elements make each cache row 4 KB (bfloat16) or 8 KB (float32) long, where
+    the stack's attention copies a block's key and value rows together before reading them (rows
+    that far apart share L1 sets): the stack still matches the layers on every kind of pass, and a
+    token's bits do not depend on the pass (check_invariance, in exact-greedy mode: the stack then
+    takes every pass)."""
+    if kernels.library_for(dtype) is None:
+        pytest.skip(f"no {dtype} kernels on this CPU: {kernels.unavailable_reason(dtype)}")
+    from checkpoints import make_tiny_checkpoint
+    from infer.backends import exact
+
+    folder = make_tiny_checkpoint(tmp_path / "wide-heads", "llama", hidden_size=256, num_layers=2, num_heads=32,
+                                  num_kv_heads=16, head_dim=128, intermediate_size=128, seed=3)
+    model, _ = load_model(str(folder), dtype, "cpu", backend="cpu-kernels")
+    assert model.config.num_key_value_heads * model.config.head_dim * dtype.itemsize % 4096 == 0
+    for backend in ("slotted", "paged"):
+        _check_stack_against_layers(model, backend, dtype)
+    exact.make_exact(model)
+    exact._VERIFIED.clear()
+    exact.check_invariance(model)
+
+
 def test_the_avx2_kernels_carry_a_float32_model_on_a_cpu_without_avx512(tiny_qwen3: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU without AVX-512 gets the AVX2 build: products, fused operators and the decoder stack
