@@ -278,10 +278,11 @@ static int FN(attention)(const StackArgs *a, const int64_t *read_rows, int64_t r
         float *query = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
         float *sum = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
         int64_t *key = malloc(sizeof(int64_t) * (size_t)(ATTN_ROWS * (L > 0 ? L : 1)));
-        const int64_t staged = chunks * LANES; /* a staged row's elements (see block_rows) */
-        ELEM *stage = (kvh * hd * (int64_t)sizeof(ELEM)) % 4096 == 0
-                          ? aligned_alloc(64, (sizeof(ELEM) * (size_t)(LANES * staged) + 63) / 64 * 64) : NULL;
-        int ok = score && query && sum && key && (stage || (kvh * hd * (int64_t)sizeof(ELEM)) % 4096 != 0);
+        /* a block's rows are staged (see block_rows) where cache rows lie a multiple of 4 KB apart */
+        const int stages = kvh * hd * (int64_t)sizeof(ELEM) % 4096 == 0;
+        const int64_t staged = chunks * LANES; /* a staged row's elements */
+        ELEM *stage = stages ? aligned_alloc(64, (sizeof(ELEM) * (size_t)(LANES * staged) + 63) / 64 * 64) : NULL;
+        int ok = score && query && sum && key && (stage || !stages);
         LMASK mask_of[MAX_HEAD_DIM / LANES];
         for (int64_t c = 0; c < chunks; c++) mask_of[c] = lanes(hd - LANES * c);
         const FN(AttnShape) sh = {groups, chunks, hd, stride, a->scale, mask_of};
