@@ -180,7 +180,7 @@ class QuantKernels:
     def linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, *,
                threads: int | None = None) -> torch.Tensor:
         """``x @ W^T + bias`` for float32 ``x`` [..., in_features]: float32 [..., out_features].
-        ``threads``: OpenMP threads (default: the kernels' count, ``infer.kernels.cpu``); the result
+        ``threads``: the pool's threads (default: the kernels' count, ``infer.kernels.cpu``); the result
         is the same bits for any count."""
         function = self._function("quant_linear", weight)
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != torch.float32:
