@@ -30,6 +30,7 @@ from infer.cache.protocol import KVBatch
 from infer.kernels import build
 from infer.kernels.quant import QuantKernels, QuantWeight
 from infer.kernels.quant import check_weight as check_quant_weight
+from infer.phases import PHASES
 
 # Rows above this go to F.linear: beyond a few dozen rows a product is bound by arithmetic, not by
 # reading the weight, and oneDNN's blocked GEMM catches up.
@@ -292,9 +293,11 @@ class KernelLibrary:
         rows = x.reshape(-1, in_features).contiguous()
         out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
         if rows.shape[0] and out_features:
+            since = PHASES.mark()
             with _recorded(PROFILER_EVENT):
                 fn(weight.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                    rows.shape[0], out_features, in_features, _threads())
+            PHASES.add("kernels", since)
         return out.view(*x.shape[:-1], out_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -405,8 +408,10 @@ class KernelLibrary:
             args.local_read_start = local_kv.read_start or 0
             args.local_mask = None if local_view[2] is None else local_view[2].data_ptr()
             args.local_cos, args.local_sin = local[0].data_ptr(), local[1].data_ptr()
+        since = PHASES.mark()
         with _recorded(STACK_EVENT):
             status = fn(ctypes.byref(args))
+        PHASES.add("kernels", since)
         if status == -2:  # StackTable checked every part: a mismatch between it and the C code
             raise RuntimeError("the C decoder stack refused a quantized projection's descriptor")
         if status != 0:

@@ -31,6 +31,7 @@ import torch
 
 from infer.kernels import build
 from infer.kernels.build import KernelUnavailable, Variant
+from infer.phases import PHASES
 
 ACTIVATION_BLOCK = 32  # elements per int8 activation block (and per weight chunk)
 
@@ -207,9 +208,11 @@ class QuantKernels:
         y = torch.empty(*x.shape[:-1], weight.out_features, dtype=torch.float32)
         if rows == 0:
             return y
+        since = PHASES.mark()
         failed = function(
             weight.data.data_ptr(), weight.out_features, weight.in_features, x.data_ptr(), rows,
             None if bias is None else bias.data_ptr(), y.data_ptr(), threads)
+        PHASES.add("kernels", since)
         if failed:
             raise MemoryError(f"the quantized kernel could not allocate {rows} x {weight.in_features} activations")
         return y
