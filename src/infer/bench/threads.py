@@ -48,6 +48,15 @@ def _worker(model: str, mode: str, max_tokens: int) -> None:
         print(json.dumps([len(out.token_ids) / seconds, out.token_ids]), flush=True)
 
 
+def _commit(src: str) -> str | None:
+    """The git commit a source tree is checked out at (None: not a checkout)."""
+    try:
+        out = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 def _reply(process: subprocess.Popen[str]) -> Any:
     assert process.stdout is not None
     for line in process.stdout:  # skip anything else the engine prints
@@ -94,9 +103,11 @@ def run(model: str, modes: list[str], busy: int, repeats: int, max_tokens: int,
             each.kill()
             each.wait()
     medians = {name: statistics.median(v) for name, v in speeds.items()}
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    commits = {prefix or "this": _commit(src or here) for prefix, src in trees}
     best_fixed = max((medians[m] for m in modes if m != "default"), default=None)
     return {"model": model, "max_tokens": max_tokens, "busy_processes": busy, "repeats": repeats,
-            "cpus": len(os.sched_getaffinity(0)), "loadavg_after": os.getloadavg(), "tok_s": speeds,
+            "commits": commits, "cpus": len(os.sched_getaffinity(0)), "loadavg_after": os.getloadavg(), "tok_s": speeds,
             "median_tok_s": medians, "best_fixed_tok_s": best_fixed,
             "default_vs_best_fixed": (medians["default"] / best_fixed if best_fixed and "default" in medians else None),
             "greedy_ids_equal": len({tuple(v) for v in ids.values()}) == 1}
