@@ -4,7 +4,7 @@
  * OpenMP's `parallel for schedule(static)` splits a loop evenly and ends in a barrier every thread
  * of the team must reach. On a machine where another process keeps a core busy, the thread sharing
  * that core is descheduled for whole time slices (milliseconds, against a decode step's ~5 ms), and
- * every loop waits for it: two threads then decoded at a third of one thread's speed. Here the
+ * every loop waits for it: `infer demo` then decoded at 0.4x the speed one thread gave. Here the
  * caller posts a job (a function over items 0 .. items - 1, in chunks), takes chunks itself, and
  * waits only for chunks some thread has claimed: a helper that wakes late finds nothing left and
  * claims nothing. Only a helper descheduled while it holds a chunk still delays the job, by the rest
