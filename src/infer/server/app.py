@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.sampling.params import SamplingParams, short_repr
+from infer.server import anthropic, responses, tokenize
 from infer.server.engine_loop import EngineService, Progress, Subscription
 from infer.server.errors import (
     APIError,
@@ -54,6 +55,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Larger bodies get a 413 before they are read. 1 MiB (nginx's default too) is far more than a
 # prompt that fits a 4096-token context; raise it with --max-request-bytes for longer contexts.
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DIALECT_PATHS = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize")
 
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: the error's `param` names the offending field",
@@ -97,13 +99,15 @@ def build_app(config: EngineConfig, served_model_name: str, api_key: str | None,
 
 def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_stored_responses: int = responses.DEFAULT_MAX_STORED_RESPONSES,
                metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None = None) -> FastAPI:
     """An app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1/* when set.
 
     The engine thread starts with the app (lifespan startup) and stops with it; requests still
     running then end with an error. ``app.state.service.begin_drain`` starts a graceful shutdown.
     ``metrics_exposition`` replaces what /metrics answers (a Ray Serve replica answers with every
-    replica's metrics, not only its own).
+    replica's metrics, not only its own). ``max_stored_responses``: how many /v1/responses answers
+    are kept for ``previous_response_id``.
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: pass None to serve without a key")
@@ -133,7 +137,8 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     app.state.service = service
     app.state.metrics = metrics
     install_error_handlers(app)
-    app.add_middleware(RequireJSON, paths=("/v1/completions", "/v1/chat/completions"), metrics=metrics)
+    app.add_middleware(RequireJSON, paths=("/v1/completions", "/v1/chat/completions", *DIALECT_PATHS),
+                       metrics=metrics)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, metrics=metrics)
     if api_key is not None:  # outermost: an unauthenticated body is never read
         app.add_middleware(BearerAuth, api_key=api_key, metrics=metrics)
@@ -187,6 +192,12 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     async def metrics_text() -> PlainTextResponse:
         text = metrics.render() if metrics_exposition is None else await metrics_exposition(metrics)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # The other dialects translate to and from the chat route (their own modules); the Anthropic
+    # one's error-shape middleware goes outermost, so the API key and size refusals get it too.
+    responses.install(app, api.chat, served_model_name, max_stored_responses)
+    tokenize.install(app, engine, served_model_name)
+    anthropic.install(app, api.chat, served_model_name, engine)
 
     app.openapi = functools.partial(_openapi_without_422, app)  # type: ignore[method-assign]
     return app
@@ -390,11 +401,13 @@ def _cumulative_logprob(final: Progress) -> float:
     return sum(lp.logprob for lp in (final.logprobs or [])[: final.completion_tokens])
 
 
-def _summed_usage(usages: list[dict[str, int]], n: int) -> dict[str, int]:
+def _summed_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """Every prompt's tokens once (the n choices of a prompt share it), every choice's completion."""
     prompt = sum(u["prompt_tokens"] for u in usages[::n])
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages[::n])
     completion = sum(u["completion_tokens"] for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _wait_all(subs: list[Subscription], http: Request) -> list[Progress] | None:
@@ -484,7 +497,7 @@ class _Stream:
         content, calls = parse_calls(final.text, self.tools.template, self.tools.functions)
         return (content, calls) if calls else None
 
-    def _usage(self, progress: Progress) -> dict[str, int]:
+    def _usage(self, progress: Progress) -> dict[str, Any]:
         usage = progress.usage()
         if self.prompt_only:
             usage["completion_tokens"], usage["total_tokens"] = 0, usage["prompt_tokens"]
@@ -549,6 +562,7 @@ class _Stream:
             choice["text"] = (self.echo or "") + ("" if self.prompt_only else final.text)
             choice["logprobs"] = _joined(echoed, generated)
         choice["finish_reason"] = "tool_calls" if self.chat and self._tool_calls(final) else final.finish_reason
+        choice["stop_reason"] = final.stop_string  # extension (as vLLM): the stop string that ended it
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                                "created": self.created, "model": self.model, "choices": [choice],
                                "usage": self._usage(final)}
@@ -607,7 +621,7 @@ class _Stream:
                 if progress.finished:
                     self.final = progress
                     rest = None if self.prompt_only else self._logprobs(progress)
-                    yield self._chunk({} if self.chat else "", progress.finish_reason, rest)
+                    yield self._chunk({} if self.chat else "", progress.finish_reason, rest, progress.stop_string)
                     if self.include_usage and last:
                         yield self._usage_chunk(progress)
                     break
@@ -617,7 +631,7 @@ class _Stream:
             sub.close()
 
     def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None,
-               logprobs: dict[str, Any] | None = None) -> str:
+               logprobs: dict[str, Any] | None = None, stop_reason: str | None = None) -> str:
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = delta
@@ -625,6 +639,8 @@ class _Stream:
             choice["text"] = delta
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
         chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                                  "choices": [choice]}
         if self.include_usage:
@@ -693,7 +709,8 @@ async def _refuse(error: APIError, metrics: ServerMetrics | None, scope: Scope, 
 
 
 class BearerAuth:
-    """ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (health and metrics stay open).
+    """ASGI middleware: /v1/*, /tokenize and /detokenize need ``Authorization: Bearer <api_key>``
+    or, as Anthropic's clients send it, ``x-api-key: <api_key>`` (health and metrics stay open).
 
     The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
     """
@@ -704,8 +721,11 @@ class BearerAuth:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in DIALECT_PATHS):
             sent = [value for name, value in scope.get("headers") or [] if name == b"authorization"]
+            keys = [value for name, value in scope.get("headers") or [] if name == b"x-api-key"]
+            if keys and not sent and len(keys) == 1:  # Anthropic's header: the same key, without a scheme
+                sent = [b"Bearer " + keys[0]]
             if len(sent) > 1:  # a proxy that checks the first and this server the last must not disagree
                 error = bad_request(f"{len(sent)} Authorization headers; send exactly one", code="invalid_api_key")
                 await _refuse(error, self.metrics, scope, receive, send)
