@@ -49,6 +49,7 @@ from infer.server.protocol import (
     SamplingRequest,
     check_model,
 )
+from infer.server.tool_stream import ToolCallStream
 from infer.server.tools import ToolCall, parse_calls, prompt_messages
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -485,7 +486,7 @@ class _Stream:
         self.prompt_only = prompt_only  # echo with max_tokens=0: the generated token is left out
         self.index = index  # the choice's index (several prompts, or n > 1)
         self.final: Progress | None = None  # the finished progress, once streamed
-        self.tools = tools  # chat with tools: the answer may be tool calls (sent whole, once finished)
+        self.tools = tools  # chat with tools: the answer may be tool calls (streamed as they are generated)
         self.show_logprobs = show_logprobs  # False: computed for best_of's ranking only
 
     def _tool_calls(self, final: Progress) -> tuple[str | None, list[ToolCall]] | None:
@@ -577,26 +578,31 @@ class _Stream:
             if self.chat:
                 yield self._chunk({"role": "assistant", "content": ""}, None)
             sent = 0
-            while self.tools is not None:  # tool calls can only be told once the answer is whole
+            # With tools, calls go out as they are generated: names once known, arguments piece by piece.
+            calls_stream = ToolCallStream(self.tools.functions) if self.tools is not None else None
+            while calls_stream is not None:
                 progress = await sub.next()
-                if not progress.finished:
-                    continue
-                if progress.finish_reason not in ("stop", "length"):
+                if progress.finished and progress.finish_reason not in ("stop", "length"):
                     message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
                     code = "server_shutting_down" if progress.shutdown else "internal_error"
                     yield _sse(error_body(message, "server_error", None, code))
                     if last:
                         yield "data: [DONE]\n\n"
                     return
-                self.final = progress
-                calls = self._tool_calls(progress)
-                if calls is None:
-                    yield self._chunk({"content": progress.text}, None, self._logprobs(progress))
+                parsed = self._tool_calls(progress) if progress.finished else None
+                if progress.finished:
+                    self.final = progress
+                    content, deltas = calls_stream.finish(progress.text, parsed or (None, []))
                 else:
-                    if calls[0]:
-                        yield self._chunk({"content": calls[0]}, None)
-                    yield self._chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls[1])]}, None)
-                yield self._chunk({}, "tool_calls" if calls else progress.finish_reason)
+                    content, deltas = calls_stream.step(progress.text[: max(0, len(progress.text) - self.holdback)])
+                logprobs = self._logprobs(progress) if progress.finished and parsed is None else None
+                if content or logprobs is not None:
+                    yield self._chunk({"content": content}, None, logprobs)
+                if deltas:
+                    yield self._chunk({"tool_calls": deltas}, None)
+                if not progress.finished:
+                    continue
+                yield self._chunk({}, "tool_calls" if parsed else progress.finish_reason, None, progress.stop_string)
                 if self.include_usage and last:
                     yield self._usage_chunk(progress)
                 if last:

@@ -36,8 +36,8 @@ from infer.server.protocol import _Body, check_model
 # The stored responses an `infer serve` keeps for previous_response_id (oldest dropped first).
 DEFAULT_MAX_STORED_RESPONSES = 1024
 # Chat request field -> the Responses field a client set, for the `param` of an error.
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-           "tools": "tools", "tool_choice": "tool_choice"}
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+           "response_format": "text.format"}
 
 
 class ResponsesRequest(_Body):
