@@ -17,15 +17,15 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field
+from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer.sampling.params import short_repr
-from infer.server.bridge import ChatHandler, chat_request, chunks, run_chat
+from infer.server.bridge import ChatHandler, chat_request, chunks, documented, run_chat
 from infer.server.errors import bad_request
 from infer.server.protocol import _Body, check_model
 from infer.server.tools import prompt_messages
@@ -36,6 +36,18 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 # HTTP status -> Anthropic's error type.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """The body of every error on /v1/messages* (Anthropic's shape)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 class MessagesRequest(_Body):
@@ -61,11 +73,12 @@ class CountTokensRequest(_Body):
     tools: list[dict[str, Any]] | None = None
 
 
-def install(app: FastAPI, chat: ChatHandler, model_name: str, engine: Any) -> None:
+def install(app: FastAPI, chat: ChatHandler, model_name: str, engine: Any, auth: bool = False) -> None:
     """Add /v1/messages and /v1/messages/count_tokens to ``app`` (and the middleware that gives
     their errors Anthropic's shape: call this after the app's other middleware is added)."""
 
-    @app.post(PATH, response_model=None, tags=["anthropic"])
+    @app.post(PATH, response_model=None, tags=["anthropic"],
+              responses=documented((400, 401, 404, 413, 429, 500, 503), auth, stream=True, error_model=AnthropicError))
     async def messages(body: MessagesRequest, http: Request) -> Response:
         check_model(body.model, model_name)
         request = chat_request(_chat_body(body), _PARAMS)
@@ -77,7 +90,8 @@ def install(app: FastAPI, chat: ChatHandler, model_name: str, engine: Any) -> No
             answer.body_iterator = _events(message_id, model_name, chunks(answer.body_iterator))
         return answer
 
-    @app.post(f"{PATH}/count_tokens", response_model=None, tags=["anthropic"])
+    @app.post(f"{PATH}/count_tokens", response_model=None, tags=["anthropic"],
+              responses=documented((400, 401, 404, 413), auth, error_model=AnthropicError))
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
         check_model(body.model, model_name)
         chat_body = _chat_body(MessagesRequest(messages=body.messages, system=body.system, tools=body.tools,
@@ -168,6 +182,8 @@ def _messages(message: dict[str, Any]) -> list[dict[str, Any]]:
                           "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
         elif kind == "tool_result" and role == "user":
             result = block.get("content")
+            if not isinstance(result, (str, list, type(None))):
+                raise bad_request("a tool_result's content must be a string or text blocks", param="messages")
             text = result if isinstance(result, str) else _texts(result or [], "messages")
             if block.get("is_error"):
                 text = f"Error: {text}"

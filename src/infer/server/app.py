@@ -196,9 +196,9 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
 
     # The other dialects translate to and from the chat route (their own modules); the Anthropic
     # one's error-shape middleware goes outermost, so the API key and size refusals get it too.
-    responses.install(app, api.chat, served_model_name, max_stored_responses)
-    tokenize.install(app, engine, served_model_name)
-    anthropic.install(app, api.chat, served_model_name, engine)
+    responses.install(app, api.chat, served_model_name, max_stored_responses, auth)
+    tokenize.install(app, engine, served_model_name, auth)
+    anthropic.install(app, api.chat, served_model_name, engine, auth)
 
     app.openapi = functools.partial(_openapi_without_422, app)  # type: ignore[method-assign]
     return app

@@ -16,10 +16,33 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
-from infer.server.errors import APIError, bad_request
+from infer.server.errors import APIError, ErrorResponse, bad_request
 from infer.server.protocol import ChatCompletionRequest
 
 ChatHandler = Callable[[ChatCompletionRequest, Request], Awaitable[Response]]
+
+_DESCRIPTIONS = {
+    400: "Invalid request: the error names the offending field",
+    401: "Missing or invalid API key",
+    404: "No such model, or no such stored response",
+    413: "Request body larger than the server's limit",
+    429: "The request queue is full; retry later",
+    500: "The request failed in the engine",
+    503: "The server is shutting down (draining) or its engine is not running",
+}
+
+
+def documented(statuses: tuple[int, ...], auth: bool, *, stream: bool = False,
+               error_model: type = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """The responses a route documents in /openapi.json: 200 (JSON, or with ``stream`` also
+    server-sent events) and the error statuses it answers (401 when the server has a key)."""
+    ok: dict[str, Any] = {"description": "The answer (JSON)" + (", or with `stream: true` server-sent events"
+                                                                 if stream else "")}
+    if stream:
+        ok["content"] = {"application/json": {"schema": {"type": "object"}},
+                         "text/event-stream": {"schema": {"type": "string"}}}
+    errors: dict[int | str, dict[str, Any]] = {s: {"model": error_model, "description": _DESCRIPTIONS[s]} for s in statuses if s != 401 or auth}
+    return {200: ok, **errors}
 
 
 def chat_request(body: dict[str, Any], params: Mapping[str, str]) -> ChatCompletionRequest:

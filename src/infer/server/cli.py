@@ -26,7 +26,8 @@ FD_RESERVE = 256  # descriptors for model files, threads' pipes, logs: beyond tw
 def add_subparser(subparsers: Any) -> None:
     from infer.engine.options import MODEL_OPTIONS, SERVING_OPTIONS, add_engine_args
 
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                                            "/v1/responses; Anthropic's /v1/messages)",
                               description="Serve a model over the OpenAI HTTP API with continuous batching "
                                           "and optional speculative decoding.")
     add_engine_args(p, MODEL_OPTIONS + SERVING_OPTIONS)

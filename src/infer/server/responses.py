@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from infer.sampling.params import short_repr
-from infer.server.bridge import ChatHandler, chat_request, chunks, run_chat
+from infer.server.bridge import ChatHandler, chat_request, chunks, documented, run_chat
 from infer.server.errors import APIError, bad_request
 from infer.server.protocol import _Body, check_model
 
@@ -106,12 +106,15 @@ class ResponseStore:
         del self._items[response_id]
 
 
-def install(app: FastAPI, chat: ChatHandler, model_name: str, max_stored: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
-    """Add /v1/responses (and GET/DELETE /v1/responses/{id}) to ``app``; ``chat`` is the chat route's handler."""
+def install(app: FastAPI, chat: ChatHandler, model_name: str, max_stored: int = DEFAULT_MAX_STORED_RESPONSES,
+            auth: bool = False) -> None:
+    """Add /v1/responses (and GET/DELETE /v1/responses/{id}) to ``app``; ``chat`` is the chat
+    route's handler; ``auth``: the app requires an API key (documented as a 401)."""
     store = ResponseStore(max_stored)
     app.state.responses = store
 
-    @app.post("/v1/responses", response_model=None, tags=["responses"])
+    @app.post("/v1/responses", response_model=None, tags=["responses"],
+              responses=documented((400, 401, 404, 413, 429, 500, 503), auth, stream=True))
     async def create(body: ResponsesRequest, http: Request) -> Response:
         check_model(body.model, model_name)
         history = store.get(body.previous_response_id, "previous_response_id").conversation \
@@ -129,11 +132,13 @@ def install(app: FastAPI, chat: ChatHandler, model_name: str, max_stored: int = 
             answer.body_iterator = _events(shell, chunks(answer.body_iterator), store if body.store else None, conversation)
         return answer
 
-    @app.get("/v1/responses/{response_id}", response_model=None, tags=["responses"])
+    @app.get("/v1/responses/{response_id}", response_model=None, tags=["responses"],
+             responses=documented((401, 404), auth))
     async def retrieve(response_id: str) -> dict[str, Any]:
         return store.get(response_id, "response_id").response
 
-    @app.delete("/v1/responses/{response_id}", response_model=None, tags=["responses"])
+    @app.delete("/v1/responses/{response_id}", response_model=None, tags=["responses"],
+                responses=documented((401, 404), auth))
     async def delete(response_id: str) -> dict[str, Any]:
         store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}

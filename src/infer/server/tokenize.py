@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import Field, ValidationError
 
+from infer.server.bridge import documented
 from infer.server.errors import bad_request
 from infer.server.protocol import ChatCompletionRequest, _Body, check_model
 from infer.server.tools import prompt_messages
@@ -35,10 +36,11 @@ class DetokenizeRequest(_Body):
     tokens: list[int] = Field(max_length=MAX_DETOKENIZE_IDS)
 
 
-def install(app: FastAPI, engine: Any, model_name: str) -> None:
+def install(app: FastAPI, engine: Any, model_name: str, auth: bool = False) -> None:
+    """Add /tokenize and /detokenize to ``app`` (``auth``: it requires an API key, documented as a 401)."""
     tokenizer = engine.tokenizer
 
-    @app.post("/tokenize", tags=["tokenizer"])
+    @app.post("/tokenize", tags=["tokenizer"], responses=documented((400, 401, 404, 413), auth))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model, model_name)
         if (body.prompt is None) == (body.messages is None):
@@ -60,7 +62,7 @@ def install(app: FastAPI, engine: Any, model_name: str) -> None:
             raise bad_request(str(err), param="prompt" if body.prompt is not None else "messages") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_seq_len}
 
-    @app.post("/detokenize", tags=["tokenizer"])
+    @app.post("/detokenize", tags=["tokenizer"], responses=documented((400, 401, 404, 413), auth))
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         check_model(body.model, model_name)
         vocab = engine.model_config.vocab_size
