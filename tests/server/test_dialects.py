@@ -386,3 +386,10 @@ def test_new_routes_are_behind_the_key_and_the_limits(tiny_llama: Path) -> None:
             assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     finally:
         server.stop()
+
+
+def test_the_store_size_has_one_default() -> None:
+    """`infer serve --help` does not import the app (it is slow to), so the CLI repeats the default."""
+    from infer.server import cli, responses
+
+    assert cli.DEFAULT_MAX_STORED_RESPONSES == responses.DEFAULT_MAX_STORED_RESPONSES
