@@ -189,7 +189,7 @@ def paged_attention(
     ``k_store``/``v_store`` [rows, kv_heads, head_dim]: one layer's storage. ``table`` [B, blocks]:
     sequence b's storage blocks in order, ``block_size`` rows each (``KVBatch.read_index`` with 1).
     ``meta`` [3, B] int32: each sequence's first query's row in ``q``, its query count and its length
-    after this pass (``KVBatch.seq_meta``). ``max_query_len`` bounds the query counts (the grid).
+    after this pass (``KVBatch.seq_meta()``). ``max_query_len`` bounds the query counts (the grid).
     ``tree_mask`` [B, T, T] bool: which of the pass's tokens each may see (None: causal).
     ``window``: a sliding-window layer's window, applied at ``positions`` [B, T] (the queries' RoPE
     positions, padded layout; None: their cache indexes). ``scale`` defaults to 1/sqrt(head_dim).
@@ -246,23 +246,25 @@ def paged_attention(
 def attend(q: torch.Tensor, kv: LayerKV, scale: float | None = None) -> torch.Tensor:
     """A layer's attention over its ``LayerKV`` (after ``kv.write``): ``q`` [B, T, heads, head_dim],
     or a ragged pass's packed [1, N, heads, head_dim]; returns the output in the same layout. The
-    pass's description (``KVBatch.seq_meta``, its row table, tree mask and window) goes to the
+    pass's description (``KVBatch.seq_meta()``, its row table, tree mask and window) goes to the
     kernel as it is: no context is gathered and no mask is expanded."""
     batch = kv.batch
-    if batch.seq_meta is None:
-        raise ValueError("this KVBatch has no seq_meta (it was not made by build_kv_batch / padded_kv_batch)")
+    meta = batch.seq_meta()
+    if meta is None:
+        raise ValueError("this KVBatch does not describe its sequences (made by neither build_kv_batch nor "
+                         "padded_kv_batch)")
     k_store, v_store = kv.k_store, kv.v_store
     if batch.read_index is not None:
         table, block_size = batch.read_index, 1
     else:  # one sequence in consecutive rows from read_start: one "block" as long as the context
         assert batch.read_start is not None
         k_store, v_store = k_store[batch.read_start:], v_store[batch.read_start:]
-        table, block_size = batch.seq_meta.new_zeros(1, 1), max(1, batch.context_len)
+        table, block_size = meta.new_zeros(1, 1), max(1, batch.context_len)
     flat = q.flatten(0, 1)
     # A padded pass's rows past a run's end have no query: zeros there, as the padding's output.
     out = torch.zeros_like(flat) if batch.token_valid is not None and batch.packed is None else None
     width = batch.token_valid.shape[1] if batch.token_valid is not None else q.shape[1]
-    result = paged_attention(flat, k_store, v_store, table, block_size, batch.seq_meta, width,
+    result = paged_attention(flat, k_store, v_store, table, block_size, meta, width,
                              tree_mask=batch.tree_mask, window=batch.window, positions=batch.window_positions,
                              scale=scale, out=out)
     return result.view(q.shape)

@@ -50,15 +50,24 @@ class KVBatch:
     # token's attention is computed as in a padded pass; everything row-wise runs N rows, not B * T.
     packed: torch.Tensor | None = None
     # The pass per sequence for a kernel that reads the pool itself (backends.triton_attention):
-    # [3, B] int32, rows: the sequence's first query token's index in the activations (flattened
-    # [B, T], or packed), its count of new tokens, its length after the pass. One tensor, so a
-    # CUDA graph replay refreshes it with one copy.
-    seq_meta: torch.Tensor | None = None
+    # each sequence's first query token's index in the activations (flattened [B, T], or packed),
+    # its count of new tokens and its length after the pass; as a tensor by ``seq_meta()``.
+    sequences: tuple[list[int], list[int], list[int]] | None = None
     tree_mask: torch.Tensor | None = None  # [B, T, T] the pass's tree (build_kv_batch's tree_mask), or None
     # Set on a sliding-window layer's view (``windowed``) when the window hides keys: the window and
     # the queries' RoPE positions [B, T] it is measured from (the mask already applies both).
     window: int | None = None
     window_positions: torch.Tensor | None = None
+    _seq_meta: torch.Tensor | None = field(default=None, repr=False)
+
+    def seq_meta(self) -> torch.Tensor | None:
+        """``sequences`` as one [3, B] int32 tensor on the pool's device, made on first use (only a
+        kernel that reads the pool needs it) and shared by every layer; one tensor, so a CUDA graph
+        replay refreshes it with one copy."""
+        if self._seq_meta is None and self.sequences is not None:
+            self._seq_meta = torch.tensor(self.sequences, dtype=torch.int32).to(self.write_index.device,
+                                                                               non_blocking=True)
+        return self._seq_meta
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [1, N, ...] of a ragged pass laid out as [B, T, ...], zeros at the padding."""
@@ -83,7 +92,7 @@ class KVBatch:
         read = self.read_index[torch.div(self.packed, width, rounding_mode="floor")]
         mask = self.mask.reshape(batch * width, 1, 1, self.context_len)[self.packed]
         return dataclasses.replace(self, token_valid=None, read_index=read, mask=mask, packed=None,
-                                   seq_meta=None, tree_mask=None, _folded_masks={}, _windowed={})
+                                   sequences=None, _seq_meta=None, tree_mask=None, _folded_masks={}, _windowed={})
 
     def attention_mask(self, groups: int = 1) -> torch.Tensor | None:
         """``mask`` with each query row repeated ``groups`` times ([B, 1, groups * T, L]), for
@@ -270,8 +279,7 @@ def build_kv_batch(
     kv = KVBatch(
         k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write_index, token_valid=token_valid,
         read_index=read_index, read_start=read_start, context_len=context, mask=mask, packed=packed,
-        seq_meta=torch.tensor([first_query, list(lengths), ends], dtype=torch.int32).to(device, non_blocking=True),
-        tree_mask=tree_mask,
+        sequences=(first_query, list(lengths), ends), tree_mask=tree_mask,
     )
     local_layers: frozenset[int] = getattr(pool, "local_layers", frozenset())
     if local_layers:  # the sliding-window layers' own rows (PagedKVCachePool)
@@ -325,10 +333,9 @@ def padded_kv_batch(pool: CachePoolProtocol, slots: Sequence[int], starts: Seque
     padded_starts = torch.tensor(list(starts) + [0] * (batch - len(slots)), device=device).unsqueeze(1)
     mask = _causal_mask(padded_starts, width, context)
     padded_ends = [s + width for s in starts] + [width] * (batch - len(slots))  # padding rows read the scratch row
-    meta = torch.tensor([[b * width for b in range(batch)], [width] * batch, padded_ends], dtype=torch.int32)
     return KVBatch(k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write.flatten(), token_valid=None,
                    read_index=read, read_start=None, context_len=context, mask=mask.unsqueeze(1),
-                   seq_meta=meta.to(device, non_blocking=True))
+                   sequences=([b * width for b in range(batch)], [width] * batch, padded_ends))
 
 
 def copy_positions(pool: CachePoolProtocol, moves: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
