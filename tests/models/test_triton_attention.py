@@ -278,6 +278,42 @@ def test_model_passes_with_the_kernel_equal_sdpa(model_type: str) -> None:
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
+# ------------------------------------------------------------------------- compiled for a GPU, without one
+
+# (dtype, heads, kv_heads, head_dim, max_query_len, tree, window, positions): between them every
+# compile-time branch: Llama 3.2 3B's decode step (GQA 3, head dim 128), a tree verification with a
+# window at tree positions, and a float32 prefill chunk at Gemma 3's head dim 256 with GQA 8.
+COMPILED = [
+    (torch.bfloat16, 24, 8, 128, 1, False, False, False),
+    (torch.float16, 24, 8, 128, 6, True, True, True),
+    (torch.float32, 8, 1, 256, 512, False, True, False),
+]
+POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+SHARED_MEMORY = 101_376  # bytes a block may use on sm_86/sm_89 (the smallest of the CUDA cards since sm_80)
+
+
+@in_parent
+@pytest.mark.parametrize("shape", COMPILED, ids=lambda s: f"{s[0]}-gqa{s[1] // s[2]}-d{s[3]}-q{s[4]}")
+def test_kernel_compiles_for_hopper(shape: tuple) -> None:
+    """Triton compiles the kernel to PTX and a cubin for sm_90 here (its bundled ptxas; no GPU needed),
+    as the lent H100/H200 will: a kernel the interpreter runs may still not compile (types, layouts,
+    shared memory), and that is found here rather than on the GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    dtype, *dims, tree, window, positions = shape
+    constants = triton_attention.kernel_constants(dtype, *dims, tree=tree, window=window, positions=positions)
+    kernel = triton_attention._kernel()
+    pointers = {"out_ptr": POINTER[dtype], "q_ptr": POINTER[dtype], "k_ptr": POINTER[dtype], "v_ptr": POINTER[dtype],
+                "table_ptr": "*i64", "meta_ptr": "*i32", "tree_ptr": "*u8", "pos_ptr": "*i64"}
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "fp32" if name == "qk_scale" else "i32")
+                 for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in compiled.asm and compiled.asm["cubin"]
+    assert compiled.metadata.shared <= SHARED_MEMORY, compiled.metadata.shared
+
+
 # ------------------------------------------------------------------------- on a machine without CUDA
 
 

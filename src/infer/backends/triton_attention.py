@@ -212,12 +212,8 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
     batch = meta.shape[1]
-    group = heads // kv_heads
-    # Tokens per program: enough rows for the tensor cores' tile (16) without wasting them on decode.
-    block_q = max(1, min(_next_power_of_2(max_query_len), max(1, 64 // group)))
-    block_m = max(16, _next_power_of_2(block_q * group))
-    dim_pad = max(16, _next_power_of_2(head_dim))
-    block_n = 64 if dim_pad <= 128 else 32
+    constants = kernel_constants(q.dtype, heads, kv_heads, head_dim, max_query_len, tree=tree_mask is not None,
+                                 window=window is not None, positions=positions is not None)
     if tree_mask is not None:
         tree = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
         tree_strides = (tree.stride(0), tree.stride(1))
@@ -227,20 +223,35 @@ def paged_attention(
         tree, tree_strides = meta, (0, 0)  # never read
     pos = positions if positions is not None else meta
     pos_strides = (positions.stride(0), positions.stride(1)) if positions is not None else (0, 0)
-    # Triton's interpreter multiplies bfloat16 tiles as raw integers (numpy has no bfloat16): there the
-    # operands go in as float32, which holds every bfloat16 value and product exactly.
-    dot_f32 = interpreted() and q.dtype == torch.bfloat16
-    grid = (batch, kv_heads, math.ceil(max_query_len / block_q))
+    grid = (batch, kv_heads, math.ceil(max_query_len / constants["BLOCK_Q"]))
     _kernel()[grid](
         out, q, k_store, v_store, table, meta, tree, pos,
         out.stride(0), out.stride(1), q.stride(0), q.stride(1), k_store.stride(0), k_store.stride(1),
         v_store.stride(0), v_store.stride(1), table.stride(0), meta.stride(0), *tree_strides, *pos_strides,
-        block_size, window or 0, (scale if scale is not None else head_dim ** -0.5) * LOG2E,
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        TREE=tree_mask is not None, WINDOW=window is not None, POSITIONS=positions is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else "tf32", DOT_F32=dot_f32,
+        block_size, window or 0, (scale if scale is not None else head_dim ** -0.5) * LOG2E, **constants,
     )
     return out
+
+
+def kernel_constants(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, max_query_len: int, *,
+                     tree: bool, window: bool, positions: bool) -> dict[str, Any]:
+    """The kernel's compile-time parameters for a pass of this shape (each set is one compiled kernel)."""
+    group = heads // kv_heads
+    dim_pad = max(16, _next_power_of_2(head_dim))
+    # Tiles of 64 rows while a row is at most 256 bytes (bfloat16 at head dim 128), fewer for wider
+    # rows, so the pipelined K/V tiles fit the shared memory of every CUDA card since sm_80 (the tests
+    # compile the widest for sm_90 and check).
+    row_bytes = dim_pad * dtype.itemsize
+    rows = 64 if row_bytes <= 256 else 32 if row_bytes <= 512 else 16
+    # Tokens per program: enough rows for the tensor cores' tile (16) without wasting them on decode.
+    block_q = max(1, min(_next_power_of_2(max_query_len), max(1, rows // group)))
+    # Triton's interpreter multiplies bfloat16 tiles as raw integers (numpy has no bfloat16): there the
+    # operands go in as float32, which holds every bfloat16 value and product exactly.
+    dot_f32 = interpreted() and dtype == torch.bfloat16
+    return dict(HEAD_DIM=head_dim, DIM_PAD=dim_pad, GROUP=group, BLOCK_Q=block_q,
+                BLOCK_M=max(16, _next_power_of_2(block_q * group)), BLOCK_N=rows,
+                TREE=tree, WINDOW=window, POSITIONS=positions,
+                PRECISION="ieee" if dtype == torch.float32 or dot_f32 else "tf32", DOT_F32=dot_f32)
 
 
 def attend(q: torch.Tensor, kv: LayerKV, scale: float | None = None) -> torch.Tensor:
