@@ -326,6 +326,15 @@ def test_cuda_backend_choice_without_cuda_says_why() -> None:
 
 
 @in_parent
+def test_older_gpus_keep_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert "compute capability 8.0 or newer (this GPU has 7.5)" in str(triton_attention.unavailable_reason("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert triton_attention.unavailable_reason("cuda") is None
+
+
+@in_parent
 def test_cuda_paths_import_without_cuda_or_triton() -> None:
     """The CUDA code paths import on a machine without CUDA, and without Triton the backend names it."""
     code = ("import sys; sys.modules['triton'] = None\n"

@@ -63,7 +63,12 @@ def unavailable_reason(device: torch.device | str) -> str | None:
     if missing is not None:
         return missing
     if device.type == "cuda":
-        return None if torch.cuda.is_available() else "CUDA is not available"
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:  # the kernel's bfloat16 tiles need Ampere's tensor cores
+            return f"the Triton kernel needs compute capability 8.0 or newer (this GPU has {major}.{minor})"
+        return None
     if device.type == "cpu" and interpreted():
         return None
     return f"the Triton kernel runs on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {device.type}"
