@@ -97,10 +97,11 @@ def decode(args: argparse.Namespace) -> None:
             run(args.max_tokens)  # warm-up (and graph capture)
             full = median_seconds(lambda: run(args.max_tokens), args.device, args.repeats)
             first = median_seconds(lambda: run(1), args.device, args.repeats)
-            tok_s = batch * (args.max_tokens - 1) / max(full - first, 1e-9)
+            # None when the run of N tokens did not take longer than the run of one (noise swamped it)
+            tok_s = batch * (args.max_tokens - 1) / (full - first) if full > first else None
             row: dict[str, Any] = {"cuda_graphs": graphs, "batch": batch, "decode_tok_s": tok_s,
                                    "end_to_end_tok_s": batch * args.max_tokens / full}
-            if bw is not None:
+            if bw is not None and tok_s is not None:
                 # every step reads the weights once and each sequence's K/V (its mean length here)
                 per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
                              * getattr(torch, args.dtype).itemsize)
@@ -108,7 +109,8 @@ def decode(args: argparse.Namespace) -> None:
                 limit = batch * bw / (wbytes + kv)
                 row |= {"limit_tok_s": limit, "fraction_of_limit": tok_s / limit}
             rows.append(row)
-            print(f"cuda_graphs={graphs} batch={batch}: {tok_s:.1f} decode tok/s"
+            print(f"cuda_graphs={graphs} batch={batch}: "
+                  + (f"{tok_s:.1f} decode tok/s" if tok_s is not None else "decode not resolved from the noise")
                   + (f" ({row['fraction_of_limit']:.0%} of the bandwidth limit)" if "fraction_of_limit" in row else ""))
         del llm
     save(args.out, {**environment(args.device), "model": args.model, "dtype": args.dtype, "weight_bytes": wbytes,
