@@ -1,7 +1,8 @@
 """The execution backend: which code computes a model's forward pass, chosen once at load, with why.
 
 * ``torch``: the PyTorch layers (on CPU with oneDNN pre-packed linears where torch has them, except
-  in compiled mode: Inductor cannot lower packed weights, so the linears stay ``nn.Linear``);
+  in compiled mode: Inductor cannot lower packed weights, so the linears stay ``nn.Linear``; on CUDA
+  with Triton, attention reads the paged cache in place: ``backends.triton_attention``);
 * ``cpu-kernels``: the C kernels of ``infer.kernels`` (streaming products, the fused small
   operators and the whole decoder stack in one call), each part probed against the layers
   (``backends.cpu_kernels``).
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 import infer.kernels as kernels
-from infer.backends import cpu_kernels
+from infer.backends import cpu_kernels, triton_attention
 from infer.backends.cpu_kernels import (
     CpuStack,
     probe_fused,
@@ -35,7 +36,7 @@ from infer.backends.cpu_kernels import (
 from infer.backends.onednn import PackedLinear, cpu_packing_available
 from infer.cache.protocol import KVBatch
 from infer.kernels.cpu import KernelLibrary
-from infer.models.layers import DecoderOnlyLM
+from infer.models.layers import Attention, DecoderOnlyLM
 
 # ``cpu-kernels:NAME`` forces kernel variant NAME in each kernel family that has one (the float
 # kernels' ``build.VARIANTS``, the quantized kernels' ``build.QUANT_VARIANTS``; ``avx2`` is in both),
@@ -62,6 +63,7 @@ class Backend:
     fused: bool = False  # RMSNorm, RoPE and SwiGLU's activation in C
     stack: bool = False  # the whole decoder stack in one C call
     onednn: bool = False  # torch on CPU: linears pre-packed for oneDNN
+    paged_attention: bool = False  # torch on CUDA: attention by the Triton paged kernel (no per-layer gather)
     reasons: list[str] = field(default_factory=list)  # why a faster path was refused
     mode: str = "eager"  # set by the engine: eager, compiled, cuda-graphs, exact
     # The prepared model's decoder stack in one C call (None: layer by layer). Tests set None to
@@ -80,6 +82,10 @@ class Backend:
                 cpu_kernels.prepare(model, self.library, self.fused)
             else:  # a packed LM head gets its own copy of a tied embedding
                 cpu_kernels.convert_linears(model, PackedLinear)
+        if self.paged_attention:
+            for module in model.modules():
+                if isinstance(module, Attention):
+                    module.paged_attention = triton_attention.attend
         self.cpu_stack = CpuStack.build(model, self.library) if self.library is not None and self.stack else None
         if self.cpu_stack is not None and self.cpu_stack.table.gemma:
             assert self.library is not None
@@ -117,6 +123,8 @@ class Backend:
                      f"{threads} threads, or 1 per kind of pass where that measures faster (shared cores)"
                      if threads > 1 else "1 thread"]
             return ", ".join(parts)
+        if self.paged_attention:
+            return "PyTorch operators, Triton paged attention"
         return "oneDNN-packed linears" if self.onednn else "PyTorch operators"
 
     def describe(self) -> str:
@@ -144,7 +152,11 @@ def choose_backend(device: torch.device | str, dtype: torch.dtype, requested: st
     if device.type != "cpu":
         if forced:
             raise ValueError(f"backend {requested!r} runs on the CPU; this model runs on {device}")
-        return Backend("torch", mode=mode)
+        unavailable = triton_attention.unavailable_reason(device)
+        if unavailable is None and compile:
+            unavailable = "compiled mode keeps SDPA attention (the compiler does not trace the Triton kernel)"
+        return Backend("torch", mode=mode, paged_attention=unavailable is None,
+                       reasons=[] if unavailable is None else [f"paged attention: {unavailable}"])
     reasons = []
     if requested == "torch":
         reasons.append("forced by --backend torch")

@@ -9,6 +9,7 @@ matter of moving a length (``truncate_to``) and makes the two backends interchan
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,25 @@ class KVBatch:
     # in [B * T]. Attention still runs in the padded [B, T] layout (``unpack`` / ``pack``), so a
     # token's attention is computed as in a padded pass; everything row-wise runs N rows, not B * T.
     packed: torch.Tensor | None = None
+    # The pass per sequence for a kernel that reads the pool itself (backends.triton_attention):
+    # each sequence's first query token's index in the activations (flattened [B, T], or packed),
+    # its count of new tokens and its length after the pass; as a tensor by ``seq_meta()``.
+    sequences: tuple[list[int], list[int], list[int]] | None = None
+    tree_mask: torch.Tensor | None = None  # [B, T, T] the pass's tree (build_kv_batch's tree_mask), or None
+    # Set on a sliding-window layer's view (``windowed``) when the window hides keys: the window and
+    # the queries' RoPE positions [B, T] it is measured from (the mask already applies both).
+    window: int | None = None
+    window_positions: torch.Tensor | None = None
+    _seq_meta: torch.Tensor | None = field(default=None, repr=False)
+
+    def seq_meta(self) -> torch.Tensor | None:
+        """``sequences`` as one [3, B] int32 tensor on the pool's device, made on first use (only a
+        kernel that reads the pool needs it) and shared by every layer; one tensor, so a CUDA graph
+        replay refreshes it with one copy."""
+        if self._seq_meta is None and self.sequences is not None:
+            self._seq_meta = torch.tensor(self.sequences, dtype=torch.int32).to(self.write_index.device,
+                                                                               non_blocking=True)
+        return self._seq_meta
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [1, N, ...] of a ragged pass laid out as [B, T, ...], zeros at the padding."""
@@ -72,7 +92,7 @@ class KVBatch:
         read = self.read_index[torch.div(self.packed, width, rounding_mode="floor")]
         mask = self.mask.reshape(batch * width, 1, 1, self.context_len)[self.packed]
         return dataclasses.replace(self, token_valid=None, read_index=read, mask=mask, packed=None,
-                                   _folded_masks={}, _windowed={})
+                                   sequences=None, _seq_meta=None, tree_mask=None, _folded_masks={}, _windowed={})
 
     def attention_mask(self, groups: int = 1) -> torch.Tensor | None:
         """``mask`` with each query row repeated ``groups`` times ([B, 1, groups * T, L]), for
@@ -106,8 +126,10 @@ class KVBatch:
                 mask = mask | (self.mask & ~mask.any(-1, keepdim=True))
             # no block_mask: SDPA takes the dense mask
             local = None if self.local is None else dataclasses.replace(
-                self.local, mask=mask, block_mask=None, _folded_masks={}, _windowed={})
-            view = dataclasses.replace(self, mask=mask, block_mask=None, _folded_masks={}, _windowed={}, local=local)
+                self.local, mask=mask, block_mask=None, _folded_masks={}, _windowed={}, window=window,
+                window_positions=positions)
+            view = dataclasses.replace(self, mask=mask, block_mask=None, _folded_masks={}, _windowed={}, local=local,
+                                       window=window, window_positions=positions)
         self._windowed[window] = view
         return view
 
@@ -252,10 +274,12 @@ def build_kv_batch(
             tree_vis = tree_mask.gather(2, rel.unsqueeze(1).expand(-1, width, -1))  # [B, T, L]
             causal &= ~in_new.unsqueeze(1) | tree_vis
         mask = causal.unsqueeze(1)
+    packed = token_valid.flatten().nonzero().squeeze(1) if ragged and token_valid is not None else None
+    first_query = [0, *itertools.accumulate(lengths)][:batch] if packed is not None else [b * width for b in range(batch)]
     kv = KVBatch(
         k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write_index, token_valid=token_valid,
-        read_index=read_index, read_start=read_start, context_len=context, mask=mask,
-        packed=token_valid.flatten().nonzero().squeeze(1) if ragged and token_valid is not None else None,
+        read_index=read_index, read_start=read_start, context_len=context, mask=mask, packed=packed,
+        sequences=(first_query, list(lengths), ends), tree_mask=tree_mask,
     )
     local_layers: frozenset[int] = getattr(pool, "local_layers", frozenset())
     if local_layers:  # the sliding-window layers' own rows (PagedKVCachePool)
@@ -308,8 +332,10 @@ def padded_kv_batch(pool: CachePoolProtocol, slots: Sequence[int], starts: Seque
         write[b] = rows[start:]
     padded_starts = torch.tensor(list(starts) + [0] * (batch - len(slots)), device=device).unsqueeze(1)
     mask = _causal_mask(padded_starts, width, context)
+    padded_ends = [s + width for s in starts] + [width] * (batch - len(slots))  # padding rows read the scratch row
     return KVBatch(k_layers=pool.k_layers, v_layers=pool.v_layers, write_index=write.flatten(), token_valid=None,
-                   read_index=read, read_start=None, context_len=context, mask=mask.unsqueeze(1))
+                   read_index=read, read_start=None, context_len=context, mask=mask.unsqueeze(1),
+                   sequences=([b * width for b in range(batch)], [width] * batch, padded_ends))
 
 
 def copy_positions(pool: CachePoolProtocol, moves: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:

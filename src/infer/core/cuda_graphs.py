@@ -92,7 +92,8 @@ class StepGraphs:
             graph = self.graphs[shape] = self._capture(ids, positions, kv)
         else:
             for static, new in ((graph.ids, ids), (graph.positions, positions), (graph.kv.write_index, kv.write_index),
-                                (graph.kv.read_index, kv.read_index), (graph.kv.mask, kv.mask)):
+                                (graph.kv.read_index, kv.read_index), (graph.kv.mask, kv.mask),
+                                (graph.kv.seq_meta(), kv.seq_meta())):
                 assert static is not None and new is not None
                 static.copy_(new)
             graph.graph.replay()

@@ -76,6 +76,9 @@ class Gemma3Attention(Attention):
             if self.window is not None:
                 attn_mask = attn_mask.triu(1 - self.window)  # type: ignore[union-attr]
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        elif self.paged_attention is not None and self.attend is None:  # the view carries the window
+            kv.write(k, v)
+            return self.o_proj(self.paged_attention(q, kv, self.scale).reshape(batch, width, -1))
         else:  # the layer's view already carries the window in its mask (DecoderOnlyLM.layer_kv)
             kv.write(k, v)
             keys, values = kv.gather()

@@ -105,6 +105,10 @@ class Attention(nn.Module):
         # Attention over the cache (q [B, heads, T, D], keys, values, mask) in place of SDPA/FlexAttention:
         # the one hook for another attention function (backends.exact: rows independent of the pass's shape).
         self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+        # Attention that reads the cache where it lies (q [B, T, heads, D] or a ragged pass's [1, N, ...],
+        # the layer's LayerKV, the scale; None: 1/sqrt(D)): set by a backend with a paged-attention
+        # kernel (backends.triton_attention on CUDA); no context is gathered. ``attend`` comes first.
+        self.paged_attention: Callable[[torch.Tensor, LayerKV, float | None], torch.Tensor] | None = None
 
     def fuse(self) -> None:
         """Merge q/k/v into one projection for inference (fewer, larger matmuls; same math)."""
@@ -141,6 +145,9 @@ class Attention(nn.Module):
             out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window_mask, False)
         elif kv is None:  # whole sequence at once (training, reference): plain causal attention
             out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True)
+        elif self.paged_attention is not None and self.attend is None:
+            kv.write(k, v)
+            out = self.paged_attention(q, kv, None).transpose(1, 2)
         else:
             kv.write(k, v)
             keys, values = kv.gather()

@@ -214,7 +214,8 @@ def infer_deployment(args: argparse.Namespace, scale: ScaleOut, hub: Any) -> Any
         replica = serve.get_replica_context().replica_id.unique_id
         publisher = MetricsPublisher(hub, replica)
         app = build_app(engine_config(args), args.served_model_name, args.api_key, say=say,
-                        max_request_bytes=args.max_request_bytes, metrics_exposition=publisher.exposition)
+                        max_request_bytes=args.max_request_bytes, metrics_exposition=publisher.exposition,
+                        max_stored_responses=args.max_stored_responses)
         publisher.start(app.state.metrics)
         return app
 
