@@ -306,3 +306,28 @@ def test_bench_serving_repetitive_workload_with_suffix(tiny_llama: Path, tmp_pat
     for run in report["runs"]:
         (level,) = run["levels"]
         assert level["errors"] == 0 and level["requests"] == 2 and level["output_tokens"] > 0
+
+
+def test_bench_step_prints_each_phase(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "step.json"
+    code = main(["bench", "step", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "8",
+                 "--repeats", "1", "--threads", "1", "--cpu-time", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    # (the verify pass appears where n-gram drafted: tests/integration/test_step_phases.py)
+    for phase in ("scheduling", "model pass", "sampling", "detokenization", "drafting", "output", "in the C kernels"):
+        assert phase in printed, phase
+    assert "plain decode step:" in printed and "speculative round (ngram):" in printed
+    report = json.loads(out.read_text())
+    assert report["clock"] == "thread CPU time" and len(report["plain decode step"]) == 1
+
+
+def test_bench_threads_runs_each_mode_interleaved(tiny_llama: Path, tmp_path: Path) -> None:
+    from infer.bench.threads import main as threads_main
+
+    out = tmp_path / "threads.json"
+    threads_main(["--model", str(tiny_llama), "--modes", "default", "1", "--busy", "1", "--repeats", "2",
+                  "--max-tokens", "6", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report["tok_s"]) == {"default", "1"} and all(len(v) == 2 for v in report["tok_s"].values())
+    assert report["greedy_ids_equal"] is True and report["busy_processes"] == 1

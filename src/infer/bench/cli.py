@@ -104,6 +104,19 @@ def add_subparser(sub: Any) -> None:
     comp.add_argument("--out", default="bench-out", help="folder for compile.json")
     comp.set_defaults(func=_run_compile_eval)
 
+    step = kinds.add_parser("step", help="a decode step's and a speculative round's time by phase (model pass, "
+                                         "sampling, scheduling, detokenization, drafting, verification, ...)")
+    add_engine_args(step, ("model", "dtype", "backend"))
+    step.add_argument("--speculator", default="ngram", choices=["none", "draft", "ngram", "medusa", "suffix"],
+                      help="also split this drafter's rounds (none: the plain step only)")
+    step.add_argument("--max-tokens", type=int, default=128)
+    step.add_argument("--repeats", type=int, default=3)
+    step.add_argument("--threads", type=int, default=None, help="torch's (and the kernels') thread count")
+    step.add_argument("--cpu-time", action="store_true",
+                      help="this thread's CPU time instead of wall time (a machine other processes keep busy)")
+    step.add_argument("--json", default=None, help="write the per-request figures here")
+    step.set_defaults(func=_run_step)
+
     shapes = kinds.add_parser("shapes", help="random-weight models of Llama-3.2-1B's and 3B's shapes (SmolLM2's "
                                              "vocabulary) as a Hugging Face folder and GGUF files, for the peer tables")
     shapes.add_argument("--shape", nargs="+", default=["1b"], choices=sorted(SHAPES),
@@ -226,6 +239,18 @@ def _run_shapes(args: argparse.Namespace) -> int:
     written = [path for name in args.shape for path in write_shape(
         name, out, tuple(args.types), like=args.like, seed=args.seed, quantizer=args.quantizer, say=say)]
     print("\n".join(str(p) for p in written))
+    return 0
+
+
+def _run_step(args: argparse.Namespace) -> int:
+    import json
+
+    from infer.bench.step import run_step_bench
+
+    report = run_step_bench(args.model, args.dtype, args.backend, None if args.speculator == "none" else args.speculator,
+                            args.max_tokens, args.repeats, args.cpu_time, args.threads)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -10,6 +10,7 @@ from infer.cache.prefix import PrefixCache
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.model_runner import ModelRunner
 from infer.core.request import Request, StepOutput
+from infer.phases import PHASES
 from infer.sampling.grammar import unpack_bitmasks
 from infer.sampling.sampler import raw_logprobs, sample_with_logprobs
 
@@ -76,6 +77,7 @@ class ContinuousRunner:
             self.ensure_slot(chunk.request)
         slots = [c.request.slot for c in chunks]
         runs = [c.request.prompt_token_ids[c.request.num_computed_tokens:][: c.num_tokens] for c in chunks]
+        since = PHASES.mark()
         hidden = self.runner.forward(slots, runs)  # type: ignore[arg-type]
         for b, (chunk, run) in enumerate(zip(chunks, runs, strict=True)):
             if chunk.request.params.prompt_logprobs is not None:
@@ -90,7 +92,7 @@ class ContinuousRunner:
                 self.prefix_cache.insert(request.slot, request.prompt_token_ids,  # type: ignore[arg-type]
                                          request.cache_salt)
         last = self.runner.last_hidden(hidden, [len(r) for r in runs])[done]
-        return self._sample([chunks[i].request for i in done], last)
+        return self._sample([chunks[i].request for i in done], last, since)
 
     def _prompt_logprobs(self, request: Request, hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this chunk's positions predict (the chunk's last position
@@ -117,19 +119,25 @@ class ContinuousRunner:
         """One plain decode step: feed each request's newest token, sample the next."""
         if not requests:
             return Sampled([], None)
+        since = PHASES.mark()
         hidden = self.runner.forward([r.slot for r in requests], [[r.output_token_ids[-1]] for r in requests])  # type: ignore[misc]
         for r in requests:
             r.num_computed_tokens += 1
-        return self._sample(requests, hidden[:, -1])
+        return self._sample(requests, hidden[:, -1], since)
 
-    def _sample(self, requests: list[Request], hidden: torch.Tensor) -> Sampled:
+    def _sample(self, requests: list[Request], hidden: torch.Tensor, since: float) -> Sampled:
+        """The next token of each request from its last ``hidden`` state (``since``: when the pass that
+        gave it began, for the phase times)."""
         logits = self.runner.logits(hidden)
+        since = PHASES.add("model pass", since)
         tokens, logprobs = sample_with_logprobs(
             logits, [r.params for r in requests], [r.all_token_ids for r in requests], [r.generator for r in requests],
             grammar_masks(requests, logits.shape[-1], logits.device), [r.output_token_ids for r in requests],
         )
-        return Sampled([(r, StepOutput(t, lp)) for r, t, lp in zip(requests, tokens.tolist(), logprobs, strict=True)],
-                       hidden)
+        sampled = Sampled([(r, StepOutput(t, lp)) for r, t, lp in zip(requests, tokens.tolist(), logprobs, strict=True)],
+                          hidden)
+        PHASES.add("sampling", since)
+        return sampled
 
 
 def grammar_masks(requests: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor | None:

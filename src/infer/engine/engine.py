@@ -35,6 +35,7 @@ from infer.loader import (
 )
 from infer.loader.quantized import loads_quantized
 from infer.models.config import ModelConfig
+from infer.phases import PHASES
 from infer.sampling.grammar import GrammarCompiler
 from infer.sampling.params import SamplingParams, short_repr
 
@@ -324,6 +325,7 @@ class Engine:
         finishes with finish_reason "error"; the others' tokens are unaffected (see ``_run``).
         """
         with self.lock:
+            since = PHASES.mark()
             batch = self.scheduler.schedule()
             updates: dict[str, RequestUpdate] = {}
             for request in self.scheduler.rejected:
@@ -331,7 +333,9 @@ class Engine:
             self.scheduler.rejected.clear()
             if batch.empty:
                 return list(updates.values())
-            outputs, failed = self._run(batch)
+            PHASES.add("scheduling", since)
+            outputs, failed = self._run(batch)  # the runner times its model pass, sampling or round
+            since = PHASES.mark()
             for request in failed:
                 updates[request.request_id] = RequestUpdate(request, [], True)
             for request, out in outputs:
@@ -341,7 +345,9 @@ class Engine:
                 request.append_token(out.token_id, out.logprobs)
                 update.new_token_ids.append(out.token_id)
                 update.finished = request.is_finished
+            since = PHASES.add("detokenization", since)  # and the stop rules
             self.scheduler.retire()
+            PHASES.add("scheduling", since)
             return list(updates.values())
 
     def _run(self, batch: ScheduledBatch) -> tuple[StepResult, list[Request]]:

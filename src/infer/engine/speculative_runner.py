@@ -27,6 +27,7 @@ from infer.cache.protocol import CachePoolProtocol, copy_positions
 from infer.core.request import Request, StepOutput
 from infer.core.timing import device_clock
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, Sampled, StepResult
+from infer.phases import PHASES
 from infer.sampling.grammar import unpack_bitmasks
 from infer.sampling.sampler import TokenLogprobs, context_presence, gather_logprobs, output_counts
 from infer.sampling.transforms import (
@@ -125,6 +126,7 @@ class SpeculativeRunner:
     def speculative_decode(self, requests: list[Request]) -> StepResult:
         if not requests:
             return []
+        since = PHASES.mark()
         budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests), strict=True)]
         start = device_clock(self.device)
         proposal = self.drafter.propose(requests, budgets, self._hidden_of(requests)) if any(budgets) else None
@@ -138,6 +140,7 @@ class SpeculativeRunner:
         grammar = None
         if proposal is not None and any(r.grammar is not None for r in requests):
             proposal, grammar = self._check_grammar(requests, proposal)
+        PHASES.add("drafting", since)
         if proposal is None or not any(proposal.num_tokens):
             # Nothing worth drafting (or nothing found): a plain decode step, still one target pass.
             if grammar is not None:  # the grammar dropped every draft: the drafter keeps none of them
@@ -177,9 +180,11 @@ class SpeculativeRunner:
         runner = self.target.runner
         # Ragged: request b's rows [g, t_1..t_kb] back to back, sum_b (1 + k_b) rows through the
         # model and the LM head; only the sampling step below sees them padded to [B, width].
+        since = PHASES.mark()
         ragged = runner.forward_ragged([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens))  # type: ignore[misc]
         self.last_pass_rows = ragged.rows
         logits = runner.logits(ragged.hidden)  # [N, V]
+        since = PHASES.add("verify pass", since)
         num_draft = torch.tensor(proposal.num_tokens, device=self.device)
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
         if argmax_only([r.params for r in requests]):
@@ -201,6 +206,7 @@ class SpeculativeRunner:
                                     [r.generator for r in requests])
         accepted = verdict.num_accepted.tolist()
         emitted = [row[: kept + 1] for row, kept in zip(verdict.output_tokens.tolist(), accepted, strict=True)]
+        PHASES.add("rejection", since)
         # Row i's logits (p_{i+1}) gave the final token after i accepted drafts.
         if self._hidden is not None:
             self._store_hidden(requests, ragged.rows_at(accepted))
@@ -363,7 +369,9 @@ class SpeculativeRunner:
         for b, request in enumerate(requests):
             # The target cache now holds g and the accepted drafts; the final token stays pending.
             request.num_computed_tokens += 1 + kept[b]
+            since = PHASES.mark()
             self.target.pool.truncate_to(request.slot, request.num_computed_tokens)  # type: ignore[arg-type]
+            PHASES.add("KV truncation", since)
             self.drafter.accepted(request, proposed[b] if drafted is None else drafted[b], kept[b])
             request.metrics.record_round(judged[b], kept[b], proposed[b])
             found = logprobs[b] if logprobs is not None else [None] * len(emitted[b])

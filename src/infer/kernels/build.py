@@ -36,7 +36,7 @@ from pathlib import Path
 from infer.fileio import default_cache_dir
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_kernels.c", _HERE / "cpu_kernels_impl.h")
+SOURCES = (_HERE / "cpu_kernels.c", _HERE / "cpu_kernels_impl.h", _HERE / "thread_pool.h")
 # -ffp-contract=off: a * b + c rounds twice, as the PyTorch operators the kernels replace do.
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma")
@@ -71,7 +71,7 @@ VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 
 # The quantized matrix-vector kernels (quant_kernels.c, infer.kernels.quant), best first. Each
 # holds every GGUF block type; only the int8 dot product and the nibble unpacking differ per ISA.
-QUANT_SOURCES = (_HERE / "quant_kernels.c", _HERE / "quant_x8.h", _HERE / "quant_x8_impl.h")
+QUANT_SOURCES = (_HERE / "quant_kernels.c", _HERE / "quant_x8.h", _HERE / "quant_x8_impl.h", _HERE / "thread_pool.h")
 _QUANT_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 QUANT_VARIANTS = (
     Variant("avx512-vnni", "AVX-512 VNNI quantized kernels", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
@@ -206,6 +206,26 @@ def load(variant: Variant) -> ctypes.CDLL:
             raise
     _check_private(target, "kernel library")
     try:
-        return ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(target))
     except OSError as err:
         raise KernelUnavailable(f"loading {target.name} failed: {err}") from None
+    _share_pool(lib)
+    return lib
+
+
+# The thread pool every kernel library of this process runs its loops on (thread_pool.h): the first
+# library's, handed to each one loaded after it. Two pools' idle threads would spin against each
+# other's work (a quantized model's decoder stack calls both libraries in every layer).
+_pool: list[int] = []
+
+
+def _share_pool(lib: ctypes.CDLL) -> None:
+    try:
+        handle, adopt = lib.infer_pool_handle, lib.infer_pool_adopt
+    except AttributeError:
+        raise KernelUnavailable("the library has no infer_pool_handle (an older build)") from None
+    handle.argtypes, handle.restype = [], ctypes.c_void_p
+    adopt.argtypes, adopt.restype = [ctypes.c_void_p], None
+    if not _pool:
+        _pool.append(handle())
+    adopt(_pool[0])

@@ -30,6 +30,7 @@ from infer.cache.protocol import KVBatch
 from infer.kernels import build
 from infer.kernels.quant import QuantKernels, QuantWeight
 from infer.kernels.quant import check_weight as check_quant_weight
+from infer.phases import PHASES
 
 # Rows above this go to F.linear: beyond a few dozen rows a product is bound by arithmetic, not by
 # reading the weight, and oneDNN's blocked GEMM catches up.
@@ -211,6 +212,9 @@ def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
         _kernel_threads[0] = None
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
 def _recorded(event: str) -> contextlib.AbstractContextManager[Any]:
     return torch.profiler.record_function(event) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
@@ -235,8 +239,11 @@ def _check_shape(tensor: torch.Tensor, what: str, shape: tuple[int, ...]) -> Non
 def _check_index(index: torch.Tensor, what: str, low: int, high: int) -> None:
     """ValueError unless every element of the int64 ``index`` lies in [low, high)."""
     _check(index, what, torch.long)
-    if index.numel() and (int(index.min()) < low or int(index.max()) >= high):
-        raise ValueError(f"{what} holds {int(index.min())}..{int(index.max())}, outside [{low}, {high})")
+    if index.numel():
+        bounds = torch.aminmax(index)  # one pass over the index, not two
+        least, most = int(bounds.min), int(bounds.max)
+        if least < low or most >= high:
+            raise ValueError(f"{what} holds {least}..{most}, outside [{low}, {high})")
 
 
 class KernelLibrary:
@@ -292,9 +299,11 @@ class KernelLibrary:
         rows = x.reshape(-1, in_features).contiguous()
         out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
         if rows.shape[0] and out_features:
+            since = PHASES.mark()
             with _recorded(PROFILER_EVENT):
                 fn(weight.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                    rows.shape[0], out_features, in_features, _threads())
+            PHASES.add("kernels", since)
         return out.view(*x.shape[:-1], out_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -371,14 +380,16 @@ class KernelLibrary:
         storage = min((r for r, f in zip(rows_of, flags, strict=True) if not f), default=0)
         local_storage = min((r for r, f in zip(rows_of, flags, strict=True) if f), default=storage)
         storage = storage if not all(flags) else local_storage  # (every layer local: the main view unused)
-        k_pointers, v_pointers = [t.data_ptr() for t in kv.k_layers], [t.data_ptr() for t in kv.v_layers]
-        signature = (tuple(k_pointers), tuple(v_pointers), kv.k_layers[0].dtype, tuple(rows_of))
+        k_pointers, v_pointers = list(map(_data_ptr, kv.k_layers)), list(map(_data_ptr, kv.v_layers))
+        signature = (k_pointers, v_pointers, kv.k_layers[0].dtype, rows_of)
         if signature != table.checked_cache:  # every store checked once per pool, not per pass
             for name, stores in (("key", kv.k_layers), ("value", kv.v_layers)):
                 for index, store in enumerate(stores):
                     _check(store, f"layer {index}'s {name} cache", dtype)
                     _check_shape(store, f"layer {index}'s {name} cache", (rows_of[index], kv_heads, head_dim))
             table.checked_cache = signature
+            # the stores' address tables, made once per pool too
+            table.store_addresses = (torch.tensor(k_pointers, dtype=torch.long), torch.tensor(v_pointers, dtype=torch.long))
         write_rows, read_rows, mask = _cache_view(kv, batch, width, storage)
         local_view: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         local_kv = None
@@ -387,7 +398,7 @@ class KernelLibrary:
             if local_kv.context_len != kv.context_len:
                 raise ValueError(f"the local view's context is {local_kv.context_len}, the pass's {kv.context_len}")
             local_view = _cache_view(local_kv, batch, width, local_storage)
-        k_stores, v_stores = torch.tensor(k_pointers, dtype=torch.long), torch.tensor(v_pointers, dtype=torch.long)
+        k_stores, v_stores = table.store_addresses
         out = x.clone()
         args = StackArgs(rows=rows, width=width, batch=batch, hidden=hidden, heads=heads, kv_heads=kv_heads,
                          head_dim=head_dim, inter=shape["inter"], layers=layers, qk_norm=int(table.qk_norm),
@@ -405,8 +416,10 @@ class KernelLibrary:
             args.local_read_start = local_kv.read_start or 0
             args.local_mask = None if local_view[2] is None else local_view[2].data_ptr()
             args.local_cos, args.local_sin = local[0].data_ptr(), local[1].data_ptr()
+        since = PHASES.mark()
         with _recorded(STACK_EVENT):
             status = fn(ctypes.byref(args))
+        PHASES.add("kernels", since)
         if status == -2:  # StackTable checked every part: a mismatch between it and the C code
             raise RuntimeError("the C decoder stack refused a quantized projection's descriptor")
         if status != 0:
@@ -502,6 +515,7 @@ class StackTable:
         self.quant = None if quant is None or all(q is None for q in quant) else list(quant)
         self.dtype = first.dtype
         self._pointers: list[int] = []
+        self._watched: tuple[tuple[object, object] | None, list[torch.Tensor]] = (None, [])
         self._table = torch.empty(0, dtype=torch.long)
         # The quantized parts for the C call (QuantPart array, [layers, projections, 2] index), and
         # their addresses (0 where the stack has no quantized projection).
@@ -510,6 +524,7 @@ class StackTable:
         self.quant_parts_address = self.quant_index_address = 0
         # The KV stores last checked (their addresses, dtype and shape): a pool is checked once.
         self.checked_cache: tuple[object, ...] = ()
+        self.store_addresses = (torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))  # their data_ptrs
 
     def _shapes(self) -> list[tuple[int, ...] | None]:
         s = self.shape
@@ -520,15 +535,23 @@ class StackTable:
         return [(hidden,), (qkv, hidden), (qkv,), norm, norm, (hidden, s["heads"] * hd), (hidden,), (hidden,),
                 (2 * inter, hidden), (2 * inter,), (hidden, inter), (hidden,), post, post]
 
+    def watched(self) -> list[torch.Tensor]:
+        """The tensors whose addresses ``addresses`` compares on every pass: each tensor of the table
+        and each quantized part's blocks (listed again where ``tensors`` or ``quant`` was replaced)."""
+        source, watched = self._watched
+        if source is None or source[0] is not self.tensors or source[1] is not self.quant:
+            watched = [t for t in self.tensors if t is not None]
+            watched += [w.data for q in self.quant or () if q is not None for w in q.weights]
+            self._watched = ((self.tensors, self.quant), watched)
+        return watched
+
     def addresses(self) -> torch.Tensor:
         """The tensor table's addresses (and ``quant_parts_address``/``quant_index_address``), every
         tensor and quantized part checked again where an address changed."""
-        pointers = [0 if t is None else t.data_ptr() for t in self.tensors]
-        if self.quant is not None:
-            pointers += [w.data.data_ptr() for q in self.quant if q is not None for w in q.weights]
+        pointers = list(map(_data_ptr, self.watched()))
         if pointers != self._pointers:
             self._validate()
-            self._table = torch.tensor(pointers[: len(self.tensors)], dtype=torch.long)
+            self._table = torch.tensor([0 if t is None else t.data_ptr() for t in self.tensors], dtype=torch.long)
             self._build_parts()
             self._pointers = pointers
         return self._table

@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "thread_pool.h"
+
 #define JB 4 /* weight rows per block: one reduction of four accumulators */
 #define RB 4 /* input rows per pass over a weight block */
 /* Weight rows to fetch ahead of the ones in use: the hardware prefetcher alone left a 1-row product

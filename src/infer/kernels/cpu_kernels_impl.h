@@ -40,12 +40,20 @@ static inline __attribute__((always_inline)) void FN(block)(const ELEM *const *w
     for (int r = 0; r < R; r++) _mm_storeu_ps(sums[r], sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
-/* Row-major contiguous w [n, k], x [m, k], y [m, n]; bias [n] or NULL. */
-void FN(gemv)(const ELEM *w, const ELEM *x, const ELEM *bias, ELEM *y, int64_t m, int64_t n, int64_t k,
-              int threads) {
-    int64_t blocks = (n + JB - 1) / JB;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t b = 0; b < blocks; b++) {
+typedef struct {
+    const ELEM *w, *x, *bias;
+    ELEM *y;
+    int64_t m, n, k;
+} FN(GemvJob);
+
+/* Weight blocks begin .. end - 1 of a product (a chunk of the pool's loop). */
+static void FN(gemv_blocks)(void *ctx, int64_t begin, int64_t end, int worker) {
+    const FN(GemvJob) *g = ctx;
+    const ELEM *w = g->w, *x = g->x, *bias = g->bias;
+    ELEM *y = g->y;
+    const int64_t m = g->m, n = g->n, k = g->k;
+    (void)worker;
+    for (int64_t b = begin; b < end; b++) {
         int64_t j0 = b * JB, valid = n - j0 < JB ? n - j0 : JB;
         const ELEM *rows[JB];
         for (int j = 0; j < JB; j++) rows[j] = w + (j0 + (j < valid ? j : valid - 1)) * k;
@@ -64,6 +72,14 @@ void FN(gemv)(const ELEM *w, const ELEM *x, const ELEM *bias, ELEM *y, int64_t m
                     y[(r0 + r) * n + j0 + j] = FN(store)(sums[r][j] + (bias ? FN(load)(bias, j0 + j) : 0.0f));
         }
     }
+}
+
+/* Row-major contiguous w [n, k], x [m, k], y [m, n]; bias [n] or NULL. The weight blocks are the
+ * pool's items (thread_pool.h): each output is one block's, whichever thread computes it. */
+void FN(gemv)(const ELEM *w, const ELEM *x, const ELEM *bias, ELEM *y, int64_t m, int64_t n, int64_t k,
+              int threads) {
+    FN(GemvJob) job = {w, x, bias, y, m, n, k};
+    pool_run(FN(gemv_blocks), &job, (n + JB - 1) / JB, 0, threads);
 }
 
 /* rsqrt(sum(x^2) / dim + eps) of one row, the sum in order (both RMSNorms below). */
@@ -254,122 +270,162 @@ static inline void FN(block_rows)(const ELEM *base, const int64_t *key, int64_t 
 
 #define ATTN_ROWS 8 /* query rows of one sequence per work item: they share the reads of their common keys */
 
+/* One thread's scratch for attention items (see attention_items), allocated on its first chunk. */
+typedef struct {
+    float *score, *query, *sum;
+    int64_t *key;
+    ELEM *stage;
+    int ready, ok;
+} FN(AttnScratch);
+
+typedef struct {
+    const StackArgs *a;
+    const int64_t *read_rows;
+    int64_t read_start;
+    const uint8_t *mask;
+    const ELEM *qk, *ks, *vs;
+    ELEM *out;
+    FN(AttnScratch) *scratch; /* one per worker */
+    _Atomic int failed;
+} FN(AttnJob);
+
+/* Attention items begin .. end - 1 (a chunk of the pool's loop; see attention). */
+static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worker) {
+    FN(AttnJob) *job = ctx;
+    const StackArgs *a = job->a;
+    const int64_t *read_rows = job->read_rows, read_start = job->read_start;
+    const uint8_t *mask = job->mask;
+    const ELEM *qk = job->qk, *ks = job->ks, *vs = job->vs;
+    ELEM *out = job->out;
+    int64_t hd = a->head_dim, heads = a->heads, kvh = a->kv_heads, groups = heads / kvh;
+    int64_t L = a->context, stride = (L + LANES - 1) / LANES * LANES, chunks = (hd + LANES - 1) / LANES;
+    int64_t per_seq = (a->width + ATTN_ROWS - 1) / ATTN_ROWS;
+    int64_t width = groups * chunks * LANES;
+    /* a block's rows are staged (see block_rows) where cache rows lie a multiple of 4 KB apart */
+    const int stages = kvh * hd * (int64_t)sizeof(ELEM) % 4096 == 0;
+    const int64_t staged = chunks * LANES; /* a staged row's elements */
+    FN(AttnScratch) *s = &job->scratch[worker];
+    if (!s->ready) {
+        /* per row of an item, per head: its scores (then weights; each row 64-byte aligned and
+         * padded to whole blocks), its query and its weighted sum, in float32; the row's key list */
+        s->score = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * stride * groups + LANES));
+        s->query = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
+        s->sum = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
+        s->key = malloc(sizeof(int64_t) * (size_t)(ATTN_ROWS * (L > 0 ? L : 1)));
+        s->stage = stages ? aligned_alloc(64, (sizeof(ELEM) * (size_t)(LANES * staged) + 63) / 64 * 64) : NULL;
+        s->ok = s->score && s->query && s->sum && s->key && (s->stage || !stages);
+        s->ready = 1;
+    }
+    if (!s->ok) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
+    float *score = s->score, *query = s->query, *sum = s->sum;
+    int64_t *key = s->key;
+    ELEM *stage = s->stage;
+    LMASK mask_of[MAX_HEAD_DIM / LANES];
+    for (int64_t c = 0; c < chunks; c++) mask_of[c] = lanes(hd - LANES * c);
+    const FN(AttnShape) sh = {groups, chunks, hd, stride, a->scale, mask_of};
+    for (int64_t p = begin; p < end; p++) {
+        const int64_t g = p % kvh, b = p / kvh / per_seq, r0 = b * a->width + p / kvh % per_seq * ATTN_ROWS;
+        const int64_t nr = b * a->width + a->width - r0 < ATTN_ROWS ? b * a->width + a->width - r0 : ATTN_ROWS;
+        int64_t n[ATTN_ROWS], shared = L;
+        float top[ATTN_ROWS][MAX_GROUP], total[ATTN_ROWS][MAX_GROUP];
+        for (int64_t rr = 0; rr < nr; rr++) {
+            const uint8_t *visible = mask ? mask + (r0 + rr) * L : NULL;
+            int64_t *keys = key + rr * L, count = 0, lead = 0;
+            for (int64_t l = 0; l < L; l++)
+                if (!visible || visible[l]) {
+                    lead += count == l; /* the keys every one of the first l seen */
+                    keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
+                }
+            n[rr] = count;
+            shared = lead < shared ? lead : shared;
+            for (int64_t j = 0; j < groups; j++) {
+                const ELEM *qh = qk + ((r0 + rr) * (heads + kvh) + g * groups + j) * hd;
+                for (int64_t c = 0; c < chunks; c++)
+                    fvec_store(query + rr * width + (j * chunks + c) * LANES, FN(widen)(qh + LANES * c, mask_of[c]));
+                top[rr][j] = -INFINITY;
+            }
+        }
+        /* blocks that are the same leading keys in every row's list */
+        const int64_t common = shared / LANES * LANES;
+        const ELEM *row[LANES];
+        FN(fetch_rows)(ks, key, 0, n[0] < KEYS_AHEAD ? n[0] : KEYS_AHEAD, kvh, g, hd);
+        for (int64_t i0 = 0; i0 < common; i0 += LANES) {
+            FN(block_rows)(ks, key, common, i0, kvh, g, hd, row, stage, staged);
+            for (int64_t rr = 0; rr < nr; rr++)
+                FN(score_block)(&sh, row, LANES, query + rr * width, score + rr * stride * groups + i0, top[rr]);
+        }
+        for (int64_t rr = 0; rr < nr; rr++)
+            for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
+                FN(block_rows)(ks, key + rr * L, n[rr], i0, kvh, g, hd, row, stage, staged);
+                FN(score_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, query + rr * width,
+                                score + rr * stride * groups + i0, top[rr]);
+            }
+        for (int64_t rr = 0; rr < nr; rr++) {
+            const int64_t padded = (n[rr] + LANES - 1) / LANES * LANES;
+            for (int64_t j = 0; j < groups; j++) {
+                float *w = score + (rr * groups + j) * stride, peak = top[rr][j];
+#pragma omp simd
+                for (int64_t i = 0; i < n[rr]; i++) w[i] = expf(w[i] - peak);
+                for (int64_t i = n[rr]; i < padded; i++) w[i] = 0.0f;
+                FVEC tot = fvec_zero();
+                for (int64_t i = 0; i < padded; i += LANES) tot = tot + fvec_load(w + i);
+                total[rr][j] = fvec_sum(tot);
+            }
+            for (int64_t e = 0; e < width; e += LANES) fvec_store(sum + rr * width + e, fvec_zero());
+        }
+        FN(fetch_rows)(vs, key, 0, n[0] < KEYS_AHEAD ? n[0] : KEYS_AHEAD, kvh, g, hd);
+        for (int64_t i0 = 0; i0 < common; i0 += LANES) {
+            FN(block_rows)(vs, key, common, i0, kvh, g, hd, row, stage, staged);
+            for (int64_t rr = 0; rr < nr; rr++)
+                FN(value_block)(&sh, row, LANES, score + rr * stride * groups + i0, sum + rr * width);
+        }
+        for (int64_t rr = 0; rr < nr; rr++) {
+            for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
+                FN(block_rows)(vs, key + rr * L, n[rr], i0, kvh, g, hd, row, stage, staged);
+                FN(value_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, score + rr * stride * groups + i0,
+                                sum + rr * width);
+            }
+            for (int64_t j = 0; j < groups; j++) {
+                float inv = total[rr][j] > 0.0f ? 1.0f / total[rr][j] : 0.0f, lane[LANES];
+                ELEM *o = out + ((r0 + rr) * heads + g * groups + j) * hd;
+                for (int64_t c = 0; c < chunks; c++) {
+                    fvec_storeu(lane, fvec_mul(fvec_load(sum + rr * width + (j * chunks + c) * LANES), fvec_set1(inv)));
+                    for (int64_t e = 0; e < LANES && LANES * c + e < hd; e++) o[LANES * c + e] = FN(store)(lane[e]);
+                }
+            }
+        }
+    }
+}
+
 /* Attention of every query row of the pass over its visible cached keys (see decoder_stack).
- * A work item is up to ATTN_ROWS query rows of one sequence and one KV head. Each row's visible keys
+ * A work item is up to ATTN_ROWS query rows of one sequence and one KV head, an item of the pool's
+ * loop (thread_pool.h). Each row's visible keys
  * form its own list, taken in blocks of LANES: a block's scores are LANES dot products (chunks in
  * order) whose lanes one transpose tree sums, the softmax is float32 with the vector exp, and the
  * values are summed key by key in order, in registers across a block. The leading blocks every row
  * of the item sees whole (the cached context of a verification pass or a prefill chunk) are read
  * once for all of them; a row's arithmetic is the same as alone, so its result depends on its
- * visible keys only, never on the pass around it. Returns 0, or -1 where a thread's scratch memory
- * could not be allocated. */
+ * visible keys only, never on the pass around it or the thread computing it. Returns 0, or -1 where
+ * a thread's scratch memory could not be allocated. */
 static int FN(attention)(const StackArgs *a, const int64_t *read_rows, int64_t read_start, const uint8_t *mask,
                          const ELEM *qk, const ELEM *ks, const ELEM *vs, ELEM *out) {
-    int64_t hd = a->head_dim, heads = a->heads, kvh = a->kv_heads, groups = heads / kvh;
-    int64_t L = a->context, stride = (L + LANES - 1) / LANES * LANES, chunks = (hd + LANES - 1) / LANES;
-    int64_t per_seq = (a->width + ATTN_ROWS - 1) / ATTN_ROWS, items = a->batch * per_seq * kvh;
-    int64_t width = groups * chunks * LANES;
-    int failed = 0;
-#pragma omp parallel num_threads(a->threads) if (a->threads > 1 && items > 1) reduction(| : failed)
-    {
-        /* per row of an item, per head: its scores (then weights; each row 64-byte aligned and
-         * padded to whole blocks), its query and its weighted sum, in float32; the row's key list */
-        float *score = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * stride * groups + LANES));
-        float *query = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
-        float *sum = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
-        int64_t *key = malloc(sizeof(int64_t) * (size_t)(ATTN_ROWS * (L > 0 ? L : 1)));
-        /* a block's rows are staged (see block_rows) where cache rows lie a multiple of 4 KB apart */
-        const int stages = kvh * hd * (int64_t)sizeof(ELEM) % 4096 == 0;
-        const int64_t staged = chunks * LANES; /* a staged row's elements */
-        ELEM *stage = stages ? aligned_alloc(64, (sizeof(ELEM) * (size_t)(LANES * staged) + 63) / 64 * 64) : NULL;
-        int ok = score && query && sum && key && (stage || !stages);
-        LMASK mask_of[MAX_HEAD_DIM / LANES];
-        for (int64_t c = 0; c < chunks; c++) mask_of[c] = lanes(hd - LANES * c);
-        const FN(AttnShape) sh = {groups, chunks, hd, stride, a->scale, mask_of};
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < items; p++) {
-            if (!ok) { /* every thread still meets the loop; this one reports instead of working */
-                failed = 1;
-                continue;
-            }
-            const int64_t g = p % kvh, b = p / kvh / per_seq, r0 = b * a->width + p / kvh % per_seq * ATTN_ROWS;
-            const int64_t nr = b * a->width + a->width - r0 < ATTN_ROWS ? b * a->width + a->width - r0 : ATTN_ROWS;
-            int64_t n[ATTN_ROWS], shared = L;
-            float top[ATTN_ROWS][MAX_GROUP], total[ATTN_ROWS][MAX_GROUP];
-            for (int64_t rr = 0; rr < nr; rr++) {
-                const uint8_t *visible = mask ? mask + (r0 + rr) * L : NULL;
-                int64_t *keys = key + rr * L, count = 0, lead = 0;
-                for (int64_t l = 0; l < L; l++)
-                    if (!visible || visible[l]) {
-                        lead += count == l; /* the keys every one of the first l seen */
-                        keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
-                    }
-                n[rr] = count;
-                shared = lead < shared ? lead : shared;
-                for (int64_t j = 0; j < groups; j++) {
-                    const ELEM *qh = qk + ((r0 + rr) * (heads + kvh) + g * groups + j) * hd;
-                    for (int64_t c = 0; c < chunks; c++)
-                        fvec_store(query + rr * width + (j * chunks + c) * LANES, FN(widen)(qh + LANES * c, mask_of[c]));
-                    top[rr][j] = -INFINITY;
-                }
-            }
-            /* blocks that are the same leading keys in every row's list */
-            const int64_t common = shared / LANES * LANES;
-            const ELEM *row[LANES];
-            FN(fetch_rows)(ks, key, 0, n[0] < KEYS_AHEAD ? n[0] : KEYS_AHEAD, kvh, g, hd);
-            for (int64_t i0 = 0; i0 < common; i0 += LANES) {
-                FN(block_rows)(ks, key, common, i0, kvh, g, hd, row, stage, staged);
-                for (int64_t rr = 0; rr < nr; rr++)
-                    FN(score_block)(&sh, row, LANES, query + rr * width, score + rr * stride * groups + i0, top[rr]);
-            }
-            for (int64_t rr = 0; rr < nr; rr++)
-                for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
-                    FN(block_rows)(ks, key + rr * L, n[rr], i0, kvh, g, hd, row, stage, staged);
-                    FN(score_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, query + rr * width,
-                                    score + rr * stride * groups + i0, top[rr]);
-                }
-            for (int64_t rr = 0; rr < nr; rr++) {
-                const int64_t padded = (n[rr] + LANES - 1) / LANES * LANES;
-                for (int64_t j = 0; j < groups; j++) {
-                    float *w = score + (rr * groups + j) * stride, peak = top[rr][j];
-#pragma omp simd
-                    for (int64_t i = 0; i < n[rr]; i++) w[i] = expf(w[i] - peak);
-                    for (int64_t i = n[rr]; i < padded; i++) w[i] = 0.0f;
-                    FVEC tot = fvec_zero();
-                    for (int64_t i = 0; i < padded; i += LANES) tot = tot + fvec_load(w + i);
-                    total[rr][j] = fvec_sum(tot);
-                }
-                for (int64_t e = 0; e < width; e += LANES) fvec_store(sum + rr * width + e, fvec_zero());
-            }
-            FN(fetch_rows)(vs, key, 0, n[0] < KEYS_AHEAD ? n[0] : KEYS_AHEAD, kvh, g, hd);
-            for (int64_t i0 = 0; i0 < common; i0 += LANES) {
-                FN(block_rows)(vs, key, common, i0, kvh, g, hd, row, stage, staged);
-                for (int64_t rr = 0; rr < nr; rr++)
-                    FN(value_block)(&sh, row, LANES, score + rr * stride * groups + i0, sum + rr * width);
-            }
-            for (int64_t rr = 0; rr < nr; rr++) {
-                for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
-                    FN(block_rows)(vs, key + rr * L, n[rr], i0, kvh, g, hd, row, stage, staged);
-                    FN(value_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, score + rr * stride * groups + i0,
-                                    sum + rr * width);
-                }
-                for (int64_t j = 0; j < groups; j++) {
-                    float inv = total[rr][j] > 0.0f ? 1.0f / total[rr][j] : 0.0f, lane[LANES];
-                    ELEM *o = out + ((r0 + rr) * heads + g * groups + j) * hd;
-                    for (int64_t c = 0; c < chunks; c++) {
-                        fvec_storeu(lane, fvec_mul(fvec_load(sum + rr * width + (j * chunks + c) * LANES), fvec_set1(inv)));
-                        for (int64_t e = 0; e < LANES && LANES * c + e < hd; e++) o[LANES * c + e] = FN(store)(lane[e]);
-                    }
-                }
-            }
-        }
-        free(score);
-        free(query);
-        free(sum);
-        free(key);
-        free(stage);
+    const int64_t per_seq = (a->width + ATTN_ROWS - 1) / ATTN_ROWS, items = a->batch * per_seq * a->kv_heads;
+    const int threads = a->threads < 1 ? 1 : a->threads > POOL_MAX_THREADS ? POOL_MAX_THREADS : a->threads;
+    FN(AttnJob) job = {a, read_rows, read_start, mask, qk, ks, vs, out, calloc((size_t)threads, sizeof(FN(AttnScratch))), 0};
+    if (!job.scratch) return -1;
+    pool_run(FN(attention_items), &job, items, 1, threads);
+    for (int t = 0; t < threads; t++) {
+        free(job.scratch[t].score);
+        free(job.scratch[t].query);
+        free(job.scratch[t].sum);
+        free(job.scratch[t].key);
+        free(job.scratch[t].stage);
     }
-    return failed ? -1 : 0;
+    free(job.scratch);
+    return atomic_load(&job.failed) ? -1 : 0;
 }
 
 static void FN(add_into)(ELEM *x, const ELEM *y, int64_t n) { /* x += y, rounded */

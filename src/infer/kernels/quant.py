@@ -31,6 +31,7 @@ import torch
 
 from infer.kernels import build
 from infer.kernels.build import KernelUnavailable, Variant
+from infer.phases import PHASES
 
 ACTIVATION_BLOCK = 32  # elements per int8 activation block (and per weight chunk)
 
@@ -180,7 +181,7 @@ class QuantKernels:
     def linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, *,
                threads: int | None = None) -> torch.Tensor:
         """``x @ W^T + bias`` for float32 ``x`` [..., in_features]: float32 [..., out_features].
-        ``threads``: OpenMP threads (default: the kernels' count, ``infer.kernels.cpu``); the result
+        ``threads``: the pool's threads (default: the kernels' count, ``infer.kernels.cpu``); the result
         is the same bits for any count."""
         function = self._function("quant_linear", weight)
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != torch.float32:
@@ -207,9 +208,11 @@ class QuantKernels:
         y = torch.empty(*x.shape[:-1], weight.out_features, dtype=torch.float32)
         if rows == 0:
             return y
+        since = PHASES.mark()
         failed = function(
             weight.data.data_ptr(), weight.out_features, weight.in_features, x.data_ptr(), rows,
             None if bias is None else bias.data_ptr(), y.data_ptr(), threads)
+        PHASES.add("kernels", since)
         if failed:
             raise MemoryError(f"the quantized kernel could not allocate {rows} x {weight.in_features} activations")
         return y

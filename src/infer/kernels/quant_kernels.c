@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+
+#include "thread_pool.h"
 #ifdef Q_X86
 #include <immintrin.h>
 #endif

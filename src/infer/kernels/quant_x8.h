@@ -406,16 +406,23 @@ static inline float x8_quantize32(const float *v, int8_t *q, int32_t *sum, int32
 }
 #endif
 
-/* The activation rows quantized per 32 values (quant.quantize_activations mirrors it exactly), with
- * each block's integer sums; rows in parallel (a row's blocks depend on that row only). */
-static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx, int32_t *xsum, float *sx,
-                          int32_t *xsum16, int threads) {
-    const int64_t blocks = k / QK;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1)
-    for (int64_t r = 0; r < m; r++)
+typedef struct {
+    const float *x;
+    int64_t k;
+    int8_t *xq;
+    float *dx, *sx;
+    int32_t *xsum, *xsum16;
+} X8Quantize;
+
+/* Activation rows begin .. end - 1 quantized (a chunk of the pool's loop). */
+static void x8_quantize_rows(void *ctx, int64_t begin, int64_t end, int worker) {
+    const X8Quantize *j = ctx;
+    const int64_t k = j->k, blocks = k / QK;
+    (void)worker;
+    for (int64_t r = begin; r < end; r++)
         for (int64_t b = 0; b < blocks; b++) {
-            const float *v = x + r * k + b * QK;
-            int8_t *q = xq + r * k + b * QK;
+            const float *v = j->x + r * k + b * QK;
+            int8_t *q = j->xq + r * k + b * QK;
             int32_t sum = 0, sum16 = 0;
 #if defined(Q_X86)
             const float d = x8_quantize32(v, q, &sum, &sum16);
@@ -430,9 +437,27 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, floa
                 if (l == 15) sum16 = sum;
             }
 #endif
-            dx[r * blocks + b] = d;
-            xsum[r * blocks + b] = sum;
-            xsum16[r * blocks + b] = sum16;
-            sx[r * blocks + b] = d * (float)sum;
+            j->dx[r * blocks + b] = d;
+            j->xsum[r * blocks + b] = sum;
+            j->xsum16[r * blocks + b] = sum16;
+            j->sx[r * blocks + b] = d * (float)sum;
         }
 }
+
+/* The activation rows quantized per 32 values (quant.quantize_activations mirrors it exactly), with
+ * each block's integer sums; rows in parallel (a row's blocks depend on that row only). */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, float *dx, int32_t *xsum, float *sx,
+                          int32_t *xsum16, int threads) {
+    X8Quantize job = {x, k, xq, dx, sx, xsum, xsum16};
+    pool_run(x8_quantize_rows, &job, m, 1, threads);
+}
+
+/* One quantized product's tiles (quant_x8_impl.h's quant_linear). */
+typedef struct {
+    const uint8_t *w;
+    int64_t n, m, blocks, groups;
+    const X8Act *act;
+    const float *bias;
+    float *y;
+    int decode, nz, rb;
+} X8Linear;

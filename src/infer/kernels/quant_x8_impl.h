@@ -35,7 +35,7 @@ void X8FN(quant_repack)(const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
  * over these groups (their bytes come from memory: prefetch every line X8_AHEAD bytes ahead; a
  * later row tile finds them in L2, where the prefetches only cost). A decode tile is a run of
  * groups (quant_x8.h), one sequential stream: near its end the prefetch runs on into the next
- * run, the tile this thread takes next under a static schedule. */
+ * run, the tile this thread takes next within its chunk of the pool's loop. */
 static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *const *gbase, int64_t blocks, int64_t stride,
                                                              const X8Act *a, int64_t r0, GF acc[X8_RB][X8_NZ_MAX],
                                                              const int R, const int NZ, const int stream) {
@@ -64,33 +64,17 @@ static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *cons
     }
 }
 
-/* y[m, n] = x[m, k] @ W^T (+ bias[n]) with W in the x8 layout (quant_repack_x8_<t>'s out), on
- * `threads` OpenMP threads; y[r, j] is quant_x8.h's float sequence, the same bits whatever m, the
- * tiling and the thread count. Returns 0, or 1 where the activations' scratch could not be
- * allocated (y untouched). */
-int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, const float *bias, float *y,
-                       int threads) {
-    const int64_t blocks = k / X8_ELEMS, xblocks = k / QK, groups = (n + 7) / 8;
-    int8_t *xq = malloc((size_t)(m * k) + 1);
-    float *dx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1), *sx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1);
-    int32_t *xsum = malloc(2 * sizeof(int32_t) * (size_t)(m * xblocks) + 1);
-    if (!xq || !dx || !sx || !xsum) {
-        free(xq), free(dx), free(sx), free(xsum);
-        return 1;
-    }
-    quantize_rows(x, m, k, xq, dx, xsum, sx, xsum + m * xblocks, threads);
-    const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum + m * xblocks};
-    /* One activation row: X8_NZ_DECODE two-group vectors per tile, unless the smaller row tiles
-     * spread the pairs over the threads more evenly (a 576-row weight on 2 threads: 9 decode tiles
-     * are 5 + 4, 18 small ones 9 + 9); else X8_RB rows x X8_NZ two-group vectors. */
-    const int64_t pairs = (groups + 1) / 2, per = threads > 1 ? threads : 1;
-    const int64_t decode_path = ((pairs + X8_NZ_DECODE - 1) / X8_NZ_DECODE + per - 1) / per * X8_NZ_DECODE,
-                  small_path = ((pairs + X8_NZ - 1) / X8_NZ + per - 1) / per * X8_NZ;
-    const int decode = m == 1 && decode_path <= small_path, nz = decode ? X8_NZ_DECODE : X8_NZ,
-              rb = decode ? 1 : X8_RB;
-    const int64_t tiles = (pairs + nz - 1) / nz;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t++) {
+/* Tiles begin .. end - 1 of a product (a chunk of the pool's loop; see quant_linear). */
+static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker) {
+    const X8Linear *job = ctx;
+    const uint8_t *w = job->w;
+    const int64_t n = job->n, m = job->m, blocks = job->blocks, groups = job->groups;
+    const X8Act act = *job->act;
+    const float *bias = job->bias;
+    float *y = job->y;
+    const int decode = job->decode, nz = job->nz, rb = job->rb;
+    (void)worker;
+    for (int64_t t = begin; t < end; t++) {
         /* a tile's missing pairs and a missing last group repeat the last real group (computed,
          * never stored) */
         const uint8_t *gbase[2 * X8_NZ_MAX];
@@ -136,6 +120,36 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
                 }
         }
     }
+}
+
+/* y[m, n] = x[m, k] @ W^T (+ bias[n]) with W in the x8 layout (quant_repack_x8_<t>'s out), on
+ * `threads` threads of the pool (thread_pool.h; the tiles are its items, claimed in runs of
+ * consecutive tiles); y[r, j] is quant_x8.h's float sequence, the same bits whatever m, the tiling,
+ * the thread count and the thread that computes it. Returns 0, or 1 where the activations' scratch could not be
+ * allocated (y untouched). */
+int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, const float *bias, float *y,
+                       int threads) {
+    const int64_t blocks = k / X8_ELEMS, xblocks = k / QK, groups = (n + 7) / 8;
+    int8_t *xq = malloc((size_t)(m * k) + 1);
+    float *dx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1), *sx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1);
+    int32_t *xsum = malloc(2 * sizeof(int32_t) * (size_t)(m * xblocks) + 1);
+    if (!xq || !dx || !sx || !xsum) {
+        free(xq), free(dx), free(sx), free(xsum);
+        return 1;
+    }
+    quantize_rows(x, m, k, xq, dx, xsum, sx, xsum + m * xblocks, threads);
+    const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum + m * xblocks};
+    /* One activation row: X8_NZ_DECODE two-group vectors per tile, unless the smaller row tiles
+     * spread the pairs over the threads more evenly (a 576-row weight on 2 threads: 9 decode tiles
+     * are 5 + 4, 18 small ones 9 + 9); else X8_RB rows x X8_NZ two-group vectors. */
+    const int64_t pairs = (groups + 1) / 2, per = threads > 1 ? threads : 1;
+    const int64_t decode_path = ((pairs + X8_NZ_DECODE - 1) / X8_NZ_DECODE + per - 1) / per * X8_NZ_DECODE,
+                  small_path = ((pairs + X8_NZ - 1) / X8_NZ + per - 1) / per * X8_NZ;
+    const int decode = m == 1 && decode_path <= small_path, nz = decode ? X8_NZ_DECODE : X8_NZ,
+              rb = decode ? 1 : X8_RB;
+    const int64_t tiles = (pairs + nz - 1) / nz;
+    X8Linear job = {w, n, m, blocks, groups, &act, bias, y, decode, nz, rb};
+    pool_run(X8FN(quant_tiles), &job, tiles, 0, threads);
     free(xq), free(dx), free(sx), free(xsum);
     return 0;
 }
