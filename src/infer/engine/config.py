@@ -76,7 +76,8 @@ class SpeculativeConfig:
                              f"{', '.join(LENGTH_POLICIES)}")
         if self.spec_length_policy == "entropy" and self.speculator in ("medusa", "eagle"):
             raise ValueError("spec_length_policy='entropy' stops a drafted chain once the draft model is unsure; "
-                             f"{self.speculator} drafts a tree: use fixed or goodput")
+                             f"{dict(medusa='Medusa', eagle='EAGLE-3')[self.speculator]} drafts a whole tree per "
+                             "round: use fixed or goodput")
         if self.spec_length_min < 0 or (self.spec_length_max is not None
                                         and self.spec_length_max < max(1, self.spec_length_min)):
             raise ValueError(f"spec_length_min={self.spec_length_min}, spec_length_max={self.spec_length_max} are "
