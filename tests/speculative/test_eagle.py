@@ -122,8 +122,10 @@ def test_aux_states_change_no_bits_and_match_the_layers(tiny_llama: Path, quanti
     torch.testing.assert_close(captured.result(), reference_aux.result(), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("options", [{}, {"backend": "torch"}, {"quantization": "q4_0"}],
-                         ids=["default-backend", "torch", "q4_0"])
+@pytest.mark.parametrize("options", [{}, {"backend": "torch"}, {"quantization": "q4_0"},
+                                     {"chunked_prefill": True, "max_prefill_tokens": 5, "prefix_caching": True,
+                                      "block_size": 4}],
+                         ids=["default-backend", "torch", "q4_0", "chunked-prefix-cached"])
 def test_greedy_output_is_plain_output(tiny_llama: Path, tmp_path: Path, options: dict[str, Any]) -> None:
     head = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab=list(range(300)))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -133,6 +135,10 @@ def test_greedy_output_is_plain_output(tiny_llama: Path, tmp_path: Path, options
     eagle = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in eagle] == [o.token_ids for o in plain]
     assert sum(o.metrics.proposed_tokens for o in eagle) > 0  # it did draft
+    if options.get("prefix_caching"):  # again: now the prompts' blocks come from the prefix cache, never observed
+        again = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in again] == [o.token_ids for o in plain]
+        assert sum(o.metrics.prefix_cached_tokens for o in again) > 0
 
 
 def test_head_is_found_where_training_saves_it(tiny_llama: Path, tmp_path: Path,
