@@ -144,11 +144,15 @@ class EagleDrafter(Drafter):
     # -- drafting ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
-        trees: list[tuple[list[int], list[int]]] = []
-        for request, budget in zip(requests, budgets, strict=True):
-            depth = min(self.max_depth, request.tokens_left)
-            root = self._catch_up(request) if budget > 0 and depth > 0 else None
-            trees.append(([], []) if root is None else self._grow(request, root, budget, depth))
+        depths = [min(self.max_depth, r.tokens_left) for r in requests]
+        active = [b for b, r in enumerate(requests) if budgets[b] > 0 and depths[b] > 0 and self._ready(r)]
+        trees: list[tuple[list[int], list[int]]] = [([], []) for _ in requests]
+        if active:
+            roots = self._catch_up([requests[b] for b in active])
+            grown = self._grow([requests[b] for b in active], roots, [budgets[b] for b in active],
+                               [depths[b] for b in active])
+            for b, tree in zip(active, grown, strict=True):
+                trees[b] = tree
         width = max((len(tokens) for tokens, _ in trees), default=0)
         tokens = torch.zeros(len(requests), width, dtype=torch.long)
         parents = torch.full((len(requests), width), -1, dtype=torch.long)
@@ -158,34 +162,79 @@ class EagleDrafter(Drafter):
                 parents[b, : len(node_parents)] = torch.tensor(node_parents)
         return Proposal(tokens.to(self.device), [len(t) for t, _ in trees], None, parents.to(self.device))
 
-    def _catch_up(self, request: Request) -> torch.Tensor | None:
-        """Feed the pairs the head has not seen; the root's output [hidden], or None without the state
-        of the position before the newest token (its round is then a plain step)."""
+    def _ready(self, request: Request) -> bool:
+        """Whether the head has the state of the position before the newest token, not fed yet (without
+        it the request's round is a plain step, whose pass provides it)."""
         seq = self._seqs.get(request.request_id)
-        ids = request.all_token_ids
-        root = len(ids) - 2  # the pair (state at root, newest token g)
-        if seq is None or root < 0 or seq.observed_to() != root + 1 or not seq.pending:
-            return None
+        root = request.num_tokens - 2
+        return seq is not None and root >= 0 and bool(seq.pending) and seq.observed_to() == root + 1
+
+    def _qkv(self, embeds: torch.Tensor, state: torch.Tensor,
+             positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head layer's q [R, heads, D], k and v [R, kv_heads, D] and residual [R, hidden] of rows."""
+        cos, sin = self.head.rope(torch.tensor(positions, device=self.device).unsqueeze(0), self.dtype)
+        q, k, v, residual = self.head.midlayer.qkv(embeds.unsqueeze(0), state.unsqueeze(0), cos, sin)
+        return q[0], k[0], v[0], residual[0]
+
+    def _finish(self, q: torch.Tensor, residual: torch.Tensor, sizes: list[int], keys: list[torch.Tensor],
+                values: list[torch.Tensor], masks: list[torch.Tensor]) -> torch.Tensor:
+        """The layer's outputs [R, hidden] for rows of several requests: request i owns the next
+        ``sizes[i]`` rows, which attend over ``keys[i]``/``values[i]`` [S_i, kv_heads, D] as
+        ``masks[i]`` [n_i, S_i] allows (attention padded per request)."""
+        config = self.head.config
+        count, longest = len(sizes), max(sizes)
+        context = max(key.shape[0] for key in keys)
+        qs = q.new_zeros(count, longest, config.num_attention_heads, config.head_dim)
+        padded_k = q.new_zeros(count, context, config.num_key_value_heads, config.head_dim)
+        padded_v = torch.zeros_like(padded_k)
+        mask = torch.zeros(count, longest, context, dtype=torch.bool, device=self.device)
+        mask[:, :, 0] = True  # padding rows see one key (a row with none gives NaN); they are dropped
+        row = 0
+        for i, n in enumerate(sizes):
+            qs[i, :n] = q[row: row + n]
+            padded_k[i, : keys[i].shape[0]] = keys[i]
+            padded_v[i, : values[i].shape[0]] = values[i]
+            mask[i, :n] = False
+            mask[i, :n, : masks[i].shape[1]] = masks[i]
+            row += n
+        out = attend(qs, padded_k, padded_v, mask)
+        attended = torch.cat([out[i, :n] for i, n in enumerate(sizes)])
+        return self.head.midlayer.finish(residual, attended)
+
+    def _catch_up(self, requests: list[Request]) -> torch.Tensor:
+        """Feed each request's pairs the head has not seen; the roots' outputs [A, hidden]."""
+        seqs = [self._seqs[r.request_id] for r in requests]
         positions: list[int] = []
+        tokens: list[int] = []
         chunks: list[torch.Tensor] = []
-        for start, states in seq.pending:
-            positions.extend(range(start, start + states.shape[0]))
-            chunks.append(states)
-        seq.pending.clear()
-        seq.fed_to = root + 1
+        sizes: list[int] = []
+        for request, seq in zip(requests, seqs, strict=True):
+            ids = request.all_token_ids
+            fed = [p for start, states in seq.pending for p in range(start, start + states.shape[0])]
+            positions += fed
+            tokens += [ids[p + 1] for p in fed]
+            chunks += [states for _, states in seq.pending]
+            sizes.append(len(fed))
+            seq.pending.clear()
+            seq.fed_to = len(ids) - 1
         head = self.head
-        state = head.fc(torch.cat(chunks).unsqueeze(0))  # [1, T, hidden]
-        embeds = self.embed(torch.tensor([ids[p + 1] for p in positions], device=self.device).unsqueeze(0)).to(self.dtype)
-        pos = torch.tensor(positions, device=self.device).unsqueeze(0)
-        cos, sin = head.rope(pos, self.dtype)
-        q, k, v, residual = head.midlayer.qkv(embeds, state, cos, sin)
-        new = len(positions)
-        self._append(seq, k[0], v[0])
-        keys, values = seq.keys[: seq.length].unsqueeze(0), seq.values[: seq.length].unsqueeze(0)
-        mask = torch.ones(new, seq.length, dtype=torch.bool, device=self.device)
-        mask[:, seq.length - new:] = torch.ones(new, new, dtype=torch.bool, device=self.device).tril()
-        out = head.midlayer.finish(residual, attend(q, keys, values, mask.unsqueeze(0)))
-        return out[0, -1]
+        state = head.fc(torch.cat(chunks))
+        embeds = self.embed(torch.tensor(tokens, device=self.device)).to(self.dtype)
+        # Each request's new keys go after its cache: visible to its rows causally.
+        q, head_k, head_v, residual = self._qkv(embeds, state, positions)
+        keys, values, masks = [], [], []
+        row = 0
+        for seq, n in zip(seqs, sizes, strict=True):
+            self._append(seq, head_k[row: row + n], head_v[row: row + n])
+            keys.append(seq.keys[: seq.length])
+            values.append(seq.values[: seq.length])
+            mask = torch.ones(n, seq.length, dtype=torch.bool, device=self.device)
+            mask[:, seq.length - n:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            masks.append(mask)
+            row += n
+        out = self._finish(q, residual, sizes, keys, values, masks)
+        ends = torch.tensor(sizes, device=self.device).cumsum(0) - 1
+        return out[ends]
 
     def _append(self, seq: _Sequence, k: torch.Tensor, v: torch.Tensor) -> None:
         need = seq.length + k.shape[0]
@@ -200,50 +249,73 @@ class EagleDrafter(Drafter):
         seq.values[seq.length: need] = v
         seq.length = need
 
-    def _grow(self, request: Request, root_out: torch.Tensor, budget: int, max_depth: int) -> tuple[list[int], list[int]]:
-        """The best ``budget`` nodes of a tree at most ``max_depth`` deep: target token ids and parents
-        (parents first)."""
-        head, seq = self.head, self._seqs[request.request_id]
-        top_k = min(self.top_k, budget)
-        tree = _Tree()
-        first = torch.log_softmax(head.logits(root_out).float(), dim=-1).topk(top_k)
-        tree.add(first.indices.tolist(), first.values.tolist(), -1, 1, 0.0)
-        outputs: dict[int, torch.Tensor] = {-1: root_out}
-        expanded: list[int] = []  # nodes run through the head, in order: their keys are tree_keys' rows
-        tree_keys: list[torch.Tensor] = []
-        tree_values: list[torch.Tensor] = []
-        root_position = len(request.all_token_ids) - 2
-        context_k, context_v = seq.keys[: seq.length], seq.values[: seq.length]
-        for depth in range(1, max_depth):
-            level = [i for i, d in enumerate(tree.depth) if d == depth]
-            chosen = sorted(level, key=lambda i: -tree.score[i])[:top_k]
-            rows = len(chosen)
-            ids = [self.target_ids[tree.tokens[i]] for i in chosen]
-            embeds = self.embed(torch.tensor(ids, device=self.device).unsqueeze(0)).to(self.dtype)
-            state = torch.stack([outputs[tree.parent[i]] for i in chosen]).unsqueeze(0)
-            pos = torch.full((1, rows), root_position + depth, device=self.device)
-            cos, sin = head.rope(pos, self.dtype)
-            q, k, v, residual = head.midlayer.qkv(embeds, state, cos, sin)
-            # Each row sees the cache, its expanded ancestors and itself.
-            index = {node: j for j, node in enumerate(expanded)}
-            mask = torch.zeros(rows, seq.length + len(expanded) + rows, dtype=torch.bool, device=self.device)
-            mask[:, : seq.length] = True
-            for r, node in enumerate(chosen):
-                parent = tree.parent[node]
-                while parent >= 0:
-                    mask[r, seq.length + index[parent]] = True
-                    parent = tree.parent[parent]
-                mask[r, seq.length + len(expanded) + r] = True
-            keys = torch.cat([context_k, *tree_keys, k[0]]).unsqueeze(0)
-            values = torch.cat([context_v, *tree_values, v[0]]).unsqueeze(0)
-            out = head.midlayer.finish(residual, attend(q, keys, values, mask.unsqueeze(0)))[0]
-            tree_keys.append(k[0])
-            tree_values.append(v[0])
-            expanded.extend(chosen)
-            children = torch.log_softmax(head.logits(out).float(), dim=-1).topk(top_k)
-            for r, node in enumerate(chosen):
-                outputs[node] = out[r]
-                tree.add(children.indices[r].tolist(), children.values[r].tolist(), node, depth + 1, tree.score[node])
+    def _grow(self, requests: list[Request], roots: torch.Tensor, budgets: list[int],
+              depths: list[int]) -> list[tuple[list[int], list[int]]]:
+        """Per request, the best ``budget`` nodes of a tree at most ``depth`` deep: target token ids and
+        parents (parents first). Every depth's expansions of all requests run through the head together."""
+        head = self.head
+        count = len(requests)
+        top_ks = [min(self.top_k, n) for n in budgets]
+        trees = [_Tree() for _ in range(count)]
+        first = torch.log_softmax(head.logits(roots).float(), dim=-1).topk(max(top_ks))
+        first_ids, first_lp = first.indices.tolist(), first.values.tolist()
+        for i in range(count):
+            trees[i].add(first_ids[i][: top_ks[i]], first_lp[i][: top_ks[i]], -1, 1, 0.0)
+        outputs: list[dict[int, torch.Tensor]] = [{-1: roots[i]} for i in range(count)]
+        expanded: list[list[int]] = [[] for _ in range(count)]  # nodes run through the head: rows of tree_k
+        tree_k: list[list[torch.Tensor]] = [[] for _ in range(count)]
+        tree_v: list[list[torch.Tensor]] = [[] for _ in range(count)]
+        seqs = [self._seqs[r.request_id] for r in requests]
+        roots_at = [r.num_tokens - 2 for r in requests]
+        for depth in range(1, max(depths)):
+            growing = [i for i in range(count) if depth < depths[i]]
+            chosen = {i: self._frontier(trees[i], depth, top_ks[i]) for i in growing}
+            ids = [self.target_ids[trees[i].tokens[n]] for i in growing for n in chosen[i]]
+            embeds = self.embed(torch.tensor(ids, device=self.device)).to(self.dtype)
+            state = torch.stack([outputs[i][trees[i].parent[n]] for i in growing for n in chosen[i]])
+            positions = [roots_at[i] + depth for i in growing for _ in chosen[i]]
+            q, new_k, new_v, residual = self._qkv(embeds, state, positions)
+            keys, values, masks, sizes = [], [], [], []
+            row = 0
+            for i in growing:
+                rows, seq = len(chosen[i]), seqs[i]
+                index = {node: j for j, node in enumerate(expanded[i])}
+                # Each row sees the cache, its expanded ancestors and itself.
+                mask = torch.zeros(rows, seq.length + len(expanded[i]) + rows, dtype=torch.bool, device=self.device)
+                mask[:, : seq.length] = True
+                for r, node in enumerate(chosen[i]):
+                    parent = trees[i].parent[node]
+                    while parent >= 0:
+                        mask[r, seq.length + index[parent]] = True
+                        parent = trees[i].parent[parent]
+                    mask[r, seq.length + len(expanded[i]) + r] = True
+                tree_k[i].append(new_k[row: row + rows])
+                tree_v[i].append(new_v[row: row + rows])
+                keys.append(torch.cat([seq.keys[: seq.length], *tree_k[i]]))
+                values.append(torch.cat([seq.values[: seq.length], *tree_v[i]]))
+                masks.append(mask)
+                sizes.append(rows)
+                expanded[i].extend(chosen[i])
+                row += rows
+            out = self._finish(q, residual, sizes, keys, values, masks)
+            children = torch.log_softmax(head.logits(out).float(), dim=-1).topk(max(top_ks))
+            child_ids, child_lp = children.indices.tolist(), children.values.tolist()
+            row = 0
+            for i in growing:
+                for node in chosen[i]:
+                    outputs[i][node] = out[row]
+                    trees[i].add(child_ids[row][: top_ks[i]], child_lp[row][: top_ks[i]], node, depth + 1,
+                                 trees[i].score[node])
+                    row += 1
+        return [self._best(tree, budget) for tree, budget in zip(trees, budgets, strict=True)]
+
+    @staticmethod
+    def _frontier(tree: _Tree, depth: int, top_k: int) -> list[int]:
+        """The ``top_k`` best-scoring candidates at ``depth``: the ones expanded."""
+        level = [n for n, d in enumerate(tree.depth) if d == depth]
+        return sorted(level, key=lambda n: -tree.score[n])[:top_k]
+
+    def _best(self, tree: _Tree, budget: int) -> tuple[list[int], list[int]]:
         # A child scores at most its parent, and ties go to the shallower node: the kept set is a tree.
         kept = sorted(range(len(tree.tokens)), key=lambda i: (-tree.score[i], tree.depth[i], i))[:budget]
         kept.sort(key=lambda i: (tree.depth[i], -tree.score[i], i))
