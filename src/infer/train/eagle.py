@@ -3,8 +3,9 @@
 Data: the teacher cache (``infer.train.teacher``) the Medusa and distillation trainers use; for a
 model infer did not train that is the target's own answers to varied instructions, with its top-k
 next-token distributions at every position. The trainer runs the target once more over those
-windows to capture the three layer inputs the head reads (``models.layers.AuxCapture``; kept in
-memory, and in the run's checkpoint folder so a resumed run does not recompute them).
+windows, loaded as the engine loads it (a GGUF's quantized blocks stay quantized), to capture the
+three layer inputs the head reads (``models.layers.AuxCapture``; kept in memory, and in the run's
+checkpoint folder so a resumed run does not recompute them).
 
 Training-time test (EAGLE-3): the head is unrolled ``ttt_steps`` times over each window. Step 0
 reads the target's fused states; step s > 0 reads the head's own outputs of step s - 1 with the
@@ -235,7 +236,8 @@ def train_eagle(cfg: EagleTrainConfig, progress: bool = True) -> EagleTrainResul
     out = cfg.out if cfg.out is not None else default_head_dir(cfg.target)
     folder = teacher_cache_for(cfg, device, progress)
     cache = TeacherCache(folder)
-    # Float weights, layer by layer (a GGUF's blocks dequantized): the states only need to be the target's.
+    # Float weights (a GGUF's blocks dequantized): the head's initial norm and vocabulary projection, and
+    # the embeddings it trains with.
     target, tconfig = load_model(cfg.target, dtype=torch.float32, device=str(device), fuse=False, pack=False,
                                  quantization="none")
     target.requires_grad_(False)
@@ -253,9 +255,13 @@ def train_eagle(cfg: EagleTrainConfig, progress: bool = True) -> EagleTrainResul
     else:
         say(f"capturing {tconfig.model_type} target states entering layers {list(layers)} over the teacher cache "
             f"{folder}", progress)
-        train = capture_features(target, cache.train, cfg.max_windows, layers, cfg.batch_size, progress, "states")
-        heldout = capture_features(target, cache.heldout, cfg.eval_windows, layers, cfg.batch_size, progress,
+        # The states come from the target as the engine loads it (a GGUF's blocks on the quantized kernels):
+        # what the head reads when it drafts.
+        served, _ = load_model(cfg.target, dtype=torch.float32, device=str(device))
+        train = capture_features(served, cache.train, cfg.max_windows, layers, cfg.batch_size, progress, "states")
+        heldout = capture_features(served, cache.heldout, cfg.eval_windows, layers, cfg.batch_size, progress,
                                    "held-out states")
+        del served
         checkpoint.dir.mkdir(parents=True, exist_ok=True)
         torch.save({"train": train.tensors, "heldout": heldout.tensors}, features_file)
     if not heldout.tensors["answer"].any():  # a tiny cache's held-out windows may hold prompts only
