@@ -34,10 +34,10 @@ def test_train_eagle_learns_saves_and_drafts_losslessly(tiny_llama: Path, answer
     result = train_eagle(cfg, progress=False)
     assert result.final["loss"] < result.initial["loss"] - 0.05, (result.initial, result.final)
     config = json.loads((out / "config.json").read_text())
-    assert config["draft_vocab_size"] == 200 and config["num_hidden_layers"] == 1
+    assert 1 < config["draft_vocab_size"] <= 200 and config["num_hidden_layers"] == 1
     assert len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == 3
     head = Eagle3Head.load(out)
-    assert int(head.t2d.sum()) == 200 and not (out / ".checkpoint").exists()
+    assert int(head.t2d.sum()) == config["draft_vocab_size"] and not (out / ".checkpoint").exists()
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = ["def f(x):", "Hello there"]
     plain = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(prompts, params)
@@ -67,7 +67,7 @@ def test_train_eagle_resumes_from_its_checkpoint(tiny_llama: Path, answers_cache
     monkeypatch.setattr(eagle_module, "ttt_loss", interrupted)
     with pytest.raises(KeyboardInterrupt):
         main(args)
-    assert (out / ".checkpoint" / "features.pt").is_file()
+    assert (out / ".checkpoint").is_dir() and list(answers_cache.glob("eagle-states-*.pt"))
     monkeypatch.setattr(eagle_module, "ttt_loss", real)
     assert main([*args, "--resume"]) == 0
     head = Eagle3Head.load(out)

@@ -4,8 +4,8 @@ Data: the teacher cache (``infer.train.teacher``) the Medusa and distillation tr
 model infer did not train that is the target's own answers to varied instructions, with its top-k
 next-token distributions at every position. The trainer runs the target once more over those
 windows, loaded as the engine loads it (a GGUF's quantized blocks stay quantized), to capture the
-three layer inputs the head reads (``models.layers.AuxCapture``; kept in memory, and in the run's
-checkpoint folder so a resumed run does not recompute them).
+three layer inputs the head reads (``models.layers.AuxCapture``; kept in memory, and saved beside the
+teacher cache so a resumed run, or another run on the same cache, does not recompute them).
 
 Training-time test (EAGLE-3): the head is unrolled ``ttt_steps`` times over each window. Step 0
 reads the target's fused states; step s > 0 reads the head's own outputs of step s - 1 with the
@@ -14,7 +14,8 @@ t and its own keys of steps 1..s: exactly what a depth-s node of a draft tree se
 step is taught the target's distribution at its position (soft cross-entropy over the draft
 vocabulary, the target's top-k mass renormalised to it), weighted 0.8^s, on answer positions.
 
-The draft vocabulary is the ``draft_vocab_size`` most frequent tokens of the training windows. The
+The draft vocabulary is the ``draft_vocab_size`` most frequent tokens of the training windows (fewer
+when the windows hold fewer distinct tokens). The
 head is saved in the published EAGLE-3 layout (``models.eagle3``) to ``<target drafters>/eagle``
 (``~/.cache/infer/drafters/<model>/eagle`` for a GGUF or built-in model), where ``--speculator
 eagle`` looks. The loop (budgets, progress bar, resumable checkpoints with ``--resume``) is
@@ -24,8 +25,10 @@ eagle`` looks. The loop (budgets, progress bar, resumable checkpoints with ``--r
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import KW_ONLY, asdict, dataclass
 from pathlib import Path
@@ -121,10 +124,12 @@ def capture_features(target: Any, windows: Any, limit: int | None, layers: tuple
 
 
 def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
-    """The ``size`` most frequent token ids of ``tokens`` (ties and unseen ids by id), sorted."""
-    counts = torch.bincount(tokens.flatten().long(), minlength=vocab_size).double()
-    order = sorted(range(vocab_size), key=lambda i: (-counts[i].item(), i))
-    return torch.tensor(sorted(order[: min(size, vocab_size)]), dtype=torch.long)
+    """The ``size`` most frequent token ids of ``tokens`` (ties by id), sorted; never a token the
+    windows do not hold (it would get no training signal, only cost every step)."""
+    counts = torch.bincount(tokens.flatten().long(), minlength=vocab_size)
+    seen = int((counts > 0).sum())
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[: max(1, min(size, seen))]), dtype=torch.long)
 
 
 def head_for(target: Any, layers: tuple[int, ...], draft_ids: torch.Tensor, seed: int) -> Eagle3Head:
@@ -201,15 +206,16 @@ def ttt_loss(head: Eagle3Head, embed: Any, batch: dict[str, torch.Tensor], steps
         mass = p.sum(-1, keepdim=True)
         keep = keep & (mass.squeeze(-1) > 0)
         p = p / mass.clamp_min(1e-12)
-        logq = torch.log_softmax(head.logits(hidden).float(), dim=-1)
-        ce = -(p * logq.gather(-1, draft_ids.clamp_min(0))).sum(-1)
-        count = keep.sum().clamp_min(1)
-        step_loss = (ce * keep).sum() / count
+        # The vocabulary projection (most of a step's cost) only on the positions the loss counts.
+        logq = torch.log_softmax(head.logits(hidden[keep]).float(), dim=-1)  # [K, draft vocab]
+        ce = -(p[keep] * logq.gather(-1, draft_ids[keep].clamp_min(0))).sum(-1)
+        count = max(int(keep.sum()), 1)
+        step_loss = ce.sum() / count
         total = total + STEP_DECAY ** s * step_loss
         weight_sum += STEP_DECAY ** s
         losses.append(float(step_loss.detach()))
         guess = head.target_ids[logq.argmax(-1)]
-        agree.append(float(((guess == target_ids[..., 0]) & keep).sum()) / float(count))
+        agree.append(float((guess == target_ids[keep][:, 0]).sum()) / count)
         state = hidden
     return total / weight_sum, losses, agree
 
@@ -246,12 +252,16 @@ def train_eagle(cfg: EagleTrainConfig, progress: bool = True) -> EagleTrainResul
                 **{k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "time_budget", "resume", "out",
                                                                     "threads", "device", "checkpoint_every")}}
     checkpoint = Checkpointer(out, identity)
-    features_file = checkpoint.dir / "features.pt"
-    resuming = cfg.resume and checkpoint.exists() and features_file.is_file()
-    if resuming:
+    resuming = cfg.resume and checkpoint.exists()
+    # The captured states live beside the teacher cache they come from, so another run (a resumed one,
+    # other training settings) reuses them.
+    digest = hashlib.sha256(json.dumps([cfg.target, cache.manifest.get("settings_hash"), list(layers),
+                                        cfg.max_windows, cfg.eval_windows]).encode()).hexdigest()[:12]
+    features_file = Path(folder) / f"eagle-states-{digest}.pt"
+    if features_file.is_file():
         saved = torch.load(features_file, weights_only=True)
         train, heldout = Features(saved["train"]), Features(saved["heldout"])
-        say(f"resuming from {checkpoint.path}", progress)
+        say(f"target states found at {features_file}", progress)
     else:
         say(f"capturing {tconfig.model_type} target states entering layers {list(layers)} over the teacher cache "
             f"{folder}", progress)
@@ -262,8 +272,11 @@ def train_eagle(cfg: EagleTrainConfig, progress: bool = True) -> EagleTrainResul
         heldout = capture_features(served, cache.heldout, cfg.eval_windows, layers, cfg.batch_size, progress,
                                    "held-out states")
         del served
-        checkpoint.dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"train": train.tensors, "heldout": heldout.tensors}, features_file)
+        tmp = features_file.with_suffix(f".{os.getpid()}.tmp")
+        torch.save({"train": train.tensors, "heldout": heldout.tensors}, tmp)
+        os.replace(tmp, features_file)
+    if resuming:
+        say(f"resuming from {checkpoint.path}", progress)
     if not heldout.tensors["answer"].any():  # a tiny cache's held-out windows may hold prompts only
         say("the held-out windows hold no answer positions: evaluating on all their positions", progress)
         heldout.tensors["answer"] = torch.ones_like(heldout.tensors["answer"])
