@@ -82,6 +82,9 @@ def test_ttt_steps_see_their_own_outputs(tiny_llama: Path) -> None:
 
     target, config = load_model(str(tiny_llama), "float32", "cpu", fuse=False, pack=False)
     head = head_for(target, (1, 1, 2), torch.arange(100), seed=0)
+    with torch.no_grad():  # the fresh head's layer adds nothing yet: give it weights that mix positions
+        for param in (head.midlayer.self_attn.o_proj.weight, head.midlayer.mlp.down_proj.weight, head.fc.weight):
+            param.normal_(0.0, 0.1)
     tokens = torch.randint(0, 100, (1, 12))
     aux = torch.randn(1, 12, 3 * config.hidden_size)
     batch = {"tokens": tokens, "aux": aux, "answer": torch.ones(1, 12, dtype=torch.bool),
@@ -93,6 +96,16 @@ def test_ttt_steps_see_their_own_outputs(tiny_llama: Path) -> None:
     loss_a, losses_a, _ = ttt_loss(head, target.model.embed_tokens, dict(batch, answer=_only(0)), 1)
     loss_b, _, _ = ttt_loss(head, target.model.embed_tokens, dict(changed, answer=_only(0)), 1)
     assert torch.equal(loss_a, loss_b)
+    # ... while the row whose own state changed moves.
+    loss_c, _, _ = ttt_loss(head, target.model.embed_tokens, dict(batch, answer=_only(8)), 1)
+    loss_d, _, _ = ttt_loss(head, target.model.embed_tokens, dict(changed, answer=_only(8)), 1)
+    assert not torch.equal(loss_c, loss_d)
+    # Position 9 judges step 0's row 8 (which reads the changed state) and step 1's row 7, a depth-1
+    # node whose root is 7: it sits at position 8 but must not see step 0's key there (the target's
+    # state at 8 does not exist yet when drafting from root 7).
+    steps_a = ttt_loss(head, target.model.embed_tokens, dict(batch, answer=_only(8)), 2)[1]
+    steps_b = ttt_loss(head, target.model.embed_tokens, dict(changed, answer=_only(8)), 2)[1]
+    assert steps_a[0] != steps_b[0] and steps_a[1] == steps_b[1]
 
 
 def _only(index: int) -> torch.Tensor:

@@ -55,7 +55,7 @@ class EagleTrainConfig(TrainRunConfig):
     _: KW_ONLY
     batch_size: int = 4
     lr: float = 1e-3
-    warmup_steps: int = 20
+    warmup_steps: int = 5  # a CPU run takes few steps
     weight_decay: float = 0.0
     max_steps: int | None = 400
     eval_windows: int = 32
@@ -133,8 +133,11 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.
 
 
 def head_for(target: Any, layers: tuple[int, ...], draft_ids: torch.Tensor, seed: int) -> Eagle3Head:
-    """A fresh head shaped like one layer of ``target``: projections random, its norm and vocabulary
-    projection the target's own (the rows of the draft vocabulary)."""
+    """A fresh head shaped like one layer of ``target`` that starts as the target's "logit lens" on its
+    highest captured layer: ``fc`` passes that layer's state through, the layer's output projections
+    are zero (the layer adds nothing yet), and the norm and vocabulary projection are the target's own
+    (the rows of the draft vocabulary). Training starts from a guess the target's own features make,
+    which a short CPU run needs; the other projections are random."""
     c = target.config
     config = Eagle3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                           num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
@@ -148,6 +151,11 @@ def head_for(target: Any, layers: tuple[int, ...], draft_ids: torch.Tensor, seed
         for name, param in head.named_parameters():
             if name.endswith("proj.weight") or name == "fc.weight":
                 param.normal_(0.0, 0.02)
+        hidden = c.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * hidden:] = torch.eye(hidden)
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        head.midlayer.mlp.down_proj.weight.zero_()
         head.lm_head.weight.copy_(target.lm_head.weight.detach()[draft_ids])
         head.norm.weight.copy_(target.model.norm.weight.detach())
     head.set_vocabulary(draft_ids)
