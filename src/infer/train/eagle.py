@@ -133,11 +133,12 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.
 
 
 def head_for(target: Any, layers: tuple[int, ...], draft_ids: torch.Tensor, seed: int) -> Eagle3Head:
-    """A fresh head shaped like one layer of ``target`` that starts as the target's "logit lens" on its
-    highest captured layer: ``fc`` passes that layer's state through, the layer's output projections
+    """A fresh head shaped like one layer of ``target``, starting from the target's own features rather
+    than noise: ``fc`` passes the highest captured layer's state through, the layer's output projections
     are zero (the layer adds nothing yet), and the norm and vocabulary projection are the target's own
-    (the rows of the draft vocabulary). Training starts from a guess the target's own features make,
-    which a short CPU run needs; the other projections are random."""
+    (the rows of the draft vocabulary); the other projections are random. (Measured on SmolLM2, this
+    starts the held-out loss lower than an all-random head; it still has everything to learn, since the
+    state at t describes token t + 1 and the head must guess t + 2.)"""
     c = target.config
     config = Eagle3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                           num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
