@@ -243,10 +243,13 @@ def test_audit_passes_the_engine_with_medusa(small_target: Path, tmp_path_factor
 def test_cli_audit_passes_the_engine_with_eagle(small_target: Path, tmp_path: Path) -> None:
     """``infer audit --speculator eagle``: dynamic EAGLE-3 trees pass the distribution and greedy checks."""
     head = make_eagle3_head(small_target, tmp_path / "eagle", draft_vocab=[0, 1, 2, 4, 5, 6, 7, 9], std=0.3)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([" ".join(f"w{t - 5}" for t in p) for p in PROMPTS]))
     out = tmp_path / "audit.json"
     args = ["audit", "--model", str(small_target), "--speculator", "eagle", "--eagle-head", str(head),
             "--eagle-tree-size", "8", "--spec-length", "2", "--dtype", "float32", "--device", "cpu",
-            "--contexts", "1", "--checks", "distribution", "greedy", "--json", str(out)]
+            "--prompts", str(prompts), "--contexts", "1", "--max-tokens", "24", "--checks", "distribution", "greedy",
+            "--json", str(out)]
     assert main(args) == 0
     report = json.loads(out.read_text())
     assert report["verdict"] == PASS, json.dumps(report["checks"], indent=1)[:3000]
