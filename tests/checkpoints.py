@@ -349,3 +349,59 @@ def load_hf_model(path: Path) -> torch.nn.Module:
     finally:
         hf_logging.enable_progress_bar()
     return model.eval()
+
+
+def make_eagle3_head(target: Path, out: Path, *, draft_vocab: list[int] | None = None, seed: int = 0,
+                     hidden_size: int | None = None, own_embeddings: bool = False,
+                     aux_layers: list[int] | None = None, std: float = 0.2) -> Path:
+    """A random EAGLE-3 head for ``target`` written the way published heads are (vLLM/SGLang's layout,
+    written here by hand, not by infer's saver): a one-layer Llama ``config.json`` with ``draft_vocab_size``
+    and ``model.safetensors`` with ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` and ``t2d``.
+    ``draft_vocab``: the target ids the draft vocabulary keeps (default all)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    vocab, target_hidden = cfg["vocab_size"], cfg["hidden_size"]
+    hidden = hidden_size or target_hidden
+    heads, kv_heads = 4, 2
+    head_dim = hidden // heads
+    inter = 2 * hidden
+    ids = torch.tensor(draft_vocab if draft_vocab is not None else list(range(vocab)), dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * std).contiguous()
+
+    tensors = {
+        "fc.weight": rand(hidden, 3 * target_hidden),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter),
+        "midlayer.input_layernorm.weight": 1 + rand(hidden),
+        "midlayer.hidden_norm.weight": 1 + rand(hidden),
+        "midlayer.post_attention_layernorm.weight": 1 + rand(hidden),
+        "norm.weight": 1 + rand(hidden),
+        "lm_head.weight": rand(len(ids), hidden) * 5,
+        "d2t": (ids - torch.arange(len(ids))).contiguous(),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True),
+    }
+    if own_embeddings:
+        tensors["embed_tokens.weight"] = rand(vocab, hidden)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+              "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+              "draft_vocab_size": len(ids), "target_hidden_size": target_hidden, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_act": "silu",
+              "tie_word_embeddings": False, "torch_dtype": "float32"}
+    if aux_layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers, "use_aux_hidden_state": True}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

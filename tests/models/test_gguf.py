@@ -251,6 +251,27 @@ def test_medusa_heads_for_a_gguf_are_found_where_training_saves_them(tiny_llama:
     assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
 
 
+def test_eagle_head_for_a_q4_1_gguf_is_found_and_exact(tiny_llama: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized GGUF target (its Q4_1 blocks on the quantized kernels, the C stack split at the head's
+    layers): ``--speculator eagle`` finds the head where ``infer train eagle`` saves it, and greedy
+    output is the plain output."""
+    from checkpoints import make_eagle3_head
+    from infer.speculative.eagle import default_head_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf", Q.Q4_1)
+    head = default_head_dir(str(path))
+    assert head.is_relative_to(tmp_path / "cache")
+    make_eagle3_head(tiny_llama, head, draft_vocab=list(range(256)))
+    params = greedy(16, ignore_eos=True)
+    plain = LLM(str(path), dtype="float32", device="cpu").generate(SAMPLE_TEXTS[:2], params)
+    eagle = LLM(str(path), dtype="float32", device="cpu", speculator="eagle", eagle_tree_size=8).generate(
+        SAMPLE_TEXTS[:2], params)
+    assert [o.token_ids for o in eagle] == [o.token_ids for o in plain]
+    assert sum(o.metrics.proposed_tokens for o in eagle) > 0
+
+
 def test_bench_compares_transformers_on_a_gguf(tiny_llama: Path, tmp_path: Path) -> None:
     """``infer bench generation --model x.gguf`` gives transformers the same file (its own GGUF reader)."""
     pytest.importorskip("transformers")

@@ -23,7 +23,7 @@ import torch
 from scipy import stats as scipy_stats
 
 import infer.speculative.rejection as rejection
-from checkpoints import make_medusa_heads
+from checkpoints import make_eagle3_head, make_medusa_heads
 from infer.audit import AuditSettings, exit_code, run_audit
 from infer.audit.checks import FAIL, LOW_POWER, NEAR_TIE, PASS, next_token_logits
 from infer.audit.stats import (
@@ -238,6 +238,23 @@ def test_audit_passes_the_engine_with_medusa(small_target: Path, tmp_path_factor
     assert report["verdict"] == PASS, json.dumps(report["checks"], indent=1)[:3000]
     assert report["checks"]["distribution"]["contexts"][0]["exercised"]
     assert report["settings"]["medusa_tree_size"] == 10  # the report says how the tree was sized
+
+
+def test_cli_audit_passes_the_engine_with_eagle(small_target: Path, tmp_path: Path) -> None:
+    """``infer audit --speculator eagle``: dynamic EAGLE-3 trees pass the distribution and greedy checks."""
+    head = make_eagle3_head(small_target, tmp_path / "eagle", draft_vocab=[0, 1, 2, 4, 5, 6, 7, 9], std=0.3)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([" ".join(f"w{t - 5}" for t in p) for p in PROMPTS]))
+    out = tmp_path / "audit.json"
+    args = ["audit", "--model", str(small_target), "--speculator", "eagle", "--eagle-head", str(head),
+            "--eagle-tree-size", "8", "--spec-length", "2", "--dtype", "float32", "--device", "cpu",
+            "--prompts", str(prompts), "--contexts", "1", "--max-tokens", "24", "--checks", "distribution", "greedy",
+            "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["verdict"] == PASS, json.dumps(report["checks"], indent=1)[:3000]
+    assert report["checks"]["distribution"]["contexts"][0]["exercised"]
+    assert report["settings"]["speculator"] == "eagle" and report["settings"]["eagle_tree_size"] == 8
 
 
 def test_cli_audit_passes_the_engine_with_a_draft_model(small_target: Path, small_draft: Path, tmp_path: Path,

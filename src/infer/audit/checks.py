@@ -99,7 +99,7 @@ class AuditSettings:
             raise ValueError(f"max_detectable_tv={self.max_detectable_tv} is invalid: must lie in (0, 1]")
         engine = self.engine
         if engine.get("draft_model") is None and engine.get("speculator") is None:
-            raise ValueError("the audit needs a drafter: set draft_model, or speculator='ngram' or 'medusa'")
+            raise ValueError("the audit needs a drafter: set draft_model, or speculator='ngram', 'medusa', 'suffix' or 'eagle'")
 
 
 Say = Callable[[str], None]
@@ -141,6 +141,7 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
             # A tree drafter's size: a measured (None) size may choose plain steps and leave the tests no power.
             "medusa_heads": speculative.medusa_heads, "medusa_tree_size": speculative.medusa_tree_size,
             "suffix_tree_size": speculative.suffix_tree_size,
+            "eagle_head": speculative.eagle_head, "eagle_tree_size": speculative.eagle_tree_size,
             "dtype": str(spec.engine.dtype).removeprefix("torch."), "device": str(spec.engine.device),
             "exact_greedy": config.exact_greedy, "compile": config.compile,
             "sampling": {k: getattr(settings.sampling, k)
@@ -343,7 +344,7 @@ class _Audit:
         drafted_rounds = sum(o.metrics.proposed_per_position[0] for o in spec if o.metrics.proposed_per_position)
         config = self.spec.config.speculative
         assert config is not None  # the audited LLM always speculates
-        chain_fixed = config.spec_length_policy == "fixed" and config.speculator != "medusa"
+        chain_fixed = config.spec_length_policy == "fixed" and config.speculator not in ("medusa", "eagle")
         proposed = sum(o.metrics.proposed_tokens for o in spec)
         gamma = config.spec_length if chain_fixed else max(1, round(proposed / drafted_rounds)) if drafted_rounds else None
         cost = _measured_cost_ratio(self.spec)

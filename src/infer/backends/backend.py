@@ -36,7 +36,7 @@ from infer.backends.cpu_kernels import (
 from infer.backends.onednn import PackedLinear, cpu_packing_available
 from infer.cache.protocol import KVBatch
 from infer.kernels.cpu import KernelLibrary
-from infer.models.layers import Attention, DecoderOnlyLM
+from infer.models.layers import Attention, AuxCapture, DecoderOnlyLM
 
 # ``cpu-kernels:NAME`` forces kernel variant NAME in each kernel family that has one (the float
 # kernels' ``build.VARIANTS``, the quantized kernels' ``build.QUANT_VARIANTS``; ``avx2`` is in both),
@@ -104,12 +104,15 @@ class Backend:
         model.backend = self
 
     def forward(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                kv: KVBatch | None = None) -> torch.Tensor:
+                kv: KVBatch | None = None, aux: AuxCapture | None = None) -> torch.Tensor:
         """``model``'s final hidden states [B, T, hidden] for ``input_ids`` [B, T] at ``positions`` over
-        ``kv``: the one way every pass is run (``model(...)`` alone runs the layers, never the stack)."""
+        ``kv``: the one way every pass is run (``model(...)`` alone runs the layers, never the stack).
+        ``aux`` keeps the inputs of some layers on the way (the stack then runs in segments)."""
         if self.cpu_stack is None or kv is None:
-            return model(input_ids, positions, kv)  # type: ignore[no-any-return]
-        return self.cpu_stack.forward(model, input_ids, positions, kv)
+            if aux is None:
+                return model(input_ids, positions, kv)  # type: ignore[no-any-return]
+            return model(input_ids, positions, kv, aux)  # type: ignore[no-any-return]
+        return self.cpu_stack.forward(model, input_ids, positions, kv, aux)
 
     @property
     def variant(self) -> str:

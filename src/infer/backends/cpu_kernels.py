@@ -17,6 +17,7 @@ then runs layer by layer. Each part was probed against the layers when the backe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -30,6 +31,8 @@ from infer.kernels.cpu import (
     MAX_ROWS,
     MAX_STACK_GROUP,
     MAX_STACK_HEAD_DIM,
+    STACK_PROJECTIONS,
+    STACK_TENSORS,
     GemvLinear,
     KernelLibrary,
     QuantProjection,
@@ -46,6 +49,7 @@ from infer.models.gemma3 import (
 from infer.models.layers import (
     MLP,
     Attention,
+    AuxCapture,
     DecoderLayer,
     DecoderOnlyLM,
     RMSNorm,
@@ -133,6 +137,7 @@ class CpuStack:
         # Passes of more rows run layer by layer (prefill: oneDNN's GEMM is faster there). Exact-greedy
         # mode lifts the limit (None): every pass then computes a token the same way.
         self.max_rows: int | None = MAX_ROWS
+        self._segments: dict[tuple[int, int], StackTable] = {}  # tables of layer ranges (aux capture)
 
     @classmethod
     def build(cls, model: DecoderOnlyLM, library: KernelLibrary) -> CpuStack | None:
@@ -293,6 +298,34 @@ class CpuStack:
         flags = self.table.local_layers
         return flags is not None and kv.local_layers == frozenset(int(i) for i in flags.nonzero().flatten())
 
+    def _segment_table(self, start: int, end: int) -> StackTable:
+        """The table of layers ``start .. end - 1`` alone (made once per segment)."""
+        if (start, end) == (0, self.table.shape["layers"]):
+            return self.table
+        key = (start, end)
+        table = self._segments.get(key)
+        if table is None:
+            t, per, projections = self.table, len(STACK_TENSORS), len(STACK_PROJECTIONS)
+            table = StackTable(t.tensors[start * per: end * per], {**t.shape, "layers": end - start}, t.eps,
+                               t.qk_norm, None if t.quant is None else t.quant[start * projections: end * projections],
+                               gemma=t.gemma, scale=t.scale)
+            self._segments[key] = table
+        return table
+
+    def segment(self, table: StackTable, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: KVBatch) -> torch.Tensor:
+        """The layers of ``table`` (a segment of this stack, a view of ``kv`` for the same layers) over ``x``."""
+        if kv.packed is not None:
+            rows = x.shape[1]
+
+            def per_row(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(rows, 1, 1, -1).contiguous()
+
+            out = self.library.decoder_stack(x.reshape(rows, 1, -1).contiguous(), per_row(cos), per_row(sin),
+                                             table, kv.per_token())
+            return out.view(x.shape)
+        return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), table, kv)
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch,
                  local: tuple[torch.Tensor, torch.Tensor, KVBatch] | None = None) -> torch.Tensor:
         """The stack over ``x``; ``local`` (a stack with sliding-window layers) is their RoPE tables
@@ -315,12 +348,27 @@ class CpuStack:
         return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv, local)
 
     def forward(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
-                kv: KVBatch) -> torch.Tensor:
-        """``model``'s forward pass with its decoder layers in one C call where ``takes`` allows."""
+                kv: KVBatch, aux: AuxCapture | None = None) -> torch.Tensor:
+        """``model``'s forward pass with its decoder layers in one C call where ``takes`` allows.
+
+        ``aux`` (the inputs of some layers, for an EAGLE-3 drafter) splits the stack at those layers:
+        one C call per segment, the same kernels on the same rows, so every token gets the same bits
+        as in one call. A stack with sliding-window layers (Gemma 3) is not split: its passes with
+        ``aux`` run layer by layer."""
         if positions is None:
             positions = default_positions(input_ids)
         x, cos, sin = model.embed(input_ids, positions)
-        if not self.takes(x, kv):
+        if aux is not None and (self.table.local_layers is not None or not self.takes(x, kv)):
+            x = model.run_layers(x, cos, sin, positions, kv, aux)
+        elif aux is not None:
+            layers = self.table.shape["layers"]
+            cuts = sorted({i for i in aux.layers if 0 < i < layers} | {0, layers})
+            aux.take(0, x)
+            for start, end in zip(cuts, cuts[1:], strict=False):
+                part = dataclasses.replace(kv, k_layers=kv.k_layers[start:end], v_layers=kv.v_layers[start:end])
+                x = self.segment(self._segment_table(start, end), x, cos, sin, part)
+                aux.take(end, x)
+        elif not self.takes(x, kv):
             x = model.run_layers(x, cos, sin, positions, kv)
         elif self.table.local_layers is not None:
             assert isinstance(model, Gemma3ForCausalLM)

@@ -13,7 +13,7 @@ from infer.cache.protocol import CachePoolProtocol, build_kv_batch
 from infer.core.cuda_graphs import StepGraphs
 from infer.core.request import Request
 from infer.kernels.cpu import MAX_ROWS, GemvLinear, kernel_threads_only
-from infer.models.layers import DecoderOnlyLM, block_mask_from
+from infer.models.layers import AuxCapture, DecoderOnlyLM, block_mask_from
 from infer.models.quantized import QuantLinear
 
 
@@ -24,6 +24,7 @@ class RaggedPass:
     hidden: torch.Tensor  # [N, hidden]
     offsets: list[int]  # [B + 1] cumulative run lengths (vLLM's cu_num_tokens)
     rows: int  # token rows the forward computed: N, or B x the longest run where it ran padded
+    aux: torch.Tensor | None = None  # [N, aux] the captured layer inputs (ModelRunner.aux_layers), row for row
 
     def padded(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """``x`` [N, ...] (a row per token, e.g. the logits of ``hidden``) as [B, longest run, ...],
@@ -64,6 +65,11 @@ class ModelRunner:
         # single-threaded (kernels.cpu.kernel_threads_only); elsewhere torch's threading is left alone.
         self.kernels = any(isinstance(m, (GemvLinear, QuantLinear)) for m in model.modules())
         self.graphs: StepGraphs | None = None  # set by the engine with cuda_graphs: passes replayed as graphs
+        # Layer inputs every pass keeps (an EAGLE-3 drafter's, vLLM's layer ids: models.layers.AuxCapture);
+        # the last pass's are ``last_aux`` ([B, T, aux] like its hidden states). CUDA graphs are not
+        # replayed then (a graph returns the final hidden states only).
+        self.aux_layers: tuple[int, ...] = ()
+        self.last_aux: torch.Tensor | None = None
 
     def _threads_for(self, rows: int, kind: str) -> contextlib.AbstractContextManager[None]:
         # A kind of pass for the kernels' thread choice: this model's, of this many rows.
@@ -79,7 +85,8 @@ class ModelRunner:
         runs, e.g. draft steps: no host round trip). ``positions`` (RoPE positions, [B, T]) default
         to the cache positions; tree verification passes depth-based positions and a ``tree_mask``.
         """
-        if self.graphs is not None and positions is None and tree_mask is None and not isinstance(runs, torch.Tensor):
+        if (self.graphs is not None and positions is None and tree_mask is None and not isinstance(runs, torch.Tensor)
+                and not self.aux_layers):
             replayed = self.graphs.run(slots, runs)
             if replayed is not None:
                 return replayed
@@ -97,13 +104,14 @@ class ModelRunner:
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        if self.graphs is not None and positions is None and tree_mask is None:
+        if self.graphs is not None and positions is None and tree_mask is None and not self.aux_layers:
             replayed = self.graphs.run(slots, runs)
             if replayed is not None:
                 index = _packed_index(lengths, replayed.shape[1], replayed.device)
                 return RaggedPass(replayed.flatten(0, 1)[index], offsets, replayed.shape[0] * replayed.shape[1])
         hidden = self._forward(slots, runs, positions, tree_mask, ragged=True)
-        return RaggedPass(hidden.flatten(0, 1), offsets, hidden.shape[0] * hidden.shape[1])
+        aux = None if self.last_aux is None else self.last_aux.flatten(0, 1)
+        return RaggedPass(hidden.flatten(0, 1), offsets, hidden.shape[0] * hidden.shape[1], aux)
 
     def _forward(self, slots: Sequence[int], runs: Sequence[Sequence[int]] | torch.Tensor,
                  positions: torch.Tensor | None, tree_mask: torch.Tensor | None, ragged: bool) -> torch.Tensor:
@@ -128,8 +136,11 @@ class ModelRunner:
             kv.block_mask = block_mask_from(kv.mask)
         if kv.packed is not None:  # only the real tokens go through the model: [1, N]
             ids, positions = kv.pack(ids), kv.pack(positions)
+        aux = AuxCapture(self.aux_layers) if self.aux_layers else None
         with self._threads_for(ids.numel(), "forward"):
-            return self.backend.forward(self.model, ids, positions, kv)
+            hidden = self.backend.forward(self.model, ids, positions, kv, aux)
+        self.last_aux = None if aux is None else aux.result()
+        return hidden
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,10 @@ import torch
 from infer.cache import KV_BACKENDS
 from infer.speculative.suffix import SCOPES as SUFFIX_SCOPES
 
-SPECULATORS = ("draft", "ngram", "medusa", "suffix")
+SPECULATORS = ("draft", "ngram", "medusa", "suffix", "eagle")
 LENGTH_POLICIES = ("fixed", "entropy", "goodput")
 TREE_ATTENTION = ("sdpa", "flex")
+EAGLE_MAX_TREE = 64  # most nodes an EAGLE-3 round verifies (the measured size stays at or below it)
 
 
 @dataclass
@@ -28,10 +29,11 @@ class SpeculativeConfig:
     Medusa's tree size is chosen by the same controller, up to the heads' tree, unless
     ``medusa_tree_size`` fixes it; the draft length then only caps the tree's depth. Suffix
     decoding's draft length is its tree's depth, chosen like a chain's; its node count is its own
-    (at most ``suffix_tree_size``).
+    (at most ``suffix_tree_size``). EAGLE-3 grows a tree of up to ``eagle_tree_size`` nodes per round
+    (None: sized each round by the controller, up to ``EAGLE_MAX_TREE``), at most the draft length deep.
     """
 
-    speculator: str  # draft | ngram | medusa | suffix
+    speculator: str  # draft | ngram | medusa | suffix | eagle
     draft_model: str | None = None
     spec_length: int = 5
     spec_length_policy: str = "fixed"
@@ -44,6 +46,10 @@ class SpeculativeConfig:
     # Tree nodes verified per round. None: up to the heads' configured tree, sized each round by the
     # budget controller; a number: exactly that tree, always.
     medusa_tree_size: int | None = None
+    eagle_head: str | None = None  # EAGLE-3 head folder (default: eagle/ in loader.hub.drafters_dir)
+    # Tree nodes verified per EAGLE-3 round. None: up to EAGLE_MAX_TREE, sized each round by the budget
+    # controller; a number: exactly that many (fewer only where the context or the request ends).
+    eagle_tree_size: int | None = None
     # Suffix decoding: a tree of at most suffix_tree_size nodes per round from the longest earlier
     # occurrence (up to suffix_max_match tokens) of the request's suffix; finished requests are kept
     # up to suffix_max_tokens / suffix_max_requests (oldest evicted first) and shared among requests
@@ -68,9 +74,10 @@ class SpeculativeConfig:
         if self.spec_length_policy not in LENGTH_POLICIES:
             raise ValueError(f"spec_length_policy={self.spec_length_policy!r} is invalid: use one of "
                              f"{', '.join(LENGTH_POLICIES)}")
-        if self.spec_length_policy == "entropy" and self.speculator == "medusa":
+        if self.spec_length_policy == "entropy" and self.speculator in ("medusa", "eagle"):
             raise ValueError("spec_length_policy='entropy' stops a drafted chain once the draft model is unsure; "
-                             "Medusa drafts a whole tree in one call: use fixed or goodput")
+                             f"{dict(medusa='Medusa', eagle='EAGLE-3')[self.speculator]} drafts a whole tree per "
+                             "round: use fixed or goodput")
         if self.spec_length_min < 0 or (self.spec_length_max is not None
                                         and self.spec_length_max < max(1, self.spec_length_min)):
             raise ValueError(f"spec_length_min={self.spec_length_min}, spec_length_max={self.spec_length_max} are "
@@ -82,6 +89,8 @@ class SpeculativeConfig:
                              "need 1 <= ngram_min <= ngram_max")
         if self.medusa_tree_size is not None and self.medusa_tree_size < 1:
             raise ValueError(f"medusa_tree_size={self.medusa_tree_size} is invalid: must be >= 1")
+        if self.eagle_tree_size is not None and not 1 <= self.eagle_tree_size <= EAGLE_MAX_TREE:
+            raise ValueError(f"eagle_tree_size={self.eagle_tree_size} is invalid: must be in 1..{EAGLE_MAX_TREE}")
         for name in ("suffix_tree_size", "suffix_max_match"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,9 @@ class Sampled:
 
     outputs: StepResult
     hidden: torch.Tensor | None
+    # With ``ModelRunner.aux_layers``: per request fed this pass, the position of its first fed token
+    # and the captured layer inputs of every token fed ([n, aux]), for an EAGLE-3 drafter.
+    states: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ContinuousRunner:
@@ -79,20 +82,25 @@ class ContinuousRunner:
         runs = [c.request.prompt_token_ids[c.request.num_computed_tokens:][: c.num_tokens] for c in chunks]
         since = PHASES.mark()
         hidden = self.runner.forward(slots, runs)  # type: ignore[arg-type]
+        aux = self.runner.last_aux
+        states = [] if aux is None else [(c.request, c.request.num_computed_tokens, aux[b, : len(run)])
+                                         for b, (c, run) in enumerate(zip(chunks, runs, strict=True))]
         for b, (chunk, run) in enumerate(zip(chunks, runs, strict=True)):
             if chunk.request.params.prompt_logprobs is not None:
                 self._prompt_logprobs(chunk.request, hidden[b, : len(run)])
             chunk.request.num_computed_tokens += len(run)
         done = [i for i, c in enumerate(chunks) if not c.request.is_prefilling]
         if not done:
-            return Sampled([], None)
+            return Sampled([], None, states)
         if self.prefix_cache is not None:
             for i in done:
                 request = chunks[i].request
                 self.prefix_cache.insert(request.slot, request.prompt_token_ids,  # type: ignore[arg-type]
                                          request.cache_salt)
         last = self.runner.last_hidden(hidden, [len(r) for r in runs])[done]
-        return self._sample([chunks[i].request for i in done], last, since)
+        sampled = self._sample([chunks[i].request for i in done], last, since)
+        sampled.states = states
+        return sampled
 
     def _prompt_logprobs(self, request: Request, hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this chunk's positions predict (the chunk's last position
@@ -121,9 +129,13 @@ class ContinuousRunner:
             return Sampled([], None)
         since = PHASES.mark()
         hidden = self.runner.forward([r.slot for r in requests], [[r.output_token_ids[-1]] for r in requests])  # type: ignore[misc]
+        aux = self.runner.last_aux
+        states = [] if aux is None else [(r, r.num_computed_tokens, aux[b, -1:]) for b, r in enumerate(requests)]
         for r in requests:
             r.num_computed_tokens += 1
-        return self._sample(requests, hidden[:, -1], since)
+        sampled = self._sample(requests, hidden[:, -1], since)
+        sampled.states = states
+        return sampled
 
     def _sample(self, requests: list[Request], hidden: torch.Tensor, since: float) -> Sampled:
         """The next token of each request from its last ``hidden`` state (``since``: when the pass that

@@ -76,6 +76,16 @@ def make_drafter(spec: SpeculativeConfig, target: TargetModel, say: Callable[[st
         tree = medusa_tree(heads.config, spec.medusa_tree_size)
         cost_hint = count_weights(heads) / max(1, count_weights(target.model))
         return MedusaDrafter(heads, tree, target.device, cost_hint, max_depth=spec.spec_length_limit)
+    if spec.speculator == "eagle":
+        from infer.engine.config import EAGLE_MAX_TREE
+        from infer.speculative.eagle import EagleDrafter, load_eagle_head
+
+        say(f"loading the EAGLE-3 head for {target.path}")
+        head = load_eagle_head(spec.eagle_head, target.path, target.config, target.dtype, target.device)
+        cost_hint = count_weights(head) / max(1, count_weights(target.model))
+        return EagleDrafter(head, target.model.model.embed_tokens, target.device,
+                            max_nodes=spec.eagle_tree_size or EAGLE_MAX_TREE, max_depth=spec.spec_length_limit,
+                            cost_hint=cost_hint)
     if spec.speculator == "suffix":
         from infer.speculative.suffix import SuffixDrafter
 
@@ -92,7 +102,8 @@ def make_budget(spec: SpeculativeConfig, drafter: Drafter) -> BudgetController:
     info = drafter.info
     if info.tree:
         assert info.max_nodes is not None
-        return BudgetController(info.max_nodes, adaptive=spec.medusa_tree_size is None, tree=True,
+        fixed = {"medusa": spec.medusa_tree_size, "eagle": spec.eagle_tree_size}.get(spec.speculator)
+        return BudgetController(info.max_nodes, adaptive=fixed is None, tree=True,
                                 cost_per_token=info.cost_per_token, prior_cost=info.cost_hint)
     max_budget = spec.spec_length if spec.spec_length_policy == "fixed" else spec.spec_length_limit
     return BudgetController(max_budget, adaptive=spec.spec_length_policy == "goodput", cost_per_token=info.cost_per_token,

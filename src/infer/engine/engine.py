@@ -22,7 +22,7 @@ from infer.core.cuda_graphs import StepGraphs
 from infer.core.detokenizer import IncrementalDetokenizer
 from infer.core.model_runner import ModelRunner
 from infer.core.request import Request
-from infer.engine.config import EngineConfig
+from infer.engine.config import EAGLE_MAX_TREE, EngineConfig
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
 from infer.loader import (
@@ -78,7 +78,8 @@ def window_pass_bounds(config: EngineConfig, max_seq_len: int) -> tuple[int, int
     longest = config.max_prefill_tokens if config.chunked_prefill else max_seq_len
     if spec is None:
         return 0, longest
-    tree = {"medusa": spec.medusa_tree_size or _MAX_TREE_PASS, "suffix": spec.suffix_tree_size}
+    tree = {"medusa": spec.medusa_tree_size or _MAX_TREE_PASS, "suffix": spec.suffix_tree_size,
+            "eagle": spec.eagle_tree_size or EAGLE_MAX_TREE}
     return spec.spec_length_limit + 1, max(longest, 1 + spec.spec_length_limit, 1 + tree.get(spec.speculator, 0))
 
 

@@ -62,6 +62,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "~/.cache/infer/drafters/<name>/medusa, where infer train medusa saves them)"),
     Option("medusa_tree_size", "verify exactly this many tree nodes per round (default: choose each round, up to "
            "the heads' tree, by measured tokens/s)", type=int),
+    Option("eagle_head", "EAGLE-3 head folder in the vLLM/SGLang layout (default: <model>/eagle; for a GGUF or "
+           "built-in model ~/.cache/infer/drafters/<name>/eagle, where infer train eagle saves it)"),
+    Option("eagle_tree_size", "EAGLE-3: verify exactly this many draft-tree nodes per round (default: choose each "
+           "round, up to 64, by measured tokens/s)", type=int),
     Option("tree_attention", "Medusa tree verification: SDPA with a dense mask, or FlexAttention (for CUDA)",
            choices=TREE_ATTENTION),
     Option("suffix_tree_size", "suffix decoding: most tree nodes verified per round (the depth is --spec-length)",
@@ -106,7 +110,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
 
 # The options every command that loads a model takes, and those a server adds.
 MODEL_OPTIONS = ("model", "dtype", "device", "use_speculative_decoding", "draft_model", "speculator", "spec_length",
-                 "spec_length_policy", "medusa_heads", "medusa_tree_size", "tree_attention", "suffix_tree_size",
+                 "spec_length_policy", "medusa_heads", "medusa_tree_size", "eagle_head", "eagle_tree_size", "tree_attention", "suffix_tree_size",
                  "suffix_max_tokens", "suffix_max_requests", "suffix_scope", "max_seq_len", "kv_memory_fraction",
                  "kv_cache_backend", "exact_greedy", "compile", "cuda_graphs", "backend", "quantization",
                  "draft_quantization")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.cache.protocol import CachePoolProtocol, copy_positions
+from infer.core.model_runner import RaggedPass
 from infer.core.request import Request, StepOutput
 from infer.core.timing import device_clock
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, Sampled, StepResult
@@ -82,6 +83,8 @@ class SpeculativeRunner:
         self.device = target.pool.device
         # The target's last hidden state per request, for a drafter that reads it (Medusa).
         self._hidden: dict[str, torch.Tensor] | None = {} if drafter.info.uses_hidden_states else None
+        if drafter.info.aux_layers:  # every target pass keeps the layer inputs the drafter reads
+            target.runner.aux_layers = drafter.info.aux_layers
         self.round_times = RoundTimes()
         self.last_pass_rows = 0  # token rows the last verification pass computed (what the budget costs)
 
@@ -210,6 +213,7 @@ class SpeculativeRunner:
         # Row i's logits (p_{i+1}) gave the final token after i accepted drafts.
         if self._hidden is not None:
             self._store_hidden(requests, ragged.rows_at(accepted))
+        self._observe_kept(requests, ragged, [list(range(n + 1)) for n in accepted])
         logprobs = self._logprobs(requests, processed, sampling, [list(range(n + 1)) for n in accepted], emitted)
         return self._finish_round(requests, proposal.num_tokens, proposal.num_tokens, accepted, emitted,
                                   None if grammar is None else grammar.drafted, logprobs)
@@ -249,6 +253,7 @@ class SpeculativeRunner:
         copy_positions(pool, moves)
         if self._hidden is not None:
             self._store_hidden(requests, ragged.rows_at(verdict.last_rows))
+        self._observe_kept(requests, ragged, [[0] + [node + 1 for node in path] for path in verdict.paths])
         depth_lists = depths.tolist()
         # Per-depth metrics: a tree of depth d "proposes" d positions, of which `kept` survive.
         tree_depth = [max(depth_lists[b][1: 1 + counts[b]], default=0) for b in range(batch)]
@@ -393,7 +398,18 @@ class SpeculativeRunner:
     def _keep_hidden(self, sampled: Sampled) -> StepResult:
         if sampled.hidden is not None:
             self._store_hidden([request for request, _ in sampled.outputs], sampled.hidden)
+        for request, position, states in sampled.states:
+            self.drafter.observe_states(request, position, states)
         return sampled.outputs
+
+    def _observe_kept(self, requests: list[Request], ragged: RaggedPass, kept_rows: list[list[int]]) -> None:
+        """Hand the drafter the captured layer inputs of the pass rows the target's cache keeps
+        (``kept_rows[b]``: g and the accepted drafts of request b, in token order)."""
+        if ragged.aux is None:
+            return
+        for b, request in enumerate(requests):
+            index = torch.tensor([ragged.offsets[b] + row for row in kept_rows[b]], device=ragged.aux.device)
+            self.drafter.observe_states(request, request.num_computed_tokens, ragged.aux[index])
 
     def _store_hidden(self, requests: list[Request], hidden: torch.Tensor) -> None:
         """Keep each request's hidden state ``hidden`` [B, H]: the row whose logits produced its newest token."""

@@ -29,6 +29,7 @@ from infer.models.config import ModelConfig
 from infer.models.layers import (
     MLP,
     Attention,
+    AuxCapture,
     DecoderLayer,
     DecoderOnlyLM,
     apply_rope,
@@ -155,11 +156,15 @@ class Gemma3ForCausalLM(DecoderOnlyLM):
         return rope_cos_sin(self.local_inv_freq(positions.device), positions, dtype)
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   kv: KVBatch | None) -> torch.Tensor:
+                   kv: KVBatch | None, aux: AuxCapture | None = None) -> torch.Tensor:
         tables = {False: (cos, sin), True: self.local_rope(positions, x.dtype)}
         for index, layer in enumerate(self.model.layers):
+            if aux is not None:
+                aux.take(index, x)
             layer_cos, layer_sin = tables[self.config.layer_window(index) is not None]
             x = layer(x, layer_cos, layer_sin, None if kv is None else self.layer_kv(kv, index, positions))
+        if aux is not None:
+            aux.take(len(self.model.layers), x)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

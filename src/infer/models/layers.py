@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -272,6 +273,28 @@ def default_positions(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
 
 
+@dataclass
+class AuxCapture:
+    """The residual stream entering some layers of one pass, for a drafter that reads the target's
+    intermediate hidden states (EAGLE-3). Layer ids count as vLLM's ``eagle_aux_hidden_state_layer_ids``
+    do: id j is the input of layer j (0: the embeddings; the layer count: the last layer's output,
+    before the final norm). Capturing changes no arithmetic: the pass computes the same bits."""
+
+    layers: tuple[int, ...]
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def take(self, index: int, x: torch.Tensor) -> None:
+        if index in self.layers:
+            self.states[index] = x
+
+    def result(self) -> torch.Tensor:
+        """The captured states side by side, in ``layers``' order: [..., len(layers) * hidden]."""
+        missing = [i for i in self.layers if i not in self.states]
+        if missing:
+            raise ValueError(f"the pass never reached layer input(s) {missing}")
+        return torch.cat([self.states[i] for i in self.layers], dim=-1)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -329,12 +352,13 @@ class DecoderOnlyLM(nn.Module):
         self.weights_summary = ""  # set by the loader: the weights' bytes, quantized and float
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                kv: KVBatch | None = None) -> torch.Tensor:
-        """``input_ids`` [B, T] -> final hidden states [B, T, hidden]."""
+                kv: KVBatch | None = None, aux: AuxCapture | None = None) -> torch.Tensor:
+        """``input_ids`` [B, T] -> final hidden states [B, T, hidden]; ``aux`` keeps the inputs of some
+        layers on the way (an EAGLE-3 drafter reads them)."""
         if positions is None:
             positions = default_positions(input_ids)
         x, cos, sin = self.embed(input_ids, positions)
-        return self.model.norm(self.run_layers(x, cos, sin, positions, kv))  # type: ignore[no-any-return]
+        return self.model.norm(self.run_layers(x, cos, sin, positions, kv, aux))  # type: ignore[no-any-return]
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The token embeddings [B, T, hidden] and the RoPE tables every layer shares."""
@@ -343,10 +367,14 @@ class DecoderOnlyLM(nn.Module):
         return x, cos, sin
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   kv: KVBatch | None) -> torch.Tensor:
+                   kv: KVBatch | None, aux: AuxCapture | None = None) -> torch.Tensor:
         """The decoder layers in order (before the final norm)."""
         for index, layer in enumerate(self.model.layers):
+            if aux is not None:
+                aux.take(index, x)
             x = layer(x, cos, sin, None if kv is None else self.layer_kv(kv, index, positions))
+        if aux is not None:
+            aux.take(len(self.model.layers), x)
         return x
 
     def layer_kv(self, kv: KVBatch, index: int, positions: torch.Tensor) -> LayerKV:

@@ -14,6 +14,12 @@ interface and nothing else:
   "do not draft for it". ``requests[b].all_token_ids`` ends with the last
   accepted token. ``hidden_states`` is the target's last hidden state per request ([B, hidden],
   the position whose logits produced the newest token) when ``info.uses_hidden_states``, else None.
+* ``info.aux_layers`` (EAGLE-3): the target layers whose inputs the drafter reads (vLLM's layer
+  ids, ``models.layers.AuxCapture``). The runner then has every target pass capture them and calls
+  ``observe_states(request, position, states)`` with those of each token the target's cache keeps
+  (prompt chunks, plain steps, a verification's g and accepted drafts), in order: ``states[i]`` is
+  the token at ``position + i``. A token served from the prefix cache is never computed, so never
+  observed; a drafter must draft (or decline) without it.
 * ``accepted(request, num_proposed, num_accepted)`` after verification, so a stateful drafter can
   roll back to what was kept.
 * ``release(request)`` once the request is gone: free everything held for it.
@@ -70,6 +76,7 @@ class DrafterInfo:
     # False: one call per round whatever the budget (n-gram lookup, Medusa heads).
     cost_per_token: bool = False
     cost_hint: float = 0.0  # prior for one draft step's time over one target decode step
+    aux_layers: tuple[int, ...] = ()  # target layer inputs observe_states receives (EAGLE-3); () none
 
 
 class Drafter(ABC):
@@ -80,6 +87,10 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
         """Draft for every request (see the module docstring for the arguments)."""
+
+    def observe_states(self, request: Request, position: int, states: torch.Tensor) -> None:
+        """The target's captured layer inputs ([n, aux]) of the request's tokens at ``position`` onward,
+        now kept in its cache (only with ``info.aux_layers``)."""
 
     def accepted(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """Verification kept ``num_accepted`` of the ``num_proposed`` drafts of ``request``."""

@@ -1,9 +1,10 @@
-"""``infer train``: pretrain, cache, distill, medusa, reference-pair.
+"""``infer train``: pretrain, cache, distill, medusa, eagle, reference-pair.
 
     infer train pretrain --out DIR [--corpus PATH ...] [--vocab-size N] [--hidden-size N] [--layers N] ...
     infer train cache --target MODEL [--out DIR] [--prompts N] [--top-k K] ...   (a real target's distributions)
     infer train distill --target MODEL [--out DIR] [--layers N] ... [--teacher-cache DIR|auto]
     infer train medusa --target MODEL [--heads N] ... [--teacher-cache DIR|auto]
+    infer train eagle --target MODEL [--ttt-steps N] ... [--teacher-cache DIR|auto] [--resume]
     infer train reference-pair [--size small|large] [--out DIR] [--force]
 
 Flags left out take the defaults of ``PretrainConfig`` / ``TeacherCacheConfig`` / ``DistillConfig``.
@@ -25,10 +26,10 @@ _NOT_CONFIG = {"func", "command", "train_command", "quiet", "force"}
 
 
 def add_subparser(sub: Any) -> None:
-    parser = sub.add_parser("train", help="train models: pretrain, cache, distill, medusa, reference-pair",
+    parser = sub.add_parser("train", help="train models: pretrain, cache, distill, medusa, eagle, reference-pair",
                             description=__doc__.splitlines()[0] if __doc__ else None)
     tsub = parser.add_subparsers(dest="train_command", required=True,
-                                 metavar="{pretrain,cache,distill,medusa,reference-pair}")
+                                 metavar="{pretrain,cache,distill,medusa,eagle,reference-pair}")
 
     p = tsub.add_parser("pretrain", help="train a BPE tokenizer and a small Llama from scratch on a corpus")
     p.add_argument("--corpus", nargs="+", action="extend", default=None, metavar="PATH",
@@ -96,9 +97,11 @@ def add_subparser(sub: Any) -> None:
     _run_flags(d)
     d.set_defaults(func=_run_distill)
 
+    from infer.train.eagle import add_eagle_parser
     from infer.train.medusa import add_medusa_parser
 
     add_medusa_parser(tsub)
+    add_eagle_parser(tsub)
     r = tsub.add_parser("reference-pair", help="build (or reuse) the cached reference target + draft pair")
     r.add_argument("--size", default="small", choices=["small", "large"])
     r.add_argument("--out", default=None, help="pair folder (default: ~/.cache/infer/reference-pair-SIZE)")

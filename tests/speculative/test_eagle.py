@@ -1,0 +1,194 @@
+"""EAGLE-3: the published head layout, the target's aux hidden states on every path, and exactness.
+
+Heads are random and written by ``checkpoints.make_eagle3_head`` in vLLM/SGLang's layout (by hand, not
+by infer's own saver). Their guesses are poor, which only changes the speed: greedy output must be the
+plain output token for token, and sampled output must follow the target's distribution (the chi-square
+harness of ``test_medusa_exactness.py``, with a negative control that must be caught).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import infer.speculative.tree as tree_module
+from checkpoints import make_eagle3_head
+from helpers import (
+    P_CONTROL,
+    P_THRESHOLD,
+    PROMPT,
+    TREE_CONFIGS,
+    TREE_NUM_SAMPLES,
+    first_token_chisquare,
+    grouped_chisquare,
+    reference,
+)
+from infer import LLM, SamplingParams
+from infer.cache import make_pool
+from infer.cache.protocol import build_kv_batch
+from infer.loader import load_model
+from infer.models.eagle3 import Eagle3Head, default_aux_layers
+from infer.models.layers import AuxCapture
+from infer.speculative.eagle import default_head_dir, load_eagle_head
+
+PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "import os\nimport sys\n"]
+
+
+def test_head_loads_the_published_layout(tiny_llama: Path, tmp_path: Path) -> None:
+    """Every tensor of a vLLM-layout head lands where the layer reads it; d2t maps draft ids to target ids."""
+    from safetensors.torch import load_file
+
+    draft_vocab = list(range(0, 512, 2))  # every other token: d2t[d] = d
+    folder = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab=draft_vocab, aux_layers=[0, 1, 2])
+    head = Eagle3Head.load(folder)
+    raw = load_file(str(folder / "model.safetensors"))
+    state = head.state_dict()
+    for name, tensor in raw.items():
+        assert torch.equal(state[name], tensor), name
+    assert head.embed_tokens is None  # shares the target's
+    assert head.target_ids.tolist() == draft_vocab
+    assert head.t2d.sum() == len(draft_vocab) and bool(head.t2d[2]) and not bool(head.t2d[3])
+    assert head.config.aux_layers == (0, 1, 2) and head.config.draft_vocab_size == 256
+
+
+def test_head_files_round_trip_and_resolve_aux_layers(tiny_llama: Path, tmp_path: Path) -> None:
+    folder = make_eagle3_head(tiny_llama, tmp_path / "head", own_embeddings=True)
+    config, _ = load_model(str(tiny_llama), "float32", "cpu")[1], None
+    head = load_eagle_head(str(folder), str(tiny_llama), config, torch.float32, torch.device("cpu"))
+    assert head.config.aux_layers == default_aux_layers(config.num_hidden_layers)
+    assert head.embed_tokens is not None
+    head.save(tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert saved["draft_vocab_size"] == 512 and saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    again = Eagle3Head.load(tmp_path / "again")
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+
+
+def test_bad_heads_are_refused_by_name(tiny_llama: Path, small_target: Path, tmp_path: Path) -> None:
+    folder = make_eagle3_head(small_target, tmp_path / "small")  # vocabulary 10, hidden 32
+    config = load_model(str(tiny_llama), "float32", "cpu")[1]
+    with pytest.raises(ValueError, match="vocabulary 10"):
+        load_eagle_head(str(folder), str(tiny_llama), config, torch.float32, torch.device("cpu"))
+    broken = make_eagle3_head(tiny_llama, tmp_path / "broken")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["midlayer.hidden_norm.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing midlayer.hidden_norm.weight"):
+        Eagle3Head.load(broken)
+    with pytest.raises(FileNotFoundError, match="infer train eagle"):
+        LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="eagle", eagle_head=str(tmp_path / "none"))
+
+
+@pytest.mark.parametrize("quantization", ["none", "q4_0"])
+def test_aux_states_change_no_bits_and_match_the_layers(tiny_llama: Path, quantization: str) -> None:
+    """Capturing layer inputs (the C stack then runs in segments) leaves the final hidden states bit for
+    bit as they were, and the captured states are those the layers compute."""
+    model, config = load_model(str(tiny_llama), "float32", "cpu", quantization=quantization)
+    assert model.backend.cpu_stack is not None or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    layers = (1, 2, config.num_hidden_layers)
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+
+    def run(aux: AuxCapture | None, stack: bool) -> torch.Tensor:
+        backend = model.backend
+        saved = backend.cpu_stack
+        if not stack:
+            backend.cpu_stack = None
+        try:
+            pool = make_pool("paged", num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+                             head_dim=config.head_dim, max_seq_len=64, max_batch_size=1, block_size=8,
+                             num_blocks=None, dtype=torch.float32, device=torch.device("cpu"))
+            slot = pool.allocate()
+            kv = build_kv_batch(pool, [slot], [0], [ids.shape[1]], None)
+            with torch.inference_mode():
+                return backend.forward(model, ids, positions, kv, aux)  # type: ignore[no-any-return]
+        finally:
+            backend.cpu_stack = saved
+
+    plain = run(None, stack=True)
+    captured = AuxCapture(layers)
+    assert torch.equal(run(captured, stack=True), plain)
+    reference_aux = AuxCapture(layers)
+    run(reference_aux, stack=False)
+    assert captured.result().shape == (1, ids.shape[1], 3 * config.hidden_size)
+    torch.testing.assert_close(captured.result(), reference_aux.result(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("options", [{}, {"backend": "torch"}, {"quantization": "q4_0"},
+                                     {"chunked_prefill": True, "max_prefill_tokens": 5, "prefix_caching": True,
+                                      "block_size": 4}],
+                         ids=["default-backend", "torch", "q4_0", "chunked-prefix-cached"])
+def test_greedy_output_is_plain_output(tiny_llama: Path, tmp_path: Path, options: dict[str, Any]) -> None:
+    head = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab=list(range(300)))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu", **options).generate(PROMPTS, params)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="eagle", eagle_head=str(head),
+              eagle_tree_size=12, spec_length=4, max_batch_size=2, **options)
+    eagle = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in eagle] == [o.token_ids for o in plain]
+    assert sum(o.metrics.proposed_tokens for o in eagle) > 0  # it did draft
+    if options.get("prefix_caching"):  # again: now the prompts' blocks come from the prefix cache, never observed
+        again = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in again] == [o.token_ids for o in plain]
+        assert sum(o.metrics.prefix_cached_tokens for o in again) > 0
+
+
+def test_head_is_found_where_training_saves_it(tiny_llama: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_head_dir(str(tiny_llama)) == tiny_llama / "eagle"
+    from infer.loader.hub import drafters_dir
+
+    assert default_head_dir("smollm2-135m-instruct") == drafters_dir("smollm2-135m-instruct") / "eagle"
+
+
+# ------------------------------------------------------------------------------ distribution
+
+
+@pytest.fixture(scope="module")
+def engine(small_target: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    # Draft vocabulary: 8 of the 10 tokens (d2t exercised); a fixed tree of 8 nodes, at most 2 deep.
+    head = make_eagle3_head(small_target, tmp_path_factory.mktemp("eagle_small") / "eagle",
+                            draft_vocab=[0, 1, 2, 4, 5, 6, 7, 9], std=0.3)
+    return LLM(str(small_target), speculator="eagle", eagle_head=str(head), dtype="float32", device="cpu",
+               max_batch_size=256, max_seq_len=32, eagle_tree_size=8, spec_length=2)
+
+
+def run_engine(llm: LLM, params: dict[str, Any], n: int = TREE_NUM_SAMPLES, seed0: int = 0) -> tuple[np.ndarray, int, int]:
+    sampling = [SamplingParams(max_tokens=4, ignore_eos=True, seed=seed0 + i, **params) for i in range(n)]
+    outputs = llm.generate([PROMPT] * n, sampling)
+    assert all(len(o.token_ids) == 4 for o in outputs)
+    samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
+    return samples, sum(o.metrics.proposed_tokens for o in outputs), sum(o.metrics.accepted_tokens for o in outputs)
+
+
+@pytest.mark.parametrize("config", ["temperature_1", "temperature_0.7_top_k_3"])
+def test_eagle_samples_follow_target_distribution(engine: LLM, small_target: Path, config: str) -> None:
+    samples, proposed, accepted = run_engine(engine, TREE_CONFIGS[config])
+    ref = reference(small_target, PROMPT, SamplingParams(**TREE_CONFIGS[config]))  # type: ignore[arg-type]
+    assert proposed > TREE_NUM_SAMPLES // 2 and 0 < accepted < proposed  # both verdicts were exercised
+    first = first_token_chisquare(samples, ref)
+    assert first.impossible == 0 and first.pvalue > P_THRESHOLD, f"x1: chi2={first.statistic:.1f}"
+    joint = grouped_chisquare(samples, ref)
+    assert joint.impossible == 0, f"{joint.impossible} samples fell on zero-probability (x2, x3) cells"
+    assert joint.dof >= 20
+    assert joint.pvalue > P_THRESHOLD, f"(x2, x3 | x1): chi2={joint.statistic:.1f}, dof={joint.dof}"
+
+
+def test_negative_control_broken_residual_is_detected(engine: LLM, small_target: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(probs: torch.Tensor, rejected: Any) -> torch.Tensor:
+        return probs  # forgets that the rejected siblings must not be drawn again
+
+    monkeypatch.setattr(tree_module, "residual_after_rejections", broken)
+    samples, _, _ = run_engine(engine, TREE_CONFIGS["temperature_1"], n=2000, seed0=10_000_000)
+    ref = reference(small_target, PROMPT, SamplingParams(temperature=1.0))
+    assert grouped_chisquare(samples, ref).pvalue < P_CONTROL
