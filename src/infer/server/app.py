@@ -32,6 +32,7 @@ from infer.server.errors import (
     count_refusal,
     error_body,
     install_error_handlers,
+    log,
     server_error,
     shutting_down,
     too_large,
@@ -45,11 +46,15 @@ from infer.server.protocol import (
     Health,
     ModelCard,
     ModelList,
+    RequestLimits,
     SamplingRequest,
     check_model,
 )
 from infer.server.tools import ToolCall, parse_calls, prompt_messages
 
+# Finish reasons answered as a choice (200); any other ends the request with an error. "grammar_error":
+# the request's grammar could not go on (a limit of the grammar engine's hit mid-way); the text so far.
+ANSWERED = ("stop", "length", "grammar_error")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Larger bodies get a 413 before they are read. 1 MiB (nginx's default too) is far more than a
 # prompt that fits a 4096-token context; raise it with --max-request-bytes for longer contexts.
@@ -96,7 +101,7 @@ def build_app(config: EngineConfig, served_model_name: str, api_key: str | None,
 
 
 def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_limits: RequestLimits | None = None,
                metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None = None) -> FastAPI:
     """An app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1/* when set.
 
@@ -137,7 +142,7 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, metrics=metrics)
     if api_key is not None:  # outermost: an unauthenticated body is never read
         app.add_middleware(BearerAuth, api_key=api_key, metrics=metrics)
-    api = _Api(engine, service, served_model_name)
+    api = _Api(engine, service, served_model_name, request_limits or RequestLimits())
     auth = api_key is not None
 
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse, auth))
@@ -207,10 +212,12 @@ def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
 
 
 class _Api:
-    def __init__(self, engine: Engine, service: EngineService, served_model_name: str) -> None:
+    def __init__(self, engine: Engine, service: EngineService, served_model_name: str,
+                 limits: RequestLimits) -> None:
         self.engine = engine
         self.service = service
         self.model_name = served_model_name
+        self.limits = limits
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
@@ -221,9 +228,14 @@ class _Api:
     # -- endpoints --------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         check_model(body.model, self.model_name)
-        body.check_supported()
+        body.check_supported(self.limits)
         prompts = body.prompts()
         params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            # A string prompt has at most one token per character (+1 for a BOS the tokenizer may add).
+            longest = max(len(p) + 1 for p in prompts) if body.echo else 0
+            body.check_logprob_entries(params, len(prompts) * max(body.n or 1, body.best_of or 1), longest,
+                                       self.limits)
         await self._check_grammar(body, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # An explicit max_tokens must fit the context with the prompt (a 400 naming both otherwise);
@@ -252,16 +264,18 @@ class _Api:
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model, self.model_name)
-        body.check_supported()
+        body.check_supported(self.limits)
         fns = body.tool_functions()
         template = self.engine.tokenizer.chat_template
-        messages, tools = prompt_messages(body.template_messages(), body.tools if fns else None, template)
+        messages, tools = prompt_messages(body.template_messages(), body.tool_list() if fns else None, template)
         self.service.check_admitting()  # before spending a worker thread on the template and tokenizer
         try:
             ids = await asyncio.to_thread(self.engine.encode_chat, messages, bool(body.parse_special_tokens), tools)
         except ValueError as err:
             raise bad_request(str(err), param="messages") from None
         params = body.sampling_params(max(1, self.engine.max_seq_len - len(ids)))
+        if params.logprobs is not None:
+            body.check_logprob_entries(params, body.n or 1, 0, self.limits)
         await self._check_grammar(body, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         submit: dict[str, Any] = {"cache_salt": body.cache_salt, "max_tokens_param": body.max_tokens_field()}
@@ -286,7 +300,7 @@ class _Api:
         if params.structured_output is None or structured is None:
             return
         try:
-            await asyncio.to_thread(self.engine.grammars.matcher, params.structured_output)  # type: ignore[arg-type]
+            await asyncio.to_thread(self.engine.grammars.check, params.structured_output)  # type: ignore[arg-type]
         except ValueError as err:
             raise bad_request(str(err), param=structured[1]) from None
 
@@ -319,7 +333,7 @@ class _Api:
         if finals is None:
             return Response(status_code=499)
         for final in finals:
-            if final.finish_reason not in ("stop", "length"):
+            if final.finish_reason not in ANSWERED:
                 message = final.error or f"the request ended with finish_reason={final.finish_reason!r}"
                 raise shutting_down(message, refused=False) if final.shutdown else server_error(message)
         usage = _summed_usage([s._usage(f) for s, f in zip(streams, finals, strict=True)], n)
@@ -349,7 +363,7 @@ class _Api:
             sub.close()
         if final is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        if final.finish_reason not in ("stop", "length"):
+        if final.finish_reason not in ANSWERED:
             message = final.error or f"the request ended with finish_reason={final.finish_reason!r}"
             raise shutting_down(message, refused=False) if final.shutdown else server_error(message)
         return JSONResponse(stream.whole(final))
@@ -479,7 +493,7 @@ class _Stream:
         """The answer's content and tool calls, when tools are on and it made calls. An answer cut at
         max_tokens counts too when its calls are whole (a forced call's JSON can end on the last token
         allowed, with no room left for EOS); a cut-off call does not parse and stays text."""
-        if self.tools is None or final.finish_reason not in ("stop", "length"):
+        if self.tools is None or final.finish_reason not in ANSWERED:
             return None
         content, calls = parse_calls(final.text, self.tools.template, self.tools.functions)
         return (content, calls) if calls else None
@@ -567,7 +581,7 @@ class _Stream:
                 progress = await sub.next()
                 if not progress.finished:
                     continue
-                if progress.finish_reason not in ("stop", "length"):
+                if progress.finish_reason not in ANSWERED:
                     message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
                     code = "server_shutting_down" if progress.shutdown else "internal_error"
                     yield _sse(error_body(message, "server_error", None, code))
@@ -594,7 +608,7 @@ class _Stream:
                     # The prompt's logprobs are complete once it has been computed.
                     yield self._chunk(self.echo, None, self._prompt_logprobs(progress))
                     self.echo = None
-                if progress.finished and progress.finish_reason not in ("stop", "length"):
+                if progress.finished and progress.finish_reason not in ANSWERED:
                     message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
                     code = "server_shutting_down" if progress.shutdown else "internal_error"
                     yield _sse(error_body(message, "server_error", None, code))
@@ -611,6 +625,11 @@ class _Stream:
                     if self.include_usage and last:
                         yield self._usage_chunk(progress)
                     break
+            if last:
+                yield "data: [DONE]\n\n"
+        except Exception as err:  # a failure while building chunks: the client still gets an end
+            log.error("stream failed", exc_info=err)
+            yield _sse(error_body(f"internal error: {type(err).__name__}", "server_error", None, "internal_error"))
             if last:
                 yield "data: [DONE]\n\n"
         finally:
