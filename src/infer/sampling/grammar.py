@@ -433,17 +433,20 @@ def _check_refs(targets: dict[tuple[str | int, ...], Any],
         longest[node] = 1 + max((longest.get(c, 0) for c in edges[node] if c not in on_path), default=0)
         if longest[node] - 1 > limits.max_ref_chain:
             raise limits.exceeded("json", "max_ref_chain", "has a chain of $refs")
+    reaches: set[tuple[str | int, ...]] = set()  # targets known to lead to a schema
     for start, value in targets.items():
-        seen = {start}
-        while isinstance(value, dict) and set(value) <= _ANNOTATIONS and isinstance(value.get("$ref"), str):
+        walked = [start]
+        while walked[-1] not in reaches and isinstance(value, dict) and set(value) <= _ANNOTATIONS \
+                and isinstance(value.get("$ref"), str):
             found = _pointer(targets[()], value["$ref"])
             if found is None:
                 break
-            if found[0] in seen:
+            if found[0] in walked:
                 raise ValueError("SamplingParams.structured_output.json is invalid: its $refs form a cycle that "
                                  "never reaches a schema")
-            seen.add(found[0])
+            walked.append(found[0])
             value = found[1]
+        reaches.update(walked)
 
 
 def json_depth(text: str) -> int:
