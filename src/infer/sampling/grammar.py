@@ -119,8 +119,8 @@ class GrammarLimits:
 
     def exceeded(self, field: str, name: str, what: str) -> ValueError:
         limit = getattr(self, name)
-        return ValueError(f"SamplingParams.structured_output.{field} {what}: more than the limit of {limit} "
-                          f"(the server option grammar_{name}, --grammar-{name.replace('_', '-')})")
+        return ValueError(f"SamplingParams.structured_output.{field} {what} (the limit is {limit}: the server "
+                          f"option grammar_{name}, --grammar-{name.replace('_', '-')})")
 
 
 # llguidance's own per-grammar limits at their defaults, but errors without the parser's internal
@@ -175,7 +175,10 @@ class GrammarCompiler:
             return ("json_object", ""), str(matcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT))
         if spec.json is not None:
             schema = check_schema(spec.json, limits)
-            text = json.dumps(schema, separators=(",", ":"), sort_keys=True)
+            try:
+                text = json.dumps(schema, separators=(",", ":"), sort_keys=True, allow_nan=False)
+            except (TypeError, ValueError) as err:  # a dict from Python with what JSON cannot hold
+                raise ValueError(f"SamplingParams.structured_output.json is not JSON: {err}") from None
             if len(text.encode()) > limits.max_bytes:
                 raise limits.exceeded("json", "max_bytes", f"is {len(text.encode())} bytes as JSON")
             try:
@@ -273,7 +276,10 @@ class GrammarCompiler:
 
 def _spec_key(spec: StructuredOutput) -> tuple[str, str]:
     if spec.json is not None and not isinstance(spec.json, str):
-        return "json", repr(spec.json)  # repr, not json.dumps: never recursive beyond Python's own limit
+        try:
+            return "json", repr(spec.json)
+        except RecursionError:  # a dict from Python, nested past what any schema needs
+            raise ValueError("SamplingParams.structured_output.json is nested too deeply") from None
     return spec.kind, str(spec.json if spec.json is not None else spec.regex if spec.regex is not None
                           else spec.grammar if spec.grammar is not None else "")
 
@@ -345,7 +351,7 @@ def check_schema(schema: dict[str, Any] | str, limits: GrammarLimits) -> dict[st
         if size > limits.max_bytes:
             raise limits.exceeded("json", "max_bytes", f"is {size} bytes")
         if json_depth(schema) > limits.max_depth:
-            raise limits.exceeded("json", "max_depth", "is nested deeper")
+            raise limits.exceeded("json", "max_depth", "is nested too deeply")
         schema = json.loads(schema)
     if not isinstance(schema, dict):
         raise ValueError("SamplingParams.structured_output.json must be a JSON Schema object")
@@ -355,7 +361,7 @@ def check_schema(schema: dict[str, Any] | str, limits: GrammarLimits) -> dict[st
     while stack:
         node, path = stack.pop()
         if len(path) >= limits.max_depth:
-            raise limits.exceeded("json", "max_depth", "is nested deeper")
+            raise limits.exceeded("json", "max_depth", "is nested too deeply")
         items: Any = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
             if isinstance(value, (dict, list)):
@@ -432,7 +438,7 @@ def _check_refs(targets: dict[tuple[str | int, ...], Any],
         on_path.discard(node)
         longest[node] = 1 + max((longest.get(c, 0) for c in edges[node] if c not in on_path), default=0)
         if longest[node] - 1 > limits.max_ref_chain:
-            raise limits.exceeded("json", "max_ref_chain", "has a chain of $refs")
+            raise limits.exceeded("json", "max_ref_chain", "has too long a chain of $refs")
     reaches: set[tuple[str | int, ...]] = set()  # targets known to lead to a schema
     for start, value in targets.items():
         walked = [start]
