@@ -126,6 +126,7 @@ class GrammarLimits:
 # llguidance's own per-grammar limits at their defaults, but errors without the parser's internal
 # state (which quotes the grammar and would reach the client).
 _PARSER_LIMITS: dict[str, Any] = {"verbose_errors": False}
+_WALKED_TOKENS = 8  # tokens a new grammar is walked at admission (see GrammarCompiler._compile)
 _CACHED_GRAMMARS = 32  # grammars whose checks (and GBNF conversion) are kept: a request's are done once
 
 
@@ -153,6 +154,7 @@ class GrammarCompiler:
         self._cache_lock = threading.Lock()
         self._texts: OrderedDict[tuple[str, str], tuple[tuple[str, str], str]] = OrderedDict()  # checked grammars
         self._ready: OrderedDict[tuple[str, str], Any] = OrderedDict()  # compiled by check(), not yet taken
+        self._walked: OrderedDict[tuple[str, str], bool] = OrderedDict()  # grammars probed along a path
 
     @property
     def ll_tokenizer(self) -> Any:
@@ -249,28 +251,50 @@ class GrammarCompiler:
         """Compiler thread: a compiled matcher of ``spec`` whose first mask was computed. Each request
         gets its own: copies of one matcher share llguidance's lexer, and one copy exhausting its
         limits there can leave another's masks wrong without an error."""
-        import llguidance
 
         key, text = self._grammar(spec)
         with self._cache_lock:
             ready = self._ready.pop(key, None)
         if ready is not None:
             return ready
+        ll = self._probe(spec, tokenizer, text, 1)
+        if key not in self._walked:
+            # A grammar new to this compiler is also walked a few tokens along one path, on a matcher of
+            # its own (copies share llguidance's lexer), so the commonest late failures (an unproductive
+            # rule, a huge repetition, a schema that requires itself) are refused here, not mid-request.
+            self._probe(spec, tokenizer, text, _WALKED_TOKENS)
+            with self._cache_lock:
+                self._walked[key] = True
+                _trim(self._walked)
+        return ll
+
+    def _probe(self, spec: StructuredOutput, tokenizer: Any, text: str, steps: int) -> Any:
+        """A compiled matcher of ``text`` after computing ``steps`` masks, each step taking the lowest
+        allowed token other than EOS (it stops once only EOS is left); ValueError naming the field
+        when it fails to compile, allows nothing at the start, or fails on the way."""
+        import llguidance
+
         # The constructor compiles the grammar and never raises: a bad one leaves it in its error state.
         ll = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=llguidance.LLParserLimits(**_PARSER_LIMITS))
         if ll.is_error():
             raise ValueError(f"SamplingParams.structured_output.{spec.kind} is invalid: {_clean(ll.get_error())}")
-        # The first mask: where a grammar that allows nothing, or is too costly for llguidance's
-        # per-step limits, shows (computing a mask leaves the state alone).
         mask = torch.zeros((int(tokenizer.vocab_size) + 31) // 32, dtype=torch.int32)
-        ll.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
-        if ll.is_error():
-            error = _clean(ll.get_error())
-            if error == "NoExtensionBias":  # llguidance's word for "no text matches"
-                error = "no text matches it"
-            raise ValueError(f"SamplingParams.structured_output.{spec.kind} cannot be matched: {error}")
-        if not bool(mask.any()):
-            raise ValueError(f"SamplingParams.structured_output.{spec.kind} allows no token at the start")
+        eos = set(self.eos_token_ids)
+        for step in range(steps):
+            ll.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+            if ll.is_error():
+                error = _clean(ll.get_error())
+                if error == "NoExtensionBias":  # llguidance's word for "no text matches"
+                    error = "no text matches it"
+                after = f" after {step} token{'s' if step > 1 else ''}" if step else ""
+                raise ValueError(f"SamplingParams.structured_output.{spec.kind} cannot be matched{after}: {error}")
+            allowed = unpack_bitmasks(mask, int(tokenizer.vocab_size), "cpu").nonzero().flatten().tolist()
+            if not allowed and step == 0:
+                raise ValueError(f"SamplingParams.structured_output.{spec.kind} allows no token at the start")
+            token = next((t for t in allowed if t not in eos), None)
+            if token is None or step == steps - 1:
+                break
+            ll.consume_token(token)
         return ll
 
 
