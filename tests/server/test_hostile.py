@@ -104,6 +104,10 @@ CASES: dict[str, tuple[str, dict[str, Any], tuple[int, Any]]] = {
     "a $ref that requires itself": (CH, {**M, "response_format": schema_format(
         {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
                                               "required": ["a"]}}})}, (400, "response_format")),
+    # One that fails past the walk ends its request with the text so far and a clear finish reason.
+    "an unproductive rule after 40 letters": (C, {**P, "max_tokens": 64, "guided_grammar":
+                                                  'start: /[a-z]{40}/ loop\nloop: "a" loop'},
+                                              (200, {"grammar_error"})),
     # The tool-call parser meets deep JSON (it raised RecursionError: a 500, a cut stream).
     "tools auto + \\[{300}": (CH, {**M, "max_tokens": 320, "tools": [tool({"type": "object"})], "tool_choice": "auto",
                                    "guided_regex": r"\[{300}"}, (200, {"stop", "length"})),
