@@ -32,9 +32,9 @@ def test_caps_refuse_past_the_limit_and_admit_at_it() -> None:
     assert "--max-stop" in refused({"stop": ["a", "b", "c"]}, "stop")
     refused({"stop": ["x" * 1001]}, "stop")
     request = CompletionRequest.model_validate({"prompt": "x", "logprobs": 9, "max_tokens": 100})
-    request.check_logprob_entries(request.sampling_params(16), 1, 0, LIMITS)  # 100 x 10 = 1000: at the limit
+    request.check_logprob_entries(request.sampling_params(16), 100, LIMITS)  # 100 x 10 = 1000: at the limit
     with pytest.raises(APIError, match="--max-logprob-entries") as err:
-        request.check_logprob_entries(request.sampling_params(16), 1, 1, LIMITS)
+        request.check_logprob_entries(request.sampling_params(16), 101, LIMITS)
     assert err.value.param == "logprobs"
 
 

@@ -232,10 +232,9 @@ class _Api:
         prompts = body.prompts()
         params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
         if params.logprobs is not None or params.prompt_logprobs is not None:
-            # A string prompt has at most one token per character (+1 for a BOS the tokenizer may add).
-            longest = max(len(p) + 1 for p in prompts) if body.echo else 0
-            body.check_logprob_entries(params, len(prompts) * max(body.n or 1, body.best_of or 1), longest,
-                                       self.limits)
+            width = max(body.n or 1, body.best_of or 1)
+            echoed = await self._echoed_tokens(body, prompts) if body.echo else [0] * len(prompts)
+            body.check_logprob_entries(params, width * sum(params.max_tokens + e for e in echoed), self.limits)
         await self._check_grammar(body, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # An explicit max_tokens must fit the context with the prompt (a 400 naming both otherwise);
@@ -275,7 +274,7 @@ class _Api:
             raise bad_request(str(err), param="messages") from None
         params = body.sampling_params(max(1, self.engine.max_seq_len - len(ids)))
         if params.logprobs is not None:
-            body.check_logprob_entries(params, body.n or 1, 0, self.limits)
+            body.check_logprob_entries(params, (body.n or 1) * params.max_tokens, self.limits)
         await self._check_grammar(body, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         submit: dict[str, Any] = {"cache_salt": body.cache_salt, "max_tokens_param": body.max_tokens_field()}
@@ -292,6 +291,19 @@ class _Api:
                          holdback=_holdback(params.stop), tokenizer=self.engine.tokenizer,
                          tools=_ToolMode(fns, template) if fns else None)
         return await self._respond(sub, body, http, stream)
+
+    async def _echoed_tokens(self, body: CompletionRequest, prompts: list[str | list[int]]) -> list[int]:
+        """How many tokens each prompt echoes (string prompts tokenized on a worker thread; text that
+        is not valid Unicode counts its characters: the engine refuses it later, naming the prompt)."""
+        def count(prompt: str | list[int]) -> int:
+            if not isinstance(prompt, str):
+                return len(prompt)
+            try:
+                return len(self.engine.tokenizer.encode(prompt, parse_special=bool(body.parse_special_tokens)))
+            except ValueError:
+                return len(prompt)
+
+        return await asyncio.to_thread(lambda: [count(p) for p in prompts])
 
     async def _check_grammar(self, body: SamplingRequest, params: SamplingParams) -> None:
         """A 400 naming the request's field for an invalid grammar or schema (compiled in a worker

@@ -106,19 +106,17 @@ class SamplingRequest(_Body):
         if any(len(s) > MAX_STOP_CHARS for s in stop):
             raise bad_request(f"a stop string is longer than {MAX_STOP_CHARS} characters", param="stop")
 
-    def check_logprob_entries(self, params: SamplingParams, choices: int, echoed_tokens: int,
-                              limits: RequestLimits) -> None:
+    def check_logprob_entries(self, params: SamplingParams, tokens: int, limits: RequestLimits) -> None:
         """400 when the logprobs asked for could make a response larger than ``limits`` allows:
-        ``choices`` choices of ``params.max_tokens`` tokens plus ``echoed_tokens`` (at most) each."""
+        ``tokens`` is every choice's ``max_tokens`` plus, with echo, its prompt's tokens."""
         per_token = max(0 if params.logprobs is None else 1 + params.logprobs,
                         0 if params.prompt_logprobs is None else 1 + params.prompt_logprobs)
-        entries = choices * (params.max_tokens + echoed_tokens) * per_token
-        if entries > limits.max_logprob_entries:
+        if tokens * per_token > limits.max_logprob_entries:
             field = "top_logprobs" if isinstance(self, ChatCompletionRequest) else "logprobs"
-            raise bad_request(f"{choices} choice(s) of up to {params.max_tokens + echoed_tokens} tokens with "
-                              f"{per_token - 1} top logprobs each could answer {entries} logprob entries; this "
-                              f"server answers at most {limits.max_logprob_entries} (--max-logprob-entries): ask "
-                              "for fewer tokens, choices or top logprobs", param=field)
+            raise bad_request(f"up to {tokens} tokens in all with {per_token - 1} top logprobs each could answer "
+                              f"{tokens * per_token} logprob entries; this server answers at most "
+                              f"{limits.max_logprob_entries} (--max-logprob-entries): ask for fewer tokens, choices "
+                              "or top logprobs", param=field)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
