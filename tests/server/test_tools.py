@@ -101,12 +101,25 @@ def test_required_and_named_tool_choice_give_calls_that_follow_the_schema(urls: 
                 assert arguments["city"] in ("Paris", "Rome") and 1 <= arguments["days"] <= 7
             else:
                 assert arguments == {"zone": arguments["zone"]} and arguments["zone"] in ("UTC", "CET")
-    # Streamed: the calls arrive as delta.tool_calls, then finish_reason tool_calls.
-    chunks = list(api.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                              max_tokens=80, temperature=0, stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    calls = [tc for d in deltas for tc in d.tool_calls or []]
-    assert calls and all(tc.function is not None and tc.function.name in ("weather", "time") for tc in calls)
+    # Streamed: each call's name once, then its arguments in several delta.tool_calls pieces that join
+    # to the non-streamed answer's calls exactly; then finish_reason tool_calls.
+    request: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                               "max_tokens": 80, "temperature": 0}
+    whole = api.chat.completions.create(**request).choices[0].message.tool_calls
+    chunks = list(api.chat.completions.create(**request, stream=True))
+    joined: dict[int, tuple[str, list[str]]] = {}
+    for chunk in chunks:
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            assert tc.function is not None
+            if tc.index not in joined:
+                assert tc.id and tc.function.name in ("weather", "time")
+                joined[tc.index] = (tc.function.name, [])
+            else:
+                assert tc.id is None and tc.function.name is None  # the name comes once, with the id
+            joined[tc.index][1].append(tc.function.arguments or "")
+    assert whole and [(name, "".join(parts)) for name, parts in joined.values()] == [
+        (c.function.name, c.function.arguments) for c in whole]
+    assert all(len([p for p in parts if p]) > 2 for _, parts in joined.values()), joined
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

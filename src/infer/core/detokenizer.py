@@ -23,6 +23,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # ids[:prefix_offset] are fully reflected in text
         self._read_offset = 0
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that cut the text (the last to cut it)
 
     def append(self, token_id: int, stop: list[str]) -> bool:
         """Add a token; True if a stop string now appears (``text`` is cut before it)."""
@@ -42,6 +43,7 @@ class IncrementalDetokenizer:
             if idx != -1:
                 self.text = self.text[:idx]
                 self.stopped = True
+                self.stop_string = s
         return self.stopped
 
     def flush(self) -> None:

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.sampling.params import SamplingParams, short_repr
+from infer.server import anthropic, responses, tokenize
 from infer.server.engine_loop import EngineService, Progress, Subscription
 from infer.server.errors import (
     APIError,
@@ -50,6 +51,7 @@ from infer.server.protocol import (
     SamplingRequest,
     check_model,
 )
+from infer.server.tool_stream import ToolCallStream
 from infer.server.tools import ToolCall, parse_calls, prompt_messages
 
 # Finish reasons answered as a choice (200); any other ends the request with an error. "grammar_error":
@@ -59,6 +61,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Larger bodies get a 413 before they are read. 1 MiB (nginx's default too) is far more than a
 # prompt that fits a 4096-token context; raise it with --max-request-bytes for longer contexts.
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DIALECT_PATHS = ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize")
 
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: the error's `param` names the offending field",
@@ -102,13 +105,15 @@ def build_app(config: EngineConfig, served_model_name: str, api_key: str | None,
 
 def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_limits: RequestLimits | None = None,
+               max_stored_responses: int = responses.DEFAULT_MAX_STORED_RESPONSES,
                metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None = None) -> FastAPI:
     """An app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1/* when set.
 
     The engine thread starts with the app (lifespan startup) and stops with it; requests still
     running then end with an error. ``app.state.service.begin_drain`` starts a graceful shutdown.
     ``metrics_exposition`` replaces what /metrics answers (a Ray Serve replica answers with every
-    replica's metrics, not only its own).
+    replica's metrics, not only its own). ``max_stored_responses``: how many /v1/responses answers
+    are kept for ``previous_response_id``.
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: pass None to serve without a key")
@@ -138,7 +143,8 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     app.state.service = service
     app.state.metrics = metrics
     install_error_handlers(app)
-    app.add_middleware(RequireJSON, paths=("/v1/completions", "/v1/chat/completions"), metrics=metrics)
+    app.add_middleware(RequireJSON, paths=("/v1/completions", "/v1/chat/completions", *DIALECT_PATHS),
+                       metrics=metrics)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, metrics=metrics)
     if api_key is not None:  # outermost: an unauthenticated body is never read
         app.add_middleware(BearerAuth, api_key=api_key, metrics=metrics)
@@ -192,6 +198,12 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     async def metrics_text() -> PlainTextResponse:
         text = metrics.render() if metrics_exposition is None else await metrics_exposition(metrics)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # The other dialects translate to and from the chat route (their own modules); the Anthropic
+    # one's error-shape middleware goes outermost, so the API key and size refusals get it too.
+    responses.install(app, api.chat, served_model_name, max_stored_responses, auth)
+    tokenize.install(app, engine, served_model_name, auth)
+    anthropic.install(app, api.chat, served_model_name, engine, auth)
 
     app.openapi = functools.partial(_openapi_without_422, app)  # type: ignore[method-assign]
     return app
@@ -416,11 +428,13 @@ def _cumulative_logprob(final: Progress) -> float:
     return sum(lp.logprob for lp in (final.logprobs or [])[: final.completion_tokens])
 
 
-def _summed_usage(usages: list[dict[str, int]], n: int) -> dict[str, int]:
+def _summed_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """Every prompt's tokens once (the n choices of a prompt share it), every choice's completion."""
     prompt = sum(u["prompt_tokens"] for u in usages[::n])
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages[::n])
     completion = sum(u["completion_tokens"] for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _wait_all(subs: list[Subscription], http: Request) -> list[Progress] | None:
@@ -498,7 +512,7 @@ class _Stream:
         self.prompt_only = prompt_only  # echo with max_tokens=0: the generated token is left out
         self.index = index  # the choice's index (several prompts, or n > 1)
         self.final: Progress | None = None  # the finished progress, once streamed
-        self.tools = tools  # chat with tools: the answer may be tool calls (sent whole, once finished)
+        self.tools = tools  # chat with tools: the answer may be tool calls (streamed as they are generated)
         self.show_logprobs = show_logprobs  # False: computed for best_of's ranking only
 
     def _tool_calls(self, final: Progress) -> tuple[str | None, list[ToolCall]] | None:
@@ -510,7 +524,7 @@ class _Stream:
         content, calls = parse_calls(final.text, self.tools.template, self.tools.functions)
         return (content, calls) if calls else None
 
-    def _usage(self, progress: Progress) -> dict[str, int]:
+    def _usage(self, progress: Progress) -> dict[str, Any]:
         usage = progress.usage()
         if self.prompt_only:
             usage["completion_tokens"], usage["total_tokens"] = 0, usage["prompt_tokens"]
@@ -575,6 +589,7 @@ class _Stream:
             choice["text"] = (self.echo or "") + ("" if self.prompt_only else final.text)
             choice["logprobs"] = _joined(echoed, generated)
         choice["finish_reason"] = "tool_calls" if self.chat and self._tool_calls(final) else final.finish_reason
+        choice["stop_reason"] = final.stop_string  # extension (as vLLM): the stop string that ended it
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                                "created": self.created, "model": self.model, "choices": [choice],
                                "usage": self._usage(final)}
@@ -589,26 +604,31 @@ class _Stream:
             if self.chat:
                 yield self._chunk({"role": "assistant", "content": ""}, None)
             sent = 0
-            while self.tools is not None:  # tool calls can only be told once the answer is whole
+            # With tools, calls go out as they are generated: names once known, arguments piece by piece.
+            calls_stream = ToolCallStream(self.tools.functions) if self.tools is not None else None
+            while calls_stream is not None:
                 progress = await sub.next()
-                if not progress.finished:
-                    continue
-                if progress.finish_reason not in ANSWERED:
+                if progress.finished and progress.finish_reason not in ANSWERED:
                     message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
                     code = "server_shutting_down" if progress.shutdown else "internal_error"
                     yield _sse(error_body(message, "server_error", None, code))
                     if last:
                         yield "data: [DONE]\n\n"
                     return
-                self.final = progress
-                calls = self._tool_calls(progress)
-                if calls is None:
-                    yield self._chunk({"content": progress.text}, None, self._logprobs(progress))
+                parsed = self._tool_calls(progress) if progress.finished else None
+                if progress.finished:
+                    self.final = progress
+                    content, deltas = calls_stream.finish(progress.text, parsed or (None, []))
                 else:
-                    if calls[0]:
-                        yield self._chunk({"content": calls[0]}, None)
-                    yield self._chunk({"tool_calls": [c.to_openai(i) for i, c in enumerate(calls[1])]}, None)
-                yield self._chunk({}, "tool_calls" if calls else progress.finish_reason)
+                    content, deltas = calls_stream.step(progress.text[: max(0, len(progress.text) - self.holdback)])
+                logprobs = self._logprobs(progress) if progress.finished and parsed is None else None
+                if content or logprobs is not None:
+                    yield self._chunk({"content": content}, None, logprobs)
+                if deltas:
+                    yield self._chunk({"tool_calls": deltas}, None)
+                if not progress.finished:
+                    continue
+                yield self._chunk({}, "tool_calls" if parsed else progress.finish_reason, None, progress.stop_string)
                 if self.include_usage and last:
                     yield self._usage_chunk(progress)
                 if last:
@@ -633,7 +653,7 @@ class _Stream:
                 if progress.finished:
                     self.final = progress
                     rest = None if self.prompt_only else self._logprobs(progress)
-                    yield self._chunk({} if self.chat else "", progress.finish_reason, rest)
+                    yield self._chunk({} if self.chat else "", progress.finish_reason, rest, progress.stop_string)
                     if self.include_usage and last:
                         yield self._usage_chunk(progress)
                     break
@@ -648,7 +668,7 @@ class _Stream:
             sub.close()
 
     def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None,
-               logprobs: dict[str, Any] | None = None) -> str:
+               logprobs: dict[str, Any] | None = None, stop_reason: str | None = None) -> str:
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = delta
@@ -656,6 +676,8 @@ class _Stream:
             choice["text"] = delta
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
         chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                                  "choices": [choice]}
         if self.include_usage:
@@ -724,7 +746,8 @@ async def _refuse(error: APIError, metrics: ServerMetrics | None, scope: Scope, 
 
 
 class BearerAuth:
-    """ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (health and metrics stay open).
+    """ASGI middleware: /v1/*, /tokenize and /detokenize need ``Authorization: Bearer <api_key>``
+    or, as Anthropic's clients send it, ``x-api-key: <api_key>`` (health and metrics stay open).
 
     The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
     """
@@ -735,8 +758,11 @@ class BearerAuth:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in DIALECT_PATHS):
             sent = [value for name, value in scope.get("headers") or [] if name == b"authorization"]
+            keys = [value for name, value in scope.get("headers") or [] if name == b"x-api-key"]
+            if keys and not sent and len(keys) == 1:  # Anthropic's header: the same key, without a scheme
+                sent = [b"Bearer " + keys[0]]
             if len(sent) > 1:  # a proxy that checks the first and this server the last must not disagree
                 error = bad_request(f"{len(sent)} Authorization headers; send exactly one", code="invalid_api_key")
                 await _refuse(error, self.metrics, scope, receive, send)

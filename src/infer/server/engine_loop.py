@@ -74,6 +74,8 @@ class Progress:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # likewise, complete once the prompt is computed
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the tokens they are of
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
 
     @classmethod
     def of(cls, request: Request, speculative: bool, shutdown: bool = False) -> Progress:
@@ -84,11 +86,13 @@ class Progress:
                    request.finish_reason, request.error, spec, shutdown,
                    request.output_logprobs if wants else None,
                    request.prompt_logprobs if request.params.prompt_logprobs is not None else None,
-                   request.prompt_token_ids if request.params.prompt_logprobs is not None else None)
+                   request.prompt_token_ids if request.params.prompt_logprobs is not None else None,
+                   m.prefix_cached_tokens, getattr(request.detokenizer, "stop_string", None))
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 class Subscription:

@@ -389,10 +389,15 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # -- response bodies (they document /openapi.json; app.py builds the same shapes) -----------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose KV came from the prefix cache (--prefix-caching)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpeculativeStats(BaseModel):
