@@ -300,7 +300,7 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"model": MODEL, "prompt": "hi", "echo": True, "max_tokens": -1}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1.0}}, "logit_bias"),
-    ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1.0}}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1.0}}, "logit_bias"),  # out of the vocabulary (issue 33)
     ({"model": MODEL, "prompt": "hi", "guided_regex": "(("}, "guided_regex"),
     ({"model": MODEL, "prompt": "hi", "guided_regex": "a", "guided_grammar": "start: \"a\""}, "guided_grammar"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),

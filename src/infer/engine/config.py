@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from infer.cache import KV_BACKENDS
+from infer.sampling.grammar import GrammarLimits
 from infer.speculative.suffix import SCOPES as SUFFIX_SCOPES
 
 SPECULATORS = ("draft", "ngram", "medusa", "suffix", "eagle")
@@ -136,6 +137,15 @@ class EngineConfig:
     max_prefill_tokens: int = 512  # per-step prompt-token budget when chunked prefill is on
     prefix_caching: bool = False
     max_queue: int = 256  # waiting requests beyond this are refused (the server answers 429)
+    # What one request's grammar or JSON Schema may ask of the grammar engine (sampling.grammar.GrammarLimits,
+    # which declares the defaults and what each bounds); past a limit the request is refused (a 400).
+    grammar_max_bytes: int = GrammarLimits.max_bytes
+    grammar_max_rules: int = GrammarLimits.max_rules
+    grammar_max_depth: int = GrammarLimits.max_depth
+    grammar_max_ref_chain: int = GrammarLimits.max_ref_chain
+    grammar_max_regex_bytes: int = GrammarLimits.max_regex_bytes
+    grammar_max_enum: int = GrammarLimits.max_enum
+    grammar_compile_timeout_s: float = GrammarLimits.compile_timeout_s
     speculative: SpeculativeConfig | None = None  # None: plain decoding
     # Tree verification kernel: SDPA with the dense boolean mask, or FlexAttention with a block mask
     # (compiled on CUDA; on CPU it runs eagerly and is only a slower reference).
@@ -172,6 +182,7 @@ class EngineConfig:
             if not flex_available():
                 raise ValueError(f"tree_attention='flex' needs torch.nn.attention.flex_attention (torch "
                                  f">= 2.5); this is torch {torch.__version__}")
+        self.grammar_limits()  # ValueError naming a bad limit
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} is invalid: must be in (0, 1]")
         if self.exact_greedy and self.tree_attention == "flex":
@@ -196,6 +207,9 @@ class EngineConfig:
     @property
     def use_speculative_decoding(self) -> bool:
         return self.speculative is not None
+
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(**{f.name: getattr(self, f"grammar_{f.name}") for f in fields(GrammarLimits)})
 
     @classmethod
     def from_options(cls, use_speculative_decoding: bool = False, **options: Any) -> EngineConfig:

@@ -36,7 +36,7 @@ from infer.loader import (
 from infer.loader.quantized import loads_quantized
 from infer.models.config import ModelConfig
 from infer.phases import PHASES
-from infer.sampling.grammar import GrammarCompiler
+from infer.sampling.grammar import GrammarCompiler, GrammarError
 from infer.sampling.params import SamplingParams, short_repr
 
 
@@ -231,7 +231,7 @@ class Engine:
         self._ids = itertools.count()
         self.lock = threading.RLock()
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.tokenizer.eos_token_ids,
-                                        self.model_config.vocab_size)
+                                        self.model_config.vocab_size, config.grammar_limits())
         forget_parsed_checkpoints()  # every model and tokenizer is loaded: their parsed metadata can go
         freeze_loaded_objects()
 
@@ -323,7 +323,8 @@ class Engine:
         """Schedule, run one batched pass (or speculative round), and apply stop rules in order.
 
         A request whose part of the step fails (its sampling, drafting or verification raises)
-        finishes with finish_reason "error"; the others' tokens are unaffected (see ``_run``).
+        finishes with finish_reason "error" ("grammar_error" when its grammar cannot go on); the
+        others' tokens are unaffected (see ``_run``).
         """
         with self.lock:
             since = PHASES.mark()
@@ -374,7 +375,7 @@ class Engine:
         for request in requests:
             self._restore(request, saved[request.request_id])
         if len(units) == 1:
-            requests[0].finish("error", _describe(error))
+            requests[0].finish(*_failure(error))
             return [], requests
         outputs: StepResult = []
         failed: list[Request] = []
@@ -383,7 +384,7 @@ class Engine:
                 outputs += self.runner.step(prefill, decode)
             except Exception as err:
                 self._restore(request, saved[request.request_id])
-                request.finish("error", _describe(err))
+                request.finish(*_failure(err))
                 failed.append(request)
         return outputs, failed
 
@@ -436,6 +437,14 @@ class Engine:
 # Medusa's tree comes with its heads (loaded after the pools): a bound on it for sizing sliding-window
 # KV blocks (a larger tree's pass would find them short and fail with CacheFullError).
 _MAX_TREE_PASS = 256
+
+
+def _failure(err: Exception) -> tuple[str, str]:
+    """A failed request's finish_reason and error: "grammar_error" when its grammar could not go on
+    (the request's own grammar, not a fault of the engine's), else "error"."""
+    if isinstance(err, GrammarError):
+        return "grammar_error", str(err)
+    return "error", _describe(err)
 
 
 def _describe(err: Exception) -> str:

@@ -106,6 +106,14 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("max_prefill_tokens", "prompt tokens per step with chunked prefill", type=int),
     Option("prefix_caching", "reuse KV blocks of shared prompt prefixes"),
     Option("max_queue", "waiting requests beyond this get HTTP 429", type=int),
+    # What one request's grammar or JSON Schema may ask; past a limit, HTTP 400 naming it.
+    Option("grammar_max_bytes", "largest grammar, or JSON Schema as compact JSON, in bytes", type=int),
+    Option("grammar_max_rules", "most rule definitions in a Lark or GBNF grammar", type=int),
+    Option("grammar_max_depth", "deepest nesting of a JSON Schema's objects and arrays", type=int),
+    Option("grammar_max_ref_chain", "longest chain of JSON Schema $refs followed one inside another", type=int),
+    Option("grammar_max_regex_bytes", "largest regex (guided_regex, or a JSON Schema pattern) in bytes", type=int),
+    Option("grammar_max_enum", "most values in one JSON Schema enum", type=int),
+    Option("grammar_compile_timeout_s", "seconds a grammar may take to compile (with its first mask)", type=float),
 )}
 
 # The options every command that loads a model takes, and those a server adds.
@@ -115,7 +123,8 @@ MODEL_OPTIONS = ("model", "dtype", "device", "use_speculative_decoding", "draft_
                  "kv_cache_backend", "exact_greedy", "compile", "cuda_graphs", "backend", "quantization",
                  "draft_quantization")
 SERVING_OPTIONS = ("max_batch_size", "block_size", "num_kv_blocks", "chunked_prefill", "max_prefill_tokens",
-                   "prefix_caching", "max_queue")
+                   "prefix_caching", "max_queue", "grammar_max_bytes", "grammar_max_rules", "grammar_max_depth",
+                   "grammar_max_ref_chain", "grammar_max_regex_bytes", "grammar_max_enum", "grammar_compile_timeout_s")
 
 
 def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,

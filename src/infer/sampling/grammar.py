@@ -14,8 +14,13 @@ dropped before verification) and for the allowed-token mask at every verified po
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
-from collections.abc import Sequence
+import queue
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +55,9 @@ class StructuredOutput:
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except json.JSONDecodeError as err:
+                except RecursionError:
+                    raise ValueError("SamplingParams.structured_output.json is nested too deeply") from None
+                except ValueError as err:  # JSONDecodeError, or an integer too long to convert
                     raise ValueError(f"SamplingParams.structured_output.json is not valid JSON: {err}") from None
             if not isinstance(schema, dict):
                 raise ValueError("SamplingParams.structured_output.json must be a JSON Schema object, got "
@@ -79,55 +86,488 @@ class StructuredOutput:
                          f"got {type(value).__name__}")
 
 
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What one grammar or schema may ask of the grammar engine; past a limit, a ValueError naming
+    the option (the server's 400) before anything is compiled. Each field is the engine option
+    ``grammar_<field>`` (``--grammar-max-bytes``, ...), declared here once with its default.
+
+    llguidance compiles chains of references (Lark/GBNF rules, JSON Schema ``$ref``) recursively
+    and a chain deep enough to exhaust a thread's stack kills the process; the chains these limits
+    allow are compiled on threads whose stack holds them many times over (``compile_stack_bytes``).
+    """
+
+    max_bytes: int = 128 * 1024  # a grammar, or a JSON Schema as compact JSON
+    max_rules: int = 4096  # rule definitions in a Lark or GBNF grammar
+    max_depth: int = 64  # nesting of a JSON Schema's objects and arrays
+    max_ref_chain: int = 256  # JSON Schema $refs followed one inside another
+    max_regex_bytes: int = 4096  # a regex (guided_regex, or a schema's pattern)
+    max_enum: int = 2048  # values of one JSON Schema enum
+    compile_timeout_s: float = 10.0  # compiling a grammar and its first mask
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_rules", "max_depth", "max_ref_chain", "max_regex_bytes", "max_enum"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"grammar_{name}={getattr(self, name)!r} is invalid: must be an integer >= 1")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s={self.compile_timeout_s!r} is invalid: must be > 0")
+
+    @property
+    def compile_stack_bytes(self) -> int:
+        # llguidance takes about 3 KB of stack per link of a chain; 16 KB leaves a wide margin.
+        return max(64 << 20, 16 * 1024 * max(self.max_rules, self.max_ref_chain))
+
+    def exceeded(self, field: str, name: str, what: str) -> ValueError:
+        limit = getattr(self, name)
+        return ValueError(f"SamplingParams.structured_output.{field} {what} (the limit is {limit}: the server "
+                          f"option grammar_{name}, --grammar-{name.replace('_', '-')})")
+
+
+# llguidance's own per-grammar limits at their defaults, but errors without the parser's internal
+# state (which quotes the grammar and would reach the client).
+_PARSER_LIMITS: dict[str, Any] = {"verbose_errors": False}
+_WALKED_TOKENS = 8  # tokens a new grammar is walked at admission (see GrammarCompiler._compile)
+_CACHED_GRAMMARS = 32  # grammars whose checks (and GBNF conversion) are kept: a request's are done once
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutput`` against one tokenizer; the tokenizer's token table is built on
-    first use (about a second for a 49k vocabulary) and kept."""
+    first use (about a second for a 49k vocabulary) and kept.
 
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], vocab_size: int) -> None:
+    Every grammar is checked against ``limits`` first, then compiled, and its first mask computed,
+    on a compiler thread with a deep stack (see ``GrammarLimits``): a grammar that cannot start
+    (no token allowed, a limit of llguidance's hit) is a ValueError here, not an error mid-request.
+    ``check`` compiles a request's grammar for its admission, which takes it; a grammar's checks and
+    conversion are kept for its next requests (and n choices).
+    """
+
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], vocab_size: int,
+                 limits: GrammarLimits | None = None) -> None:
         """``tokenizer``: the ``tokenizers.Tokenizer``; ``vocab_size``: the model's (logit rows),
         which may exceed the tokenizer's; the extra ids are never allowed."""
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
+        self.limits = limits or GrammarLimits()
         self._ll_tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self._cache_lock = threading.Lock()
+        self._texts: OrderedDict[tuple[str, str], tuple[tuple[str, str], str]] = OrderedDict()  # checked grammars
+        self._ready: OrderedDict[tuple[str, str], Any] = OrderedDict()  # compiled by check(), not yet taken
+        self._walked: OrderedDict[tuple[str, str], bool] = OrderedDict()  # grammars probed along a path
 
     @property
     def ll_tokenizer(self) -> Any:
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = _ll_tokenizer(self.tokenizer, self.eos_token_ids, self.vocab_size)
-        return self._ll_tokenizer
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = _ll_tokenizer(self.tokenizer, self.eos_token_ids, self.vocab_size)
+            return self._ll_tokenizer
 
     def grammar_text(self, spec: StructuredOutput) -> str:
+        """The grammar llguidance compiles (after the limits are checked)."""
+        return self._checked(spec)[1]
+
+    def _checked(self, spec: StructuredOutput) -> tuple[tuple[str, str], str]:
+        """(cache key, llguidance grammar) of ``spec``; ValueError naming a limit or the problem."""
         import llguidance
 
         matcher = llguidance.LLMatcher
+        limits = self.limits
         if spec.json_object:
-            return str(matcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT))
+            return ("json_object", ""), str(matcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT))
         if spec.json is not None:
+            schema = check_schema(spec.json, limits)
             try:
-                return str(matcher.grammar_from_json_schema(spec.json, JSON_LAYOUT))
+                text = json.dumps(schema, separators=(",", ":"), sort_keys=True, allow_nan=False)
+            except (TypeError, ValueError) as err:  # a dict from Python with what JSON cannot hold
+                raise ValueError(f"SamplingParams.structured_output.json is not JSON: {err}") from None
+            if len(text.encode()) > limits.max_bytes:
+                raise limits.exceeded("json", "max_bytes", f"is {len(text.encode())} bytes as JSON")
+            try:
+                return ("json", text), str(matcher.grammar_from_json_schema(schema, JSON_LAYOUT))
             except ValueError as err:
-                raise ValueError(f"SamplingParams.structured_output.json is invalid: {err}") from None
+                raise ValueError(f"SamplingParams.structured_output.json is invalid: {_clean(err)}") from None
         if spec.regex is not None:
-            return str(matcher.grammar_from_regex(spec.regex))
+            size = len(spec.regex.encode("utf-8", "surrogatepass"))
+            if size > limits.max_regex_bytes:
+                raise limits.exceeded("regex", "max_regex_bytes", f"is {size} bytes")
+            return ("regex", spec.regex), str(matcher.grammar_from_regex(spec.regex))
         assert spec.grammar is not None
-        from llguidance.gbnf_to_lark import gbnf_to_lark
-
+        grammar = spec.grammar
+        size = len(grammar.encode("utf-8", "surrogatepass"))
+        if size > limits.max_bytes:
+            raise limits.exceeded("grammar", "max_bytes", f"is {size} bytes")
+        gbnf = is_gbnf(grammar)
+        rules = len((_GBNF_RULE if gbnf else _LARK_RULE).findall(grammar))
+        if rules > limits.max_rules:
+            raise limits.exceeded("grammar", "max_rules", f"has {rules} rules")
         try:
-            lark = gbnf_to_lark(spec.grammar) if "::=" in spec.grammar else spec.grammar
+            lark = gbnf_to_lark(grammar) if gbnf else grammar
+        except RecursionError:
+            raise ValueError("SamplingParams.structured_output.grammar is invalid: nested too deeply") from None
         except Exception as err:  # the converter raises plain Exceptions for a bad GBNF grammar
-            raise ValueError(f"SamplingParams.structured_output.grammar is invalid: {err}") from None
-        return str(matcher.grammar_from_lark(lark))
+            raise ValueError(f"SamplingParams.structured_output.grammar is invalid: {_clean(err)}") from None
+        return ("grammar", grammar), str(matcher.grammar_from_lark(lark))
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
-        """A fresh matcher; ValueError naming the field when the grammar or schema is invalid."""
+        """A fresh matcher; ValueError naming the field (and the limit) when the grammar or schema is
+        invalid, too large, or cannot start. Blocks while a compiler thread works on it."""
+        return GrammarMatcher(self._compiled(spec), (int(self.ll_tokenizer.vocab_size) + 31) // 32)
+
+    def check(self, spec: StructuredOutput) -> None:
+        """ValueError as ``matcher`` would raise; the compiled grammar is kept for the next
+        ``matcher(spec)`` (a server checks a request's grammar, then the engine admits it)."""
+        compiled = self._compiled(spec)
+        key = self._grammar(spec)[0]
+        with self._cache_lock:
+            self._ready[key] = compiled
+            _trim(self._ready)
+
+    def _compiled(self, spec: StructuredOutput) -> Any:
+        tokenizer = self.ll_tokenizer  # built outside the compile timeout: it is the server's cost, once
+        future = _compile_threads(self.limits.compile_stack_bytes).submit(self._compile, spec, tokenizer)
+        try:
+            return future.result(timeout=self.limits.compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # if it has not started; a started compile ends within llguidance's fuel limits
+            raise ValueError(f"SamplingParams.structured_output.{spec.kind} took more than "
+                             f"{self.limits.compile_timeout_s:g} s to compile (the server option "
+                             "grammar_compile_timeout_s, --grammar-compile-timeout-s)") from None
+
+    def _grammar(self, spec: StructuredOutput) -> tuple[tuple[str, str], str]:
+        """``_checked`` once per grammar: the conversion and checks of a large grammar cost milliseconds."""
+        key = _spec_key(spec)
+        with self._cache_lock:
+            if key in self._texts:
+                self._texts.move_to_end(key)
+                return self._texts[key]
+        found = self._checked(spec)
+        with self._cache_lock:
+            self._texts[key] = found
+            _trim(self._texts)
+        return found
+
+    def _compile(self, spec: StructuredOutput, tokenizer: Any) -> Any:
+        """Compiler thread: a compiled matcher of ``spec`` whose first mask was computed. Each request
+        gets its own: copies of one matcher share llguidance's lexer, and one copy exhausting its
+        limits there can leave another's masks wrong without an error."""
+
+        key, text = self._grammar(spec)
+        with self._cache_lock:
+            ready = self._ready.pop(key, None)
+        if ready is not None:
+            return ready
+        ll = self._probe(spec, tokenizer, text, 1)
+        if key not in self._walked:
+            # A grammar new to this compiler is also walked a few tokens along one path, on a matcher of
+            # its own (copies share llguidance's lexer), so the commonest late failures (an unproductive
+            # rule, a huge repetition, a schema that requires itself) are refused here, not mid-request.
+            self._probe(spec, tokenizer, text, _WALKED_TOKENS)
+            with self._cache_lock:
+                self._walked[key] = True
+                _trim(self._walked)
+        return ll
+
+    def _probe(self, spec: StructuredOutput, tokenizer: Any, text: str, steps: int) -> Any:
+        """A compiled matcher of ``text`` after computing ``steps`` masks, each step taking the lowest
+        allowed token other than EOS (it stops once only EOS is left); ValueError naming the field
+        when it fails to compile, allows nothing at the start, or fails on the way."""
         import llguidance
 
         # The constructor compiles the grammar and never raises: a bad one leaves it in its error state.
-        ll = llguidance.LLMatcher(self.ll_tokenizer, self.grammar_text(spec), log_level=0)
+        ll = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=llguidance.LLParserLimits(**_PARSER_LIMITS))
         if ll.is_error():
-            raise ValueError(f"SamplingParams.structured_output.{spec.kind} is invalid: {ll.get_error().strip()}")
-        return GrammarMatcher(ll, (int(self.ll_tokenizer.vocab_size) + 31) // 32)
+            raise ValueError(f"SamplingParams.structured_output.{spec.kind} is invalid: {_clean(ll.get_error())}")
+        mask = torch.zeros((int(tokenizer.vocab_size) + 31) // 32, dtype=torch.int32)
+        eos = set(self.eos_token_ids)
+        for step in range(steps):
+            ll.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+            if ll.is_error():
+                error = _clean(ll.get_error())
+                if error == "NoExtensionBias":  # llguidance's word for "no text matches"
+                    error = "no text matches it"
+                after = f" after {step} token{'s' if step > 1 else ''}" if step else ""
+                raise ValueError(f"SamplingParams.structured_output.{spec.kind} cannot be matched{after}: {error}")
+            allowed = unpack_bitmasks(mask, int(tokenizer.vocab_size), "cpu").nonzero().flatten().tolist()
+            if not allowed and step == 0:
+                raise ValueError(f"SamplingParams.structured_output.{spec.kind} allows no token at the start")
+            token = next((t for t in allowed if t not in eos), None)
+            if token is None or step == steps - 1:
+                break
+            ll.consume_token(token)
+        return ll
+
+
+def _spec_key(spec: StructuredOutput) -> tuple[str, str]:
+    if spec.json is not None and not isinstance(spec.json, str):
+        try:
+            return "json", repr(spec.json)
+        except RecursionError:  # a dict from Python, nested past what any schema needs
+            raise ValueError("SamplingParams.structured_output.json is nested too deeply") from None
+    return spec.kind, str(spec.json if spec.json is not None else spec.regex if spec.regex is not None
+                          else spec.grammar if spec.grammar is not None else "")
+
+
+def _trim(cache: OrderedDict[Any, Any]) -> None:
+    while len(cache) > _CACHED_GRAMMARS:
+        cache.popitem(last=False)
+
+
+def _clean(error: Any) -> str:
+    """llguidance's message without the parser state it may append, and short."""
+    text = str(error).split("\n<state>", 1)[0].replace("<non-verbose/>", "").strip()
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+class _CompileThreads:
+    """Daemon threads with a deep stack that run compile jobs in turn (a thread's stack size can
+    only be set when it starts, hence not a ThreadPoolExecutor)."""
+
+    def __init__(self, workers: int, stack_bytes: int) -> None:
+        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]] = \
+            queue.SimpleQueue()
+        previous = threading.stack_size(stack_bytes)
+        try:
+            for i in range(workers):
+                threading.Thread(target=self._work, name=f"grammar-compiler-{i}", daemon=True).start()
+        finally:
+            threading.stack_size(previous)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # handed to the waiting caller
+                future.set_exception(err)
+
+
+_COMPILE_WORKERS = 2
+_compile_pools: dict[int, _CompileThreads] = {}
+_compile_pools_lock = threading.Lock()
+
+
+def _compile_threads(stack_bytes: int) -> _CompileThreads:
+    """The process's compiler threads for this stack size (started on first use, shared by every compiler)."""
+    with _compile_pools_lock:
+        if stack_bytes not in _compile_pools:
+            _compile_pools[stack_bytes] = _CompileThreads(_COMPILE_WORKERS, stack_bytes)
+        return _compile_pools[stack_bytes]
+
+
+# -- limits of a JSON Schema ----------------------------------------------------------------------
+_ANNOTATIONS = {"$ref", "description", "title", "$comment", "default", "examples", "$schema", "$id"}
+
+
+def check_schema(schema: dict[str, Any] | str, limits: GrammarLimits) -> dict[str, Any]:
+    """The schema (parsed when given as JSON text) once it is within ``limits``: nesting, enum and
+    pattern sizes, the longest ``$ref`` chain, and no cycle of ``$ref``s that never reaches a schema.
+    Walks iteratively: a hostile schema cannot exhaust Python's stack either."""
+    if isinstance(schema, str):
+        size = len(schema.encode("utf-8", "surrogatepass"))
+        if size > limits.max_bytes:
+            raise limits.exceeded("json", "max_bytes", f"is {size} bytes")
+        if json_depth(schema) > limits.max_depth:
+            raise limits.exceeded("json", "max_depth", "is nested too deeply")
+        schema = json.loads(schema)
+    if not isinstance(schema, dict):
+        raise ValueError("SamplingParams.structured_output.json must be a JSON Schema object")
+    targets: dict[tuple[str | int, ...], Any] = {(): schema}  # where $refs point, by path
+    refs: list[tuple[tuple[str | int, ...], tuple[str | int, ...]]] = []  # (the $ref's object, its target)
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(schema, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) >= limits.max_depth:
+            raise limits.exceeded("json", "max_depth", "is nested too deeply")
+        items: Any = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            if isinstance(value, (dict, list)):
+                stack.append((value, (*path, key)))
+        if not isinstance(node, dict):
+            continue
+        enum = node.get("enum")
+        if isinstance(enum, list) and len(enum) > limits.max_enum:
+            raise limits.exceeded("json", "max_enum", f"has an enum of {len(enum)} values")
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and len(pattern.encode("utf-8", "surrogatepass")) > limits.max_regex_bytes:
+            raise limits.exceeded("json", "max_regex_bytes", f"has a pattern of {len(pattern.encode())} bytes")
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            target = _pointer(schema, ref)
+            if target is not None:
+                targets[target[0]] = target[1]
+                refs.append((path, target[0]))
+    _check_refs(targets, refs, limits)
+    return schema
+
+
+def _pointer(schema: Any, ref: str) -> tuple[tuple[str | int, ...], Any] | None:
+    """(path, value) a local ``$ref`` (``#/a/b``) points at; None for any other reference."""
+    from urllib.parse import unquote
+
+    if not ref.startswith("#") or (len(ref) > 1 and not ref.startswith("#/")):
+        return None
+    node: Any = schema
+    path: list[str | int] = []
+    for raw in ref[2:].split("/") if len(ref) > 1 else []:
+        part = unquote(raw).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+            path.append(part)
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+            path.append(int(part))
+        else:
+            return None
+    return tuple(path), node
+
+
+def _check_refs(targets: dict[tuple[str | int, ...], Any],
+                refs: list[tuple[tuple[str | int, ...], tuple[str | int, ...]]], limits: GrammarLimits) -> None:
+    """The longest chain of ``$ref``s inside one another (each compiled inside the last), and
+    cycles of bare ``$ref``s (a schema that is only a reference to itself, at some remove)."""
+    def owner(path: tuple[str | int, ...]) -> tuple[str | int, ...]:
+        """The innermost reference target holding ``path``: compiling it compiles what is at path."""
+        for cut in range(len(path), -1, -1):
+            if path[:cut] in targets:
+                return path[:cut]
+        return ()
+
+    edges: dict[tuple[str | int, ...], set[tuple[str | int, ...]]] = {path: set() for path in targets}
+    for path in targets:
+        if path:
+            edges[owner(path[:-1])].add(path)
+    for where, target in refs:
+        edges[owner(where)].add(target)
+    # Longest path from the root, each node once per path (a cycle is a reference the compiler reuses).
+    longest: dict[tuple[str | int, ...], int] = {}
+    on_path: set[tuple[str | int, ...]] = {()}
+    walk: list[tuple[tuple[str | int, ...], list[tuple[str | int, ...]]]] = [((), sorted(edges[()], key=str))]
+    while walk:
+        node, pending = walk[-1]
+        if pending:
+            child = pending.pop()
+            if child not in on_path and child not in longest:
+                on_path.add(child)
+                walk.append((child, sorted(edges[child], key=str)))
+            continue
+        walk.pop()
+        on_path.discard(node)
+        longest[node] = 1 + max((longest.get(c, 0) for c in edges[node] if c not in on_path), default=0)
+        if longest[node] - 1 > limits.max_ref_chain:
+            raise limits.exceeded("json", "max_ref_chain", "has too long a chain of $refs")
+    reaches: set[tuple[str | int, ...]] = set()  # targets known to lead to a schema
+    for start, value in targets.items():
+        walked = [start]
+        while walked[-1] not in reaches and isinstance(value, dict) and set(value) <= _ANNOTATIONS \
+                and isinstance(value.get("$ref"), str):
+            found = _pointer(targets[()], value["$ref"])
+            if found is None:
+                break
+            if found[0] in walked:
+                raise ValueError("SamplingParams.structured_output.json is invalid: its $refs form a cycle that "
+                                 "never reaches a schema")
+            walked.append(found[0])
+            value = found[1]
+        reaches.update(walked)
+
+
+def json_depth(text: str) -> int:
+    """How deeply the arrays and objects of JSON ``text`` nest (brackets in strings do not count);
+    linear, without parsing."""
+    depth = deepest = 0
+    for token in _JSON_TOKENS.finditer(text):
+        char = token.group()
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+_JSON_TOKENS = re.compile(r'"(?:\\.|[^"\\])*"?|[\[\]{}]')
+
+
+# -- GBNF -----------------------------------------------------------------------------------------
+# A rule definition at the start of a line: GBNF's "name ::=", Lark's "name:" / "NAME.2:".
+_GBNF_RULE = re.compile(r"(?m)^[ \t]*[A-Za-z0-9_-]+[ \t]*::=")
+_LARK_RULE = re.compile(r"(?m)^[ \t]*[?!]?[A-Za-z_][A-Za-z0-9_]*(?:\.-?[0-9]+)?[ \t]*:(?!:=)")
+_LARK_MARK = re.compile(r"(?m)^[ \t]*(?:%llguidance\b|%import\b|%ignore\b|start[ \t]*:(?!:=))")
+_GBNF_ROOT = re.compile(r"(?m)^[ \t]*root[ \t]*::=")
+# A GBNF comment runs from # to the line's end, outside literals and character classes.
+_GBNF_PIECES = re.compile(r'"(?:\\.|[^"\\\n])*"|\[(?:\\.|[^\]\\\n])*\]|#[^\r\n]*|[^"\[#]+|.', re.S)
+
+
+def is_gbnf(grammar: str) -> bool:
+    """A GBNF grammar defines ``root ::=``; a Lark one a ``start:`` rule (or says %llguidance, ...).
+    Both kinds may contain the other's symbols in literals, so the rules decide."""
+    return bool(_GBNF_ROOT.search(grammar)) and not _LARK_MARK.search(grammar)
+
+
+def gbnf_to_lark(text: str) -> str:
+    """llguidance's GBNF parser with a linear resolution: its own converter keeps a comment by
+    appending to a string held in an attribute, and finds terminal rules by repeated passes over
+    every rule, both quadratic (a large grammar took seconds on the thread that compiles)."""
+    from llguidance.gbnf_to_lark import GrammarParser, RuleRefNode
+
+    kept = [piece.group() for piece in _GBNF_PIECES.finditer(text) if not piece.group().startswith("#")]
+    rules = GrammarParser().parse("".join(kept))
+    if "root" not in rules:
+        raise ValueError("no 'root' rule found")
+    order = list(rules.values())
+    uses: dict[str, set[str]] = {rule.name: set() for rule in order}  # rule -> the rules it refers to
+    for rule in order:
+        rule.alternatives = rule.alternatives.simplify()
+        nodes = list(rule.children())
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, RuleRefNode):
+                if node.name not in rules:
+                    raise ValueError(f"rule {node.name!r} not found")
+                node.target = rules[node.name]
+                uses[rule.name].add(node.name)
+            nodes.extend(node.children())
+    # A rule made only of literals, classes and terminal rules is a terminal (a lexeme), except the
+    # start rule; found in one pass over the reverse references (a worklist).
+    used_by: dict[str, list[str]] = {rule.name: [] for rule in order}
+    waiting = {name: len(refs) for name, refs in uses.items()}
+    for name, refs in uses.items():
+        for ref in refs:
+            used_by[ref].append(name)
+    ready = [name for name, count in waiting.items() if count == 0 and name != "root"]
+    while ready:
+        name = ready.pop()
+        rules[name].rule_is_terminal = True
+        for user in used_by[name]:
+            waiting[user] -= 1
+            if waiting[user] == 0 and user != "root":
+                ready.append(user)
+    names: set[str] = set()
+    for rule in order:
+        if rule.name == "root":
+            name = "start"
+        else:
+            name = re.sub(r"([a-z])([A-Z])", r"\1_\2", rule.name.replace("-", "_")).lower()
+            name = name.upper() if rule.rule_is_terminal else name
+        if name in names or (name == "start" and rule.name != "root"):
+            raise ValueError(f"rule {rule.name!r} clashes with another rule once renamed to {name!r}")
+        names.add(name)
+        rule.name = name
+        rule.comment = ""
+    return "%llguidance {}\n\n" + "\n".join(f"{rule}\n" for rule in order)
+
+
+class GrammarError(RuntimeError):
+    """A request's grammar failed while it generated (a limit of llguidance's hit after some
+    tokens): the engine ends that request with finish_reason "grammar_error"."""
 
 
 class GrammarMatcher:
@@ -144,7 +584,7 @@ class GrammarMatcher:
 
     def _fill(self, out: torch.Tensor) -> None:
         if self._m.is_error():
-            raise RuntimeError(f"grammar matcher failed: {self._m.get_error()}")
+            raise GrammarError(f"the grammar cannot go on: {_clean(self._m.get_error())}")
         self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
 
     def bitmask(self) -> torch.Tensor:

@@ -99,7 +99,7 @@ def install(app: FastAPI, chat: ChatHandler, model_name: str, engine: Any, auth:
         request = chat_request(chat_body, _PARAMS)
         fns = request.tool_functions()
         template = engine.tokenizer.chat_template
-        rendered, tools = prompt_messages(request.template_messages(), request.tools if fns else None, template)
+        rendered, tools = prompt_messages(request.template_messages(), request.tool_list() if fns else None, template)
         try:
             ids = await asyncio.to_thread(engine.encode_chat, rendered, False, tools)
         except ValueError as err:

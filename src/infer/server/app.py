@@ -33,6 +33,7 @@ from infer.server.errors import (
     count_refusal,
     error_body,
     install_error_handlers,
+    log,
     server_error,
     shutting_down,
     too_large,
@@ -46,12 +47,16 @@ from infer.server.protocol import (
     Health,
     ModelCard,
     ModelList,
+    RequestLimits,
     SamplingRequest,
     check_model,
 )
 from infer.server.tool_stream import ToolCallStream
 from infer.server.tools import ToolCall, parse_calls, prompt_messages
 
+# Finish reasons answered as a choice (200); any other ends the request with an error. "grammar_error":
+# the request's grammar could not go on (a limit of the grammar engine's hit mid-way); the text so far.
+ANSWERED = ("stop", "length", "grammar_error")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Larger bodies get a 413 before they are read. 1 MiB (nginx's default too) is far more than a
 # prompt that fits a 4096-token context; raise it with --max-request-bytes for longer contexts.
@@ -99,7 +104,7 @@ def build_app(config: EngineConfig, served_model_name: str, api_key: str | None,
 
 
 def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_limits: RequestLimits | None = None,
                max_stored_responses: int = responses.DEFAULT_MAX_STORED_RESPONSES,
                metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None = None) -> FastAPI:
     """An app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1/* when set.
@@ -143,7 +148,7 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, metrics=metrics)
     if api_key is not None:  # outermost: an unauthenticated body is never read
         app.add_middleware(BearerAuth, api_key=api_key, metrics=metrics)
-    api = _Api(engine, service, served_model_name)
+    api = _Api(engine, service, served_model_name, request_limits or RequestLimits())
     auth = api_key is not None
 
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse, auth))
@@ -219,10 +224,12 @@ def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
 
 
 class _Api:
-    def __init__(self, engine: Engine, service: EngineService, served_model_name: str) -> None:
+    def __init__(self, engine: Engine, service: EngineService, served_model_name: str,
+                 limits: RequestLimits) -> None:
         self.engine = engine
         self.service = service
         self.model_name = served_model_name
+        self.limits = limits
         self.created = int(time.time())
 
     def model_card(self) -> dict[str, Any]:
@@ -233,9 +240,13 @@ class _Api:
     # -- endpoints --------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         check_model(body.model, self.model_name)
-        body.check_supported()
+        body.check_supported(self.limits)
         prompts = body.prompts()
         params = body.sampling_params(DEFAULT_COMPLETION_MAX_TOKENS)
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            width = max(body.n or 1, body.best_of or 1)
+            echoed = await self._echoed_tokens(body, prompts) if body.echo else [0] * len(prompts)
+            body.check_logprob_entries(params, width * sum(params.max_tokens + e for e in echoed), self.limits)
         await self._check_grammar(body, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         # An explicit max_tokens must fit the context with the prompt (a 400 naming both otherwise);
@@ -264,16 +275,18 @@ class _Api:
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         check_model(body.model, self.model_name)
-        body.check_supported()
+        body.check_supported(self.limits)
         fns = body.tool_functions()
         template = self.engine.tokenizer.chat_template
-        messages, tools = prompt_messages(body.template_messages(), body.tools if fns else None, template)
+        messages, tools = prompt_messages(body.template_messages(), body.tool_list() if fns else None, template)
         self.service.check_admitting()  # before spending a worker thread on the template and tokenizer
         try:
             ids = await asyncio.to_thread(self.engine.encode_chat, messages, bool(body.parse_special_tokens), tools)
         except ValueError as err:
             raise bad_request(str(err), param="messages") from None
         params = body.sampling_params(max(1, self.engine.max_seq_len - len(ids)))
+        if params.logprobs is not None:
+            body.check_logprob_entries(params, (body.n or 1) * params.max_tokens, self.limits)
         await self._check_grammar(body, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         submit: dict[str, Any] = {"cache_salt": body.cache_salt, "max_tokens_param": body.max_tokens_field()}
@@ -291,6 +304,19 @@ class _Api:
                          tools=_ToolMode(fns, template) if fns else None)
         return await self._respond(sub, body, http, stream)
 
+    async def _echoed_tokens(self, body: CompletionRequest, prompts: list[str | list[int]]) -> list[int]:
+        """How many tokens each prompt echoes (string prompts tokenized on a worker thread; text that
+        is not valid Unicode counts its characters: the engine refuses it later, naming the prompt)."""
+        def count(prompt: str | list[int]) -> int:
+            if not isinstance(prompt, str):
+                return len(prompt)
+            try:
+                return len(self.engine.tokenizer.encode(prompt, parse_special=bool(body.parse_special_tokens)))
+            except ValueError:
+                return len(prompt)
+
+        return await asyncio.to_thread(lambda: [count(p) for p in prompts])
+
     async def _check_grammar(self, body: SamplingRequest, params: SamplingParams) -> None:
         """A 400 naming the request's field for an invalid grammar or schema (compiled in a worker
         thread: the first one also builds the tokenizer's table for the grammar engine)."""
@@ -298,7 +324,7 @@ class _Api:
         if params.structured_output is None or structured is None:
             return
         try:
-            await asyncio.to_thread(self.engine.grammars.matcher, params.structured_output)  # type: ignore[arg-type]
+            await asyncio.to_thread(self.engine.grammars.check, params.structured_output)  # type: ignore[arg-type]
         except ValueError as err:
             raise bad_request(str(err), param=structured[1]) from None
 
@@ -331,7 +357,7 @@ class _Api:
         if finals is None:
             return Response(status_code=499)
         for final in finals:
-            if final.finish_reason not in ("stop", "length"):
+            if final.finish_reason not in ANSWERED:
                 message = final.error or f"the request ended with finish_reason={final.finish_reason!r}"
                 raise shutting_down(message, refused=False) if final.shutdown else server_error(message)
         usage = _summed_usage([s._usage(f) for s, f in zip(streams, finals, strict=True)], n)
@@ -361,7 +387,7 @@ class _Api:
             sub.close()
         if final is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        if final.finish_reason not in ("stop", "length"):
+        if final.finish_reason not in ANSWERED:
             message = final.error or f"the request ended with finish_reason={final.finish_reason!r}"
             raise shutting_down(message, refused=False) if final.shutdown else server_error(message)
         return JSONResponse(stream.whole(final))
@@ -493,7 +519,7 @@ class _Stream:
         """The answer's content and tool calls, when tools are on and it made calls. An answer cut at
         max_tokens counts too when its calls are whole (a forced call's JSON can end on the last token
         allowed, with no room left for EOS); a cut-off call does not parse and stays text."""
-        if self.tools is None or final.finish_reason not in ("stop", "length"):
+        if self.tools is None or final.finish_reason not in ANSWERED:
             return None
         content, calls = parse_calls(final.text, self.tools.template, self.tools.functions)
         return (content, calls) if calls else None
@@ -582,7 +608,7 @@ class _Stream:
             calls_stream = ToolCallStream(self.tools.functions) if self.tools is not None else None
             while calls_stream is not None:
                 progress = await sub.next()
-                if progress.finished and progress.finish_reason not in ("stop", "length"):
+                if progress.finished and progress.finish_reason not in ANSWERED:
                     message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
                     code = "server_shutting_down" if progress.shutdown else "internal_error"
                     yield _sse(error_body(message, "server_error", None, code))
@@ -614,7 +640,7 @@ class _Stream:
                     # The prompt's logprobs are complete once it has been computed.
                     yield self._chunk(self.echo, None, self._prompt_logprobs(progress))
                     self.echo = None
-                if progress.finished and progress.finish_reason not in ("stop", "length"):
+                if progress.finished and progress.finish_reason not in ANSWERED:
                     message = progress.error or f"the request ended with finish_reason={progress.finish_reason!r}"
                     code = "server_shutting_down" if progress.shutdown else "internal_error"
                     yield _sse(error_body(message, "server_error", None, code))
@@ -631,6 +657,11 @@ class _Stream:
                     if self.include_usage and last:
                         yield self._usage_chunk(progress)
                     break
+            if last:
+                yield "data: [DONE]\n\n"
+        except Exception as err:  # a failure while building chunks: the client still gets an end
+            log.error("stream failed", exc_info=err)
+            yield _sse(error_body(f"internal error: {type(err).__name__}", "server_error", None, "internal_error"))
             if last:
                 yield "data: [DONE]\n\n"
         finally:

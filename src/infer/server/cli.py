@@ -20,6 +20,8 @@ DEFAULT_MAX_STORED_RESPONSES = 1024  # responses.DEFAULT_MAX_STORED_RESPONSES (l
 # connections.HTTPLimits' defaults, for the same reason (a test checks they agree)
 HTTP_LIMIT_DEFAULTS = {"max_header_bytes": 32 * 1024, "max_headers": 100, "read_timeout_s": 30.0,
                        "keep_alive_timeout_s": 5.0, "max_connections": 1024}
+# protocol.RequestLimits' defaults, likewise (a test checks they agree)
+REQUEST_LIMIT_DEFAULTS = {"max_logit_bias": 1024, "max_stop": 64, "max_logprob_entries": 1 << 18}
 FD_RESERVE = 256  # descriptors for model files, threads' pipes, logs: beyond two per allowed connection
 
 
@@ -56,6 +58,14 @@ def add_subparser(subparsers: Any) -> None:
     limits.add_argument("--max-connections", type=int, default=HTTP_LIMIT_DEFAULTS["max_connections"],
                         help="open connections beyond this get HTTP 503 at once and are closed "
                              "(default: %(default)s)")
+    work = p.add_argument_group("per-request work (past a limit: HTTP 400 naming the field)")
+    work.add_argument("--max-logit-bias", type=int, default=REQUEST_LIMIT_DEFAULTS["max_logit_bias"],
+                      help="most logit_bias entries in a request (default: %(default)s)")
+    work.add_argument("--max-stop", type=int, default=REQUEST_LIMIT_DEFAULTS["max_stop"],
+                      help="most stop strings in a request (default: %(default)s)")
+    work.add_argument("--max-logprob-entries", type=int, default=REQUEST_LIMIT_DEFAULTS["max_logprob_entries"],
+                      help="most logprob entries a response may carry: choices x tokens (with echo, the prompt's "
+                           "too) x (1 + top logprobs) (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted "
                         "(keep it below the orchestrator's grace period, 30 s in Kubernetes); a second "
@@ -92,6 +102,17 @@ def http_limits_from(args: argparse.Namespace) -> HTTPLimits:
     except ValueError as err:
         flag = "--" + str(err).split(" ", 1)[0].removesuffix("_s").replace("_", "-")
         raise ValueError(f"{flag} {str(err).split(' ', 1)[1]}") from None
+
+
+def request_limits_from(args: argparse.Namespace) -> Any:
+    """protocol.RequestLimits from the flags; ValueError naming a bad one."""
+    from infer.server.protocol import RequestLimits
+
+    try:
+        return RequestLimits(max_logit_bias=args.max_logit_bias, max_stop=args.max_stop,
+                             max_logprob_entries=args.max_logprob_entries)
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
 
 
 def ensure_fd_capacity(max_connections: int) -> None:
@@ -161,6 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_config(args)
         args.api_key = api_key_from(args)  # resolved here: replicas on other machines lack our environment
         http_limits_from(args)
+        request_limits_from(args)
     except ValueError as err:
         return fail(str(err))
     if args.max_request_bytes < 1 or args.shutdown_timeout < 0:
@@ -210,7 +232,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     # The model loads here, on the main thread, as before (Ctrl-C interrupts it).
     with BackgroundServer(loading_app(), sock=sock, limits=limits, log_level=args.log_level, graceful_shutdown_s=1):
         app = build_app(engine_config(args), name, args.api_key, say=say, max_request_bytes=args.max_request_bytes,
-                        max_stored_responses=args.max_stored_responses)
+                        request_limits=request_limits_from(args), max_stored_responses=args.max_stored_responses)
     engine = app.state.engine
     host = f"[{args.host}]" if ":" in args.host else args.host
     port = sock.getsockname()[1]

@@ -252,7 +252,9 @@ class EngineService:
             raise bad_request(str(err), param=max_tokens_param, code="context_length_exceeded") from None
         except ValueError as err:
             sub.close()
-            raise bad_request(str(err), param=prompt_param) from None
+            # A sampling field the engine checks against the model (logit_bias ids) is named as such.
+            field = "logit_bias" if str(err).startswith("SamplingParams.logit_bias") else prompt_param
+            raise bad_request(str(err), param=field) from None
         except BaseException:
             sub.close()
             raise

@@ -124,7 +124,7 @@ class Histogram(_Metric):
         return lines
 
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "grammar_error", "abort", "error")
 # Refusal reasons shown from the start (at 0); others (an error's code) appear when first counted.
 REFUSAL_REASONS = ("invalid_request", "context_length_exceeded", "invalid_api_key", "model_not_found",
                    "request_too_large", "queue_full", "server_shutting_down")

@@ -9,15 +9,36 @@ fields ``structured_outputs`` / ``guided_json`` / ``guided_regex`` / ``guided_gr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infer.sampling.params import MAX_LOGPROBS, SamplingParams, short_repr
 from infer.server.errors import APIError, bad_request, from_sampling_error
-from infer.server.tools import forced_schema, functions
+from infer.server.tools import forced_schema, functions, loads_bounded
 
 MAX_CHOICES = 64  # n, and prompts x n in one completions request
+MAX_STOP_CHARS = 1000  # one stop string
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request work the server bounds beyond the body size (``infer serve`` flags of the same
+    names; each past its limit is a 400 naming the field). Every step of a batch pays for one
+    request's logit_bias entries and stop strings, and a response's logprobs are built and
+    serialised whole."""
+
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_stop: int = 64  # stop strings
+    # Logprob entries a response may carry: choices x tokens (generated, plus the prompt's with
+    # echo) x (1 + top logprobs), at most; 2^18 is about 10 MB of JSON.
+    max_logprob_entries: int = 1 << 18
+
+    def __post_init__(self) -> None:
+        for name in ("max_logit_bias", "max_stop", "max_logprob_entries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
 
 
 class _Body(BaseModel):
@@ -26,6 +47,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 class SamplingRequest(_Body):
@@ -68,10 +92,31 @@ class SamplingRequest(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def check_supported(self) -> None:
-        """400 for known fields set to values this server cannot honour."""
+    def check_supported(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        """400 for known fields set to values this server cannot honour, or past ``limits``."""
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise bad_request(f"n={short_repr(self.n)} must be in [1, {MAX_CHOICES}]", param="n")
+        if len(self.logit_bias or {}) > limits.max_logit_bias:
+            raise bad_request(f"logit_bias has {len(self.logit_bias or {})} entries; this server takes at most "
+                              f"{limits.max_logit_bias} (--max-logit-bias)", param="logit_bias")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > limits.max_stop:
+            raise bad_request(f"stop has {len(stop)} strings; this server takes at most {limits.max_stop} "
+                              "(--max-stop)", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise bad_request(f"a stop string is longer than {MAX_STOP_CHARS} characters", param="stop")
+
+    def check_logprob_entries(self, params: SamplingParams, tokens: int, limits: RequestLimits) -> None:
+        """400 when the logprobs asked for could make a response larger than ``limits`` allows:
+        ``tokens`` is every choice's ``max_tokens`` plus, with echo, its prompt's tokens."""
+        per_token = max(0 if params.logprobs is None else 1 + params.logprobs,
+                        0 if params.prompt_logprobs is None else 1 + params.prompt_logprobs)
+        if tokens * per_token > limits.max_logprob_entries:
+            field = "top_logprobs" if isinstance(self, ChatCompletionRequest) else "logprobs"
+            raise bad_request(f"up to {tokens} tokens in all with {per_token - 1} top logprobs each could answer "
+                              f"{tokens * per_token} logprob entries; this server answers at most "
+                              f"{limits.max_logprob_entries} (--max-logprob-entries): ask for fewer tokens, choices "
+                              "or top logprobs", param=field)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -105,8 +150,10 @@ class SamplingRequest(_Body):
     def logit_bias_ids(self) -> dict[int, float]:
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise bad_request(f"logit_bias key {short_repr(key)} is not a token id", param="logit_bias")
+            # ASCII digits only: str.isdigit and int() also take "²" (an error) and "٣" (3).
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise bad_request(f"logit_bias key {short_repr(key)} is not a token id (a decimal number)",
+                                  param="logit_bias")
             bias[int(key)] = value
         return bias
 
@@ -149,8 +196,8 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        super().check_supported(limits)
         if self.best_of is not None and not (self.n or 1) <= self.best_of <= MAX_CHOICES:
             raise bad_request(f"best_of={short_repr(self.best_of)} must be in [n, {MAX_CHOICES}] (n={self.n or 1})",
                               param="best_of")
@@ -188,12 +235,57 @@ class CompletionRequest(SamplingRequest):
         return prompts  # type: ignore[no-any-return]
 
 
+class CalledFunction(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str | dict[str, Any] = "{}"  # JSON text (OpenAI's), or the object itself
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_are_json(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        if isinstance(value, str) and value.strip():
+            try:
+                loads_bounded(value)
+            except ValueError as err:
+                raise ValueError(f"arguments are not JSON ({str(err)[:200]})") from None
+        return value
+
+
+class AssistantToolCall(_Body):
+    """An assistant's earlier tool call, as OpenAI's API returned it."""
+
+    id: str | None = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="as OpenAI's: letters, digits, _ and -, "
+                                                                      "at most 64")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema (checked as any schema when a call is forced)
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatMessage(_Body):
     # A closed set: the template writes the role between control tokens, so free text there could forge a turn.
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # an assistant's earlier calls
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message's call
 
     def for_template(self) -> dict[str, Any]:
@@ -212,7 +304,7 @@ class ChatMessage(_Body):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = self.tool_calls
+            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -223,8 +315,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -234,10 +326,14 @@ class ChatCompletionRequest(SamplingRequest):
         """name -> function of ``tools`` (empty without tools, or with tool_choice none)."""
         if not self.tools or self.tool_choice == "none":
             return {}
-        return functions(self.tools)
+        return functions(self.tool_list())
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def tool_list(self) -> list[dict[str, Any]]:
+        """``tools`` as the chat template gets them."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    def check_supported(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        super().check_supported(limits)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -259,7 +355,8 @@ class ChatCompletionRequest(SamplingRequest):
         kind = None if fmt is None else fmt.get("type", "text")
         found = super().structured_output()
         fns = self.tool_functions()
-        forced = forced_schema(fns, self.tool_choice, self.parallel_tool_calls is not False) if fns else None
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        forced = forced_schema(fns, choice, self.parallel_tool_calls is not False) if fns else None
         if forced is not None:
             if found is not None or kind not in (None, "text"):
                 raise bad_request("tool_choice required or named cannot be combined with another output format",

@@ -45,7 +45,7 @@ from ray.serve.schema import LoggingConfig
 
 from infer.engine.options import engine_config
 from infer.server.app import build_app
-from infer.server.cli import say, served_model_name
+from infer.server.cli import request_limits_from, say, served_model_name
 from infer.server.metrics import ServerMetrics, merge_expositions
 
 log = logging.getLogger("infer.server")
@@ -215,7 +215,7 @@ def infer_deployment(args: argparse.Namespace, scale: ScaleOut, hub: Any) -> Any
         publisher = MetricsPublisher(hub, replica)
         app = build_app(engine_config(args), args.served_model_name, args.api_key, say=say,
                         max_request_bytes=args.max_request_bytes, metrics_exposition=publisher.exposition,
-                        max_stored_responses=args.max_stored_responses)
+                        request_limits=request_limits_from(args), max_stored_responses=args.max_stored_responses)
         publisher.start(app.state.metrics)
         return app
 

@@ -55,7 +55,7 @@ def install(app: FastAPI, engine: Any, model_name: str, auth: bool = False) -> N
                 except ValidationError as err:
                     raise bad_request(str(err.errors()[0]["msg"]), param="messages") from None
                 fns = chat.tool_functions()
-                messages, tools = prompt_messages(chat.template_messages(), chat.tools if fns else None,
+                messages, tools = prompt_messages(chat.template_messages(), chat.tool_list() if fns else None,
                                                   tokenizer.chat_template)
                 ids = await asyncio.to_thread(engine.encode_chat, messages, parse, tools)
         except ValueError as err:

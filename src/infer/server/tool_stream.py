@@ -22,7 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from infer.server.tools import ToolCall
+from infer.sampling.grammar import json_depth
+from infer.server.tools import MAX_JSON_DEPTH, ToolCall
 
 _OPEN, _CLOSE, _PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -170,7 +171,10 @@ def _canonical(node: _Node) -> str:
 
 
 def _value(text: str) -> _Node | None:
-    """The JSON value ``text`` begins (None: nothing yet); _Invalid if it is not JSON or goes on after it."""
+    """The JSON value ``text`` begins (None: nothing yet); _Invalid if it is not JSON or goes on after it,
+    or nests deeper than a call's JSON may (the parser recurses once per level)."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise _Invalid
     node, end = _parse(text, 0)
     if node is not None and node.complete and text[end:].strip(_WS):
         raise _Invalid

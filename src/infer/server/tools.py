@@ -23,9 +23,22 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from infer.sampling.grammar import json_depth
 from infer.server.errors import bad_request
 
 _QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+MAX_JSON_DEPTH = 64  # tool call arguments, in a request or in the model's answer
+
+
+def loads_bounded(text: str) -> Any:
+    """``json.loads`` that refuses (ValueError) what would make it recurse deeply or work hard:
+    nesting deeper than MAX_JSON_DEPTH, and (as Python does) integers of more than 4300 digits."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 @dataclass
@@ -70,10 +83,27 @@ def forced_schema(fns: dict[str, dict[str, Any]], choice: Any, parallel: bool) -
     else:
         raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
                           "{\"name\": ...}}", param="tool_choice")
-    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": fns[n]["parameters"]},
+    # A function's parameters that use $refs ("#/$defs/x", relative to the parameters) move under the
+    # list's $defs, their references rewritten to point there.
+    defs: dict[str, Any] = {}
+    arguments = {}
+    for n in names:
+        text = json.dumps(fns[n]["parameters"])
+        if _LOCAL_REF not in text:
+            arguments[n] = fns[n]["parameters"]
+            continue
+        pointer = n.replace("~", "~0").replace("/", "~1")
+        defs[n] = json.loads(text.replace(_LOCAL_REF, f'"$ref": "#/$defs/{pointer}'))
+        arguments[n] = {"$ref": f"#/$defs/{pointer}"}
+    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": arguments[n]},
               "required": ["name", "arguments"], "additionalProperties": False} for n in names]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {"type": "array", "items": item, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    return {"type": "array", "items": item, "minItems": 1, **({} if parallel else {"maxItems": 1}),
+            **({"$defs": defs} if defs else {})}
+
+
+# A local reference in json.dumps output ("$ref" as a key: inside a string its quotes are escaped).
+_LOCAL_REF = '"$ref": "#'
 
 
 def prompt_messages(messages: list[dict[str, Any]], tools: list[Any] | None, template: str | None) -> tuple[
@@ -119,9 +149,10 @@ def _template_call(call: Any) -> dict[str, Any]:
     arguments = fn.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            raise bad_request(f"tool call {fn.get('name')!r}: arguments are not JSON", param="messages") from None
+            arguments = loads_bounded(arguments) if arguments.strip() else {}
+        except ValueError as err:
+            raise bad_request(f"tool call {fn.get('name')!r}: arguments are not JSON ({err})"[:300],
+                              param="messages") from None
     return {**call, "function": {**fn, "arguments": arguments}}
 
 
@@ -150,8 +181,8 @@ def _json(text: str) -> tuple[str | None, list[ToolCall]]:
 
 def _loads(text: str) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return loads_bounded(text)
+    except ValueError:  # not JSON, or too deep or long to read: not a call
         return None
 
 
