@@ -277,3 +277,55 @@ def test_gbnf_and_lark_grammars_mean_what_the_regex_does() -> None:
             masks.append(set(unpack_bitmasks(matcher.bitmask(), V, "cpu").nonzero().flatten().tolist()))
         # Once the grammar is complete only EOS (id 1) may follow.
         assert masks[0] == masks[1] == masks[2] == (allowed_after(prefix) if len(prefix) < 4 else {1}), prefix
+
+
+# ----------------------------------------------------------------------------- EOS inside drafts
+
+EOS = 1  # the letters tokenizer's EOS (SPECIAL_TOKENS[1])
+
+
+def test_draft_bitmasks_walk_past_eos_and_leave_the_state_alone() -> None:
+    """A drafted EOS (from suffix decoding's store of finished outputs, or n-gram under ignore_eos)
+    must not shift the rollback: llguidance consumes EOS without recording it once the grammar is
+    complete, so rolling it back used to undo an earlier, emitted token."""
+    compiler = GrammarCompiler(letters_tokenizer(), [EOS], V)
+    matcher = compiler.matcher(StructuredOutput(regex=REGEX))
+    for token in (C, A, B):  # one token before the grammar completes
+        matcher.consume(token)
+    before = matcher.bitmask().clone()
+    # Root children: d (completes the grammar) with EOS, EOS below it, then a (completes it too) with EOS.
+    tokens, parents = [D, EOS, EOS, A, EOS, EOS], [-1, 0, 1, -1, 3, -1]
+    keep, masks = matcher.draft_bitmasks(tokens, parents)
+    assert keep == [True, True, True, True, True, False]  # EOS is not allowed before the grammar completes
+    allowed = unpack_bitmasks(masks, V, "cpu")
+    for row in (1, 2, 3, 4, 5):  # after a complete grammar, and after EOS (ignore_eos): EOS only
+        assert set(allowed[row].nonzero().flatten().tolist()) == {EOS}, row
+    assert torch.equal(matcher.bitmask(), before)
+    matcher.consume(E)  # the state is still "cab": the fourth token is allowed, and completes it
+    assert set(unpack_bitmasks(matcher.bitmask(), V, "cpu").nonzero().flatten().tolist()) == {EOS}
+    # A chain of EOS after the complete grammar (ignore_eos): every one kept, the state left alone.
+    keep, _ = matcher.draft_bitmasks([EOS, EOS, EOS], None)
+    assert keep == [True, True, True]
+    matcher.consume(EOS)
+    assert set(unpack_bitmasks(matcher.bitmask(), V, "cpu").nonzero().flatten().tolist()) == {EOS}
+
+
+@pytest.mark.parametrize("temperature", [0.0])
+def test_complete_grammar_with_ignore_eos_is_the_same_under_speculation(letters_pair: tuple[Path, Path],
+                                                                         temperature: float) -> None:
+    """Once the grammar is complete it allows EOS alone, and ignore_eos keeps the request going: plain
+    decoding emits EOS up to max_tokens (finish_reason "length"); n-gram and suffix drafts of those
+    EOS are verified like any other, so every drafter gives plain's tokens."""
+    common: dict[str, Any] = dict(dtype="float32", device="cpu", max_seq_len=32, spec_length=3)
+    params = [SamplingParams(max_tokens=10, temperature=temperature, seed=i, ignore_eos=True,
+                             structured_output={"regex": REGEX}) for i in range(6)]
+    runs = {}
+    for drafter in (None, "ngram", "suffix"):
+        llm = LLM(str(letters_pair[0]), speculator=drafter, **common)
+        outputs = llm.generate([PROMPT] * len(params), params)
+        assert all(o.finish_reason == "length" for o in outputs), [o.error for o in outputs]
+        runs[drafter] = [o.token_ids for o in outputs]
+        if drafter is not None:
+            assert sum(o.metrics.proposed_tokens for o in outputs) > 0
+    assert runs["ngram"] == runs[None] and runs["suffix"] == runs[None]
+    assert all(ids[4:] == [EOS] * 6 for ids in runs[None])
