@@ -133,7 +133,7 @@ class GrammarCompiler:
 class GrammarMatcher:
     """One request's grammar state: the allowed-token mask now and along drafted paths."""
 
-    def __init__(self, matcher: Any, words: int, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, matcher: Any, words: int, eos_token_ids: Sequence[int]) -> None:
         self._m = matcher
         self.words = words  # bitmask width: 32 tokens per int32
         self.eos_token_ids = frozenset(eos_token_ids)

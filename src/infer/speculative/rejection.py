@@ -153,11 +153,18 @@ def verify_drafts(
     stochastic_ok = u * q_tok < p_tok
     # Greedy and keyed rows know the target's token at every position: its argmax, its keyed sample.
     chosen = target_probs.argmax(dim=2)  # [B, K+1]
-    for b in keyed:
-        draw = generators[b]
-        assert isinstance(draw, KeyedDraw)
-        rows_b = num_draft_host[b] + 1
-        chosen[b, :rows_b] = keyed_sample(target_probs[b, :rows_b].float(), [draw.at(j) for j in range(rows_b)])
+    if keyed:
+        # A keyed row's samples are drawn only up to its first mismatch (each costs a V-wide noise
+        # draw); the rows after it cannot be accepted whatever ``chosen`` holds there.
+        drafts_host = safe_drafts.tolist()
+        for b in keyed:
+            draw = generators[b]
+            assert isinstance(draw, KeyedDraw)
+            for j in range(num_draft_host[b] + 1):
+                token = int(keyed_sample(target_probs[b, j: j + 1].float(), [draw.at(j)])[0])
+                chosen[b, j] = token
+                if j == num_draft_host[b] or token != drafts_host[b][j]:
+                    break
     exact = greedy.clone()
     if keyed:
         exact[_row_index(keyed, device)] = True

@@ -290,6 +290,7 @@ def verify_tree(
     paths: list[list[int]] = []
     last_rows: list[int] = []
     rejected_at_last: list[list[int]] = []
+    keyed_final: dict[int, int] = {}
     sampled = [b for b in range(batch) if not exact_host[b]]
     uniforms: dict[int, list[float]] = {}
     shared = [b for b in sampled if generators[b] is None and counts[b] > 0]
@@ -303,21 +304,10 @@ def verify_tree(
             uniforms[b] = torch.rand(counts[b], generator=gen, device=gen.device, dtype=torch.float64).tolist()
 
     best_host, best_depth_host = [0] * batch, [0] * batch
-    target_tokens = target_probs.argmax(dim=2) if len(sampled) < batch else None  # [B, N+1]
-    full = None
-    if keyed and target_tokens is not None:
+    if len(sampled) + len(keyed) < batch and n > 0:
+        argmax = target_probs.argmax(dim=2)  # [B, N+1]
+        ok = (tokens == argmax.gather(1, parent_row)) & valid  # node matches its parent's argmax
         full = mask.to(device) if mask is not None else tree_attention_mask(parents, counts)
-        depth_host = (full.sum(dim=-1) - 1).tolist()  # a pass row's depth: its token's position past the root's
-        for b in keyed:
-            draw = generators[b]
-            assert isinstance(draw, KeyedDraw)
-            rows_b = counts[b] + 1
-            target_tokens[b, :rows_b] = keyed_sample(target_probs[b, :rows_b].float(),
-                                              [draw.at(int(d)) for d in depth_host[b][:rows_b]])
-    if target_tokens is not None and n > 0:
-        ok = (tokens == target_tokens.gather(1, parent_row)) & valid  # node is the target's token at its parent
-        if full is None:
-            full = mask.to(device) if mask is not None else tree_attention_mask(parents, counts)
         among = full[:, 1:, 1:]  # ancestor-or-self among nodes
         path_ok = ~(among & ~ok.unsqueeze(1)).any(dim=2) & ok
         depth = among.sum(dim=2)
@@ -326,8 +316,26 @@ def verify_tree(
         best_host, best_depth_host = best.tolist(), best_depth.tolist()
     for b in range(batch):
         kids = _children(host_parents[b], counts[b])
-        if exact_host[b]:
+        draw = generators[b]
+        if b in keyed and isinstance(draw, KeyedDraw):
+            # Walk down while a child is the target's keyed sample at its position; the sample
+            # where none is becomes the final token. Only the visited rows draw noise.
             path: list[int] = []
+            row = 0
+            while True:
+                token = int(keyed_sample(target_probs[b, row: row + 1].float(), [draw.at(len(path))])[0])
+                child = next((c for c in kids[row] if host_tokens[b][c] == token), -1)
+                if child < 0:
+                    break
+                path.append(child)
+                row = child + 1
+            keyed_final[b] = token
+            paths.append(path)
+            last_rows.append(row)
+            rejected_at_last.append([])
+            continue
+        if exact_host[b]:
+            path = []
             node = best_host[b] if best_depth_host[b] > 0 else -1
             while node >= 0:
                 path.append(node)
@@ -371,8 +379,7 @@ def verify_tree(
     # Greedy and keyed rows rejected nothing at their last row: they take the target's token there.
     final = sample_rows(residual_after_rejections(final_p, rejected_at_last), exact_host, generators)
     final_host = final.tolist()
-    target_host = target_tokens.tolist() if target_tokens is not None else []
-    for b in keyed:
-        final_host[b] = target_host[b][last_rows[b]]
+    for b, token in keyed_final.items():
+        final_host[b] = token
     out_tokens = [[host_tokens[b][i] for i in paths[b]] + [final_host[b]] for b in range(batch)]
     return TreeVerdict(paths=paths, tokens=out_tokens, last_rows=last_rows)
