@@ -148,6 +148,16 @@ def first_token_chisquare(samples: np.ndarray, ref: Reference) -> ChiSquare:
     return chisquare_cells(np.bincount(samples[:, 0], minlength=V), ref.p1)
 
 
+def generate_unseeded(llm: Any, prompts: list[Any], params: SamplingParams, seed: int) -> list[Any]:
+    """``llm.generate`` with unseeded requests (the rejection sampler's path: a seeded request draws
+    plain decoding's tokens) made reproducible: each request's generator is seeded from the global
+    RNG, seeded here with ``seed`` (and restored after)."""
+    assert params.seed is None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return list(llm.generate(prompts, params))
+
+
 def assert_follows_reference(samples: np.ndarray, ref: Reference) -> None:
     """x1 and (x2, x3 | x1) both fit the exact distributions, and no sample is impossible."""
     first = first_token_chisquare(samples, ref)

@@ -279,8 +279,6 @@ def start_server(model: Path, *flags: str) -> tuple[str, subprocess.Popen[str]]:
     return f"http://127.0.0.1:{port}", proc
 
 
-@pytest.mark.skip(reason="enable once the specgrammar branch (issue 33 parts 2-3) is merged: suffix decoding "
-                         "with grammars and seeds, and grammar + ignore_eos under speculation")
 @pytest.mark.parametrize("speculator", ["ngram", "suffix"])
 def test_speculative_servers_keep_grammars_and_seeds(server: tuple[str, subprocess.Popen[str], str],
                                                      tiny_llama: Path, speculator: str) -> None:

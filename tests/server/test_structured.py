@@ -216,8 +216,7 @@ def test_prompt_list_and_n_give_one_choice_each(urls: dict[str, str], reference:
     for c, w in zip(echoed.choices, want, strict=True):
         assert c.logprobs is not None and c.logprobs.token_logprobs is not None and c.logprobs.text_offset
         assert len(c.logprobs.token_logprobs) == len(w.prompt_token_ids) + 2 and c.logprobs.text_offset[0] == 0
-    # n=2 seeded: the copies draw from seed and seed + 1, each as a request with that seed would (on the
-    # plain server: speculation draws other random numbers, so seeded tokens differ from plain decoding's).
+    # n=2 seeded: the copies draw from seed and seed + 1, each as a request with that seed would.
     two = client(urls["plain"]).completions.create(model=MODEL, prompt=prompts[:2], max_tokens=6, temperature=1.0, seed=5, n=2)
     assert [c.index for c in two.choices] == [0, 1, 2, 3]
     for c in two.choices:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import PROMPT, SAMPLING_CONFIGS, assert_follows_reference, reference
+from helpers import PROMPT, SAMPLING_CONFIGS, assert_follows_reference, generate_unseeded, reference
 from infer import LLM, SamplingParams
 from infer.backends.compiled import compile_forward, graphs_compiled
 from infer.cache import PagedKVCachePool
@@ -82,8 +82,7 @@ def test_compiled_speculative_samples_follow_target_distribution(small_target: P
               spec_length=3, max_batch_size=256, max_seq_len=32)
     params = SAMPLING_CONFIGS["temperature_1"]
     n = 6000
-    outputs = llm.generate([PROMPT] * n, [SamplingParams(max_tokens=4, ignore_eos=True, seed=i, **params)  # type: ignore[arg-type]
-                                          for i in range(n)])
+    outputs = generate_unseeded(llm, [PROMPT] * n, SamplingParams(max_tokens=4, ignore_eos=True, **params), 0)  # type: ignore[arg-type]
     assert sum(o.metrics.proposed_tokens for o in outputs) > n // 4
     samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
     assert_follows_reference(samples, reference(small_target, PROMPT, SamplingParams(**params)))  # type: ignore[arg-type]

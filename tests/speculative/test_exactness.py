@@ -31,6 +31,7 @@ from helpers import (
     SAMPLING_CONFIGS,
     assert_follows_reference,
     chisquare_cells,
+    generate_unseeded,
     grouped_chisquare,
     reference,
 )
@@ -75,8 +76,7 @@ _RUNS: dict[tuple[str, str], Run] = {}
 
 
 def run_engine(llm: LLM, params: dict[str, float | int], n: int = NUM_SAMPLES, seed0: int = 0) -> Run:
-    sampling = [SamplingParams(max_tokens=4, ignore_eos=True, seed=seed0 + i, **params) for i in range(n)]  # type: ignore[arg-type]
-    outputs = llm.generate([PROMPT] * n, sampling)
+    outputs = generate_unseeded(llm, [PROMPT] * n, SamplingParams(max_tokens=4, ignore_eos=True, **params), seed0)  # type: ignore[arg-type]
     assert all(len(o.token_ids) == 4 and o.finish_reason == "length" for o in outputs)
     samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
     return Run(samples, sum(o.metrics.proposed_tokens for o in outputs),

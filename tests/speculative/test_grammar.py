@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import infer.engine.speculative_runner as speculative_runner
+import infer.speculative.tree as tree_module
 from checkpoints import load_hf_model, make_medusa_heads
 from helpers import (
     P_CONTROL,
@@ -30,6 +31,7 @@ from helpers import (
     Reference,
     V,
     assert_follows_reference,
+    generate_unseeded,
     grouped_chisquare,
 )
 from infer import LLM, SamplingParams
@@ -101,9 +103,8 @@ def constrained_reference(model_path: Path, params: SamplingParams,
 
 
 def sample(llm: LLM, params: dict[str, Any], n: int = NUM_SAMPLES, seed0: int = 0) -> tuple[np.ndarray, int, int]:
-    sampling = [SamplingParams(max_tokens=4, ignore_eos=True, seed=seed0 + i, structured_output={"regex": REGEX},
-                               **params) for i in range(n)]
-    outputs = llm.generate([PROMPT] * n, sampling)
+    outputs = generate_unseeded(llm, [PROMPT] * n, SamplingParams(max_tokens=4, ignore_eos=True,
+                                                                  structured_output={"regex": REGEX}, **params), seed0)
     assert all(len(o.token_ids) == 4 for o in outputs)
     samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
     return samples, sum(o.metrics.proposed_tokens for o in outputs), sum(o.metrics.accepted_tokens for o in outputs)
@@ -118,6 +119,8 @@ def letters_engines(letters_pair: tuple[Path, Path], tmp_path_factory: pytest.Te
     return {
         "draft": LLM(str(target), draft_model=str(draft), spec_length=3, **common),
         "medusa": LLM(str(target), speculator="medusa", medusa_heads=str(heads), medusa_tree_size=10, **common),
+        # A low min_prob keeps several siblings per node: real trees.
+        "suffix": LLM(str(target), speculator="suffix", spec_length=3, suffix_min_prob=0.02, **common),
     }
 
 
@@ -277,3 +280,112 @@ def test_gbnf_and_lark_grammars_mean_what_the_regex_does() -> None:
             masks.append(set(unpack_bitmasks(matcher.bitmask(), V, "cpu").nonzero().flatten().tolist()))
         # Once the grammar is complete only EOS (id 1) may follow.
         assert masks[0] == masks[1] == masks[2] == (allowed_after(prefix) if len(prefix) < 4 else {1}), prefix
+
+
+# ----------------------------------------------------------------------------- EOS inside drafts
+
+EOS = 1  # the letters tokenizer's EOS (SPECIAL_TOKENS[1])
+# REGEX without its last letter: complete after three tokens, so EOS must follow, and suffix decoding
+# drafts it (after the grammar completed) from the finished requests in its store.
+REGEX3 = "(c[a-d]|d[b-e]|e[acde])[abce]"
+
+
+def sample_complete(llm: LLM, n: int, seed0: int, seeded: bool) -> tuple[np.ndarray, int, int]:
+    params = dict(max_tokens=4, temperature=1.0, structured_output={"regex": REGEX3})
+    if seeded:
+        outputs = llm.generate([PROMPT] * n, [SamplingParams(seed=seed0 + i, **params) for i in range(n)])  # type: ignore[arg-type]
+    else:
+        outputs = generate_unseeded(llm, [PROMPT] * n, SamplingParams(**params), seed0)  # type: ignore[arg-type]
+    bad = [(o.token_ids, o.error) for o in outputs if o.finish_reason != "stop" or o.token_ids[3:] != [EOS]]
+    assert not bad, bad[:3]
+    samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
+    return samples, sum(o.metrics.proposed_tokens for o in outputs), sum(o.metrics.accepted_tokens for o in outputs)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_suffix_constrained_samples_follow_restricted_target(letters_engines: dict[str, LLM],
+                                                             letters_pair: tuple[Path, Path], seeded: bool) -> None:
+    """Suffix trees (with drafted EOS) under a grammar: unseeded requests through the tree's
+    multi-candidate rejection, seeded ones through their keyed draws; both exactly the target
+    restricted to the grammar, every request ending with EOS where the grammar completes."""
+    samples, proposed, accepted = sample_complete(letters_engines["suffix"], NUM_SAMPLES, 0, seeded)
+    assert proposed > NUM_SAMPLES // 2 and 0 < accepted < proposed
+    for x1, x2, x3 in samples:
+        assert x2 in allowed_after([x1]) and x3 in allowed_after([x1, x2]), (x1, x2, x3)
+    assert_follows_reference(samples, constrained_reference(letters_pair[0], SamplingParams(temperature=1.0),
+                                                            allowed_after))
+
+
+def test_negative_control_suffix_broken_residual_is_detected(letters_engines: dict[str, LLM],
+                                                             letters_pair: tuple[Path, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree verifier that may draw a rejected candidate again is biased, and the same test sees it."""
+    monkeypatch.setattr(tree_module, "residual_after_rejections", lambda probs, rejected: probs)
+    samples, _, _ = sample_complete(letters_engines["suffix"], NUM_SAMPLES, 10_000_000, seeded=False)
+    ref = constrained_reference(letters_pair[0], SamplingParams(temperature=1.0), allowed_after)
+    assert grouped_chisquare(samples, ref).pvalue < P_CONTROL
+
+
+def test_innocent_constrained_requests_are_unaffected_by_their_batch_mates(letters_engines: dict[str, LLM],
+                                                                         letters_pair: tuple[Path, Path]) -> None:
+    """A greedy and a seeded constrained request give their solo plain tokens when batched on a suffix
+    engine with 16 sampled constrained requests (n = 16), round after round, as the store fills."""
+    innocents = [SamplingParams(max_tokens=6, temperature=0.0, structured_output={"regex": REGEX3}),
+                 SamplingParams(max_tokens=6, temperature=1.0, seed=77, structured_output={"regex": REGEX3})]
+    plain = LLM(str(letters_pair[0]), dtype="float32", device="cpu", max_seq_len=32)
+    alone = [o.token_ids for o in plain.generate([PROMPT] * 2, innocents)]
+    llm = letters_engines["suffix"]
+    for round_ in range(3):
+        mates = [SamplingParams(max_tokens=6, temperature=1.0, seed=100 * round_ + i,
+                                structured_output={"regex": REGEX3}) for i in range(16)]
+        outputs = llm.generate([PROMPT] * 18, innocents + mates)
+        assert [o.token_ids for o in outputs[:2]] == alone
+        assert all(o.finish_reason == "stop" for o in outputs), [o.error for o in outputs]
+        assert sum(o.metrics.proposed_tokens for o in outputs) > 0
+
+
+def test_draft_bitmasks_walk_past_eos_and_leave_the_state_alone() -> None:
+    """A drafted EOS (from suffix decoding's store of finished outputs, or n-gram under ignore_eos)
+    must not shift the rollback: llguidance consumes EOS without recording it once the grammar is
+    complete, so rolling it back used to undo an earlier, emitted token."""
+    compiler = GrammarCompiler(letters_tokenizer(), [EOS], V)
+    matcher = compiler.matcher(StructuredOutput(regex=REGEX))
+    for token in (C, A, B):  # one token before the grammar completes
+        matcher.consume(token)
+    before = matcher.bitmask().clone()
+    # Root children: d (completes the grammar) with EOS, EOS below it, then a (completes it too) with EOS.
+    tokens, parents = [D, EOS, EOS, A, EOS, EOS], [-1, 0, 1, -1, 3, -1]
+    keep, masks = matcher.draft_bitmasks(tokens, parents)
+    assert keep == [True, True, True, True, True, False]  # EOS is not allowed before the grammar completes
+    allowed = unpack_bitmasks(masks, V, "cpu")
+    for row in (1, 2, 3, 4, 5):  # after a complete grammar, and after EOS (ignore_eos): EOS only
+        assert set(allowed[row].nonzero().flatten().tolist()) == {EOS}, row
+    assert torch.equal(matcher.bitmask(), before)
+    matcher.consume(E)  # the state is still "cab": the fourth token is allowed, and completes it
+    assert set(unpack_bitmasks(matcher.bitmask(), V, "cpu").nonzero().flatten().tolist()) == {EOS}
+    # A chain of EOS after the complete grammar (ignore_eos): every one kept, the state left alone.
+    keep, _ = matcher.draft_bitmasks([EOS, EOS, EOS], None)
+    assert keep == [True, True, True]
+    matcher.consume(EOS)
+    assert set(unpack_bitmasks(matcher.bitmask(), V, "cpu").nonzero().flatten().tolist()) == {EOS}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_complete_grammar_with_ignore_eos_is_the_same_under_speculation(letters_pair: tuple[Path, Path],
+                                                                         temperature: float) -> None:
+    """Once the grammar is complete it allows EOS alone, and ignore_eos keeps the request going: plain
+    decoding emits EOS up to max_tokens (finish_reason "length"); n-gram and suffix drafts of those
+    EOS are verified like any other, so every drafter gives plain's tokens."""
+    common: dict[str, Any] = dict(dtype="float32", device="cpu", max_seq_len=32, spec_length=3)
+    params = [SamplingParams(max_tokens=10, temperature=temperature, seed=i, ignore_eos=True,
+                             structured_output={"regex": REGEX}) for i in range(6)]
+    runs = {}
+    for drafter in (None, "ngram", "suffix"):
+        llm = LLM(str(letters_pair[0]), speculator=drafter, **common)
+        outputs = llm.generate([PROMPT] * len(params), params)
+        assert all(o.finish_reason == "length" for o in outputs), [o.error for o in outputs]
+        runs[drafter] = [o.token_ids for o in outputs]
+        if drafter is not None:
+            assert sum(o.metrics.proposed_tokens for o in outputs) > 0
+    assert runs["ngram"] == runs[None] and runs["suffix"] == runs[None]
+    assert all(ids[4:] == [EOS] * 6 for ids in runs[None])

@@ -27,6 +27,7 @@ from helpers import (
     TREE_CONFIGS,
     TREE_NUM_SAMPLES,
     first_token_chisquare,
+    generate_unseeded,
     grouped_chisquare,
     reference,
 )
@@ -44,8 +45,7 @@ def engine(small_target: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
 
 
 def run_engine(llm: LLM, params: dict[str, Any], n: int = TREE_NUM_SAMPLES, seed0: int = 0) -> tuple[np.ndarray, int, int]:
-    sampling = [SamplingParams(max_tokens=4, ignore_eos=True, seed=seed0 + i, **params) for i in range(n)]
-    outputs = llm.generate([PROMPT] * n, sampling)
+    outputs = generate_unseeded(llm, [PROMPT] * n, SamplingParams(max_tokens=4, ignore_eos=True, **params), seed0)
     assert all(len(o.token_ids) == 4 for o in outputs)
     samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
     return samples, sum(o.metrics.proposed_tokens for o in outputs), sum(o.metrics.accepted_tokens for o in outputs)

@@ -28,6 +28,7 @@ from helpers import (
     TREE_CONFIGS,
     TREE_NUM_SAMPLES,
     assert_follows_reference,
+    generate_unseeded,
     grouped_chisquare,
     reference,
 )
@@ -495,8 +496,7 @@ def run_engine(small_target: Path, params: dict[str, Any], n: int = TREE_NUM_SAM
     llm = LLM(str(small_target), speculator="suffix", spec_length=3, suffix_min_prob=0.02, dtype="float32",
               device="cpu", max_batch_size=256, max_seq_len=32)
     proposals = spy_on_proposals(llm)
-    sampling = [SamplingParams(max_tokens=4, ignore_eos=True, seed=seed0 + i, **params) for i in range(n)]
-    outputs = llm.generate([PROMPT] * n, sampling)
+    outputs = generate_unseeded(llm, [PROMPT] * n, SamplingParams(max_tokens=4, ignore_eos=True, **params), seed0)
     assert all(len(o.token_ids) == 4 for o in outputs)
     samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
     return (samples, sum(o.metrics.proposed_tokens for o in outputs), sum(o.metrics.accepted_tokens for o in outputs),

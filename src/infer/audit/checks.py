@@ -214,9 +214,13 @@ class _Audit:
         # One request per context first, so the prompt's blocks are in the prefix cache for the rest.
         self.spec.generate(contexts, replace(params, max_tokens=1, seed=None))
         prompts = [ids for ids in contexts for _ in range(s.samples)]
-        seeded = [replace(params, seed=s.seed + i) for i in range(len(prompts))]
         progress = _Progress(self.say, "distribution samples", len(prompts))
-        outputs = self.spec.generate(prompts, seeded, on_token=progress.on_token)
+        # Unseeded requests, so the rejection sampler is what is audited (a request with a seed
+        # draws plain decoding's tokens, see docs/exactness.md); their generators' seeds come from
+        # the global RNG, seeded here, so a run reproduces.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(s.seed)
+            outputs = self.spec.generate(prompts, replace(params, seed=None), on_token=progress.on_token)
         tests = 2 * len(contexts)
         alpha = s.alpha / tests  # Bonferroni over (next token, next two tokens) x contexts
         results = [self._context(ids, outputs[c * s.samples: (c + 1) * s.samples], params, alpha)
@@ -335,9 +339,12 @@ class _Audit:
     def acceptance(self) -> dict[str, Any]:
         s = self.settings
         params = self._greedy_params() if s.sampling.greedy else replace(
-            s.sampling, max_tokens=s.max_tokens, ignore_eos=True, stop=[], stop_token_ids=[], seed=s.seed)
-        spec = self._per_prompt(self.spec, params)
-        plain = self._per_prompt(self.plain, params)
+            s.sampling, max_tokens=s.max_tokens, ignore_eos=True, stop=[], stop_token_ids=[], seed=None)
+        # Unseeded (rejection sampling, what unseeded traffic gets), from a seeded global RNG.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(s.seed)
+            spec = self._per_prompt(self.spec, params)
+            plain = self._per_prompt(self.plain, params)
         stats = speculation_stats(spec)
         rounds = sum(o.metrics.num_rounds for o in spec)
         # Rounds that drafted at least one token (the rest were plain steps the policy chose).

@@ -13,7 +13,7 @@ import torch
 from infer.core.detokenizer import IncrementalDetokenizer
 from infer.sampling.grammar import GrammarMatcher
 from infer.sampling.params import SamplingParams
-from infer.sampling.sampler import TokenLogprobs
+from infer.sampling.sampler import KeyedDraw, RandomSource, TokenLogprobs
 
 
 class RequestStatus(Enum):
@@ -137,11 +137,21 @@ class Request:
         self.slot: int | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_token_ids), arrival_time=time.perf_counter())
         # Each request draws from its own generator, so its samples do not depend on the batch it is in.
+        # A seeded request draws each token from noise keyed by its seed and the token's position
+        # instead (``random_source``), so its tokens depend on nothing else, not even speculation.
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # The structured_output grammar's state, fed every emitted token (the engine sets it).
         self.grammar: GrammarMatcher | None = None
+
+    def random_source(self, ahead: int = 0) -> RandomSource:
+        """Where the randomness of the token ``ahead`` positions past the next one comes from: a
+        seeded request's ``KeyedDraw`` at that position, else the request's generator (whose stream
+        the draws consume in order)."""
+        if self.params.seed is None:
+            return self.generator
+        return KeyedDraw(self.params.seed, len(self.output_token_ids) + ahead)
 
     @property
     def all_token_ids(self) -> list[int]:

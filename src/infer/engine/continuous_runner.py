@@ -143,7 +143,7 @@ class ContinuousRunner:
         logits = self.runner.logits(hidden)
         since = PHASES.add("model pass", since)
         tokens, logprobs = sample_with_logprobs(
-            logits, [r.params for r in requests], [r.all_token_ids for r in requests], [r.generator for r in requests],
+            logits, [r.params for r in requests], [r.all_token_ids for r in requests], [r.random_source() for r in requests],
             grammar_masks(requests, logits.shape[-1], logits.device), [r.output_token_ids for r in requests],
         )
         sampled = Sampled([(r, StepOutput(t, lp)) for r, t, lp in zip(requests, tokens.tolist(), logprobs, strict=True)],

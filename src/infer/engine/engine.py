@@ -359,10 +359,10 @@ class Engine:
         drafter state, random generator) and each is stepped alone; those that fail again finish
         with an error, the others go on as if the batch had succeeded. One request's bad values
         therefore never fail another, whichever drafter runs. Costs nothing unless a step fails
-        (beyond saving sampled requests' generator states). Caveat: a drafter whose state was
-        dropped by the rollback may draft differently (Medusa's first round after it is a plain
-        step), so a seeded sampled request can draw other tokens than without the fault; greedy
-        output is unchanged and sampled output keeps exactly the target's distribution.
+        (beyond saving sampled requests' generator states). A drafter whose state was dropped by
+        the rollback may draft differently (Medusa's first round after it is a plain step); that
+        changes no greedy or seeded request's tokens (a seeded request's draws are keyed by
+        position, see ``KeyedDraw``), and an unseeded one's keep exactly the target's distribution.
         """
         units: list[tuple[list[PrefillChunk], list[Request]]] = \
             [([chunk], []) for chunk in batch.prefill] + [([], [request]) for request in batch.decode]

@@ -206,7 +206,7 @@ class SpeculativeRunner:
                 draft_probs = draft_probs * allowed[:, :-1]
                 draft_probs = draft_probs / draft_probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
             verdict = verify_drafts(drafts, num_draft, target_probs, draft_probs, sampling.greedy,
-                                    [r.generator for r in requests])
+                                    [r.random_source() for r in requests])
         accepted = verdict.num_accepted.tolist()
         emitted = [row[: kept + 1] for row, kept in zip(verdict.output_tokens.tolist(), accepted, strict=True)]
         PHASES.add("rejection", since)
@@ -240,7 +240,7 @@ class SpeculativeRunner:
                                                      sampling, mask,
                                                      None if grammar is None else grammar.allowed[:, : width + 1])
         verdict = verify_tree(tokens, counts, parents, target_probs, sampling.greedy,
-                              [r.generator for r in requests], mask)
+                              [r.random_source() for r in requests], mask)
         batch = len(requests)
         # Compaction: the accepted path's K/V move to start + 1 .. start + kept, right after g.
         moves = []

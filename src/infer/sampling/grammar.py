@@ -212,7 +212,7 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher; ValueError naming the field (and the limit) when the grammar or schema is
         invalid, too large, or cannot start. Blocks while a compiler thread works on it."""
-        return GrammarMatcher(self._compiled(spec), (int(self.ll_tokenizer.vocab_size) + 31) // 32)
+        return GrammarMatcher(self._compiled(spec), (int(self.ll_tokenizer.vocab_size) + 31) // 32, self.eos_token_ids)
 
     def check(self, spec: StructuredOutput) -> None:
         """ValueError as ``matcher`` would raise; the compiled grammar is kept for the next
@@ -573,9 +573,10 @@ class GrammarError(RuntimeError):
 class GrammarMatcher:
     """One request's grammar state: the allowed-token mask now and along drafted paths."""
 
-    def __init__(self, matcher: Any, words: int) -> None:
+    def __init__(self, matcher: Any, words: int, eos_token_ids: Sequence[int]) -> None:
         self._m = matcher
         self.words = words  # bitmask width: 32 tokens per int32
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     def consume(self, token: int) -> None:
         """The request emitted ``token``. A refusal puts the matcher in its error state, which the
@@ -583,9 +584,7 @@ class GrammarMatcher:
         self._m.consume_token(token)
 
     def _fill(self, out: torch.Tensor) -> None:
-        if self._m.is_error():
-            raise GrammarError(f"the grammar cannot go on: {_clean(self._m.get_error())}")
-        self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+        _fill(self._m, out)
 
     def bitmask(self) -> torch.Tensor:
         """[words] int32: bit t of the mask set = token t allowed next."""
@@ -601,6 +600,12 @@ class GrammarMatcher:
         and its parent is kept. Returns ``keep`` [N] and bitmasks [N + 1, words]: row 0 after the
         emitted tokens, row i + 1 after node i's path (all ones for a dropped node, which the caller
         removes). The matcher's state is unchanged on return.
+
+        The walk consumes each kept node's token and rolls it back when it leaves the node, except
+        an EOS token: llguidance does not always record EOS in its rollback history (consumed once
+        the grammar is complete, it is a no-op; ended by a lexeme, it is scanned away), so a
+        rollback after it would undo an earlier token instead. EOS and everything drafted below
+        it (``ignore_eos``) are walked on a copy of the matcher, which is then dropped.
         """
         count = len(tokens)
         parents = list(range(-1, count - 1)) if parents is None else list(parents)
@@ -609,32 +614,42 @@ class GrammarMatcher:
             kids[parents[i] + 1].append(i)
         keep = [False] * count
         masks = torch.full((count + 1, self.words), -1, dtype=torch.int32)
-        stack: list[tuple[int, int]] = [(0, 0)]  # (pass row, how many of its children were visited)
+        # (pass row, how many of its children were visited, the matcher in that row's state, whether
+        # leaving the row rolls the main matcher back one token)
+        stack: list[tuple[int, int, Any, bool]] = [(0, 0, self._m, False)]
         self._fill(masks[0])
         try:
             while stack:
-                row, visited = stack[-1]
+                row, visited, matcher, undo = stack[-1]
                 if visited == len(kids[row]):
                     stack.pop()
-                    if row:  # leave node row - 1: undo its token
-                        self._m.rollback(1)
+                    if undo:
+                        matcher.rollback(1)
                     continue
-                stack[-1] = (row, visited + 1)
+                stack[-1] = (row, visited + 1, matcher, undo)
                 node = kids[row][visited]
                 token = int(tokens[node])
                 if not _allowed(masks[row], token):
                     continue
-                if not self._m.consume_token(token):
-                    raise RuntimeError(f"grammar matcher refused allowed token {token}: {self._m.get_error()}")
+                child, undo = (matcher.deep_copy(), False) if token in self.eos_token_ids else (matcher, True)
+                if not child.consume_token(token):
+                    raise RuntimeError(f"grammar matcher refused allowed token {token}: {child.get_error()}")
                 keep[node] = True
-                self._fill(masks[node + 1])
-                stack.append((node + 1, 0))
+                _fill(child, masks[node + 1])
+                stack.append((node + 1, 0, child, undo))
         except BaseException:
-            depth = len(stack) - 1
-            if depth > 0:
-                self._m.rollback(depth)
+            for _, _, matcher, undo in reversed(stack):
+                if undo:
+                    matcher.rollback(1)
             raise
         return keep, masks
+
+
+def _fill(matcher: Any, out: torch.Tensor) -> None:
+    """Write ``matcher``'s allowed-token bitmask into ``out`` [words] int32."""
+    if matcher.is_error():
+        raise GrammarError(f"the grammar cannot go on: {_clean(matcher.get_error())}")
+    matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
 
 
 def _allowed(bitmask: torch.Tensor, token: int) -> bool:

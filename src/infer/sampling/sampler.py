@@ -63,10 +63,63 @@ def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass(frozen=True)
+class KeyedDraw:
+    """The randomness of a seeded request's token at one position: a draw keyed by (seed, position).
+
+    Each position has its own noise, a vector of independent Exp(1) variables E_v (one per token,
+    from a generator seeded with a hash of seed and position), and the token drawn from a
+    distribution p is ``argmax_v p_v / E_v`` (the exponential race, i.e. Gumbel-max): exactly
+    distributed as p, and a deterministic function of (seed, position, p). Whatever pass computes p
+    at that position (a decode step, a chain or tree verification), whatever the batch and the
+    drafts, the token is the same; ``position`` is the index of the generated token (0: the first).
+    """
+
+    seed: int
+    position: int
+
+    def at(self, offset: int) -> KeyedDraw:
+        return KeyedDraw(self.seed, self.position + offset)
+
+    def exponentials(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """[vocab] float64 Exp(1) noise of this position (the same on every call)."""
+        gen = torch.Generator(device=device)
+        gen.manual_seed(_splitmix64((_splitmix64(self.seed & _MASK64) + self.position) & _MASK64))
+        return torch.empty(vocab, dtype=torch.float64, device=device).exponential_(generator=gen)
+
+
+# Where a row's randomness comes from: its own generator's stream, a keyed draw, or (None) the
+# device's global RNG.
+RandomSource = torch.Generator | KeyedDraw | None
+
+
+def keyed_sample(probs: torch.Tensor, draws: Sequence[KeyedDraw]) -> torch.Tensor:
+    """One token per row of ``probs`` [N, V] (non-negative, need not be normalised), row i drawn by
+    ``draws[i]``: ``argmax_v probs[i, v] / E_v``. Returns [N] long on ``probs.device``."""
+    if not draws:
+        return torch.empty(0, dtype=torch.long, device=probs.device)
+    # What multinomial refuses, refused here too: argmax would silently pick a token from NaNs.
+    if not bool((torch.isfinite(probs) & (probs >= 0)).all() & (probs.sum(dim=-1) > 0).all()):
+        raise RuntimeError("keyed sampling: the probabilities contain inf, nan or a negative value, or a row sums to 0")
+    noise = torch.stack([d.exponentials(probs.shape[-1], probs.device) for d in draws])
+    return (probs.double() / noise).argmax(dim=-1)
+
+
+def sample_from_probs(probs: torch.Tensor, generators: Sequence[RandomSource]) -> torch.Tensor:
     """Draw one token per row of ``probs`` ([B, V], non-negative, need not be normalised).
 
-    Row ``b`` uses ``generators[b]``; ``None`` means the global RNG of ``probs.device``. Rows that
+    Row ``b`` uses ``generators[b]``: a generator (multinomial from its stream), a ``KeyedDraw``
+    (the keyed exponential race), or ``None`` for the global RNG of ``probs.device``. Rows that
     share the global RNG are sampled in one batched call, so large batches without per-row
     generators stay fast. Returns a [B] long tensor on ``probs.device``.
     """
@@ -88,15 +141,18 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator 
     if shared:
         idx = row_index(shared, device)
         out[idx] = torch.multinomial(weights[idx], 1).squeeze(1)
-
-    own = [b for b, g in enumerate(generators) if g is not None]
-    draws = [torch.multinomial(weights[b], 1, generator=generators[b]) for b in own]
-    out[row_index(own, device)] = torch.cat(draws)
+    keyed = [b for b, g in enumerate(generators) if isinstance(g, KeyedDraw)]
+    if keyed:
+        idx = row_index(keyed, device)
+        out[idx] = keyed_sample(weights[idx], [generators[b] for b in keyed])  # type: ignore[misc]
+    own = [b for b, g in enumerate(generators) if isinstance(g, torch.Generator)]
+    if own:
+        draws = [torch.multinomial(weights[b], 1, generator=generators[b]) for b in own]  # type: ignore[arg-type]
+        out[row_index(own, device)] = torch.cat(draws)
     return out
 
 
-def sample_rows(probs: torch.Tensor, greedy: Sequence[bool],
-                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def sample_rows(probs: torch.Tensor, greedy: Sequence[bool], generators: Sequence[RandomSource]) -> torch.Tensor:
     """One token per row of ``probs`` [B, V]: the argmax for greedy rows (no randomness consumed), a
     draw with the row's own generator for the others."""
     tokens = probs.argmax(dim=-1)
@@ -125,7 +181,7 @@ def sample_next_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     contexts: Sequence[Sequence[int]],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[RandomSource],
     allowed: torch.Tensor | None = None,
     outputs: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
@@ -140,7 +196,7 @@ def sample_with_logprobs(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     contexts: Sequence[Sequence[int]],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[RandomSource],
     allowed: torch.Tensor | None = None,
     outputs: Sequence[Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:

@@ -78,7 +78,7 @@ class DraftModelDrafter(Drafter):
                 q = probs_from_logits(logits, sampling.select(rows), None if presence is None else presence[rows],
                                       counts=None if generated is None else generated[rows])
                 drafted = sample_rows(q, [requests[b].params.greedy for b in active],
-                                      [requests[b].generator for b in active])
+                                      [requests[b].random_source(step) for b in active])
                 probs[rows, step] = q
             tokens[rows, step] = drafted
             if presence is not None:

@@ -7,8 +7,15 @@ drawn from ``norm(max(0, p_n - q_n))``; if every draft is accepted a bonus token
 from the target model directly, which is what makes speculative decoding lossless.
 
 All per-token work is tensor ops over the whole batch. The only Python loops are over rows, to
-draw random numbers from each request's own ``torch.Generator`` (so a seeded request reproduces
-no matter what it is batched with).
+draw random numbers from each request's own ``torch.Generator`` (so a request's draws do not
+depend on what it is batched with).
+
+A row whose randomness is a ``KeyedDraw`` (a seeded request) is verified differently: the token
+the target samples at each position is fixed by the position's keyed noise (the exponential race
+``argmax_v p_v / E_v``), so the row accepts its drafts while each equals the target's sample at
+its position and then emits that sample. That is plain decoding's token at every position, so
+the output is the same with and without speculation and distributed exactly as p; a one-hot
+draft t is accepted with probability p(t), as by rejection sampling.
 """
 
 from collections.abc import Sequence
@@ -16,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.sampling.sampler import KeyedDraw, RandomSource, keyed_sample, sample_rows
 from infer.sampling.sampler import row_index as _row_index
-from infer.sampling.sampler import sample_rows
 
 
 @dataclass
@@ -40,7 +47,7 @@ class VerificationResult:
 def _draw_uniforms(
     num_draft_host: list[int],
     sampled: list[int],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[RandomSource],
     k: int,
     device: torch.device,
 ) -> torch.Tensor:
@@ -52,13 +59,13 @@ def _draw_uniforms(
     if shared:
         # The global RNG has no per-request reproducibility anyway, so one batched draw is fine.
         u[_row_index(shared, device)] = torch.rand(len(shared), k, device=device)
-    own = [b for b in sampled if generators[b] is not None]
+    own = [b for b in sampled if isinstance(generators[b], torch.Generator)]
     if own:
         # Draw exactly num_draft[b] uniforms so a request's random stream depends only on its own
         # draft count, not on the batch-wide padding K.
         rows = [
             torch.nn.functional.pad(
-                torch.rand(num_draft_host[b], generator=generators[b], device=device),
+                torch.rand(num_draft_host[b], generator=generators[b], device=device),  # type: ignore[arg-type]
                 (0, k - num_draft_host[b]),
             )
             for b in own
@@ -69,7 +76,7 @@ def _draw_uniforms(
 
 def _check_inputs(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target_probs: torch.Tensor,
                   draft_probs: torch.Tensor | None, greedy: torch.Tensor,
-                  generators: Sequence[torch.Generator | None]) -> None:
+                  generators: Sequence[RandomSource]) -> None:
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must be [B, K], got shape {tuple(draft_tokens.shape)}")
     batch, k = draft_tokens.shape
@@ -96,7 +103,7 @@ def verify_drafts(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
     greedy: torch.Tensor,
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[RandomSource],
 ) -> VerificationResult:
     """Verify a batch of drafts against the target model's distributions.
 
@@ -109,7 +116,8 @@ def verify_drafts(
         greedy: [B] rows decoded greedily; they accept while ``argmax p_i == t_i``, emit
             ``argmax p`` at the stop position and consume no randomness.
         generators: per-row generator for the accept uniforms and the final token draw; ``None``
-            uses the global RNG of the tensors' device.
+            uses the global RNG of the tensors' device; a ``KeyedDraw`` (at the position of p_1's
+            token) verifies the row by its keyed samples (see the module docstring).
     """
     _check_inputs(draft_tokens, num_draft, target_probs, draft_probs, greedy, generators)
     device = target_probs.device
@@ -124,7 +132,8 @@ def verify_drafts(
     greedy_host, num_draft_host = torch.stack([greedy.long(), num_draft]).tolist()
     if any(n < 0 or n > k for n in num_draft_host):
         raise ValueError(f"num_draft entries must lie in [0, {k}], got {num_draft_host}")
-    sampled = [b for b in range(batch) if not greedy_host[b]]
+    keyed = [b for b in range(batch) if not greedy_host[b] and isinstance(generators[b], KeyedDraw)]
+    sampled = [b for b in range(batch) if not greedy_host[b] and b not in keyed]
 
     # Padding past num_draft may be any id; clamp so the gathers below stay in range.
     safe_drafts = drafts.clamp(0, vocab - 1)
@@ -142,8 +151,24 @@ def verify_drafts(
     u = _draw_uniforms(num_draft_host, sampled, generators, k, device)
     # u < p/q written multiplicatively so q == 0 cannot divide by zero.
     stochastic_ok = u * q_tok < p_tok
-    greedy_ok = target_draft.argmax(dim=2) == safe_drafts
-    ok = torch.where(greedy[:, None], greedy_ok, stochastic_ok) & in_range
+    # Greedy and keyed rows know the target's token at every position: its argmax, its keyed sample.
+    chosen = target_probs.argmax(dim=2)  # [B, K+1]
+    if keyed:
+        # A keyed row's samples are drawn only up to its first mismatch (each costs a V-wide noise
+        # draw); the rows after it cannot be accepted whatever ``chosen`` holds there.
+        drafts_host = safe_drafts.tolist()
+        for b in keyed:
+            draw = generators[b]
+            assert isinstance(draw, KeyedDraw)
+            for j in range(num_draft_host[b] + 1):
+                token = int(keyed_sample(target_probs[b, j: j + 1].float(), [draw.at(j)])[0])
+                chosen[b, j] = token
+                if j == num_draft_host[b] or token != drafts_host[b][j]:
+                    break
+    exact = greedy.clone()
+    if keyed:
+        exact[_row_index(keyed, device)] = True
+    ok = torch.where(exact[:, None], chosen[:, :k] == safe_drafts, stochastic_ok) & in_range
     # Accepted prefix length = number of leading ones.
     num_accepted = ok.long().cumprod(dim=1).sum(dim=1)
 
@@ -159,11 +184,13 @@ def verify_drafts(
         mass = residual.sum(dim=1, keepdim=True)
         # Zero residual mass means p == q where rejection has probability 0; fall back to p.
         residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), stop_p)
-        # Greedy rows keep p: their answer is its argmax, whatever was rejected.
-        resample = (num_accepted < num_draft) & ~greedy
+        # Greedy and keyed rows keep p: their answer is the target's token there, whatever was rejected.
+        resample = (num_accepted < num_draft) & ~exact
         final_dist = torch.where(resample[:, None], residual, stop_p)
 
-    final = sample_rows(final_dist, [bool(g) for g in greedy_host], generators)
+    exact_host = [bool(g) or b in keyed for b, g in enumerate(greedy_host)]
+    final = sample_rows(final_dist, exact_host, generators)
+    final = torch.where(exact, chosen.gather(1, num_accepted[:, None]).squeeze(1), final)
     return _result(drafts, num_accepted, final)
 
 

@@ -20,7 +20,10 @@ child ``c`` is accepted with probability ``p_res(c)``, where ``p_res`` is the ta
 at the node with the already rejected siblings removed and renormalised; on acceptance the walk
 descends into ``c``; when every child is rejected the final token is drawn from ``p_res``. Each
 emitted token is therefore distributed exactly as the target's (SpecInfer, Miao et al. 2024,
-with one-hot proposals).
+with one-hot proposals). Seeded rows (a ``KeyedDraw``) are walked like greedy rows, with the
+target's keyed sample at each node's position in place of its argmax (see ``rejection.py``):
+a child is taken iff its token is that sample, which happens with probability p(child), as by
+the multi-candidate rejection, and the emitted tokens are plain decoding's.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from functools import cached_property
 
 import torch
 
-from infer.sampling.sampler import sample_rows
+from infer.sampling.sampler import KeyedDraw, RandomSource, keyed_sample, sample_rows
 
 # ---------------------------------------------------------------------------------------------- shape
 
@@ -248,7 +251,7 @@ def verify_tree(
     parents: torch.Tensor,
     target_probs: torch.Tensor,
     greedy: torch.Tensor,
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[RandomSource],
     mask: torch.Tensor | None = None,
 ) -> TreeVerdict:
     """Accept a path of each row's tree and draw the final token, losslessly.
@@ -259,7 +262,8 @@ def verify_tree(
         parents: [B, N] parent node index, -1 for children of the root; parents come first.
         target_probs: [B, N+1, V] target distributions of the pass rows after the sampling transform.
         greedy: [B] rows decoded greedily (no randomness consumed).
-        generators: per-row generators for sampled rows (None: the global RNG).
+        generators: per-row generators for sampled rows (None: the global RNG; a ``KeyedDraw`` at
+            the position of the root row's token: the row is walked by its keyed samples).
         mask: ``tree_attention_mask(parents, num_nodes)`` if the caller already has it.
     """
     batch, n = node_tokens.shape
@@ -278,12 +282,16 @@ def verify_tree(
     # p_parent(token) for every node: the only per-node numbers the sampled walk needs.
     p_node = target_probs[rows, parent_row, tokens].double()  # [B, N]
     greedy_host = greedy.tolist()
+    keyed = {b for b in range(batch) if not greedy_host[b] and isinstance(generators[b], KeyedDraw)}
+    # Greedy and keyed rows know the target's token at every pass row: its argmax, its keyed sample.
+    exact_host = [bool(g) or b in keyed for b, g in enumerate(greedy_host)]
     host_tokens, host_parents, host_p = tokens.tolist(), parents.tolist(), p_node.tolist()
 
     paths: list[list[int]] = []
     last_rows: list[int] = []
     rejected_at_last: list[list[int]] = []
-    sampled = [b for b in range(batch) if not greedy_host[b]]
+    keyed_final: dict[int, int] = {}
+    sampled = [b for b in range(batch) if not exact_host[b]]
     uniforms: dict[int, list[float]] = {}
     shared = [b for b in sampled if generators[b] is None and counts[b] > 0]
     if shared:
@@ -291,12 +299,12 @@ def verify_tree(
         uniforms.update(zip(shared, draws, strict=True))
     for b in sampled:
         gen = generators[b]
-        if gen is not None and counts[b] > 0:
+        if isinstance(gen, torch.Generator) and counts[b] > 0:
             # Exactly num_nodes[b] uniforms per round: the stream depends on this request alone.
             uniforms[b] = torch.rand(counts[b], generator=gen, device=gen.device, dtype=torch.float64).tolist()
 
     best_host, best_depth_host = [0] * batch, [0] * batch
-    if len(sampled) < batch and n > 0:
+    if len(sampled) + len(keyed) < batch and n > 0:
         argmax = target_probs.argmax(dim=2)  # [B, N+1]
         ok = (tokens == argmax.gather(1, parent_row)) & valid  # node matches its parent's argmax
         full = mask.to(device) if mask is not None else tree_attention_mask(parents, counts)
@@ -308,8 +316,26 @@ def verify_tree(
         best_host, best_depth_host = best.tolist(), best_depth.tolist()
     for b in range(batch):
         kids = _children(host_parents[b], counts[b])
-        if greedy_host[b]:
+        draw = generators[b]
+        if b in keyed and isinstance(draw, KeyedDraw):
+            # Walk down while a child is the target's keyed sample at its position; the sample
+            # where none is becomes the final token. Only the visited rows draw noise.
             path: list[int] = []
+            row = 0
+            while True:
+                token = int(keyed_sample(target_probs[b, row: row + 1].float(), [draw.at(len(path))])[0])
+                child = next((c for c in kids[row] if host_tokens[b][c] == token), -1)
+                if child < 0:
+                    break
+                path.append(child)
+                row = child + 1
+            keyed_final[b] = token
+            paths.append(path)
+            last_rows.append(row)
+            rejected_at_last.append([])
+            continue
+        if exact_host[b]:
+            path = []
             node = best_host[b] if best_depth_host[b] > 0 else -1
             while node >= 0:
                 path.append(node)
@@ -350,9 +376,10 @@ def verify_tree(
 
     final_rows = torch.tensor(last_rows, device=device)
     final_p = target_probs[torch.arange(batch, device=device), final_rows].float()  # [B, V]
-    # Greedy rows rejected nothing at their last row, so their residual is p and they take its argmax.
-    final = sample_rows(residual_after_rejections(final_p, rejected_at_last), [bool(g) for g in greedy_host],
-                        generators)
+    # Greedy and keyed rows rejected nothing at their last row: they take the target's token there.
+    final = sample_rows(residual_after_rejections(final_p, rejected_at_last), exact_host, generators)
     final_host = final.tolist()
+    for b, token in keyed_final.items():
+        final_host[b] = token
     out_tokens = [[host_tokens[b][i] for i in paths[b]] + [final_host[b]] for b in range(batch)]
     return TreeVerdict(paths=paths, tokens=out_tokens, last_rows=last_rows)
