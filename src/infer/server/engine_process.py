@@ -686,3 +686,6 @@ if __name__ == "__main__":  # the engine process (run by EngineProcess)
 
     engine_main(multiprocessing.connection.Connection(int(sys.argv[1]), writable=False),
                  multiprocessing.connection.Connection(int(sys.argv[2]), readable=False))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # everything is handed back: skip tearing down the model's objects one by one
