@@ -576,6 +576,11 @@ class _EngineCore(EngineService):
         for notice in notices:
             self.send(notice)
 
+    def _run(self) -> None:
+        super()._run()
+        if self._crashed is not None:  # the loop itself failed (logged): a dead engine the front end can see
+            os._exit(70)
+
     def _drain_step(self) -> None:
         was = self.drained.is_set()
         super()._drain_step()
