@@ -96,7 +96,12 @@ def build_app(config: EngineConfig, served_model_name: str, api_key: str | None,
         drafting = "" if spec is None else f", speculation {spec.speculator} (K={spec.spec_length}, {spec.spec_length_policy})"
         say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
             f"{engine.pool.free_kv_tokens()} KV tokens{drafting}")
-    return create_app(engine, served_model_name, api_key, **app_options)
+    try:
+        return create_app(engine, served_model_name, api_key, **app_options)
+    except BaseException:
+        if isinstance(engine, EngineProcess):
+            engine.kill()
+        raise
 
 
 def create_app(engine: Engine | EngineProcess, served_model_name: str, api_key: str | None, *,

@@ -36,8 +36,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import infer
 from infer.engine.config import EngineConfig
 from infer.engine.engine import ContextLengthError, Engine
 from infer.engine.scheduler import QueueFullError
@@ -123,9 +125,13 @@ class EngineProcess:
         # script without a __main__ guard, or a Ray worker, would run again in it), two pipes passed down.
         command_read, command_write = os.pipe()
         output_read, output_write = os.pipe()
+        # The engine runs this very infer package, wherever it was imported from (a Ray worker's sys.path
+        # need not be its environment's).
+        package_root = str(Path(infer.__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
         try:
             self.process = subprocess.Popen([sys.executable, "-m", "infer.server.engine_process", str(command_read),
-                                             str(output_write)], pass_fds=(command_read, output_write))
+                                             str(output_write)], pass_fds=(command_read, output_write), env=env)
         finally:
             os.close(command_read)  # the child's ends: once it exits, reading gives EOF here
             os.close(output_write)
