@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from checkpoints import make_tiny_checkpoint
 from infer import Engine, EngineConfig
 from infer.server.app import build_app, create_app
 from infer.server.background import BackgroundServer
@@ -26,6 +27,9 @@ MODEL = "tiny"
 PROMPT = "def add(a, b):\n    return"
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Add two numbers."}]
 DEADLINE_S = 30.0
+# Long enough to be mid-stream when a test disconnects, drains or kills the engine, however fast the
+# machine (the tiny model generates thousands of tokens a second): its context holds 32k tokens.
+LONG = 30_000
 # Speculation (ngram) and prefix caching on, so their statistics and metrics cross the boundary too.
 OPTIONS: dict[str, Any] = {"dtype": "float32", "device": "cpu", "max_batch_size": 2, "max_queue": 2,
                            "prefix_caching": True, "speculator": "ngram", "spec_length": 2}
@@ -36,10 +40,15 @@ def config(model: Path, **options: Any) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_llama: Path) -> Iterator[dict[str, str]]:
+def long_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("long_llama"), "llama", max_position_embeddings=32768, seed=4)
+
+
+@pytest.fixture(scope="module")
+def servers(long_llama: Path) -> Iterator[dict[str, str]]:
     """The same engine served two ways: "thread" (in this process) and "process" (its own)."""
-    thread = BackgroundServer(create_app(Engine(config(tiny_llama)), MODEL, None)).start()
-    process = BackgroundServer(build_app(config(tiny_llama), MODEL, None)).start()
+    thread = BackgroundServer(create_app(Engine(config(long_llama)), MODEL, None)).start()
+    process = BackgroundServer(build_app(config(long_llama), MODEL, None)).start()
     yield {"thread": thread.url, "process": process.url}
     process.stop()
     thread.stop()
@@ -116,8 +125,8 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
     # Refused ones: a schema that does not compile, a prompt over the context, max_tokens past it.
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}),
-    ("/v1/completions", {"prompt": "word " * 600, "max_tokens": 2}),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 600}),
+    ("/v1/completions", {"prompt": "word " * 40_000, "max_tokens": 2}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 40_000}),
 ]
 
 
@@ -152,7 +161,7 @@ def test_a_client_that_disconnects_aborts_its_request(servers: dict[str, str]) -
     url = servers["process"]
     before = metrics(url)['infer_requests_total{finish_reason="abort"}']
     with client(url) as http, http.stream("POST", "/v1/completions", json={
-            "model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}) as response:
+            "model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         while not next(lines).startswith("data: {"):
@@ -176,8 +185,8 @@ def test_a_full_queue_is_a_429_with_retry_after(servers: dict[str, str]) -> None
     assert metrics(url)["infer_requests_rejected_total"] >= len(refused)
 
 
-def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_llama: Path) -> None:
-    server = served(tiny_llama)
+def test_drain_finishes_running_requests_and_refuses_new_ones(long_llama: Path) -> None:
+    server = served(long_llama)
     try:
         service = server.server.config.app.state.service
         assert isinstance(service, EngineClient)
@@ -185,7 +194,7 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_llama: Path) 
         async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE_S) as http:
                 running = asyncio.ensure_future(http.post("/v1/completions", json={
-                    "model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}))
+                    "model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True}))
                 await asyncio.to_thread(wait_until, lambda: not service.idle, "the request to start")
                 service.begin_drain(DEADLINE_S)
                 refused = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
@@ -193,7 +202,7 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_llama: Path) 
                 return await running, refused, health
 
         done, refused, health = asyncio.run(scenario())
-        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 200
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 1500
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
         assert (health.status_code, health.json()) == (503, {"status": "draining"})
         assert service.drained.wait(DEADLINE_S)
@@ -203,13 +212,13 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_llama: Path) 
         server.stop()
 
 
-def test_a_dead_engine_process_is_a_503_not_a_hang(tiny_llama: Path, caplog: pytest.LogCaptureFixture) -> None:
-    server = served(tiny_llama)
+def test_a_dead_engine_process_is_a_503_not_a_hang(long_llama: Path, caplog: pytest.LogCaptureFixture) -> None:
+    server = served(long_llama)
     try:
         engine = server.server.config.app.state.engine
         assert isinstance(engine, EngineProcess)
         with caplog.at_level(logging.ERROR, logger="infer.server"), client(server.url) as http:
-            with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 480,
+            with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": LONG,
                                                                "ignore_eos": True, "stream": True}) as response:
                 lines = response.iter_lines()
                 while not next(lines).startswith("data: {"):
