@@ -30,6 +30,7 @@ import logging
 import multiprocessing.connection
 import os
 import signal
+import site
 import subprocess
 import sys
 import threading
@@ -126,9 +127,12 @@ class EngineProcess:
         command_read, command_write = os.pipe()
         output_read, output_write = os.pipe()
         # The engine runs this very infer package, wherever it was imported from (a Ray worker's sys.path
-        # need not be its environment's).
+        # need not be its environment's); an installed one is found where it was installed.
         package_root = str(Path(infer.__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+        installed = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+        env = dict(os.environ)
+        if package_root not in installed:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         try:
             self.process = subprocess.Popen([sys.executable, "-m", "infer.server.engine_process", str(command_read),
                                              str(output_write)], pass_fds=(command_read, output_write), env=env)
