@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -183,6 +184,16 @@ KV_BACKENDS = {"paged": dict(kv_cache_backend="paged", block_size=4), "slotted":
 
 
 # ----------------------------------------------------------------------------- serving
+
+
+def patched_python(patch: str, directory: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """An environment (``env``, default this one) whose Python processes run ``patch`` at startup, as a
+    ``sitecustomize`` module in ``directory``: how a test patches `infer serve`'s engine, which runs in
+    a process of its own."""
+    (directory / "sitecustomize.py").write_text(patch)
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def wait_serving(proc: subprocess.Popen[str], port: int, timeout: float = 120.0) -> None:

@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers import wait_serving
+from helpers import patched_python, wait_serving
 from infer import Engine, EngineConfig
 from infer.data.tokenizer import IM_END_ID, IM_START_ID
 from infer.server.app import create_app
@@ -250,19 +249,18 @@ def test_serve_refuses_bad_limits_before_loading(capsys: pytest.CaptureFixture[s
 
 
 # -- 3. the port answers while the model loads -------------------------------------------------------
+# A slowly loading model: the engine (in its own process) waits for the test to open the gate.
 LOADER = """
-import sys, time
+import os, time
 from pathlib import Path
 import infer.engine.engine as engine_module
-from infer.cli import main
-gate = Path(sys.argv[1])
+gate = Path(os.environ["INFER_TEST_GATE"])
 real_init = engine_module.Engine.__init__
-def slow_init(self, *args, **kwargs):  # a slowly loading model: waits for the test to open the gate
+def slow_init(self, *args, **kwargs):
     while not gate.exists():
         time.sleep(0.05)
     real_init(self, *args, **kwargs)
 engine_module.Engine.__init__ = slow_init
-sys.exit(main(sys.argv[2:]))
 """
 
 
@@ -270,10 +268,10 @@ def test_health_answers_loading_while_the_model_loads(tiny_llama: Path, tmp_path
     with bind_socket("127.0.0.1", 0) as probe:
         port = int(probe.getsockname()[1])
     gate = tmp_path / "gate"
-    cmd = [sys.executable, "-c", textwrap.dedent(LOADER), str(gate), "serve", "--model", str(tiny_llama),
+    cmd = [sys.executable, "-m", "infer.cli", "serve", "--model", str(tiny_llama),
            "--dtype", "float32", "--device", "cpu", "--port", str(port), "--served-model-name", MODEL]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "INFER_API_KEY": "k"})
+    env = patched_python(LOADER, tmp_path, {**os.environ, "INFER_API_KEY": "k", "INFER_TEST_GATE": str(gate)})
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
         while True:

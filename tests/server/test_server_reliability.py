@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from checkpoints import make_medusa_heads, make_tiny_checkpoint
-from helpers import wait_serving
+from helpers import patched_python, wait_serving
 from infer import Engine, EngineConfig, SamplingParams
 from infer.cache import prefix as prefix_module
 from infer.cache.paged import PagedKVCachePool
@@ -354,28 +354,30 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-# Runs `infer serve` with every engine step slowed by argv[1] seconds: a drain test needs streams that
-# outlast its signals however fast the machine generates (the tiny model does 480 tokens in 0.2 s).
+# `infer serve` with every engine step slowed by $INFER_TEST_STEP_DELAY seconds: a drain test needs streams
+# that outlast its signals however fast the machine generates (the tiny model does 480 tokens in 0.2 s).
 SLOW_STEPS = """
-import sys, time
-from infer.cli import main
+import os, time
 from infer.engine.engine import Engine
-delay, real_step = float(sys.argv[1]), Engine.step
+delay, real_step = float(os.environ["INFER_TEST_STEP_DELAY"]), Engine.step
 def slow_step(self):
     time.sleep(delay)
     return real_step(self)
 Engine.step = slow_step
-sys.exit(main(sys.argv[2:]))
 """
 
 
 def start_serve(model: Path, port: int, *extra: str, env: dict[str, str] | None = None,
-                step_delay: float = 0.0) -> subprocess.Popen[str]:
-    launch = ["-c", SLOW_STEPS, str(step_delay)] if step_delay else ["-m", "infer.cli"]
-    cmd = [sys.executable, *launch, "serve", "--model", str(model), "--dtype", "float32", "--device", "cpu",
+                step_delay: float = 0.0, patch_dir: Path | None = None) -> subprocess.Popen[str]:
+    """``infer serve`` on ``port``; with ``step_delay``, its engine's steps are slowed (patched through
+    ``patch_dir``, a folder of the test's own)."""
+    cmd = [sys.executable, "-m", "infer.cli", "serve", "--model", str(model), "--dtype", "float32", "--device", "cpu",
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    environment = {**os.environ, **(env or {})}
+    if step_delay:
+        assert patch_dir is not None, "a slowed engine is patched through a folder of the test's own"
+        environment = patched_python(SLOW_STEPS, patch_dir, {**environment, "INFER_TEST_STEP_DELAY": str(step_delay)})
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int | None, str]:
@@ -430,10 +432,10 @@ STREAMS = [{"prompt": f"def f{i}(x):", "max_tokens": 12 if i % 2 else 480, "igno
            for i in range(16)]
 
 
-def test_sigterm_drains_then_aborts_at_the_deadline(tiny_llama: Path, tiny_draft: Path) -> None:
+def test_sigterm_drains_then_aborts_at_the_deadline(tiny_llama: Path, tiny_draft: Path, tmp_path: Path) -> None:
     port = free_port()
     proc = start_serve(tiny_llama, port, "--draft-model", str(tiny_draft), "--spec-length", "2",
-                       "--max-batch-size", "2", "--shutdown-timeout", "3", step_delay=0.02)
+                       "--max-batch-size", "2", "--shutdown-timeout", "3", step_delay=0.02, patch_dir=tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_serving(proc, port)
@@ -468,9 +470,10 @@ def test_sigterm_drains_then_aborts_at_the_deadline(tiny_llama: Path, tiny_draft
     assert f"{aborted} aborted; KV cache in use: target 0%, draft 0%" in stderr, stderr
 
 
-def test_second_signal_aborts_at_once(tiny_llama: Path) -> None:
+def test_second_signal_aborts_at_once(tiny_llama: Path, tmp_path: Path) -> None:
     port = free_port()
-    proc = start_serve(tiny_llama, port, "--max-batch-size", "4", "--shutdown-timeout", "600", step_delay=0.02)
+    proc = start_serve(tiny_llama, port, "--max-batch-size", "4", "--shutdown-timeout", "600", step_delay=0.02,
+                       patch_dir=tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_serving(proc, port)

@@ -185,10 +185,31 @@ def _offline_engine(serve_args: list[str]) -> Any:
     return Engine(engine_config(parser.parse_known_args(serve_args)[0]))
 
 
-def single_stream_vs_offline(url: str, model: str, engine: Any, prompts: list[str], repeats: int, max_tokens: int,
-                             temperature: float, seed: int, chat: bool) -> dict[str, Any]:
-    """Alternate one request through the server and the same request offline (one warm-up each);
-    medians of tokens/s per request, end to end."""
+async def _whole_request(url: str, model: str, prompt: str, max_tokens: int, temperature: float,
+                         chat: bool) -> tuple[float, int]:
+    """One request with ``stream: false``: (tokens/s over its wall time, completion tokens)."""
+    import httpx
+
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        start = time.perf_counter()
+        response = await client.post(f"{url}/v1/{'chat/completions' if chat else 'completions'}", json=body)
+        wall = time.perf_counter() - start
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]!r}")
+    tokens = int(response.json()["usage"]["completion_tokens"])
+    return tokens / wall, tokens
+
+
+def single_stream_vs_offline(servers: dict[str, tuple[str, str]], engine: Any, prompts: list[str], repeats: int,
+                             max_tokens: int, temperature: float, seed: int, chat: bool) -> dict[str, dict[str, Any]]:
+    """One request at a time through each of ``servers`` (label -> (url, model)), streamed and not, and
+    the same request offline, in an order that rotates per request (one warm-up each); per server the
+    medians of tokens/s per request, end to end, and their ratios to offline."""
     from infer.sampling.params import SamplingParams
 
     def offline(prompt: str) -> tuple[float, int]:
@@ -198,30 +219,51 @@ def single_stream_vs_offline(url: str, model: str, engine: Any, prompts: list[st
         engine.run_until_done()
         return len(request.output_token_ids) / (time.perf_counter() - start), len(request.output_token_ids)
 
-    def served(prompt: str) -> tuple[float, int]:
-        level = asyncio.run(run_level(url, model, [prompt], 1, 1, max_tokens, temperature, None, seed, chat))
-        if level.errors:
-            raise RuntimeError("a single-stream request through the server failed")
-        return level.throughput_tok_s, level.output_tokens
+    def streamed(url: str, model: str) -> Any:
+        def run(prompt: str) -> tuple[float, int]:
+            level = asyncio.run(run_level(url, model, [prompt], 1, 1, max_tokens, temperature, None, seed, chat))
+            if level.errors:
+                raise RuntimeError("a single-stream request through the server failed")
+            return level.throughput_tok_s, level.output_tokens
+        return run
 
-    served(prompts[0])
-    offline(prompts[0])
-    server_rates: list[float] = []
-    offline_rates: list[float] = []
-    same_lengths = True
-    for rep in range(repeats):
-        for i, prompt in enumerate(prompts):
-            pair = [served, offline] if (rep + i) % 2 == 0 else [offline, served]  # neither always goes first
-            results = {fn: fn(prompt) for fn in pair}
-            server_rates.append(results[served][0])
-            offline_rates.append(results[offline][0])
-            same_lengths &= results[served][1] == results[offline][1]
-    server, off = statistics.median(server_rates), statistics.median(offline_rates)
-    # Each request against its offline twin run right before or after it: less exposed to the drift.
-    paired = statistics.median(a / b for a, b in zip(server_rates, offline_rates, strict=True))
-    return {"server_tok_s": server, "offline_tok_s": off, "ratio": server / off, "paired_ratio": paired,
-            "samples": len(server_rates), "same_token_counts": same_lengths, "server_samples": server_rates,
-            "offline_samples": offline_rates}
+    def whole(url: str, model: str) -> Any:
+        return lambda prompt: asyncio.run(_whole_request(url, model, prompt, max_tokens, temperature, chat))
+
+    modes: dict[tuple[str, str], Any] = {("", "offline"): offline}
+    for label, (url, model) in servers.items():
+        modes[(label, "streamed")] = streamed(url, model)
+        modes[(label, "whole")] = whole(url, model)
+    for run in modes.values():
+        run(prompts[0])
+    rates: dict[tuple[str, str], list[float]] = {key: [] for key in modes}
+    lengths: dict[tuple[str, str], list[int]] = {key: [] for key in modes}
+    keys = list(modes)
+    turn = 0
+    for _rep in range(repeats):
+        for prompt in prompts:
+            shift = turn % len(keys)  # none always goes first, or always right after another
+            turn += 1
+            for key in keys[shift:] + keys[:shift]:
+                rate, tokens = modes[key](prompt)
+                rates[key].append(rate)
+                lengths[key].append(tokens)
+    off = rates[("", "offline")]
+    out: dict[str, dict[str, Any]] = {}
+    for label in servers:
+        stream_rates, whole_rates = rates[(label, "streamed")], rates[(label, "whole")]
+        server, whole_median, offline_median = (statistics.median(stream_rates), statistics.median(whole_rates),
+                                                statistics.median(off))
+        # Each request against its offline twin run in the same turn: less exposed to the drift.
+        out[label] = {
+            "server_tok_s": server, "offline_tok_s": offline_median, "ratio": server / offline_median,
+            "paired_ratio": statistics.median(a / b for a, b in zip(stream_rates, off, strict=True)),
+            "whole_tok_s": whole_median, "whole_ratio": whole_median / offline_median,
+            "whole_paired_ratio": statistics.median(a / b for a, b in zip(whole_rates, off, strict=True)),
+            "samples": len(stream_rates),
+            "same_token_counts": lengths[(label, "streamed")] == lengths[("", "offline")] == lengths[(label, "whole")],
+            "server_samples": stream_rates, "whole_samples": whole_rates, "offline_samples": off}
+    return out
 
 
 def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -241,7 +283,9 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
         prompts = code_prompts(args.num_prompts)
     configs: list[tuple[str, list[str] | None]] = []
     if args.server:
-        configs.append((args.label, None))
+        labels = args.label if len(args.label) == len(args.server) else \
+            [f"{args.label[0]} {i + 1}" if len(args.server) > 1 else args.label[0] for i in range(len(args.server))]
+        configs += [(label, None) for label in labels]
     else:
         if not args.model:
             raise ValueError("give --server URL, or --model (and --draft-model) to launch servers")
@@ -266,7 +310,11 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
     groups = [[config] for config in configs] if args.replicas else [configs]
     for group in groups:
         with contextlib.ExitStack() as stack:
-            servers = [_Server(label, serve_args, args.server, stack) for label, serve_args in group]
+            urls = args.server or [None] * len(group)
+            servers = [_Server(label, serve_args, url, stack) for (label, serve_args), url in zip(group, urls,
+                                                                                                   strict=True)]
+            if args.server and args.offline_repeats:
+                _given_servers_vs_offline(servers, args, prompts)
             for server in servers:
                 server.prepare(args, prompts, warmup)
             for level_index, c in enumerate(args.concurrency):
@@ -288,6 +336,25 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
             for server in servers:
                 report["runs"].append(server.report())
     return report
+
+
+def _given_servers_vs_offline(servers: list[_Server], args: argparse.Namespace, prompts: list[str]) -> None:
+    """``--server`` URLs with ``--offline-repeats``: every server and the engine ``--model`` (and the
+    engine flags) describes, run offline here, take turns on the same single requests."""
+    if not args.model:
+        raise ValueError("--offline-repeats with --server needs --model (and the servers' engine flags) for the "
+                         "offline side")
+    flags = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--quantization",
+             args.quantization, "--backend", args.backend]
+    print(f"[bench] {', '.join(s.label for s in servers)}: single requests through each server vs offline, "
+          f"{args.offline_repeats} repeats of {min(len(prompts), args.num_prompts)} prompts", file=sys.stderr,
+          flush=True)
+    singles = single_stream_vs_offline({s.label: (s.url, s.model) for s in servers}, _offline_engine(flags),
+                                       prompts[: args.num_prompts], args.offline_repeats, args.max_tokens,
+                                       args.temperature, args.seed, args.chat)
+    for server in servers:
+        server.single = singles[server.label]
+        _say_single(server.label, server.single)
 
 
 class _Server:
@@ -318,13 +385,12 @@ class _Server:
             print(f"[bench] {self.label}: single stream through the server vs offline, {args.offline_repeats} "
                   f"repeats of {min(len(prompts), args.num_prompts)} prompts", file=sys.stderr, flush=True)
             engine = _offline_engine(self.serve_args)
-            self.single = single_stream_vs_offline(self.url, self.model, engine, prompts[: args.num_prompts],
-                                                   args.offline_repeats, args.max_tokens, args.temperature,
-                                                   args.seed, args.chat)
+            self.single = single_stream_vs_offline({self.label: (self.url, self.model)}, engine,
+                                                   prompts[: args.num_prompts], args.offline_repeats,
+                                                   args.max_tokens, args.temperature, args.seed,
+                                                   args.chat)[self.label]
             del engine
-            print(f"[bench] {self.label}: one stream {self.single['server_tok_s']:.1f} tok/s through the server, "
-                  f"{self.single['offline_tok_s']:.1f} offline ({self.single['ratio']:.2f}x)", file=sys.stderr,
-                  flush=True)
+            _say_single(self.label, self.single)
         if warmup:
             print(f"[bench] {self.label}: {len(warmup)} warm-up requests", file=sys.stderr, flush=True)
             asyncio.run(run_level(self.url, self.model, warmup, max(args.concurrency), len(warmup), args.max_tokens,
@@ -339,6 +405,12 @@ class _Server:
             level["repeat_throughputs_tok_s"] = [r.throughput_tok_s for r in runs]
             levels.append(level)
         return {"label": self.label, "url": self.url, "levels": levels, "single_stream": self.single}
+
+
+def _say_single(label: str, single: dict[str, Any]) -> None:
+    print(f"[bench] {label}: one stream {single['server_tok_s']:.1f} tok/s through the server "
+          f"({single['whole_tok_s']:.1f} not streamed), {single['offline_tok_s']:.1f} offline "
+          f"({single['ratio']:.2f}x, {single['whole_ratio']:.2f}x)", file=sys.stderr, flush=True)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -367,10 +439,12 @@ def serving_table(report: dict[str, Any]) -> str:
                 f"{mine[c] / plain[c]:.2f}×" if c in mine and plain[c] else "–" for c in levels) + " |")
     singles = [(run["label"], run["single_stream"]) for run in report["runs"] if run.get("single_stream")]
     if singles:
-        rows += ["", "| config | one stream through the server tok/s | same requests offline tok/s | server / offline "
-                 "| median of paired ratios | requests each |", "|---|---:|---:|---:|---:|---:|"]
-        rows += [f"| {label} | {s['server_tok_s']:.1f} | {s['offline_tok_s']:.1f} | {s['ratio']:.2f}× | "
-                 f"{s['paired_ratio']:.2f}× | {s['samples']} |" for label, s in singles]
+        rows += ["", "| config | one stream through the server tok/s | not streamed tok/s | same requests offline "
+                 "tok/s | server / offline (streamed, not) | median of paired ratios (streamed, not) | requests each |",
+                 "|---|---:|---:|---:|---:|---:|---:|"]
+        rows += [f"| {label} | {s['server_tok_s']:.1f} | {s['whole_tok_s']:.1f} | {s['offline_tok_s']:.1f} | "
+                 f"{s['ratio']:.2f}×, {s['whole_ratio']:.2f}× | {s['paired_ratio']:.2f}×, {s['whole_paired_ratio']:.2f}× "
+                 f"| {s['samples']} |" for label, s in singles]
     return "\n".join(rows) + "\n"
 
 
@@ -399,9 +473,11 @@ def add_serving_parser(kinds: Any) -> None:
     from infer.engine.options import add_engine_args
 
     p = kinds.add_parser("serving", help="OpenAI-API load generator with a concurrency sweep")
-    p.add_argument("--server", default=None, help="URL of a running server (e.g. http://127.0.0.1:8000)")
-    p.add_argument("--label", default="server", help="name of the --server run in the report")
-    p.add_argument("--model", default=None, help="launch servers for this target (off / fixed / goodput)")
+    p.add_argument("--server", nargs="+", default=None, metavar="URL",
+                   help="URLs of running servers (e.g. http://127.0.0.1:8000), measured in turns")
+    p.add_argument("--label", nargs="+", default=["server"], help="names of the --server runs in the report")
+    p.add_argument("--model", default=None, help="launch servers for this target (off / fixed / goodput); with "
+                   "--server and --offline-repeats, the engine run offline")
     p.add_argument("--speculator", nargs="*", default=[], choices=["ngram", "suffix"],
                    help="also launch a server with each of these drafters")
     # What the launched servers get, declared as infer serve declares them; a benchmark keeps naming its
@@ -429,8 +505,8 @@ def add_serving_parser(kinds: Any) -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offline-repeats", type=int, default=0, metavar="N",
-                   help="before the sweep, time N repeats of --num-prompts single requests through each launched "
-                        "server against the same engine run offline in this process, alternating")
+                   help="before the sweep, time N repeats of --num-prompts single requests (streamed and not) "
+                        "through each server against the same engine run offline in this process, in turns")
     p.add_argument("--out", default="bench-out")
     p.set_defaults(func=_run)
 

@@ -26,6 +26,7 @@ from infer.engine.engine import Engine
 from infer.sampling.params import SamplingParams, short_repr
 from infer.server import anthropic, responses, tokenize
 from infer.server.engine_loop import EngineService, Progress, Subscription
+from infer.server.engine_process import EngineClient, EngineProcess
 from infer.server.errors import (
     APIError,
     ErrorResponse,
@@ -91,25 +92,34 @@ def _generation_responses(model: type, auth: bool) -> dict[int | str, dict[str, 
 
 
 def build_app(config: EngineConfig, served_model_name: str, api_key: str | None, *,
-              say: Callable[[str], None] | None = None, **app_options: Any) -> FastAPI:
+              say: Callable[[str], None] | None = None, in_process: bool = False, **app_options: Any) -> FastAPI:
     """Load the engine ``config`` describes and wrap it in the HTTP app (``create_app``'s options):
-    what one ``infer serve`` process runs, and what each Ray Serve replica runs."""
-    engine = Engine(config, say)
+    what one ``infer serve`` process runs, and what each Ray Serve replica runs.
+
+    The engine runs in its own process (see engine_process.py), so the front end's Python work never
+    takes the kernels' cores; ``in_process=True`` runs it on a thread of this process instead."""
+    engine: Engine | EngineProcess = Engine(config, say) if in_process else EngineProcess(config, say)
     if say is not None:
         spec = config.speculative
         drafting = "" if spec is None else f", speculation {spec.speculator} (K={spec.spec_length}, {spec.spec_length_policy})"
         say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
             f"{engine.pool.free_kv_tokens()} KV tokens{drafting}")
-    return create_app(engine, served_model_name, api_key, **app_options)
+    try:
+        return create_app(engine, served_model_name, api_key, **app_options)
+    except BaseException:
+        if isinstance(engine, EngineProcess):
+            engine.kill()
+        raise
 
 
-def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
+def create_app(engine: Engine | EngineProcess, served_model_name: str, api_key: str | None, *,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_limits: RequestLimits | None = None,
                max_stored_responses: int = responses.DEFAULT_MAX_STORED_RESPONSES,
                metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None = None) -> FastAPI:
     """An app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1/* when set.
 
-    The engine thread starts with the app (lifespan startup) and stops with it; requests still
+    ``engine``: an ``Engine`` (stepped on a thread of this process) or an ``EngineProcess``. The engine thread (or the
+    client of the engine process) starts with the app (lifespan startup) and stops with it; requests still
     running then end with an error. ``app.state.service.begin_drain`` starts a graceful shutdown.
     ``metrics_exposition`` replaces what /metrics answers (a Ray Serve replica answers with every
     replica's metrics, not only its own). ``max_stored_responses``: how many /v1/responses answers
@@ -126,7 +136,8 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None, *,
     backend = getattr(engine, "backend", None)
     if backend is not None:
         metrics.backend_info.set(1, tuple(backend.info().items()))
-    service = EngineService(engine, metrics)
+    service: EngineService | EngineClient = (EngineClient(engine, metrics) if isinstance(engine, EngineProcess)
+                                             else EngineService(engine, metrics))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -224,8 +235,8 @@ def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
 
 
 class _Api:
-    def __init__(self, engine: Engine, service: EngineService, served_model_name: str,
-                 limits: RequestLimits) -> None:
+    def __init__(self, engine: Engine | EngineProcess, service: EngineService | EngineClient,
+                 served_model_name: str, limits: RequestLimits) -> None:
         self.engine = engine
         self.service = service
         self.model_name = served_model_name

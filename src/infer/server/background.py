@@ -16,6 +16,7 @@ from infer.server.errors import APIError, SafeJSONResponse
 
 if TYPE_CHECKING:
     from infer.server.engine_loop import EngineService
+    from infer.server.engine_process import EngineClient
 
 
 def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -72,7 +73,7 @@ class DrainingServer(uvicorn.Server):
     The signal handler only counts; the work happens on the event loop in ``on_tick`` (every 0.1 s).
     """
 
-    def __init__(self, config: uvicorn.Config, service: EngineService, shutdown_timeout: float,
+    def __init__(self, config: uvicorn.Config, service: EngineService | EngineClient, shutdown_timeout: float,
                  on_ready: Callable[[], None] = lambda: None, say: Callable[[str], None] = lambda _m: None) -> None:
         super().__init__(config)
         self.service = service

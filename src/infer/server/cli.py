@@ -223,7 +223,6 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     from infer.server.app import build_app
     from infer.server.background import BackgroundServer, DrainingServer, loading_app
     from infer.server.connections import uvicorn_config
-    from infer.server.engine_loop import kv_pools, kv_usage
 
     name = served_model_name(args)
     limits = http_limits_from(args)
@@ -233,7 +232,6 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     with BackgroundServer(loading_app(), sock=sock, limits=limits, log_level=args.log_level, graceful_shutdown_s=1):
         app = build_app(engine_config(args), name, args.api_key, say=say, max_request_bytes=args.max_request_bytes,
                         request_limits=request_limits_from(args), max_stored_responses=args.max_stored_responses)
-    engine = app.state.engine
     host = f"[{args.host}]" if ":" in args.host else args.host
     port = sock.getsockname()[1]
     ready = f"serving {name!r} at http://{host}:{port}/v1" + (" (API key required)" if args.api_key else "")
@@ -243,7 +241,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     server.run(sockets=[sock])
     service = app.state.service
     if service.draining:
-        in_use = ", ".join(f"{pool_name} {kv_usage(pool):.0%}" for pool_name, pool in kv_pools(engine))
+        in_use = ", ".join(f"{pool_name} {usage:.0%}" for pool_name, usage in service.kv_in_use().items())
         say(f"shut down: {service.drain_finished} requests finished while draining, {service.drain_aborted} "
             f"aborted; KV cache in use: {in_use}")
     return 0

@@ -295,9 +295,11 @@ class EngineService:
                 self._drain_step()
                 if not self.engine.has_unfinished():
                     self._publish_gauges()
+                    self._flush()
                     self._wake.wait(self.idle_wait_s)
                     continue
                 self._step()
+                self._flush()
                 if self._adding:
                     time.sleep(0)  # let a worker thread waiting in add_request take engine.lock
         except BaseException as err:  # a bug in this loop itself: record it, /health turns 503
@@ -308,6 +310,11 @@ class EngineService:
                 self._fail_all(SHUTDOWN_MESSAGE, shutdown=True)
             else:
                 self._fail_all(f"the engine thread crashed: {self._crashed!r}")
+            self._flush()
+
+    def _flush(self) -> None:
+        """After each turn of the loop: hand on what the turn produced (a no-op here: ``push`` and the
+        metrics act at once; the engine process batches one message per turn)."""
 
     def _drain_step(self) -> None:
         if self._drain_deadline is None or self.drained.is_set():
@@ -424,6 +431,11 @@ class EngineService:
                     self.metrics.kv_blocks_total.set(total, labels)
                     self.metrics.kv_blocks_in_use.set(total - free_blocks(), labels)
         self.metrics.set_kv_usage(usage)
+
+
+    def kv_in_use(self) -> dict[str, float]:
+        """Each KV pool's fraction in use, by name (the shutdown summary)."""
+        return {name: kv_usage(pool) for name, pool in kv_pools(self.engine)}
 
 
 def kv_usage(pool: Any) -> float:

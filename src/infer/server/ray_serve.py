@@ -221,11 +221,11 @@ def infer_deployment(args: argparse.Namespace, scale: ScaleOut, hub: Any) -> Any
 
     @serve.ingress(build_replica_app)
     class InferReplica:
-        """One engine and its HTTP app; Ray Serve replaces a replica whose engine thread stopped."""
+        """One engine and its HTTP app; Ray Serve replaces a replica whose engine stopped."""
 
         def check_health(self) -> None:
             if not self.app.state.service.alive:  # type: ignore[attr-defined]  # ``app`` comes from serve.ingress
-                raise RuntimeError("the engine thread is not running")
+                raise RuntimeError("the engine is not running")
 
     return serve.deployment(InferReplica, **deployment_options(args, scale))
 
