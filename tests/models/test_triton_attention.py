@@ -9,7 +9,7 @@ The ``cuda`` tests run the compiled kernel on a GPU (``pytest -m cuda``; skipped
 
 Triton reads ``TRITON_INTERPRET`` when it is imported, and one process cannot hold both an
 interpreted and a compiled Triton: so the interpreted tests run in a child pytest on this file with
-the variable set (``test_interpreted_tests_pass``); in the parent process they skip, saying so.
+the variable set (``test_interpreted_tests_pass``); each process deselects the other's tests.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from infer.models.layers import Attention, DecoderOnlyLM
 pytest.importorskip("triton", reason="triton is in the dev extra (pip install -e '.[dev]')")
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-interpreted = pytest.mark.skipif(not triton_attention.interpreted(),
-                                 reason="runs under TRITON_INTERPRET=1 in test_interpreted_tests_pass's child pytest")
-in_parent = pytest.mark.skipif(triton_attention.interpreted(), reason="checked in the parent run")
+# Each process runs its own half of this file and deselects the other (tests/conftest.py): the
+# interpreted tests run in test_interpreted_tests_pass's child pytest, under TRITON_INTERPRET=1.
+interpreted = pytest.mark.triton_interpreted
+in_parent = pytest.mark.triton_parent
 
 
 @in_parent
