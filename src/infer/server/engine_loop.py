@@ -139,6 +139,12 @@ class Subscription:
         self.service.unsubscribe(self)
 
 
+def refused_param(message: str, prompt_param: str) -> str:
+    """The request field a ValueError of the engine's admission names: a sampling field the engine
+    checks against the model (logit_bias ids) is named as such, anything else is the prompt's."""
+    return "logit_bias" if message.startswith("SamplingParams.logit_bias") else prompt_param
+
+
 class EngineService:
     """Owns the engine thread and the request subscriptions of one app."""
 
@@ -252,9 +258,7 @@ class EngineService:
             raise bad_request(str(err), param=max_tokens_param, code="context_length_exceeded") from None
         except ValueError as err:
             sub.close()
-            # A sampling field the engine checks against the model (logit_bias ids) is named as such.
-            field = "logit_bias" if str(err).startswith("SamplingParams.logit_bias") else prompt_param
-            raise bad_request(str(err), param=field) from None
+            raise bad_request(str(err), param=refused_param(str(err), prompt_param)) from None
         except BaseException:
             sub.close()
             raise

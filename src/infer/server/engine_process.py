@@ -47,7 +47,7 @@ from infer.engine.scheduler import QueueFullError
 from infer.models.config import ModelConfig
 from infer.sampling.params import SamplingParams
 from infer.sampling.sampler import TokenLogprobs
-from infer.server.engine_loop import EngineService, Progress, SpecStats, Subscription
+from infer.server.engine_loop import EngineService, Progress, SpecStats, Subscription, refused_param
 from infer.server.errors import APIError, bad_request, shutting_down
 from infer.server.metrics import ServerMetrics
 
@@ -400,7 +400,7 @@ class EngineClient:
         if kind == "context":
             raise bad_request(message, param=max_tokens_param, code="context_length_exceeded")
         if kind == "value":
-            raise bad_request(message, param=prompt_param)
+            raise bad_request(message, param=refused_param(message, prompt_param))
         if kind == "draining":
             raise shutting_down("the server is shutting down and takes no new requests; retry on another replica")
         raise APIError(503, message, type="server_error", code="engine_unavailable")
