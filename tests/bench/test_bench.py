@@ -103,7 +103,7 @@ def test_bench_generation_repetitive_workload(tiny_llama: Path, tmp_path: Path) 
     assert "learnt from 2 other requests first" in (out / "generation.md").read_text()
     # Every timed repeat drafted from the warm-up requests alone (never from the bench's own warm-up
     # generation of the timed prompt, nor from an earlier repeat): as an engine that served only them.
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_batch_size=1, speculator="suffix", spec_length=3)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_batch_size=1, speculator="suffix", spec_length=3, spec_length_policy="fixed")
     chats = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in repetitive_prompts(3)]
     for warmup in chats[1:]:  # the timed prompt comes first, then the warm-up ones
         llm.generate([warmup], SamplingParams(max_tokens=16, temperature=0.0))

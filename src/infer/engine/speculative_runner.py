@@ -372,14 +372,15 @@ class SpeculativeRunner:
         return outputs
 
     def _clamp(self, request: Request, budget: int) -> int:
-        """Never verify past the context (overflow guard); a chain never drafts past the tokens the
+        """Never verify past the context (overflow guard) nor more than the request allows (its
+        ``max_draft_tokens``, or none with speculation off); a chain never drafts past the tokens the
         request may still emit (a tree's depth is capped by its drafter); a drafter that reads hidden
         states waits for the request's first one."""
         if self._hidden is not None and request.request_id not in self._hidden:
             return 0
         if self.drafter.info.tree:
-            return min(budget, request.context_room)
-        return min(budget, request.context_room, request.tokens_left)
+            return min(budget, request.draft_room)
+        return min(budget, request.draft_room, request.tokens_left)
 
     # -- hidden states for a drafter that reads them ---------------------------------------------
     def _keep_hidden(self, sampled: Sampled) -> StepResult:
