@@ -9,11 +9,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from infer import LLM, SamplingParams
 from infer.core.request import Request
 from infer.engine.config import MODEL_FREE_MAX_DRAFT, EngineConfig
 from infer.speculative.budget import BudgetController
+from infer.speculative.tree import verify_tree, verify_tree_greedy
 
 # The tiny model's greedy output settles into a short cycle: n-gram lookup then copies it.
 PROMPT = "one two three four five six seven eight nine ten " * 6
@@ -112,3 +114,22 @@ def test_sampling_params_validate_speculation_fields() -> None:
         SamplingParams(max_draft_tokens=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="speculate"):
         SamplingParams(speculate="no")  # type: ignore[arg-type]
+
+
+def test_greedy_tree_walk_matches_the_tree_verifier() -> None:
+    """The argmax-only greedy tree verdict is verify_tree's on one-hot target distributions, on random
+    trees with small vocabularies (so siblings often share a token and ties between paths occur)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        batch, width, vocab = 3, 7, 3
+        counts = torch.randint(0, width + 1, (batch,), generator=gen).tolist()
+        parents = torch.full((batch, width), -1, dtype=torch.long)
+        for b in range(batch):
+            for i in range(1, counts[b]):
+                parents[b, i] = int(torch.randint(-1, i, (1,), generator=gen))
+        tokens = torch.randint(0, vocab, (batch, width), generator=gen)
+        choices = torch.randint(0, vocab, (batch, width + 1), generator=gen)
+        probs = torch.zeros(batch, width + 1, vocab).scatter_(2, choices.unsqueeze(2), 1.0)
+        expected = verify_tree(tokens, counts, parents, probs, torch.ones(batch, dtype=torch.bool), [None] * batch)
+        got = verify_tree_greedy(tokens.tolist(), counts, parents.tolist(), choices.tolist())
+        assert (got.paths, got.tokens, got.last_rows) == (expected.paths, expected.tokens, expected.last_rows)

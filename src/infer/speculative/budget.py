@@ -16,17 +16,20 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   grown by the batch, ``(D + b·B) / (a + b·B)``, which tends to 1 as the batch fills: under load
   speculation stops paying.
 * **Acceptance** ``E_b(n)``, the tokens a round emits for request ``b``. For a chain it is
-  Theorem 3.8's ``1 + α + ... + α^n`` with ``α`` the request's per-draft acceptance (a moving
-  average starting from the drafter's recent one). For a tree, whose extra width a single ``α``
-  does not describe, it is measured: the mean tokens per request and round at each size on a
-  ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times first and a
-  neighbour of the best every ``probe_every`` rounds. A chain batch settled on ``n = 0`` drafts two
-  tokens for every request after ``probe_every`` plain rounds, so requests whose text turns
-  predictable can win speculation back. The whole batch probes in one round because a round that
-  verifies anything pays the drafter's call (or its steps) once: eight requests probing in eight
-  rounds would pay it eight times. Each probe that does not win speculation back doubles
-  the wait (up to ``max_probe_every``), so a batch where speculation never pays (a full batch on
-  a compute-bound CPU) pays for ever fewer probes.
+  Theorem 3.8's ``1 + α + ... + α^n`` with ``α`` the request's per-draft acceptance: its accepted
+  over judged drafts of its last rounds (older rounds weigh less, at most ``alpha_window`` drafts
+  in all, starting from the drafter's recent acceptance), so a request whose text stops repeating
+  backs off within a round or two and one copying a passage drafts long. For a tree, whose extra
+  width a single ``α`` does not describe, it is measured: the mean tokens per request and round at
+  each size on a ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times
+  first and a neighbour of the best every ``probe_every`` rounds. A chain request left at
+  ``n = 0`` drafts two tokens after ``first_probe`` plain rounds (a new one: its α is only its
+  predecessors'), then after ``probe_every``, so one whose text turns predictable can win
+  speculation back. When one request is due, every request at 0 probes with it, because a round
+  that verifies anything pays the drafter's call (or its steps) once: eight requests probing in
+  eight rounds would pay it eight times. Each probe that does not win speculation back doubles the
+  request's wait (up to ``max_probe_every``), so where speculation never pays (a full batch on a
+  compute-bound CPU) it pays for ever fewer probes.
 
 Every budget gives the same output (verification is exact), so this only changes the speed.
 
@@ -126,7 +129,7 @@ class BudgetController:
                  prior_cost: float = 0.0, prior_alpha: float = 0.6, ema: float = 0.3, probe_every: int = 16,
                  max_probe_every: int = 128, warmup_rounds: int = 2, tree_ema: float = 0.2,
                  alpha_decay: float = 0.7, alpha_window: float = 8.0, prior_row_cost: float = 0.05,
-                 min_row_cost: float = 0.01) -> None:
+                 min_row_cost: float = 0.01, first_probe: int = 4) -> None:
         if max_budget < 1:
             raise ValueError(f"max_budget={max_budget} must be >= 1")
         self.max_budget = max_budget
@@ -136,6 +139,9 @@ class BudgetController:
         self.prior_cost = prior_cost
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
+        # A new request starting at K = 0 (its drafter's recent requests did not pay) probes sooner:
+        # until then its acceptance is only its predecessors'.
+        self.first_probe = min(first_probe, probe_every)
         # Cost: target passes by tokens in the pass; draft steps by batch size. Draft steps are
         # sampled less often once a chain settles on 0 (only probes draft), so that fit forgets
         # faster: one slow early sample must not keep drafting dear for long.
@@ -246,7 +252,7 @@ class BudgetController:
                 self._plain_rounds[rid], self._probe_wait[rid] = 0, self.probe_every
                 continue
             self._plain_rounds[rid] = self._plain_rounds.get(rid, 0) + 1
-            due |= self._plain_rounds[rid] >= self._probe_wait.setdefault(rid, self.probe_every)
+            due |= self._plain_rounds[rid] >= self._probe_wait.setdefault(rid, self.first_probe)
         if not due:
             return lengths
         probed = list(lengths)

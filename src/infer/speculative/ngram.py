@@ -106,7 +106,9 @@ class NgramDrafter(Drafter):
             index = self._indexes.get(request.request_id)
             if index is None:
                 index = self._indexes[request.request_id] = NgramIndex(min_n=self.min_n, max_n=self.max_n)
-            index.extend(request.all_token_ids[len(index):])
+            # Only the tokens since the last round (all_token_ids would copy the whole sequence).
+            seen, prompt = len(index), request.prompt_token_ids
+            index.extend(prompt[seen:] + request.output_token_ids[max(0, seen - len(prompt)):])
             guesses.append(index.propose(limit))
         return pad_proposals(guesses, self.device)
 
