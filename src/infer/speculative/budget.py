@@ -157,8 +157,7 @@ class BudgetController:
         self.alpha_decay = alpha_decay
         self.alpha_window = alpha_window
         self.recent_alpha = prior_alpha
-        # A verification row's cost in plain decode steps until the fit measures one, and never less:
-        # an unmeasured (or noisy, flat) fit must not make a 64-token pass look free.
+        # A chain's verification row in plain decode steps, until the fit measures one, and at least.
         self.prior_row_cost = prior_row_cost
         self.min_row_cost = min_row_cost
         # Per request at K = 0: rounds since its last probe (or speculation), and the wait before the next.
@@ -183,6 +182,9 @@ class BudgetController:
             per_node, overhead = self._last_cost = self.round_cost(len(requests))
             return [self.tree_size(per_node, overhead)] * len(requests)
         per_row, per_step, overhead = self.chain_cost(len(requests))
+        # A chain of up to max_budget rows: its row cost is a prior until a pass is timed, and never
+        # below min_row_cost, so an unmeasured (or noisy, flat) fit cannot make a 32-row pass look free.
+        per_row = max(per_row, self.min_row_cost) if self.target.ready else self.prior_row_cost
         return self.chain_lengths(requests, per_row, overhead, per_step)
 
     def chain_cost(self, batch_size: int) -> tuple[float, float, float]:
@@ -190,14 +192,12 @@ class BudgetController:
         costs ``1 + overhead·[any k_b > 0] + per_step·max k_b + per_row·Σ k_b`` plain decode steps
         (the verification pass computes each request's own rows; a draft model steps as long as the
         longest chain; a one-call drafter pays its call once)."""
-        if not self.target.ready:  # the priors, until a pass is timed
-            row = self.prior_row_cost
-            return (row, self.prior_cost, 0.0) if self.cost_per_token else (row, 0.0, self.prior_cost)
+        if not self.target.ready:  # the prior: drafting costs prior_cost, verified rows nothing yet
+            return (0.0, self.prior_cost, 0.0) if self.cost_per_token else (0.0, 0.0, self.prior_cost)
         a, b = self.target.coefficients()
         plain = a + b * batch_size
         draft = (self.draft.predict(batch_size) if self.draft.ready else self.prior_cost * plain) / plain
-        per_row = max(b / plain if b > 0 else self.prior_row_cost, self.min_row_cost)
-        return (per_row, draft, 0.0) if self.cost_per_token else (per_row, 0.0, draft)
+        return (b / plain, draft, 0.0) if self.cost_per_token else (b / plain, 0.0, draft)
 
     def round_cost(self, batch_size: int) -> tuple[float, float]:
         """``(per_node, overhead)``: a round with ``n`` nodes for every request costs
