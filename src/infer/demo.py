@@ -165,14 +165,14 @@ def real_model_section(args: argparse.Namespace) -> bool:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     k = args.spec_length
     modes: list[tuple[str, dict[str, Any]]] = [("plain", {}),
-                                               (f"n-gram K={k}", {"speculator": "ngram", "spec_length": k}),
-                                               (f"suffix K={k}", {"speculator": "suffix", "spec_length": k})]
+                                               (f"n-gram K={k}", {"speculator": "ngram", "spec_length": k, "spec_length_policy": "fixed"}),
+                                               (f"suffix K={k}", {"speculator": "suffix", "spec_length": k, "spec_length_policy": "fixed"})]
     heads = _drafter_file(args.medusa_heads, args.model, "medusa", "medusa_config.json")
     draft = _drafter_file(args.draft_model, args.model, "draft", "config.json")
     if heads is not None:
         modes.append(("Medusa", {"speculator": "medusa", "medusa_heads": heads}))
     if draft is not None:
-        modes.append((f"draft model K={k}", {"draft_model": draft, "spec_length": k}))
+        modes.append((f"draft model K={k}", {"draft_model": draft, "spec_length": k, "spec_length_policy": "fixed"}))
     rows = _run_modes(args.model, modes, prompts, params, args)
 
     print(f"\n{args.model}: {len(TASKS)} tasks{' with its chat template' if chat else ''}, greedy, up to "
@@ -207,9 +207,9 @@ def pair_section(args: argparse.Namespace) -> bool:
     k = args.spec_length
     modes: list[tuple[str, dict[str, Any]]] = [
         ("plain", {}),
-        (f"draft model K={k}", {"draft_model": draft, "spec_length": k}),
+        (f"draft model K={k}", {"draft_model": draft, "spec_length": k, "spec_length_policy": "fixed"}),
         ("draft model (goodput)", {"draft_model": draft, "spec_length": k, "spec_length_policy": "goodput"}),
-        (f"n-gram K={k}", {"speculator": "ngram", "spec_length": k}),
+        (f"n-gram K={k}", {"speculator": "ngram", "spec_length": k, "spec_length_policy": "fixed"}),
     ]
     rows = _run_modes(target, modes, prompts, params, args)
     print(f"\nthe trained pair: target {target}\n                  draft  {draft}\n{len(prompts)} held-out code "

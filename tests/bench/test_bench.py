@@ -12,11 +12,13 @@ from checkpoints import make_medusa_heads
 from infer import LLM, SamplingParams
 from infer.cli import main
 from infer.data.workloads import (
+    CHAT_WORKLOADS,
     REPETITIVE_INSTRUCTION,
     code_prompts,
     edit_prompts,
     load_prompts,
     repetitive_prompts,
+    workload_prompts,
 )
 from infer.loader import load_model
 from infer.speculative.budget import expected_speedup_over_rounds
@@ -94,7 +96,9 @@ def test_bench_generation_repetitive_workload(tiny_llama: Path, tmp_path: Path) 
         reports[repeats] = json.loads((out / "generation.json").read_text())
     report = reports[3]
     modes = {r["mode"]: r for r in report["results"]}
-    assert set(modes) == {"infer plain", "infer + n-gram K=3", "infer + suffix K=3"}
+    assert set(modes) == {"infer plain", "infer + n-gram K=3", "infer + n-gram (default policy)", "infer + suffix K=3",
+                          "infer + suffix (default policy)"}
+    assert modes["infer + n-gram K=3"]["policy"] == "fixed" and modes["infer + n-gram (default policy)"]["policy"] is None
     assert report["greedy_outputs_identical"] is True
     settings = report["settings"]
     assert settings["stop_at_eos"] and settings["chat"]
@@ -103,7 +107,7 @@ def test_bench_generation_repetitive_workload(tiny_llama: Path, tmp_path: Path) 
     assert "learnt from 2 other requests first" in (out / "generation.md").read_text()
     # Every timed repeat drafted from the warm-up requests alone (never from the bench's own warm-up
     # generation of the timed prompt, nor from an earlier repeat): as an engine that served only them.
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_batch_size=1, speculator="suffix", spec_length=3)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_batch_size=1, speculator="suffix", spec_length=3, spec_length_policy="fixed")
     chats = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in repetitive_prompts(3)]
     for warmup in chats[1:]:  # the timed prompt comes first, then the warm-up ones
         llm.generate([warmup], SamplingParams(max_tokens=16, temperature=0.0))
@@ -124,6 +128,15 @@ def test_repetitive_prompts_apply_one_instruction_to_different_functions() -> No
         assert code.startswith("def ") and "->" not in code.splitlines()[0]
 
 
+def test_bench_generation_shipped_chat_workload(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    assert main(["bench", "generation", "--model", str(tiny_llama), "--workload", "summary", "--num-prompts", "1",
+                 "--max-tokens", "4", "--repeats", "1", "--no-transformers", "--no-suffix", "--no-ngram",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "generation.json").read_text())
+    assert report["settings"]["chat"] is True and report["settings"]["workload"] == "summary"  # a user message
+
+
 def test_bench_generation_exact_greedy_rows(tiny_llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
     code = main(["bench", "generation", "--model", str(tiny_llama), "--num-prompts", "1", "--max-tokens", "8",
@@ -132,8 +145,9 @@ def test_bench_generation_exact_greedy_rows(tiny_llama: Path, tmp_path: Path) ->
     assert code == 0
     report = json.loads((out / "generation.json").read_text())
     modes = {r["mode"] for r in report["results"]}
-    assert modes == {"infer plain", "infer plain (exact greedy)", "infer + n-gram K=3",
-                     "infer + n-gram K=3 (exact greedy)", "infer + suffix K=3", "infer + suffix K=3 (exact greedy)"}
+    rows = ("infer plain", "infer + n-gram K=3", "infer + n-gram (default policy)", "infer + suffix K=3",
+            "infer + suffix (default policy)")
+    assert modes == {*rows, *(f"{row} (exact greedy)" for row in rows)}
     assert report["exact_greedy_outputs_identical"] is True
     exact_plain = next(r for r in report["results"] if r["mode"] == "infer plain (exact greedy)")
     assert exact_plain["acceptance_by_position"] is None  # plain rows carry no speculation stats
@@ -168,6 +182,14 @@ def test_workloads_and_prompt_files(tmp_path: Path) -> None:
     assert len(code) == 3 and all(p.count("\n") >= 4 for p in code)
     edit = edit_prompts(2)
     assert all("A copy of the function above" in p for p in edit)
+    # The shipped user messages: several of each kind, the passage or code given in the prompt.
+    for name in CHAT_WORKLOADS:
+        shipped = workload_prompts(name, 6)
+        assert len(set(shipped)) == 6
+        with pytest.raises(ValueError, match="ships"):
+            workload_prompts(name, 100)
+    assert all(p.startswith("Summarize") and len(p) > 500 for p in workload_prompts("summary", 6))
+    assert all("```python\n" in p for p in workload_prompts("code-edit", 6))
     text = tmp_path / "p.txt"
     text.write_text("first prompt\n---\nsecond\nprompt")
     assert load_prompts(text) == ["first prompt", "second\nprompt"]

@@ -334,7 +334,7 @@ def real_drafter_options(drafter: str, folder: Path, tmp_path: Path) -> dict[str
     tree, so every round verifies a tree (mostly rejected: each round's first row decides the token).
     The draft model is the target itself, loaded again with the default kernels: it mostly agrees,
     and where its rounding flips a near-tie the target's exact verification must reject it."""
-    options: dict[str, Any] = {"spec_length": SPEC_LENGTH}
+    options: dict[str, Any] = {"spec_length": SPEC_LENGTH, "spec_length_policy": "fixed"}
     if drafter == "draft":
         return options | {"draft_model": str(folder)}
     options["speculator"] = drafter
@@ -369,7 +369,7 @@ def test_real_model_default_kernels_diverge_layer_by_layer(real_folder: Path,
     """Negative control for the test above: the same prompts with the default bfloat16 kernels run
     layer by layer, where n-gram speculation leaves plain decoding (at a near-tie the verification
     pass rounds otherwise)."""
-    spec = real_llm(real_folder, "layers", speculator="ngram", spec_length=SPEC_LENGTH)
+    spec = real_llm(real_folder, "layers", speculator="ngram", spec_length=SPEC_LENGTH, spec_length_policy="fixed")
     diverged = first_divergences(greedy_run(spec, REAL_PROMPTS, REAL_TOKENS)[0], real_plain_ids["layers"])
     print(f"default kernels layer by layer, n-gram: diverged (prompt: first token) {diverged}")
     assert diverged

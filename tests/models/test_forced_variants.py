@@ -38,7 +38,7 @@ def test_a_forced_variant_runs_the_quantized_model_and_speculation_stays_exact(b
     assert linears and all(m.kernels.variant.name == variant for m in linears)
     assert variant in plain_llm.engine.model.weights_summary.lower().replace(" ", "-")  # the startup line says which
     plain = [o.token_ids for o in plain_llm.generate(DRAFTER_PROMPTS, params)]
-    outputs = LLM(str(target), **common, speculator="ngram", spec_length=4).generate(DRAFTER_PROMPTS, params)
+    outputs = LLM(str(target), **common, speculator="ngram", spec_length=4, spec_length_policy="fixed").generate(DRAFTER_PROMPTS, params)
     assert [o.token_ids for o in outputs] == plain
 
 

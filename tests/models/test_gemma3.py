@@ -165,12 +165,12 @@ def gemma_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _drafter(name: str, tiny_gemma3: Path, gemma_draft: Path, tmp_path: Path) -> dict[str, Any]:
     if name == "draft":
-        return {"draft_model": str(gemma_draft), "spec_length": 4}
+        return {"draft_model": str(gemma_draft), "spec_length": 4, "spec_length_policy": "fixed"}
     if name == "draft-self":  # the target drafting for itself: every draft accepted, rounds cross the window
-        return {"draft_model": str(tiny_gemma3), "spec_length": 5}
+        return {"draft_model": str(tiny_gemma3), "spec_length": 5, "spec_length_policy": "fixed"}
     if name == "medusa":
         return {"speculator": "medusa", "medusa_heads": str(make_medusa_heads(tiny_gemma3, tmp_path / "heads"))}
-    return {"speculator": name, "spec_length": 5}
+    return {"speculator": name, "spec_length": 5, "spec_length_policy": "fixed"}
 
 
 @pytest.mark.parametrize("backend", ["paged", "slotted"])
@@ -314,7 +314,7 @@ def test_audit_passes_on_gemma3(tiny_gemma3: Path, gemma_draft: Path, drafter: s
     from infer.audit import AuditSettings, run_audit
 
     engine = {"speculator": "ngram"} if drafter == "ngram" else {"draft_model": str(gemma_draft)}
-    settings = AuditSettings(engine=dict(model=str(tiny_gemma3), dtype="float32", device="cpu", spec_length=4, **engine),
+    settings = AuditSettings(engine=dict(model=str(tiny_gemma3), dtype="float32", device="cpu", spec_length=4, spec_length_policy="fixed", **engine),
                              prompts=PROMPTS, contexts=1, checks=("greedy", "acceptance"), max_tokens=40)
     report = run_audit(settings)
     assert report["verdict"] == "PASS", json.dumps(report["checks"], indent=1)[:3000]
@@ -328,7 +328,7 @@ def test_exact_greedy_bfloat16_speculation_on_gemma3(tiny_gemma3: Path) -> None:
         llm = LLM(str(tiny_gemma3), dtype="bfloat16", device="cpu", exact_greedy=True, block_size=4, **drafter)
         return [o.token_ids for o in llm.generate(PROMPTS, _greedy())]
 
-    assert run(speculator="ngram", spec_length=5) == run()
+    assert run(speculator="ngram", spec_length=5, spec_length_policy="fixed") == run()
 
 
 def test_batched_passes_of_unequal_lengths_past_the_window(tiny_gemma3: Path) -> None:
@@ -485,7 +485,7 @@ def test_greedy_ngram_equals_plain_on_gemma3_with_the_c_stack(tiny_gemma3: Path,
                                                               backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _counting_stack(monkeypatch)
     llm = LLM(str(tiny_gemma3), dtype="float32", device="cpu", block_size=4, kv_cache_backend=backend,
-              backend="cpu-kernels", max_prefill_tokens=16, speculator="ngram", spec_length=5)
+              backend="cpu-kernels", max_prefill_tokens=16, speculator="ngram", spec_length=5, spec_length_policy="fixed")
     assert llm.engine.backend.cpu_stack is not None
     outputs = llm.generate(PROMPTS, _greedy())
     assert [o.token_ids for o in outputs] == gemma_plain

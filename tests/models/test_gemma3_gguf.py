@@ -219,7 +219,7 @@ def test_real_file_greedy_ngram_equals_plain_on_the_c_stack(monkeypatch: pytest.
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     assert calls[0] >= 48
     spec = LLM("gemma3-270m", dtype="float32", device="cpu", max_seq_len=256, max_batch_size=4, quantization="none",
-               speculator="ngram", spec_length=5)
+               speculator="ngram", spec_length=5, spec_length_policy="fixed")
     before = calls[0]
     outputs = spec.generate(prompts, params)
     assert [o.token_ids for o in outputs] == expected

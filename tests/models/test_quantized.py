@@ -187,7 +187,7 @@ def test_gemma3_file_of_mixed_types(tmp_path: Path) -> None:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [ids, [5, 6, 7, 8] * 6]
     plain = [o.token_ids for o in LLM(str(path), device="cpu").generate(prompts, params)]
-    spec = LLM(str(path), device="cpu", speculator="ngram", spec_length=4).generate(prompts, params)
+    spec = LLM(str(path), device="cpu", speculator="ngram", spec_length=4, spec_length_policy="fixed").generate(prompts, params)
     assert [o.token_ids for o in spec] == plain
 
 
@@ -291,7 +291,7 @@ def test_greedy_speculation_equals_plain_decoding(quantized_pair: tuple[Path, Pa
     common: dict[str, Any] = dict(device="cpu", kv_cache_backend=kv, block_size=4, max_batch_size=8)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     plain = [o.token_ids for o in LLM(str(target), **common).generate(DRAFTER_PROMPTS, params)]
-    for drafter in (dict(speculator="ngram", spec_length=4), dict(draft_model=str(draft), spec_length=3)):
+    for drafter in (dict(speculator="ngram", spec_length=4, spec_length_policy="fixed"), dict(draft_model=str(draft), spec_length=3, spec_length_policy="fixed")):
         llm = LLM(str(target), **common, **drafter)
         outputs = llm.generate(DRAFTER_PROMPTS, params)
         assert [o.token_ids for o in outputs] == plain, drafter
@@ -305,7 +305,7 @@ def test_self_speculation_with_a_q4_0_copy(tiny_llama: Path) -> None:
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     plain = [o.token_ids for o in LLM(str(tiny_llama), dtype="float32", device="cpu").generate(DRAFTER_PROMPTS, params)]
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", draft_model=str(tiny_llama), draft_quantization="q4_0",
-              spec_length=4)
+              spec_length=4, spec_length_policy="fixed")
     outputs = llm.generate(DRAFTER_PROMPTS, params)
     assert [o.token_ids for o in outputs] == plain
     # Far above chance (an unrelated model of this 512-token vocabulary is accepted ~never); this
@@ -332,7 +332,7 @@ def test_sampled_speculation_follows_the_quantized_target(small_target: Path, sm
         return target.compute_logits(target(ids)[:, -1]).float()  # type: ignore[no-any-return]
 
     llm = LLM(str(small_target), dtype="float32", device="cpu", quantization="q8_0", draft_model=str(small_draft),
-              draft_quantization="q4_0", spec_length=3, max_batch_size=256, max_seq_len=32)
+              draft_quantization="q4_0", spec_length=3, spec_length_policy="fixed", max_batch_size=256, max_seq_len=32)
     sampling = [SamplingParams(max_tokens=4, ignore_eos=True, seed=i, temperature=1.0) for i in range(NUM_SAMPLES)]
     outputs = llm.generate([PROMPT] * NUM_SAMPLES, sampling)
     samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
@@ -377,5 +377,5 @@ def test_smollm2_q4_1_runs_quantized_and_speculation_is_exact() -> None:
     params = SamplingParams(max_tokens=40, temperature=0)
     prompts = ["Write a Python function that reverses a string.", "List three colours of the rainbow."]
     plain = [o.token_ids for o in llm.generate(prompts, params)]
-    spec = LLM("smollm2-135m-instruct", device="cpu", speculator="ngram", spec_length=4)
+    spec = LLM("smollm2-135m-instruct", device="cpu", speculator="ngram", spec_length=4, spec_length_policy="fixed")
     assert [o.token_ids for o in spec.generate(prompts, params)] == plain

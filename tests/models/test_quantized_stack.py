@@ -185,7 +185,7 @@ def test_exact_greedy_mode_keeps_the_quantized_stack(tmp_path: Path) -> None:
     model: Any = plain.engine.model
     assert quantized_stack(model).max_rows is None and not isinstance(model.model.norm, RowChunked)
     ids = [o.token_ids for o in plain.generate(prompts, params)]
-    spec = LLM(str(path), device="cpu", exact_greedy=True, speculator="ngram", spec_length=4)
+    spec = LLM(str(path), device="cpu", exact_greedy=True, speculator="ngram", spec_length=4, spec_length_policy="fixed")
     assert [o.token_ids for o in spec.generate(prompts, params)] == ids
 
 

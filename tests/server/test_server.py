@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,8 @@ def serve() -> Iterator[Any]:
 def servers(serve: Any, tiny_llama: Path, tiny_draft: Path) -> dict[str, Served]:
     return {
         "plain": serve(make_engine(tiny_llama, max_batch_size=4)),
-        "draft": serve(make_engine(tiny_llama, max_batch_size=4, draft_model=str(tiny_draft), spec_length=3)),
-        "ngram": serve(make_engine(tiny_llama, max_batch_size=4, speculator="ngram", spec_length=3,
+        "draft": serve(make_engine(tiny_llama, max_batch_size=4, draft_model=str(tiny_draft), spec_length=3, spec_length_policy="fixed")),
+        "ngram": serve(make_engine(tiny_llama, max_batch_size=4, speculator="ngram", spec_length=3, spec_length_policy="fixed",
                                    kv_cache_backend="slotted")),
     }
 
@@ -278,6 +279,37 @@ def test_speculation_metrics(servers: dict[str, Served]) -> None:
     assert plain["infer_inter_token_latency_seconds_count"] > 0
 
 
+def test_per_request_speculation_mixed_in_one_batch(servers: dict[str, Served], reference: LLM) -> None:
+    """Requests that turn speculation off, cap their drafts or leave both to the engine share
+    batches and still decode exactly as plain; off drafts nothing, a cap bounds every round."""
+    served = servers["ngram"]
+    repetitive = "a b c a b c a b c a b c"
+    settings: list[dict[str, Any] | None] = [{"enabled": False}, {"max_draft_tokens": 1}, None, {"enabled": True}]
+    expected = reference.generate(repetitive, greedy(32))[0].text
+    before = served.metrics()
+
+    def ask(speculation: dict[str, Any] | None) -> str:
+        body = {"model": MODEL, "prompt": repetitive, "max_tokens": 32, "temperature": 0}
+        if speculation is not None:
+            body["speculation"] = speculation
+        response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(settings)) as pool:
+        assert list(pool.map(ask, settings)) == [expected] * len(settings)
+    after = served.metrics()
+    assert after["infer_spec_decode_accepted_tokens_total"] > before["infer_spec_decode_accepted_tokens_total"]
+    # Alone, an off request drafts nothing and a capped one never more than its cap a round.
+    for speculation, most in (({"enabled": False}, 0), ({"max_draft_tokens": 1}, 1)):
+        start = served.metrics()
+        assert ask(speculation) == expected
+        end = served.metrics()
+        proposed = end["infer_spec_decode_proposed_tokens_total"] - start["infer_spec_decode_proposed_tokens_total"]
+        rounds = end["infer_spec_decode_rounds_total"] - start["infer_spec_decode_rounds_total"]
+        assert proposed <= most * rounds and (proposed > 0) == (most > 0)
+
+
 # -- errors -----------------------------------------------------------------------------------
 BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
@@ -304,6 +336,11 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"model": MODEL, "prompt": "hi", "guided_regex": "(("}, "guided_regex"),
     ({"model": MODEL, "prompt": "hi", "guided_regex": "a", "guided_grammar": "start: \"a\""}, "guided_grammar"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
+    ({"model": MODEL, "prompt": "hi", "speculation": {"max_draft_tokens": 0}}, "speculation.max_draft_tokens"),
+    ({"model": MODEL, "prompt": "hi", "speculation": {"max_draft_tokens": "8"}}, "speculation"),
+    ({"model": MODEL, "prompt": "hi", "speculation": {"enabled": "no"}}, "speculation"),
+    ({"model": MODEL, "prompt": "hi", "speculation": {"max_draft": 8}}, "speculation"),  # a misspelt key
+    ({"model": MODEL, "prompt": "hi", "speculation": False}, "speculation"),
     (["not", "an", "object"], None),
 ]
 
@@ -456,7 +493,7 @@ def test_disconnect_while_waiting_for_whole_response(servers: dict[str, Served],
 
 def test_engine_error_fails_requests_and_keeps_serving(serve: Any, tiny_llama: Path, tiny_draft: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    served = serve(make_engine(tiny_llama, draft_model=str(tiny_draft), spec_length=2))
+    served = serve(make_engine(tiny_llama, draft_model=str(tiny_draft), spec_length=2, spec_length_policy="fixed"))
     initial = served.free_kv()
     runner = served.engine.runner
     real_step = runner.step
@@ -553,7 +590,7 @@ def test_infer_serve_command(tiny_llama: Path) -> None:
 def test_shutdown_fails_unfinished_requests(tiny_llama: Path, tiny_draft: Path) -> None:
     from infer.server.metrics import ServerMetrics
 
-    engine = make_engine(tiny_llama, draft_model=str(tiny_draft), spec_length=2)
+    engine = make_engine(tiny_llama, draft_model=str(tiny_draft), spec_length=2, spec_length_policy="fixed")
     initial = {name: pool.free_kv_tokens() for name, pool in kv_pools(engine)}
     service = EngineService(engine, ServerMetrics())
 

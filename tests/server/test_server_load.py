@@ -83,7 +83,7 @@ def wait_idle(service: EngineService, deadline: float) -> None:
 @pytest.mark.timeout(180)
 def test_concurrent_streams_with_cancellations(tiny_llama: Path, tiny_draft: Path) -> None:
     engines = {"plain": make_engine(tiny_llama),
-               "draft": make_engine(tiny_llama, draft_model=str(tiny_draft), spec_length=3)}
+               "draft": make_engine(tiny_llama, draft_model=str(tiny_draft), spec_length=3, spec_length_policy="fixed")}
     apps = {name: create_app(engine, MODEL, None) for name, engine in engines.items()}
     initial = {name: {pool: p.free_kv_tokens() for pool, p in kv_pools(engine)} for name, engine in engines.items()}
     assert set(initial["draft"]) == {"target", "draft"}

@@ -37,7 +37,7 @@ class Item(BaseModel):
 
 @pytest.fixture(scope="module")
 def urls(tiny_llama: Path) -> Iterator[dict[str, str]]:
-    with served_models(tiny_llama, {"plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3}},
+    with served_models(tiny_llama, {"plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3, "spec_length_policy": "fixed"}},
                        served_name=MODEL) as found:
         yield found
 

@@ -78,7 +78,7 @@ def test_forced_schema() -> None:
 
 @pytest.fixture(scope="module")
 def urls(tiny_llama: Path) -> Iterator[dict[str, str]]:
-    with served_models(tiny_llama, {"plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3}},
+    with served_models(tiny_llama, {"plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3, "spec_length_policy": "fixed"}},
                        max_batch_size=4, served_name=MODEL) as found:
         yield found
 

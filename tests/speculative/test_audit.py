@@ -46,7 +46,7 @@ Verify = Callable[..., VerificationResult]
 
 def audit(target: Path, contexts: int = 1, checks: tuple[str, ...] = ("distribution",), **engine: Any) -> dict[str, Any]:
     """The audit at its default sample size and significance, on the tiny pair."""
-    settings = AuditSettings(engine=dict(model=str(target), dtype="float32", device="cpu", spec_length=SPEC_LENGTH,
+    settings = AuditSettings(engine=dict(model=str(target), dtype="float32", device="cpu", spec_length=SPEC_LENGTH, spec_length_policy="fixed",
                                          **engine),
                              prompts=PROMPTS, contexts=contexts, checks=checks, max_tokens=24)
     return run_audit(settings)
@@ -313,7 +313,7 @@ def test_near_tie_flip_is_told_from_a_bug(small_target: Path, monkeypatch: pytes
     assert divergences
     widest = max(abs(d["chosen_margin"]) for d in divergences)
     tolerant = run_audit(AuditSettings(engine=dict(model=str(small_target), dtype="float32", device="cpu",
-                                                   speculator="ngram", spec_length=SPEC_LENGTH),
+                                                   speculator="ngram", spec_length=SPEC_LENGTH, spec_length_policy="fixed"),
                                        prompts=PROMPTS, checks=("greedy",), max_tokens=24, tie_tolerance=widest))
     assert tolerant["checks"]["greedy"]["verdict"] == NEAR_TIE and exit_code(tolerant) == 0
 

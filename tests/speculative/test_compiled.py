@@ -71,7 +71,7 @@ def test_compiled_greedy_speculation_is_token_identical_to_compiled_plain(tiny_l
     # verify several tokens at once and roll back only where a tie breaks differently.
     options = dict(draft_model=str(tiny_llama)) if drafter == "draft" else dict(speculator="ngram")
     plain = LLM(str(tiny_llama), dtype="float32", device="cpu", compile=True).generate(PROMPTS, GREEDY)
-    spec = LLM(str(tiny_llama), dtype="float32", device="cpu", compile=True, spec_length=4,
+    spec = LLM(str(tiny_llama), dtype="float32", device="cpu", compile=True, spec_length=4, spec_length_policy="fixed",
                **options).generate(PROMPTS, GREEDY)  # type: ignore[arg-type]
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert sum(o.metrics.accepted_tokens for o in spec) > 0
@@ -79,7 +79,7 @@ def test_compiled_greedy_speculation_is_token_identical_to_compiled_plain(tiny_l
 
 def test_compiled_speculative_samples_follow_target_distribution(small_target: Path, small_draft: Path) -> None:
     llm = LLM(str(small_target), draft_model=str(small_draft), dtype="float32", device="cpu", compile=True,
-              spec_length=3, max_batch_size=256, max_seq_len=32)
+              spec_length=3, spec_length_policy="fixed", max_batch_size=256, max_seq_len=32)
     params = SAMPLING_CONFIGS["temperature_1"]
     n = 6000
     outputs = generate_unseeded(llm, [PROMPT] * n, SamplingParams(max_tokens=4, ignore_eos=True, **params), 0)  # type: ignore[arg-type]

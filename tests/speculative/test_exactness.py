@@ -44,7 +44,7 @@ DRAFTERS = ("draft", "ngram")
 
 @pytest.fixture(scope="module")
 def engines(small_target: Path, small_draft: Path) -> dict[str, LLM]:
-    common = dict(dtype="float32", device="cpu", spec_length=SPEC_LENGTH, max_batch_size=256, max_seq_len=32)
+    common = dict(dtype="float32", device="cpu", spec_length=SPEC_LENGTH, spec_length_policy="fixed", max_batch_size=256, max_seq_len=32)
     return {
         "draft": LLM(str(small_target), draft_model=str(small_draft), **common),  # type: ignore[arg-type]
         "ngram": LLM(str(small_target), speculator="ngram", ngram_min=1, ngram_max=3, **common),  # type: ignore[arg-type]

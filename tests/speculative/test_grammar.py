@@ -117,7 +117,7 @@ def letters_engines(letters_pair: tuple[Path, Path], tmp_path_factory: pytest.Te
     heads = make_medusa_heads(target, tmp_path_factory.mktemp("letters_medusa") / "medusa", num_heads=2,
                               tree_size=10, top_k=4, jitter=0.2)
     return {
-        "draft": LLM(str(target), draft_model=str(draft), spec_length=3, **common),
+        "draft": LLM(str(target), draft_model=str(draft), spec_length=3, spec_length_policy="fixed", **common),
         "medusa": LLM(str(target), speculator="medusa", medusa_heads=str(heads), medusa_tree_size=10, **common),
         # A low min_prob keeps several siblings per node: real trees.
         "suffix": LLM(str(target), speculator="suffix", spec_length=3, suffix_min_prob=0.02, **common),
@@ -198,9 +198,9 @@ def test_greedy_constrained_equals_plain_with_every_drafter(tiny_llama: Path, ti
                                                              plain_constrained: list[list[int]], drafter: str,
                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
     options: dict[str, Any] = {
-        "draft": {"draft_model": str(tiny_draft), "spec_length": 4},
-        "ngram": {"speculator": "ngram", "spec_length": 4},
-        "suffix": {"speculator": "suffix", "spec_length": 4},
+        "draft": {"draft_model": str(tiny_draft), "spec_length": 4, "spec_length_policy": "fixed"},
+        "ngram": {"speculator": "ngram", "spec_length": 4, "spec_length_policy": "fixed"},
+        "suffix": {"speculator": "suffix", "spec_length": 4, "spec_length_policy": "fixed"},
         "medusa": {"speculator": "medusa", "medusa_tree_size": 8, "medusa_heads": str(make_medusa_heads(
             tiny_llama, tmp_path_factory.mktemp("grammar_medusa") / "medusa", tree_size=8))},
     }[drafter]

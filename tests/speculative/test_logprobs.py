@@ -59,8 +59,8 @@ def test_logprobs_identical_with_speculation(plain: LLM, tiny_llama: Path, draft
                                              tmp_path_factory: pytest.TempPathFactory) -> None:
     options: dict[str, Any] = {
         # The target drafting for itself: every draft accepted, so every verification row emits a token.
-        "draft": {"draft_model": str(tiny_llama), "spec_length": 4},
-        "ngram": {"speculator": "ngram", "spec_length": 4},
+        "draft": {"draft_model": str(tiny_llama), "spec_length": 4, "spec_length_policy": "fixed"},
+        "ngram": {"speculator": "ngram", "spec_length": 4, "spec_length_policy": "fixed"},
         "medusa": {"speculator": "medusa", "medusa_tree_size": 8, "medusa_heads": str(make_medusa_heads(
             tiny_llama, tmp_path_factory.mktemp("logprob_medusa") / "medusa", tree_size=8))},
     }[drafter]

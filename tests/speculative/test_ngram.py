@@ -23,7 +23,11 @@ def _brute_force(tokens: list[int], min_n: int, max_n: int, max_proposal: int) -
         # Occurrences that end before the last token, scanned most recent first.
         for start in range(length - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + max_proposal]
+                # The copy goes on past the sequence's end through the tokens it drafted itself.
+                extended = list(tokens)
+                for i in range(max_proposal):
+                    extended.append(extended[start + n + i])
+                return extended[start + n : start + n + max_proposal]
     return []
 
 
@@ -48,17 +52,18 @@ def test_no_match_returns_empty() -> None:
     assert propose_ngram([4, 1, 2, 3, 4], min_n=2) == []
 
 
-def test_proposal_truncated_at_end_and_at_max_proposal() -> None:
+def test_proposal_cut_at_max_proposal_and_continued_past_the_end() -> None:
     tokens = [5, 6, 1, 2, 3, 4, 5, 6]
     assert propose_ngram(tokens, max_n=2, max_proposal=3) == [1, 2, 3]
-    assert propose_ngram(tokens, max_n=2, max_proposal=100) == [1, 2, 3, 4, 5, 6]
+    # Past the end the copy repeats its period (6 tokens back): as far as the budget goes.
+    assert propose_ngram(tokens, max_n=2, max_proposal=9) == [1, 2, 3, 4, 5, 6, 1, 2, 3]
     # Overlapping repeat: the most recent [1, 1] occurrence ends one before the last token.
-    assert propose_ngram([1, 1, 1, 1], max_n=2, max_proposal=5) == [1]
+    assert propose_ngram([1, 1, 1, 1], max_n=2, max_proposal=5) == [1] * 5
 
 
 def test_accepts_tensor_input() -> None:
     tokens = [9, 3, 4, 8, 9, 3]
-    assert propose_ngram(torch.tensor(tokens)) == propose_ngram(tokens) == [4, 8, 9, 3]
+    assert propose_ngram(torch.tensor(tokens)) == propose_ngram(tokens) == [4, 8, 9, 3, 4]
     with pytest.raises(ValueError, match="1-D"):
         propose_ngram(torch.zeros(2, 3, dtype=torch.long))
 

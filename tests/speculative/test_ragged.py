@@ -17,7 +17,7 @@ PROMPTS = ["def add(a, b):", "Once upon a time"]
 
 
 def _llm(model: Path, stack: bool) -> LLM:
-    llm = LLM(str(model), dtype="float32", device="cpu", speculator="ngram", spec_length=5, max_batch_size=2)
+    llm = LLM(str(model), dtype="float32", device="cpu", speculator="ngram", spec_length=5, spec_length_policy="fixed", max_batch_size=2)
     if not stack:
         llm.engine.runner.target.runner.model.backend.cpu_stack = None  # type: ignore[attr-defined]
     return llm

@@ -43,9 +43,9 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 
 DRAFTERS = ("tiny_draft", "noisy_draft", "self_draft", "ngram")
 POLICIES: dict[str, dict[str, Any]] = {
-    "fixed-1": {"spec_length": 1},
-    "fixed-3": {"spec_length": 3},
-    "fixed-5": {"spec_length": 5},
+    "fixed-1": {"spec_length": 1, "spec_length_policy": "fixed"},
+    "fixed-3": {"spec_length": 3, "spec_length_policy": "fixed"},
+    "fixed-5": {"spec_length": 5, "spec_length_policy": "fixed"},
     "entropy": {"spec_length": 4, "spec_length_policy": "entropy"},
     "goodput": {"spec_length": 3, "spec_length_policy": "goodput"},
 }
@@ -183,7 +183,7 @@ def test_greedy_parity_in_bfloat16_with_packed_cpu_weights(tiny_llama: Path, req
         return LLM(str(tiny_llama), dtype="bfloat16", device="cpu", **options)
 
     plain = bf16().generate(PROMPTS, GREEDY)
-    spec = bf16(**drafter_options(drafter, request), spec_length=4).generate(PROMPTS, GREEDY)
+    spec = bf16(**drafter_options(drafter, request), spec_length=4, spec_length_policy="fixed").generate(PROMPTS, GREEDY)
     assert_same_outputs(spec, plain)
     assert total(spec, "accepted_tokens") > 0
 
@@ -199,7 +199,7 @@ def test_greedy_parity_with_penalty_and_sampled_batch_mates(tiny_llama: Path, no
     ]
     plain = plain_generate(tiny_llama, prompts, params, block_size=4)
     for options in ({"draft_model": str(noisy_draft)}, {"speculator": "ngram"}):
-        spec = make_llm(tiny_llama, spec_length=3, block_size=4, **options).generate(prompts, params)
+        spec = make_llm(tiny_llama, spec_length=3, spec_length_policy="fixed", block_size=4, **options).generate(prompts, params)
         assert_same_outputs([spec[0], spec[2]], [plain[0], plain[2]])
         assert all(len(o.token_ids) == 24 or o.finish_reason == "stop" for o in spec)
 
@@ -210,7 +210,7 @@ def test_greedy_parity_with_strong_repetition_penalty(tiny_llama: Path, request:
     """Verification position i must penalise the drafts t_1..t_i before it, exactly as plain decoding
     penalises the tokens it has already emitted (tiny_llama likes to repeat itself: "a" -> 496 496 ...)."""
     params = SamplingParams(max_tokens=32, temperature=0.0, repetition_penalty=3.0)
-    spec = make_llm(tiny_llama, spec_length=4, block_size=4, **drafter_options(drafter, request)).generate(PROMPTS, params)
+    spec = make_llm(tiny_llama, spec_length=4, spec_length_policy="fixed", block_size=4, **drafter_options(drafter, request)).generate(PROMPTS, params)
     assert_same_outputs(spec, plain_generate(tiny_llama, PROMPTS, params, block_size=4))
     if drafter == "self_draft":  # (the penalised text hardly repeats, so n-gram lookups mostly miss)
         assert total(spec, "accepted_tokens") > 0.9 * total(spec, "proposed_tokens")
@@ -225,7 +225,7 @@ STOP_PROMPT = "def foo(x):"
 @pytest.fixture(scope="module")
 def stop_setup(tiny_llama: Path) -> SimpleNamespace:
     """Self-draft (α = 1, K = 5: every round emits 6 tokens) and the chunks a stop-free run emits."""
-    spec = make_llm(tiny_llama, draft_model=str(tiny_llama), spec_length=K_STOP, block_size=4)
+    spec = make_llm(tiny_llama, draft_model=str(tiny_llama), spec_length=K_STOP, spec_length_policy="fixed", block_size=4)
     plain = make_llm(tiny_llama, block_size=4)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     base = plain.generate([STOP_PROMPT], params)[0]
@@ -306,7 +306,7 @@ def test_max_tokens_not_multiple_of_round(tiny_llama: Path, request: pytest.Fixt
     budgets = [1, 2, 3, 5, 6, 7, 9, 10, 13]  # K = 3: rounds emit up to 4 tokens
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(budgets))]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in budgets]
-    spec = make_llm(tiny_llama, spec_length=3, block_size=4, **drafter_options(drafter, request)).generate(prompts, params)
+    spec = make_llm(tiny_llama, spec_length=3, spec_length_policy="fixed", block_size=4, **drafter_options(drafter, request)).generate(prompts, params)
     assert_same_outputs(spec, plain_generate(tiny_llama, prompts, params, block_size=4))
     for n, out in zip(budgets, spec, strict=True):
         assert len(out.token_ids) == n and out.finish_reason == "length"
@@ -344,7 +344,7 @@ def draft_pool(llm: LLM) -> Any:
 def test_rollback_keeps_caches_in_step(tiny_llama: Path, request: pytest.FixtureRequest, drafter: str,
                                        backend: str) -> None:
     block = 4
-    llm = make_llm(tiny_llama, spec_length=3, max_seq_len=128, **drafter_options(drafter, request),
+    llm = make_llm(tiny_llama, spec_length=3, spec_length_policy="fixed", max_seq_len=128, **drafter_options(drafter, request),
                    **BACKENDS[backend])
     engine = llm.engine
     drafter = engine.runner.drafter
@@ -385,7 +385,7 @@ def test_rollback_keeps_caches_in_step(tiny_llama: Path, request: pytest.Fixture
 
 
 def test_single_step_emits_several_tokens(tiny_llama: Path) -> None:
-    engine = make_llm(tiny_llama, draft_model=str(tiny_llama), spec_length=4, block_size=4).engine
+    engine = make_llm(tiny_llama, draft_model=str(tiny_llama), spec_length=4, spec_length_policy="fixed", block_size=4).engine
     request = engine.add_request("def foo(x):", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     chunks = []
     while engine.has_unfinished():
@@ -421,8 +421,8 @@ def test_expected_speedup_over_rounds() -> None:
     assert expected_speedup_over_rounds(0.9, []) == 1.0  # no rounds: nothing to predict
 
 
-def fake_request(rid: str) -> Request:
-    return SimpleNamespace(request_id=rid)  # type: ignore[return-value]
+def fake_request(rid: str, draft_room: int = 1 << 30) -> Request:
+    return SimpleNamespace(request_id=rid, draft_room=draft_room)  # type: ignore[return-value]
 
 
 def test_goodput_length_choice() -> None:
@@ -524,7 +524,7 @@ def test_goodput_stops_speculating_with_useless_drafter(tiny_llama: Path, tiny_d
     drafts (almost) nothing, while still producing exactly the plain output."""
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     plain = plain_generate(tiny_llama, PROMPTS, params)
-    fixed = make_llm(tiny_llama, draft_model=str(tiny_draft), spec_length=5).generate(PROMPTS, params)
+    fixed = make_llm(tiny_llama, draft_model=str(tiny_draft), spec_length=5, spec_length_policy="fixed").generate(PROMPTS, params)
     goodput = make_llm(tiny_llama, draft_model=str(tiny_draft), spec_length=5,
                        spec_length_policy="goodput").generate(PROMPTS, params)
     assert_same_outputs(fixed, plain)
@@ -578,7 +578,7 @@ def test_goodput_recovers_from_one_slow_draft_measurement(cheap_exact_pair: tupl
 
 def test_metrics_are_consistent(tiny_llama: Path, noisy_draft: Path) -> None:
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    outputs = make_llm(tiny_llama, draft_model=str(noisy_draft), spec_length=4).generate(PROMPTS, params)
+    outputs = make_llm(tiny_llama, draft_model=str(noisy_draft), spec_length=4, spec_length_policy="fixed").generate(PROMPTS, params)
     for out in outputs:
         m = out.metrics
         assert m.num_rounds > 0 and m.proposed_tokens > 0
@@ -599,7 +599,7 @@ def test_metrics_are_consistent(tiny_llama: Path, noisy_draft: Path) -> None:
 
 
 def test_round_metrics_do_not_depend_on_batch_mates(tiny_llama: Path) -> None:
-    llm = make_llm(tiny_llama, draft_model=str(tiny_llama), spec_length=3)
+    llm = make_llm(tiny_llama, draft_model=str(tiny_llama), spec_length=3, spec_length_policy="fixed")
     short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # its decode step drafts 0 (budget)
     alone = llm.generate(["def f"], short)[0]
     batched = llm.generate(["def f", "import os"], [short, SamplingParams(max_tokens=20, temperature=0.0)])[0]
@@ -615,7 +615,7 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="drafter"):
         EngineConfig.from_options(model="m", use_speculative_decoding=True)
     with pytest.raises(ValueError, match="spec_length"):
-        EngineConfig.from_options(model="m", speculator="ngram", spec_length=0)
+        EngineConfig.from_options(model="m", speculator="ngram", spec_length=0, spec_length_policy="fixed")
     with pytest.raises(ValueError, match="speculator"):
         EngineConfig.from_options(model="m", speculator="lookahead")
     with pytest.raises(ValueError, match="spec_length_policy"):
@@ -627,7 +627,7 @@ def test_config_validation() -> None:
     assert implied.use_speculative_decoding
     assert EngineConfig.from_options(model="m", speculator="ngram").use_speculative_decoding
     assert not EngineConfig.from_options(model="m").use_speculative_decoding
-    goodput = EngineConfig.from_options(model="m", speculator="ngram", spec_length=3, spec_length_policy="goodput")
+    goodput = EngineConfig.from_options(model="m", draft_model="d", spec_length=3, spec_length_policy="goodput")
     assert goodput.speculative is not None and goodput.speculative.spec_length_limit == 6
 
 

@@ -361,7 +361,7 @@ def test_greedy_parity_with_plain_decoding(tiny_llama: Path, plain: list[Request
 def test_stop_rules_that_land_mid_tree(tiny_llama: Path, plain: list[RequestOutput]) -> None:
     """A round that accepts a long path whose middle holds a stop token or a stop string, or that
     reaches max_tokens, ends exactly where plain decoding ends."""
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=8, max_batch_size=3, block_size=4)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=8, spec_length_policy="fixed", max_batch_size=3, block_size=4)
     llm.generate(PROMPTS, greedy())  # warm the store with the full outputs
     reference = plain[0].token_ids
     stop_id = reference[5]  # the first round (after the prefill token) covers tokens 1..9
@@ -387,7 +387,7 @@ def test_greedy_parity_with_penalty_and_sampled_batch_mates(tiny_llama: Path) ->
     params = [greedy(24, repetition_penalty=1.3), SamplingParams(max_tokens=24, temperature=0.8, seed=1),
               greedy(24), greedy(24, repetition_penalty=1.3)]
     base = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(prompts, params)
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=4)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=4, spec_length_policy="fixed")
     for _ in range(2):
         out = llm.generate(prompts, params)
         for i in (0, 2, 3):
@@ -398,7 +398,7 @@ def test_greedy_parity_with_penalty_and_sampled_batch_mates(tiny_llama: Path) ->
 def test_tree_shrinks_to_fit_the_context(tiny_llama: Path) -> None:
     params = greedy(100)
     base = LLM(str(tiny_llama), dtype="float32", device="cpu", max_seq_len=30).generate(PROMPTS[:2], params)
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_seq_len=30, speculator="suffix", spec_length=8,
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_seq_len=30, speculator="suffix", spec_length=8, spec_length_policy="fixed",
               suffix_tree_size=16, kv_cache_backend="slotted")
     for _ in range(2):
         out = llm.generate(PROMPTS[:2], params)
@@ -418,9 +418,9 @@ def run_salted(llm: LLM, prompt: str, salt: str | None, params: SamplingParams) 
 def test_tenants_draft_only_from_their_own_requests(tiny_llama: Path) -> None:
     params = greedy(32, ignore_eos=True)
     prompt = PROMPTS[0]
-    alone = run_salted(LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=6), prompt, "b", params)
+    alone = run_salted(LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=6, spec_length_policy="fixed"), prompt, "b", params)
 
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=6)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=6, spec_length_policy="fixed")
     first = run_salted(llm, prompt, "a", params)
     other_tenant = run_salted(llm, prompt, "b", params)
     same_tenant = run_salted(llm, prompt, "a", params)
@@ -437,7 +437,7 @@ def test_tenants_draft_only_from_their_own_requests(tiny_llama: Path) -> None:
 
 def test_request_scope_shares_nothing(tiny_llama: Path) -> None:
     params = greedy(32, ignore_eos=True)
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=6, suffix_scope="request")
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=6, spec_length_policy="fixed", suffix_scope="request")
     runs = [run_salted(llm, PROMPTS[0], None, params) for _ in range(2)]
     assert runs[0].output_token_ids == runs[1].output_token_ids
     assert runs[0].metrics.proposed_tokens == runs[1].metrics.proposed_tokens
@@ -493,7 +493,7 @@ def test_cli_flags_reach_the_engine(tiny_llama: Path, capsys: pytest.CaptureFixt
 def run_engine(small_target: Path, params: dict[str, Any], n: int = TREE_NUM_SAMPLES,
                seed0: int = 0) -> tuple[np.ndarray, int, int, bool]:
     # A low min_prob keeps several siblings per node, so the multi-candidate rejection is exercised.
-    llm = LLM(str(small_target), speculator="suffix", spec_length=3, suffix_min_prob=0.02, dtype="float32",
+    llm = LLM(str(small_target), speculator="suffix", spec_length=3, spec_length_policy="fixed", suffix_min_prob=0.02, dtype="float32",
               device="cpu", max_batch_size=256, max_seq_len=32)
     proposals = spy_on_proposals(llm)
     outputs = generate_unseeded(llm, [PROMPT] * n, SamplingParams(max_tokens=4, ignore_eos=True, **params), seed0)

@@ -144,7 +144,7 @@ def test_distillation_from_the_cache_lowers_the_kl(corpus_cache: Path, tiny_llam
     # The draft works as the engine's drafter, losslessly.
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = LLM(str(tiny_llama_tied), device="cpu").generate(["def main():"], params)[0]
-    spec = LLM(str(tiny_llama_tied), device="cpu", draft_model=str(result.path), spec_length=3).generate(
+    spec = LLM(str(tiny_llama_tied), device="cpu", draft_model=str(result.path), spec_length=3, spec_length_policy="fixed").generate(
         ["def main():"], params)[0]
     assert spec.token_ids == plain.token_ids and spec.metrics.proposed_tokens > 0
 

@@ -20,6 +20,9 @@ def add_subparser(sub: Any) -> None:
                        "greedy identity, and acceptance/speedup checks. Exit status: 0 passed, 1 a check failed, "
                        "3 no failure but too little statistical power to pass, 2 bad arguments.")
     add_engine_args(p)
+    # An audit tests the verifier, so by default every round drafts: the serving default (goodput)
+    # may stop drafting where drafts do not pay, and a context that never drafts proves nothing.
+    p.set_defaults(spec_length_policy="fixed")
     add_sampling_args(p, ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"))
     p.add_argument("--samples", type=int, default=3000, help="speculative samples per context (distribution check)")
     p.add_argument("--contexts", type=int, default=3, help="how many of the prompts the distribution check uses")

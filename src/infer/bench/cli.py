@@ -11,6 +11,7 @@ from infer.backends import BACKENDS
 from infer.bench.peer import EXPORT_TYPES, LLAMA_CPP_FILE_TYPES, QUANTIZERS
 from infer.bench.quality import add_arguments as add_quality_arguments
 from infer.bench.shapes import DEFAULT_TYPES, SHAPES
+from infer.data.workloads import CHAT_WORKLOADS, WORKLOADS
 from infer.engine.options import MODEL_OPTIONS, OPTIONS, add_engine_args
 
 # The registry's model options load every infer row of infer bench generation alike (an option added
@@ -34,9 +35,10 @@ def add_subparser(sub: Any) -> None:
     # machine (the engine's auto would pick bfloat16 on some CPUs, float32 on others, or a GPU).
     gen.set_defaults(dtype="float32", device="cpu")
     gen.add_argument("--prompts", default=None, help="prompt file (JSON list, JSONL with 'prompt', or text split by ---)")
-    gen.add_argument("--workload", default="code", choices=["code", "edit", "sample", "repetitive"],
-                     help="built-in prompts: code continuation, input-grounded edit, code at temperature 1, or one "
-                     "instruction over many functions (answers end at EOS)")
+    gen.add_argument("--workload", default="code", choices=WORKLOADS,
+                     help="built-in prompts: code continuation, input-grounded edit, code at temperature 1, one "
+                     "instruction over many functions (answers end at EOS), or the shipped user messages (sent "
+                     "through the chat template): open-ended chat, summary of a given passage, code-edit of given code")
     gen.add_argument("--warmup", type=int, default=8,
                      help="repetitive workload: similar requests suffix decoding learns from before the timed ones")
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user message in the chat template")
@@ -187,7 +189,8 @@ def _run_generation(args: argparse.Namespace) -> int:
         medusa_tree_sizes=args.medusa_tree_size, suffix=not args.no_suffix, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
         compiled=args.compiled, cuda_graphs=args.cuda_graphs, backend=args.backend,
-        peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, extra_backends=args.also_backend, chat=args.chat, stop_at_eos=repetitive,
+        peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, extra_backends=args.also_backend, chat=args.chat or args.workload in CHAT_WORKLOADS,
+        stop_at_eos=repetitive,
         warmup_prompts=warmup, prefill_tokens=args.prefill_tokens,
         context_tokens=args.context_tokens,
         engine_options={name: getattr(args, name) for name in ROW_OPTIONS

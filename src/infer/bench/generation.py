@@ -136,6 +136,8 @@ def _params(settings: BenchSettings, seed: int) -> SamplingParams:
                           ignore_eos=not settings.stop_at_eos, seed=seed)
 
 
+# A model-free drafter's row with the engine's default length policy (the K rows draft a fixed K).
+DEFAULT_POLICY = "(default policy)"
 OTHER_BACKEND = "(backend "  # an --also-backend row: "infer plain (backend torch)"
 EXACT = "(exact greedy)"  # the suffix of a mode run with exact-greedy kernels
 COMPILED = "(compiled)"  # the suffix of a mode run with its forward torch.compiled
@@ -332,13 +334,15 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         # Not a row: the draft model decoding on its own gives the cost ratio c (draft step / target step).
         draft_alone = infer_mode("draft model alone", reported=False, model=settings.draft_model)
         for k in settings.spec_lengths:
-            infer_mode(f"infer + draft K={k}", draft_model=settings.draft_model, spec_length=k)
+            infer_mode(f"infer + draft K={k}", draft_model=settings.draft_model, spec_length=k,
+                       spec_length_policy="fixed")
         for policy in settings.policies:
             infer_mode(f"infer + draft ({policy})", draft_model=settings.draft_model,
                        spec_length=max(settings.spec_lengths), spec_length_policy=policy)
     if settings.ngram:
         infer_mode(f"infer + n-gram K={max(settings.spec_lengths)}", speculator="ngram",
-                   spec_length=max(settings.spec_lengths))
+                   spec_length=max(settings.spec_lengths), spec_length_policy="fixed")
+        infer_mode(f"infer + n-gram {DEFAULT_POLICY}", speculator="ngram")
     if settings.medusa_heads:
         infer_mode("infer + Medusa", speculator="medusa", medusa_heads=settings.medusa_heads,
                    spec_length=max(settings.spec_lengths))
@@ -347,7 +351,8 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
                        spec_length=max(settings.spec_lengths), medusa_tree_size=size)
     if settings.suffix:
         infer_mode(f"infer + suffix K={max(settings.spec_lengths)}", speculator="suffix",
-                   spec_length=max(settings.spec_lengths))
+                   spec_length=max(settings.spec_lengths), spec_length_policy="fixed")
+        infer_mode(f"infer + suffix {DEFAULT_POLICY}", speculator="suffix")
     if settings.hf:
         from infer.bench.hf_baseline import transformers_runners
 

@@ -137,7 +137,7 @@ def _plot_generation(report: dict[str, Any], out: Path) -> list[Path]:
     if plt is None:
         return []
     written = []
-    fixed = [r for r in report["results"] if r["engine"] == "infer" and r["spec_length"] and r["policy"] is None
+    fixed = [r for r in report["results"] if r["engine"] == "infer" and r["spec_length"] and r["policy"] == "fixed"
              and "draft" in r["mode"]]
     cost = report.get("cost_ratio_c")
     if fixed and cost is not None:

@@ -294,12 +294,13 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
                 "--max-batch-size", str(max(args.concurrency))]
         configs.append(("speculation off", base))
         if args.draft_model:
-            configs.append(("fixed", base + ["--draft-model", args.draft_model, "--spec-length", str(args.spec_length)]))
+            configs.append(("fixed", base + ["--draft-model", args.draft_model, "--spec-length", str(args.spec_length),
+                                             "--spec-length-policy", "fixed"]))
             configs.append(("goodput", base + ["--draft-model", args.draft_model, "--spec-length",
                                                str(args.spec_length), "--spec-length-policy", "goodput"]))
         for name in args.speculator:
             drafter = base + ["--speculator", name, "--spec-length", str(args.spec_length)]
-            configs.append((f"{name} K={args.spec_length}", drafter))
+            configs.append((f"{name} K={args.spec_length}", drafter + ["--spec-length-policy", "fixed"]))
             configs.append((f"{name} goodput", drafter + ["--spec-length-policy", "goodput"]))
         if args.replicas:
             configs = [(f"{label}, {_replicas_label(n)}", serve_args + _replica_flags(n, args.replica_cpus))

@@ -179,6 +179,15 @@ class Request:
         return max(0, self.max_seq_len - self.num_tokens)
 
     @property
+    def draft_room(self) -> int:
+        """Draft tokens one verification pass may add for this request: the context's room, within the
+        request's own ``max_draft_tokens`` (0 when it turned speculation off)."""
+        if not self.params.speculate:
+            return 0
+        cap = self.params.max_draft_tokens
+        return self.context_room if cap is None else min(cap, self.context_room)
+
+    @property
     def tokens_left(self) -> int:
         """Tokens this request may still emit after the pending one (drafts past them are discarded)."""
         return max(0, self.params.max_tokens - len(self.output_token_ids) - 1)

@@ -1,4 +1,5 @@
-"""Benchmark prompts: code continuation, an input-grounded edit task, a repetitive task, and user files."""
+"""Benchmark prompts: code continuation, an input-grounded edit task, a repetitive task, the shipped
+instruction sets (open-ended chat, summaries, code edits: ``prompt_sets``), and user files."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import textwrap
 from pathlib import Path
 
 from infer.data.corpus import split_files, stdlib_source_files
+from infer.data.prompt_sets import PROMPT_SETS
 
-WORKLOADS = ("code", "edit", "sample", "repetitive")
+# Instruction workloads: user messages, sent through the model's chat template.
+CHAT_WORKLOADS = tuple(PROMPT_SETS)
+WORKLOADS = ("code", "edit", "sample", "repetitive", *CHAT_WORKLOADS)
 # The repetitive workload's one instruction, applied to a different function in every request: the
 # answers share their scaffolding (imports, a TestCase class, assertions), as a batch job's do.
 REPETITIVE_INSTRUCTION = ("Write a unit test for this Python function with the unittest module. "
@@ -117,4 +121,9 @@ def workload_prompts(name: str, count: int) -> list[str]:
         return edit_prompts(count)
     if name == "repetitive":
         return repetitive_prompts(count)
+    if name in PROMPT_SETS:
+        prompts = PROMPT_SETS[name]
+        if count > len(prompts):
+            raise ValueError(f"the {name} workload ships {len(prompts)} prompts: --num-prompts {count} is too many")
+        return list(prompts[:count])
     raise ValueError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)}")

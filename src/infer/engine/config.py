@@ -12,6 +12,10 @@ from infer.sampling.grammar import GrammarLimits
 from infer.speculative.suffix import SCOPES as SUFFIX_SCOPES
 
 SPECULATORS = ("draft", "ngram", "medusa", "suffix", "eagle")
+# Drafters without a model: a draft costs only its verification row, so goodput may draft as far as
+# a match goes (a copied passage or function) by default, up to this many tokens a round.
+MODEL_FREE = ("ngram", "suffix")
+MODEL_FREE_MAX_DRAFT = 32
 LENGTH_POLICIES = ("fixed", "entropy", "goodput")
 TREE_ATTENTION = ("sdpa", "flex")
 EAGLE_MAX_TREE = 64  # most nodes an EAGLE-3 round verifies (the measured size stays at or below it)
@@ -23,8 +27,9 @@ class SpeculativeConfig:
 
     Each field is the flat option of the same name (``LLM(...)`` keyword, ``--flag-with-dashes``).
     ``speculator`` names the drafter. ``spec_length_policy`` sets the budget controller
-    (``infer.speculative.budget``): ``fixed`` drafts ``spec_length`` tokens a round; ``goodput``
-    picks 0..``spec_length_limit`` each round by measured cost and acceptance; ``entropy`` drafts
+    (``infer.speculative.budget``): ``goodput`` (the default) picks 0..``spec_length_limit`` per
+    request and round by measured cost and the request's own acceptance, so speculation that does
+    not pay stops within a few rounds; ``fixed`` drafts ``spec_length`` tokens a round; ``entropy`` drafts
     at least ``spec_length_min`` and up to ``spec_length_limit`` and stops a chain once the draft
     model is unsure (n-gram guesses carry no distribution, so there it drafts like ``fixed``).
     Medusa's tree size is chosen by the same controller, up to the heads' tree, unless
@@ -37,9 +42,11 @@ class SpeculativeConfig:
     speculator: str  # draft | ngram | medusa | suffix | eagle
     draft_model: str | None = None
     spec_length: int = 5
-    spec_length_policy: str = "fixed"
+    spec_length_policy: str = "goodput"
     spec_length_min: int = 1  # entropy: tokens drafted before the draft model's entropy may stop a chain
-    spec_length_max: int | None = None  # None: spec_length (entropy) or 2 * spec_length (goodput)
+    # None: spec_length (entropy), or for goodput 2 * spec_length (a draft model, Medusa's depth) or
+    # MODEL_FREE_MAX_DRAFT (n-gram, suffix).
+    spec_length_max: int | None = None
     entropy_threshold: float = 0.5  # normalised draft entropy above which the entropy policy stops drafting
     ngram_min: int = 1
     ngram_max: int = 4
@@ -55,7 +62,7 @@ class SpeculativeConfig:
     # occurrence (up to suffix_max_match tokens) of the request's suffix; finished requests are kept
     # up to suffix_max_tokens / suffix_max_requests (oldest evicted first) and shared among requests
     # with the same cache_salt ("salt"), or not shared at all ("request").
-    suffix_tree_size: int = 24
+    suffix_tree_size: int = 32
     suffix_max_match: int = 16
     suffix_min_prob: float = 0.1
     suffix_max_tokens: int = 65536
@@ -112,7 +119,9 @@ class SpeculativeConfig:
         ``spec_length_max``, or what the policy implies without it."""
         if self.spec_length_max is not None:
             return self.spec_length_max
-        return 2 * self.spec_length if self.spec_length_policy == "goodput" else self.spec_length
+        if self.spec_length_policy != "goodput":
+            return self.spec_length
+        return MODEL_FREE_MAX_DRAFT if self.speculator in MODEL_FREE else 2 * self.spec_length
 
 
 # The flat options (CLI flags, ``LLM(...)`` keywords) that make a SpeculativeConfig: its fields, by name.

@@ -106,5 +106,8 @@ def make_budget(spec: SpeculativeConfig, drafter: Drafter) -> BudgetController:
         return BudgetController(info.max_nodes, adaptive=fixed is None, tree=True,
                                 cost_per_token=info.cost_per_token, prior_cost=info.cost_hint)
     max_budget = spec.spec_length if spec.spec_length_policy == "fixed" else spec.spec_length_limit
+    # A one-call drafter's probe costs two verification rows and no draft steps: it probes often, so a
+    # request re-engages within a few tokens once its text starts repeating (copying comes in bursts).
+    probe_every, max_probe_every = (16, 128) if info.cost_per_token else (4, 16)
     return BudgetController(max_budget, adaptive=spec.spec_length_policy == "goodput", cost_per_token=info.cost_per_token,
-                            prior_cost=info.cost_hint)
+                            prior_cost=info.cost_hint, probe_every=probe_every, max_probe_every=max_probe_every)

@@ -42,11 +42,13 @@ class LLM:
     """Load a model (and optionally a drafter) and generate for a batch of prompts."""
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", draft_model: str | None = None,
-                 speculator: str | None = None, spec_length: int = 5, spec_length_policy: str = "fixed",
-                 progress: Callable[[str], None] | None = None, **engine_options: Any) -> None:
+                 speculator: str | None = None, progress: Callable[[str], None] | None = None,
+                 **engine_options: Any) -> None:
+        # The speculative options (spec_length, spec_length_policy, ...) come in engine_options with
+        # their defaults declared once, in SpeculativeConfig.
         self.config = EngineConfig.from_options(
             model=str(model), dtype=dtype, device=device, draft_model=None if draft_model is None else str(draft_model),
-            speculator=speculator, spec_length=spec_length, spec_length_policy=spec_length_policy, **engine_options)
+            speculator=speculator, **engine_options)
         self.engine = Engine(self.config, progress)
         self.tokenizer = self.engine.tokenizer
 

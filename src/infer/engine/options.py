@@ -13,6 +13,7 @@ from typing import Any
 from infer.backends import BACKENDS
 from infer.engine.config import (
     LENGTH_POLICIES,
+    MODEL_FREE_MAX_DRAFT,
     SPECULATIVE_OPTIONS,
     SPECULATORS,
     TREE_ATTENTION,
@@ -55,9 +56,12 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            flag="--speculative-decoding"),
     Option("draft_model", "draft model folder (implies --speculator draft)"),
     Option("speculator", "the drafter", choices=SPECULATORS),
-    Option("spec_length", "tokens drafted per round (K)", type=int),
-    Option("spec_length_policy", "fixed K, or K chosen each round by draft entropy or by measured goodput",
-           choices=LENGTH_POLICIES),
+    Option("spec_length", "tokens drafted per round (K) with --spec-length-policy fixed; goodput drafts up to "
+           f"2K with a draft model, up to {MODEL_FREE_MAX_DRAFT} with n-gram or suffix", type=int),
+    Option("spec_length_policy", "goodput: K chosen per request and round by measured cost and the request's "
+           "acceptance (0 where drafts do not pay); fixed K; or K cut by draft entropy", choices=LENGTH_POLICIES),
+    Option("spec_length_max", "the most tokens goodput (or entropy) drafts a round (default: see --spec-length)",
+           type=int),
     Option("medusa_heads", "Medusa heads folder (default: <model>/medusa; for a GGUF or built-in model "
            "~/.cache/infer/drafters/<name>/medusa, where infer train medusa saves them)"),
     Option("medusa_tree_size", "verify exactly this many tree nodes per round (default: choose each round, up to "
@@ -118,7 +122,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
 
 # The options every command that loads a model takes, and those a server adds.
 MODEL_OPTIONS = ("model", "dtype", "device", "use_speculative_decoding", "draft_model", "speculator", "spec_length",
-                 "spec_length_policy", "medusa_heads", "medusa_tree_size", "eagle_head", "eagle_tree_size", "tree_attention", "suffix_tree_size",
+                 "spec_length_policy", "spec_length_max", "medusa_heads", "medusa_tree_size", "eagle_head", "eagle_tree_size", "tree_attention", "suffix_tree_size",
                  "suffix_max_tokens", "suffix_max_requests", "suffix_scope", "max_seq_len", "kv_memory_fraction",
                  "kv_cache_backend", "exact_greedy", "compile", "cuda_graphs", "backend", "quantization",
                  "draft_quantization")

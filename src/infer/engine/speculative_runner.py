@@ -41,7 +41,7 @@ from infer.sampling.transforms import (
 from infer.speculative.budget import BudgetController
 from infer.speculative.drafter import Drafter, Proposal
 from infer.speculative.rejection import verify_drafts, verify_greedy
-from infer.speculative.tree import TreeMaskCache, tree_depths, verify_tree
+from infer.speculative.tree import TreeMaskCache, tree_depths, verify_tree, verify_tree_greedy
 
 
 @dataclass
@@ -236,11 +236,18 @@ class SpeculativeRunner:
         ragged = runner.forward_ragged(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask)
         self.last_pass_rows = ragged.rows
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-        target_probs, processed = self._target_probs(requests, ragged.padded(runner.logits(ragged.hidden)), tokens,
-                                                     sampling, mask,
-                                                     None if grammar is None else grammar.allowed[:, : width + 1])
-        verdict = verify_tree(tokens, counts, parents, target_probs, sampling.greedy,
-                              [r.random_source() for r in requests], mask)
+        logits = runner.logits(ragged.hidden)  # [N, V]
+        if argmax_only([r.params for r in requests]):
+            # Greedy rows only compare nodes with the target's argmax: no [B, W+1, V] distributions.
+            verdict = verify_tree_greedy(tokens.tolist(), counts, parents.tolist(),
+                                         ragged.padded(logits.argmax(dim=-1)).tolist())
+            # no processor applies: logprobs come from the raw logits
+            processed = ragged.padded(logits) if any(r.params.logprobs is not None for r in requests) else logits
+        else:
+            target_probs, processed = self._target_probs(requests, ragged.padded(logits), tokens, sampling, mask,
+                                                         None if grammar is None else grammar.allowed[:, : width + 1])
+            verdict = verify_tree(tokens, counts, parents, target_probs, sampling.greedy,
+                                  [r.random_source() for r in requests], mask)
         batch = len(requests)
         # Compaction: the accepted path's K/V move to start + 1 .. start + kept, right after g.
         moves = []
@@ -385,14 +392,15 @@ class SpeculativeRunner:
         return outputs
 
     def _clamp(self, request: Request, budget: int) -> int:
-        """Never verify past the context (overflow guard); a chain never drafts past the tokens the
+        """Never verify past the context (overflow guard) nor more than the request allows (its
+        ``max_draft_tokens``, or none with speculation off); a chain never drafts past the tokens the
         request may still emit (a tree's depth is capped by its drafter); a drafter that reads hidden
         states waits for the request's first one."""
         if self._hidden is not None and request.request_id not in self._hidden:
             return 0
         if self.drafter.info.tree:
-            return min(budget, request.context_room)
-        return min(budget, request.context_room, request.tokens_left)
+            return min(budget, request.draft_room)
+        return min(budget, request.draft_room, request.tokens_left)
 
     # -- hidden states for a drafter that reads them ---------------------------------------------
     def _keep_hidden(self, sampled: Sampled) -> StepResult:

@@ -59,6 +59,11 @@ class SamplingParams:
     # ``prompt_logprobs`` likeliest alternatives, from the raw distribution (no processors: nothing
     # was sampled there). Such a request computes its whole prompt (no prefix-cache reuse).
     prompt_logprobs: int | None = None
+    # Speculative decoding for this request (an engine without a drafter ignores both): off, or on
+    # with at most ``max_draft_tokens`` draft tokens verified per round (None: the engine's policy
+    # alone decides). Either way the output is what plain decoding gives; only the speed changes.
+    speculate: bool = True
+    max_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.structured_output is not None:
@@ -97,6 +102,12 @@ class SamplingParams:
                  "must be a list of non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  self.stop_token_ids, "must be a list of non-negative token ids")
+        _require(isinstance(self.speculate, bool), "speculate", self.speculate, "must be true or false")
+        _require(self.max_draft_tokens is None or (isinstance(self.max_draft_tokens, int)
+                                                   and not isinstance(self.max_draft_tokens, bool)
+                                                   and self.max_draft_tokens >= 1),
+                 "max_draft_tokens", self.max_draft_tokens,
+                 "must be None or an integer >= 1 (speculate=False turns speculation off)")
         _require(self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
                  "seed", self.seed, "must be None or a 64-bit integer")
 

@@ -101,7 +101,9 @@ def build_app(config: EngineConfig, served_model_name: str, api_key: str | None,
     engine: Engine | EngineProcess = Engine(config, say) if in_process else EngineProcess(config, say)
     if say is not None:
         spec = config.speculative
-        drafting = "" if spec is None else f", speculation {spec.speculator} (K={spec.spec_length}, {spec.spec_length_policy})"
+        length = f"K={spec.spec_length}" if spec is not None and spec.spec_length_policy == "fixed" else (
+            f"K<={spec.spec_length_limit}" if spec is not None else "")
+        drafting = "" if spec is None else f", speculation {spec.speculator} ({length}, {spec.spec_length_policy})"
         say(f"engine ready: max_seq_len {engine.max_seq_len}, batch {config.max_batch_size}, "
             f"{engine.pool.free_kv_tokens()} KV tokens{drafting}")
     try:

@@ -52,6 +52,15 @@ class StreamOptions(_Body):
 DEFAULT_LIMITS = RequestLimits()
 
 
+class SpeculationOptions(BaseModel):
+    """The ``speculation`` extension: this request's speculative decoding (the output never changes)."""
+
+    # A misspelt key here would silently do nothing: unknown keys are refused, unlike the body's.
+    model_config = ConfigDict(extra="forbid", strict=True)
+    enabled: bool = True
+    max_draft_tokens: int | None = None
+
+
 class SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -87,6 +96,9 @@ class SamplingRequest(_Body):
                                                      "spelling): structured_outputs.json")
     guided_regex: str | None = Field(default=None, description="extension: structured_outputs.regex")
     guided_grammar: str | None = Field(default=None, description="extension: structured_outputs.grammar")
+    speculation: SpeculationOptions | None = Field(default=None, description=(
+        "extension: {\"enabled\": false} decodes this request without speculation; {\"max_draft_tokens\": N} "
+        "verifies at most N draft tokens a round. Output is the same either way; only the speed changes"))
 
     @property
     def include_usage(self) -> bool:
@@ -164,6 +176,7 @@ class SamplingRequest(_Body):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.requested_max_tokens()
         structured = self.structured_output()
+        speculation = self.speculation or SpeculationOptions()
         try:
             return SamplingParams(
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens,
@@ -182,10 +195,15 @@ class SamplingRequest(_Body):
                 logprobs=self.requested_logprobs(),
                 prompt_logprobs=self.requested_prompt_logprobs(),
                 structured_output=None if structured is None else structured[0],
+                speculate=speculation.enabled,
+                max_draft_tokens=speculation.max_draft_tokens,
             )
         except ValueError as err:
             if structured is not None and "structured_output" in str(err):
                 raise bad_request(str(err), param=structured[1]) from None
+            if "SamplingParams.max_draft_tokens=" in str(err):
+                raise bad_request(str(err).replace("SamplingParams.max_draft_tokens", "speculation.max_draft_tokens"),
+                                  param="speculation.max_draft_tokens") from None
             raise from_sampling_error(err) from None
 
 

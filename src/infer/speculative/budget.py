@@ -16,17 +16,20 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   grown by the batch, ``(D + b·B) / (a + b·B)``, which tends to 1 as the batch fills: under load
   speculation stops paying.
 * **Acceptance** ``E_b(n)``, the tokens a round emits for request ``b``. For a chain it is
-  Theorem 3.8's ``1 + α + ... + α^n`` with ``α`` the request's per-draft acceptance (a moving
-  average starting from the drafter's recent one). For a tree, whose extra width a single ``α``
-  does not describe, it is measured: the mean tokens per request and round at each size on a
-  ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times first and a
-  neighbour of the best every ``probe_every`` rounds. A chain batch settled on ``n = 0`` drafts two
-  tokens for every request after ``probe_every`` plain rounds, so requests whose text turns
-  predictable can win speculation back. The whole batch probes in one round because a round that
-  verifies anything pays the drafter's call (or its steps) once: eight requests probing in eight
-  rounds would pay it eight times. Each probe that does not win speculation back doubles
-  the wait (up to ``max_probe_every``), so a batch where speculation never pays (a full batch on
-  a compute-bound CPU) pays for ever fewer probes.
+  Theorem 3.8's ``1 + α + ... + α^n`` with ``α`` the request's per-draft acceptance: its accepted
+  over judged drafts of its last rounds (older rounds weigh less, at most ``alpha_window`` drafts
+  in all, starting from the drafter's recent acceptance), so a request whose text stops repeating
+  backs off within a round or two and one copying a passage drafts long. For a tree, whose extra
+  width a single ``α`` does not describe, it is measured: the mean tokens per request and round at
+  each size on a ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times
+  first and a neighbour of the best every ``probe_every`` rounds. A chain request left at
+  ``n = 0`` drafts two tokens after ``first_probe`` plain rounds (a new one: its α is only its
+  predecessors'), then after ``probe_every``, so one whose text turns predictable can win
+  speculation back. When one request is due, every request at 0 probes with it, because a round
+  that verifies anything pays the drafter's call (or its steps) once: eight requests probing in
+  eight rounds would pay it eight times. Each probe that does not win speculation back doubles the
+  request's wait (up to ``max_probe_every``), so where speculation never pays (a full batch on a
+  compute-bound CPU) it pays for ever fewer probes.
 
 Every budget gives the same output (verification is exact), so this only changes the speed.
 
@@ -124,7 +127,9 @@ class BudgetController:
 
     def __init__(self, max_budget: int, *, adaptive: bool = False, tree: bool = False, cost_per_token: bool = True,
                  prior_cost: float = 0.0, prior_alpha: float = 0.6, ema: float = 0.3, probe_every: int = 16,
-                 max_probe_every: int = 128, warmup_rounds: int = 2, tree_ema: float = 0.2) -> None:
+                 max_probe_every: int = 128, warmup_rounds: int = 2, tree_ema: float = 0.2,
+                 alpha_decay: float = 0.7, alpha_window: float = 8.0, prior_row_cost: float = 0.05,
+                 min_row_cost: float = 0.01, first_probe: int = 4) -> None:
         if max_budget < 1:
             raise ValueError(f"max_budget={max_budget} must be >= 1")
         self.max_budget = max_budget
@@ -134,17 +139,30 @@ class BudgetController:
         self.prior_cost = prior_cost
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
+        # A new request starting at K = 0 (its drafter's recent requests did not pay) probes sooner:
+        # until then its acceptance is only its predecessors'.
+        self.first_probe = min(first_probe, probe_every)
         # Cost: target passes by tokens in the pass; draft steps by batch size. Draft steps are
         # sampled less often once a chain settles on 0 (only probes draft), so that fit forgets
         # faster: one slow early sample must not keep drafting dear for long.
         self.target = LinearFit()
         self.draft = LinearFit(decay=0.7)
-        # Chain acceptance: per-request α, and where new requests start.
+        # Chain acceptance: per-request α, and where new requests start. α is the request's accepted
+        # drafts over judged drafts, each round's counts weighing alpha_decay times less per round
+        # and at most alpha_window drafts in all: a request copying a passage for a while still
+        # backs off within a round or two once its text stops repeating.
         self.ema = ema
         self.alpha: dict[str, float] = {}
+        self._weight: dict[str, float] = {}  # judged drafts behind each α (decayed)
+        self.alpha_decay = alpha_decay
+        self.alpha_window = alpha_window
         self.recent_alpha = prior_alpha
-        self._plain_rounds = 0  # chain rounds at K = 0 since the last probe (or speculation)
-        self._probe_wait = probe_every  # plain rounds before the next probe
+        # A chain's verification row in plain decode steps, until the fit measures one, and at least.
+        self.prior_row_cost = prior_row_cost
+        self.min_row_cost = min_row_cost
+        # Per request at K = 0: rounds since its last probe (or speculation), and the wait before the next.
+        self._plain_rounds: dict[str, int] = {}
+        self._probe_wait: dict[str, int] = {}
         # Tree acceptance: tokens per request and round at each ladder size (unused for chains).
         self.sizes = size_ladder(max_budget) if tree else list(range(max_budget + 1))
         self.warmup_rounds = warmup_rounds
@@ -164,6 +182,9 @@ class BudgetController:
             per_node, overhead = self._last_cost = self.round_cost(len(requests))
             return [self.tree_size(per_node, overhead)] * len(requests)
         per_row, per_step, overhead = self.chain_cost(len(requests))
+        # A chain of up to max_budget rows: its row cost is a prior until a pass is timed, and never
+        # below min_row_cost, so an unmeasured (or noisy, flat) fit cannot make a 32-row pass look free.
+        per_row = max(per_row, self.min_row_cost) if self.target.ready else self.prior_row_cost
         return self.chain_lengths(requests, per_row, overhead, per_step)
 
     def chain_cost(self, batch_size: int) -> tuple[float, float, float]:
@@ -190,33 +211,60 @@ class BudgetController:
         ragged, so a request whose drafts are seldom accepted drafts less than its batch mates
         rather than making them pay for its rows: for each longest chain ``K``, the best rounds take
         the most valuable drafts first (request b's j-th draft adds ``α_b^j``, less for each
-        further one), so the best ``m`` of them, over every ``K`` and ``m``, is the optimum."""
+        further one), so the best ``m`` of them, over every ``K`` and ``m``, is the optimum. A
+        one-call drafter's cost does not grow with ``K`` (``per_step`` 0): only the longest is tried.
+        No request drafts past its own ``draft_room`` (its ``max_draft_tokens``; 0 with speculation off)."""
+        caps = [min(self.max_budget, r.draft_room) for r in requests]
         alphas = [self.alpha.get(r.request_id, self.recent_alpha) for r in requests]
-        best_rate, best = float(len(requests)), [0] * len(requests)  # plain decoding: B tokens per step
-        ranked = sorted(((alpha ** j, j, b) for b, alpha in enumerate(alphas) for j in range(1, self.max_budget + 1)),
-                        key=lambda gain: -gain[0])
-        for longest in range(1, self.max_budget + 1):
-            gains = [(gain, b) for gain, j, b in ranked if j <= longest]
-            tokens, cost = float(len(requests)), 1.0 + overhead + per_step * longest
-            for m, (gain, _) in enumerate(gains, start=1):
+        batch = len(requests)
+        best_rate, best = float(batch), [0] * batch  # plain decoding: B tokens per step
+        # At the optimum every draft is worth at least its row at the optimum's rate (else dropping it
+        # would raise the rate), a rate above plain decoding's B: lesser gains never enter it, and
+        # skipping them keeps a 64-token budget's ranking short.
+        floor = per_row * batch
+        ranked = sorted(((gain, j, b) for b, alpha in enumerate(alphas) for j, gain in _gains(alpha, caps[b], floor)),
+                        key=lambda g: -g[0])
+        top = max(caps, default=0)
+        for longest in (range(1, top + 1) if per_step > 0 else [top] if top else []):
+            tokens, cost = float(batch), 1.0 + overhead + per_step * longest
+            counts = [0] * batch
+            for gain, j, b in ranked:
+                if j > longest:
+                    continue
                 if gain * cost <= tokens * per_row:  # a draft worth less than its row: so are the rest
                     break
                 tokens, cost = tokens + gain, cost + per_row
+                counts[b] += 1
                 rate = tokens / cost
                 if rate > best_rate * (1 + 1e-9):
-                    best_rate, best = rate, [0] * len(requests)
-                    for _, b in gains[:m]:
-                        best[b] += 1
-        if any(best):  # speculation pays: if it stops paying, probe promptly again
-            self._plain_rounds, self._probe_wait = 0, self.probe_every
-            return best
-        self._plain_rounds += 1
-        if self._plain_rounds < self._probe_wait:
-            return [0] * len(requests)
-        # Two drafts, so the draft model's single-token step gets timed too (the first step of a
-        # round also catches the draft cache up and is not a clean sample).
-        self._plain_rounds, self._probe_wait = 0, min(2 * self._probe_wait, self.max_probe_every)
-        return [min(2, self.max_budget)] * len(requests)
+                    best_rate, best = rate, list(counts)
+        return self._probe(requests, best, caps)
+
+    def _probe(self, requests: list[Request], lengths: list[int], caps: list[int]) -> list[int]:
+        """Requests left at K = 0 for their probe wait draft two tokens, so one whose text turns
+        predictable wins speculation back; each probe that does not doubles its wait. When one is
+        due every request at 0 probes with it: a round that verifies anything pays the drafter's
+        call (or its steps) once, and eight requests probing in eight rounds would pay it eight times."""
+        due = False
+        for request, k, cap in zip(requests, lengths, caps, strict=True):
+            rid = request.request_id
+            if k or not cap:  # speculating (or not allowed to): probe promptly once it stops paying
+                self._plain_rounds[rid], self._probe_wait[rid] = 0, self.probe_every
+                continue
+            self._plain_rounds[rid] = self._plain_rounds.get(rid, 0) + 1
+            due |= self._plain_rounds[rid] >= self._probe_wait.setdefault(rid, self.first_probe)
+        if not due:
+            return lengths
+        probed = list(lengths)
+        for b, (request, k, cap) in enumerate(zip(requests, lengths, caps, strict=True)):
+            if k == 0 and cap:
+                # Two drafts, so the draft model's single-token step gets timed too (the first step of
+                # a round also catches the draft cache up and is not a clean sample).
+                rid = request.request_id
+                probed[b] = min(2, cap)
+                self._plain_rounds[rid] = 0
+                self._probe_wait[rid] = min(2 * self._probe_wait[rid], self.max_probe_every)
+        return probed
 
     def tree_size(self, per_node: float, overhead: float = 0.0) -> int:
         """The tree size of the next round: untried sizes first (largest first: the heads' own tree
@@ -287,13 +335,29 @@ class BudgetController:
         # Per-token acceptance of this round: accepted drafts over drafts actually judged (the
         # first rejection ends a round, so later drafts were never tested).
         judged = accepted + (1 if accepted < proposed else 0)
+        rid = request.request_id
+        prev = self.alpha.get(rid, self.recent_alpha)
+        # The estimate so far counts as ``weight`` judged drafts (the prior: a round's worth).
+        weight = min(self.alpha_decay * self._weight.get(rid, 1.0), self.alpha_window)
+        self.alpha[rid] = (prev * weight + accepted) / (weight + judged)
+        self._weight[rid] = weight + judged
         observed = accepted / judged
-        prev = self.alpha.get(request.request_id, self.recent_alpha)
-        self.alpha[request.request_id] = (1 - self.ema) * prev + self.ema * observed
         self.recent_alpha = (1 - self.ema / 4) * self.recent_alpha + self.ema / 4 * observed
 
     def release(self, request: Request) -> None:
-        self.alpha.pop(request.request_id, None)
+        for state in (self.alpha, self._weight, self._plain_rounds, self._probe_wait):
+            state.pop(request.request_id, None)
+
+
+def _gains(alpha: float, most: int, floor: float) -> list[tuple[int, float]]:
+    """``(j, α^j)`` for a request's drafts j = 1..most, while α^j is at least ``floor``."""
+    out, gain = [], 1.0
+    for j in range(1, most + 1):
+        gain *= alpha
+        if gain < floor:
+            break
+        out.append((j, gain))
+    return out
 
 
 def _cost(nodes: int, per_node: float, overhead: float) -> float:

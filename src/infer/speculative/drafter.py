@@ -9,7 +9,7 @@ interface and nothing else:
 * ``propose(requests, budgets, hidden_states) -> Proposal`` drafts for a batch. ``budgets[b]`` is
   the most nodes request ``b`` may get this round (a chain's length or a tree's node count), as
   decided by the runner's budget controller and already clamped so verification fits the
-  request's context (``Request.context_room``); a chain is also clamped to the tokens the request
+  request's context and its own ``max_draft_tokens`` (``Request.draft_room``); a chain is also clamped to the tokens the request
   may still emit (``Request.tokens_left``), by which a tree drafter caps its depth itself. 0 means
   "do not draft for it". ``requests[b].all_token_ids`` ends with the last
   accepted token. ``hidden_states`` is the target's last hidden state per request ([B, hidden],

@@ -2,8 +2,9 @@
 
 Rule: take the longest ``n`` in ``[min_n, max_n]`` for which the last ``n`` tokens also occur
 earlier, i.e. as an occurrence that is followed by at least one token; among those occurrences use
-the most recent one, and propose up to ``max_proposal`` tokens that followed it (fewer if the
-sequence ends first).
+the most recent one, and propose up to ``max_proposal`` tokens that followed it. A copy that runs
+into the end of the sequence goes on with its own drafted tokens (period = the distance back to
+the occurrence): text repeating with a short period drafts as far as the budget, not one period.
 """
 
 from collections.abc import Iterable
@@ -73,7 +74,11 @@ class NgramIndex:
         for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
             end = self._last_end.get(tuple(toks[len(toks) - n :]))
             if end is not None:
-                return toks[end + 1 : end + 1 + max_proposal]
+                draft = toks[end + 1 : end + 1 + max_proposal]
+                period = len(draft)  # < max_proposal only where the copy reached the sequence's end
+                for i in range(period, max_proposal):
+                    draft.append(draft[i - period])
+                return draft
         return []
 
 
@@ -101,7 +106,9 @@ class NgramDrafter(Drafter):
             index = self._indexes.get(request.request_id)
             if index is None:
                 index = self._indexes[request.request_id] = NgramIndex(min_n=self.min_n, max_n=self.max_n)
-            index.extend(request.all_token_ids[len(index):])
+            # Only the tokens since the last round (all_token_ids would copy the whole sequence).
+            seen, prompt = len(index), request.prompt_token_ids
+            index.extend(prompt[seen:] + request.output_token_ids[max(0, seen - len(prompt)):])
             guesses.append(index.propose(limit))
         return pad_proposals(guesses, self.device)
 

@@ -119,8 +119,9 @@ class SuffixDrafter(Drafter):
         trees = []
         for request, depth in zip(requests, budgets, strict=True):
             self._sync(request)
-            # Verification writes every node: at most tree_size, and never past the context.
-            trees.append(self.draft(request, depth, min(self.tree_size, request.context_room)))
+            # Verification writes every node: at most tree_size, never past the context nor past the
+            # request's own max_draft_tokens.
+            trees.append(self.draft(request, depth, min(self.tree_size, request.draft_room)))
         width = max((len(t) for t in trees), default=0)
         tokens = torch.zeros(len(requests), width, dtype=torch.long)
         parents = torch.full((len(requests), width), -1, dtype=torch.long)

@@ -383,3 +383,35 @@ def verify_tree(
         final_host[b] = token
     out_tokens = [[host_tokens[b][i] for i in paths[b]] + [final_host[b]] for b in range(batch)]
     return TreeVerdict(paths=paths, tokens=out_tokens, last_rows=last_rows)
+
+
+def verify_tree_greedy(node_tokens: Sequence[Sequence[int]], num_nodes: Sequence[int],
+                       parents: Sequence[Sequence[int]], choices: Sequence[Sequence[int]]) -> TreeVerdict:
+    """``verify_tree`` for a batch of greedy rows without processors, from the target's argmax alone.
+
+    ``choices[b][r]`` is the argmax of pass row ``r`` (0: the root, node i: row i + 1). The kept
+    path ends at the deepest node whose every node matches its parent row's argmax (the first such
+    node on a tie, as ``verify_tree``), and the final token is its row's argmax: the same verdict,
+    without forming a [B, N+1, V] distribution.
+    """
+    paths, last_rows, out_tokens = [], [], []
+    for tokens, count, parent, choice in zip(node_tokens, num_nodes, parents, choices, strict=True):
+        depth = [0] * count  # a matching node's depth; 0: it or an ancestor does not match
+        best = -1
+        for i in range(count):
+            up = parent[i]
+            if tokens[i] == choice[up + 1] and (up < 0 or depth[up]):
+                depth[i] = 1 + (depth[up] if up >= 0 else 0)
+                if best < 0 or depth[i] > depth[best]:
+                    best = i
+        path = []
+        node = best
+        while node >= 0:
+            path.append(node)
+            node = parent[node]
+        path.reverse()
+        last = best + 1
+        paths.append(path)
+        last_rows.append(last)
+        out_tokens.append([tokens[i] for i in path] + [choice[last]])
+    return TreeVerdict(paths=paths, tokens=out_tokens, last_rows=last_rows)

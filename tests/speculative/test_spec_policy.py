@@ -1,0 +1,135 @@
+"""Draft length and per-request control: long model-free drafts when a match is confident, the default
+policy backing off where drafts do not pay, and a request turning speculation off or capping its drafts.
+Every case is also checked to decode exactly as plain decoding does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.core.request import Request
+from infer.engine.config import MODEL_FREE_MAX_DRAFT, EngineConfig
+from infer.speculative.budget import BudgetController
+from infer.speculative.tree import verify_tree, verify_tree_greedy
+
+# The tiny model's greedy output settles into a short cycle: n-gram lookup then copies it.
+PROMPT = "one two three four five six seven eight nine ten " * 6
+GREEDY = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+
+
+def steady_costs(llm: LLM) -> None:
+    """A fixed cost model instead of measured times (a shared CPU's noise must not decide the test):
+    a target pass over n rows takes 1 ms + 20 µs·n, a drafter call 10 µs."""
+    budget = llm.engine.runner.budget  # type: ignore[attr-defined]
+    target, draft = budget.observe_target, budget.observe_draft_step
+    budget.observe_target = lambda rows, _s: target(rows, 1e-3 + 2e-5 * rows)
+    budget.observe_draft_step = lambda batch, _s: draft(batch, 1e-5)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama: Path) -> list[int]:
+    return LLM(str(tiny_llama), dtype="float32", device="cpu").generate([PROMPT], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "suffix"])
+def test_default_policy_drafts_long_when_the_match_holds(tiny_llama: Path, plain: list[int], speculator: str) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator=speculator, suffix_scope="request")
+    steady_costs(llm)
+    out = llm.generate([PROMPT], GREEDY)[0]
+    assert out.token_ids == plain
+    m = out.metrics
+    # A round drafted (and verification judged) 32 positions, and long runs were accepted.
+    assert len(m.proposed_per_position) == MODEL_FREE_MAX_DRAFT, m.proposed_per_position
+    assert m.accepted_per_position[MODEL_FREE_MAX_DRAFT - 1] > 0  # a whole 32-token draft kept
+
+
+def test_defaults() -> None:
+    ngram = EngineConfig.from_options(model="m", speculator="ngram").speculative
+    draft = EngineConfig.from_options(model="m", draft_model="d", spec_length=4).speculative
+    fixed = EngineConfig.from_options(model="m", speculator="ngram", spec_length_policy="fixed").speculative
+    assert ngram is not None and draft is not None and fixed is not None
+    assert ngram.spec_length_policy == draft.spec_length_policy == "goodput"
+    assert ngram.spec_length_limit == MODEL_FREE_MAX_DRAFT and draft.spec_length_limit == 8
+    assert fixed.spec_length_limit == fixed.spec_length
+
+
+def fake(rid: str, draft_room: int = 1 << 30) -> Request:
+    return SimpleNamespace(request_id=rid, draft_room=draft_room)  # type: ignore[return-value]
+
+
+def test_goodput_backs_off_a_request_within_a_few_rounds() -> None:
+    """A request whose drafts fail stops drafting after a few rounds (a verification row costing a
+    fifteenth of a decode step, as on a small CPU model), while its batch mate copying a passage
+    keeps long drafts; the failing one probes again later."""
+    policy = BudgetController(32, adaptive=True, probe_every=4)
+    bad, good = fake("bad"), fake("good")
+    rounds = []
+    for _ in range(8):
+        k_bad, k_good = policy.chain_lengths([bad, good], per_row=1 / 15)
+        rounds.append(k_bad)
+        policy.update(bad, k_bad, 0)
+        policy.update(good, k_good, k_good)
+    assert rounds[0] > 0 and rounds.index(0) <= 4, rounds
+    assert policy.chain_lengths([bad, good], per_row=1 / 15)[1] >= 24
+    later = [policy.chain_lengths([bad, good], per_row=1 / 15)[0] for _ in range(8)]
+    assert 2 in later  # a probe: its text may turn predictable
+
+
+def test_goodput_respects_each_request_cap() -> None:
+    policy = BudgetController(32, adaptive=True, probe_every=2)
+    off, capped, free = fake("off", draft_room=0), fake("capped", draft_room=3), fake("free")
+    for request in (off, capped, free):
+        policy.alpha[request.request_id] = 0.99
+    assert policy.chain_lengths([off, capped, free], per_row=0.01) == [0, 3, 32]
+    # A request with speculation off is never probed either.
+    policy.alpha["capped"] = policy.alpha["free"] = 0.0
+    assert all(ks[0] == 0 for ks in (policy.chain_lengths([off, capped, free], per_row=0.5) for _ in range(10)))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "draft"])
+def test_batch_mixing_speculation_on_and_off_is_exact(tiny_llama: Path, plain: list[int], drafter: str) -> None:
+    options: dict[str, Any] = ({"draft_model": str(tiny_llama)} if drafter == "draft"
+                               else {"speculator": drafter, "suffix_scope": "request"})
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", spec_length_policy="fixed", spec_length=6, **options)
+    settings = [dict(speculate=False), dict(max_draft_tokens=2), {}, dict(speculate=False, max_draft_tokens=4)]
+    params = [SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, **s) for s in settings]
+    outs = llm.generate([PROMPT] * len(params), params)
+    for out in outs:
+        assert out.token_ids == plain[:64]
+    off, capped, free, off_too = (o.metrics for o in outs)
+    assert off.proposed_tokens == off_too.proposed_tokens == 0
+    assert capped.proposed_tokens > 0 and len(capped.proposed_per_position) <= 2
+    assert len(free.proposed_per_position) > 2
+
+
+def test_sampling_params_validate_speculation_fields() -> None:
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        SamplingParams(max_draft_tokens=0)
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        SamplingParams(max_draft_tokens=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="speculate"):
+        SamplingParams(speculate="no")  # type: ignore[arg-type]
+
+
+def test_greedy_tree_walk_matches_the_tree_verifier() -> None:
+    """The argmax-only greedy tree verdict is verify_tree's on one-hot target distributions, on random
+    trees with small vocabularies (so siblings often share a token and ties between paths occur)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        batch, width, vocab = 3, 7, 3
+        counts = torch.randint(0, width + 1, (batch,), generator=gen).tolist()
+        parents = torch.full((batch, width), -1, dtype=torch.long)
+        for b in range(batch):
+            for i in range(1, counts[b]):
+                parents[b, i] = int(torch.randint(-1, i, (1,), generator=gen))
+        tokens = torch.randint(0, vocab, (batch, width), generator=gen)
+        choices = torch.randint(0, vocab, (batch, width + 1), generator=gen)
+        probs = torch.zeros(batch, width + 1, vocab).scatter_(2, choices.unsqueeze(2), 1.0)
+        expected = verify_tree(tokens, counts, parents, probs, torch.ones(batch, dtype=torch.bool), [None] * batch)
+        got = verify_tree_greedy(tokens.tolist(), counts, parents.tolist(), choices.tolist())
+        assert (got.paths, got.tokens, got.last_rows) == (expected.paths, expected.tokens, expected.last_rows)
