@@ -25,6 +25,7 @@ from helpers import (
     TREE_CONFIGS,
     TREE_NUM_SAMPLES,
     first_token_chisquare,
+    generate_unseeded,
     grouped_chisquare,
     reference,
 )
@@ -131,7 +132,7 @@ def test_greedy_output_is_plain_output(tiny_llama: Path, tmp_path: Path, options
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = LLM(str(tiny_llama), dtype="float32", device="cpu", **options).generate(PROMPTS, params)
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="eagle", eagle_head=str(head),
-              eagle_tree_size=12, spec_length=4, max_batch_size=2, **options)
+              eagle_tree_size=12, spec_length=4, spec_length_policy="fixed", max_batch_size=2, **options)
     eagle = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in eagle] == [o.token_ids for o in plain]
     assert sum(o.metrics.proposed_tokens for o in eagle) > 0  # it did draft
@@ -159,12 +160,13 @@ def engine(small_target: Path, tmp_path_factory: pytest.TempPathFactory) -> LLM:
     head = make_eagle3_head(small_target, tmp_path_factory.mktemp("eagle_small") / "eagle",
                             draft_vocab=[0, 1, 2, 4, 5, 6, 7, 9], std=0.3)
     return LLM(str(small_target), speculator="eagle", eagle_head=str(head), dtype="float32", device="cpu",
-               max_batch_size=256, max_seq_len=32, eagle_tree_size=8, spec_length=2)
+               max_batch_size=256, max_seq_len=32, eagle_tree_size=8, spec_length=2, spec_length_policy="fixed")
 
 
 def run_engine(llm: LLM, params: dict[str, Any], n: int = TREE_NUM_SAMPLES, seed0: int = 0) -> tuple[np.ndarray, int, int]:
-    sampling = [SamplingParams(max_tokens=4, ignore_eos=True, seed=seed0 + i, **params) for i in range(n)]
-    outputs = llm.generate([PROMPT] * n, sampling)
+    # Unseeded requests: a seeded one draws plain decoding's tokens by keyed noise, never the
+    # rejection sampler this test (and its negative control) is about.
+    outputs = generate_unseeded(llm, [PROMPT] * n, SamplingParams(max_tokens=4, ignore_eos=True, **params), seed0)
     assert all(len(o.token_ids) == 4 for o in outputs)
     samples = np.array([o.token_ids[:3] for o in outputs], dtype=np.int64)
     return samples, sum(o.metrics.proposed_tokens for o in outputs), sum(o.metrics.accepted_tokens for o in outputs)

@@ -3,7 +3,7 @@
 * The keyed draw itself (``KeyedDraw``, the exponential race) is exactly distributed as p: a
   chi-square test over many seeds, and a negative control (uniform instead of exponential noise)
   that the same test rejects.
-* The same seeds give the same tokens with every drafter as with plain decoding (draft model,
+* The same seeds give the same tokens with every drafter as with plain decoding (draft model, EAGLE-3,
   n-gram, suffix, Medusa), on the V = 10 pair of the exactness tests, and those tokens follow the
   target's distribution; speculation really ran and both verdicts occurred.
 * A seeded request's tokens on a suffix-decoding engine do not depend on the traffic it served
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints import make_medusa_heads
+from checkpoints import make_eagle3_head, make_medusa_heads
 from helpers import (
     P_CONTROL,
     P_THRESHOLD,
@@ -62,9 +62,12 @@ def test_negative_control_uniform_noise_is_detected() -> None:
 
 @pytest.fixture(scope="module")
 def engines(small_target: Path, small_draft: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, LLM]:
-    common: dict[str, Any] = dict(dtype="float32", device="cpu", max_batch_size=256, max_seq_len=32)
+    # A fixed draft length: every round drafts, so the keyed verification is exercised throughout.
+    common: dict[str, Any] = dict(dtype="float32", device="cpu", max_batch_size=256, max_seq_len=32,
+                                  spec_length_policy="fixed")
     heads = make_medusa_heads(small_target, tmp_path_factory.mktemp("seeded_medusa") / "medusa", num_heads=2,
                               tree_size=10, top_k=4, jitter=0.2)
+    eagle = make_eagle3_head(small_target, tmp_path_factory.mktemp("seeded_eagle") / "eagle", std=0.3)
     return {
         "plain": LLM(str(small_target), **common),
         "draft": LLM(str(small_target), draft_model=str(small_draft), spec_length=3, **common),
@@ -72,6 +75,8 @@ def engines(small_target: Path, small_draft: Path, tmp_path_factory: pytest.Temp
         "suffix": LLM(str(small_target), speculator="suffix", spec_length=3, suffix_min_prob=0.02, **common),
         "medusa": LLM(str(small_target), speculator="medusa", medusa_heads=str(heads), medusa_tree_size=10,
                       **common),
+        "eagle": LLM(str(small_target), speculator="eagle", eagle_head=str(eagle), eagle_tree_size=8, spec_length=2,
+                     **common),
     }
 
 
@@ -101,7 +106,8 @@ def test_seeded_request_ignores_the_traffic_a_suffix_engine_has_seen(tiny_llama:
     seeded = [SamplingParams(max_tokens=24, temperature=1.0, seed=7 + i, ignore_eos=True) for i in range(3)]
     plain = [o.token_ids for o in LLM(str(tiny_llama), dtype="float32", device="cpu").generate([prompt] * 3, seeded)]
     assert len({tuple(ids) for ids in plain}) == 3  # each copy its own stream
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=4)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", spec_length=4,
+              spec_length_policy="fixed")
     first = [o.token_ids for o in llm.generate([prompt] * 3, seeded)]
     noise = [SamplingParams(max_tokens=24, temperature=1.0) for _ in range(6)] + [
         SamplingParams(max_tokens=24, temperature=0.0)]

@@ -42,7 +42,7 @@ def test_train_eagle_learns_saves_and_drafts_losslessly(tiny_llama: Path, answer
     prompts = ["def f(x):", "Hello there"]
     plain = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(prompts, params)
     eagle = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="eagle", eagle_head=str(out),
-                eagle_tree_size=8, spec_length=3).generate(prompts, params)
+                eagle_tree_size=8, spec_length=3, spec_length_policy="fixed").generate(prompts, params)
     assert [o.token_ids for o in eagle] == [o.token_ids for o in plain]
 
 
