@@ -169,7 +169,29 @@ def freeze_loaded_objects() -> None:
     gc.freeze()
 
 
-class Engine:
+class PromptEncoding:
+    """Chat prompts to token ids for a context of ``max_seq_len`` tokens: the engine's, and the
+    server front end's when the engine runs in its own process."""
+
+    tokenizer: Any
+    max_seq_len: int
+
+    def encode_chat(self, messages: list[dict[str, Any]], parse_special: bool = True,
+                    tools: list[Any] | None = None) -> list[int]:
+        """Token ids of a chat prompt (the tokenizer's template, given ``tools`` as its ``tools``
+        variable); ValueError naming the problem. ``parse_special=False``: special-token text in
+        messages is plain text (see Tokenizer.encode_chat)."""
+        self._check_fits("".join(str(m.get("content") or "") for m in messages))
+        return self.tokenizer.encode_chat(messages, parse_special=parse_special, tools=tools)
+
+    def _check_fits(self, text: str) -> None:
+        """Refuse text that surely has too many tokens for the context, without tokenizing it all."""
+        if self.tokenizer.min_token_count(text) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(text)} characters: more than the {self.max_seq_len}-token context "
+                             "(max_seq_len) can hold")
+
+
+class Engine(PromptEncoding):
     """Continuous-batching engine. Thread-safe entry points: ``add_request``, ``abort``, ``step``."""
 
     def __init__(self, config: EngineConfig, progress: Callable[[str], None] | None = None) -> None:
@@ -277,20 +299,6 @@ class Engine:
         if params.structured_output is not None:
             request.grammar = self.grammars.matcher(params.structured_output)  # type: ignore[arg-type]
         return request
-
-    def encode_chat(self, messages: list[dict[str, Any]], parse_special: bool = True,
-                    tools: list[Any] | None = None) -> list[int]:
-        """Token ids of a chat prompt (the tokenizer's template, given ``tools`` as its ``tools``
-        variable); ValueError naming the problem. ``parse_special=False``: special-token text in
-        messages is plain text (see Tokenizer.encode_chat)."""
-        self._check_fits("".join(str(m.get("content") or "") for m in messages))
-        return self.tokenizer.encode_chat(messages, parse_special=parse_special, tools=tools)
-
-    def _check_fits(self, text: str) -> None:
-        """Refuse text that surely has too many tokens for the context, without tokenizing it all."""
-        if self.tokenizer.min_token_count(text) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(text)} characters: more than the {self.max_seq_len}-token context "
-                             "(max_seq_len) can hold")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None, *, parse_special: bool = True,

@@ -42,7 +42,7 @@ from typing import Any
 
 import infer
 from infer.engine.config import EngineConfig
-from infer.engine.engine import ContextLengthError, Engine
+from infer.engine.engine import ContextLengthError, Engine, PromptEncoding
 from infer.engine.scheduler import QueueFullError
 from infer.models.config import ModelConfig
 from infer.sampling.params import SamplingParams
@@ -104,7 +104,7 @@ class EngineStartupError(RuntimeError):
     cross the process boundary as itself; the message says what happened."""
 
 
-class EngineProcess:
+class EngineProcess(PromptEncoding):
     """The front end's handle on an engine running in a child process.
 
     Starting it loads the model there (``say`` gets the engine's progress messages); an error the
@@ -180,17 +180,6 @@ class EngineProcess:
         """A string prompt's token ids (``Engine.make_request``'s tokenization, done here)."""
         self._check_fits(prompt)
         return self.tokenizer.encode(prompt, parse_special=parse_special)
-
-    def encode_chat(self, messages: list[dict[str, Any]], parse_special: bool = True,
-                    tools: list[Any] | None = None) -> list[int]:
-        """As ``Engine.encode_chat``."""
-        self._check_fits("".join(str(m.get("content") or "") for m in messages))
-        return self.tokenizer.encode_chat(messages, parse_special=parse_special, tools=tools)
-
-    def _check_fits(self, text: str) -> None:
-        if self.tokenizer.min_token_count(text) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(text)} characters: more than the {self.max_seq_len}-token context "
-                             "(max_seq_len) can hold")
 
     # -- the channel --------------------------------------------------------------------------------
     def send(self, message: tuple[Any, ...]) -> None:
