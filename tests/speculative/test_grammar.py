@@ -113,11 +113,13 @@ def sample(llm: LLM, params: dict[str, Any], n: int = NUM_SAMPLES, seed0: int = 
 @pytest.fixture(scope="module")
 def letters_engines(letters_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, LLM]:
     target, draft = letters_pair
-    common: dict[str, Any] = dict(dtype="float32", device="cpu", max_batch_size=256, max_seq_len=32)
+    # A fixed draft length: every round drafts, so the verifier under test always runs.
+    common: dict[str, Any] = dict(dtype="float32", device="cpu", max_batch_size=256, max_seq_len=32,
+                                  spec_length_policy="fixed")
     heads = make_medusa_heads(target, tmp_path_factory.mktemp("letters_medusa") / "medusa", num_heads=2,
                               tree_size=10, top_k=4, jitter=0.2)
     return {
-        "draft": LLM(str(target), draft_model=str(draft), spec_length=3, spec_length_policy="fixed", **common),
+        "draft": LLM(str(target), draft_model=str(draft), spec_length=3, **common),
         "medusa": LLM(str(target), speculator="medusa", medusa_heads=str(heads), medusa_tree_size=10, **common),
         # A low min_prob keeps several siblings per node: real trees.
         "suffix": LLM(str(target), speculator="suffix", spec_length=3, suffix_min_prob=0.02, **common),
@@ -376,7 +378,8 @@ def test_complete_grammar_with_ignore_eos_is_the_same_under_speculation(letters_
     """Once the grammar is complete it allows EOS alone, and ignore_eos keeps the request going: plain
     decoding emits EOS up to max_tokens (finish_reason "length"); n-gram and suffix drafts of those
     EOS are verified like any other, so every drafter gives plain's tokens."""
-    common: dict[str, Any] = dict(dtype="float32", device="cpu", max_seq_len=32, spec_length=3)
+    common: dict[str, Any] = dict(dtype="float32", device="cpu", max_seq_len=32, spec_length=3,
+                                  spec_length_policy="fixed")
     params = [SamplingParams(max_tokens=10, temperature=temperature, seed=i, ignore_eos=True,
                              structured_output={"regex": REGEX}) for i in range(6)]
     runs = {}
