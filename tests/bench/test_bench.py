@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -205,10 +206,12 @@ def test_workloads_and_prompt_files(tmp_path: Path) -> None:
 
 def test_demo_runs_on_given_models(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # The self-draft accepts everything, so the draft model's rows show acceptance 1.00.
-    head = make_eagle3_head(tiny_llama, tmp_path / "eagle")
-    code = main(["demo", "--model", str(tiny_llama), "--draft-model", str(tiny_llama), "--eagle-head", str(head),
-                 "--per-kind", "1", "--max-tokens", "12", "--spec-length", "4"])
+    # The self-draft accepts everything, so the draft model's rows show acceptance 1.00. The EAGLE-3
+    # head is found where `infer train eagle` saves it for a model folder: its eagle/.
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    make_eagle3_head(model, model / "eagle")
+    code = main(["demo", "--model", str(model), "--draft-model", str(tiny_llama), "--per-kind", "1",
+                 "--max-tokens", "12", "--spec-length", "4"])
     out = capsys.readouterr().out
     assert code == 0
     assert "greedy text identical in every mode: True" in out
