@@ -46,8 +46,8 @@ def add_subparser(sub: Any) -> None:
                    help="Medusa heads for --model (default: the ones `infer train medusa` saved for it, if any)")
     p.add_argument("--draft-model", default=None,
                    help="a draft for --model (default: the one `infer train distill` saved for it, if any)")
-    p.add_argument("--per-kind", type=int, default=2,
-                   help=f"prompts of each shipped kind ({', '.join(PROMPT_SETS)}; default 2)")
+    p.add_argument("--per-kind", type=int, default=4,
+                   help=f"prompts of each shipped kind ({', '.join(PROMPT_SETS)}; default 4)")
     p.add_argument("--max-tokens", type=int, default=128, help="longest answer per prompt")
     p.add_argument("--spec-length", type=int, default=None,
                    help="draft this many tokens every round (fixed policy) in every speculative mode "
