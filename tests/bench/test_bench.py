@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from checkpoints import make_medusa_heads
+from checkpoints import make_eagle3_head, make_medusa_heads
 from infer import LLM, SamplingParams
 from infer.cli import main
+from infer.data.prompt_sets import PROMPT_SETS
 from infer.data.workloads import (
     CHAT_WORKLOADS,
     REPETITIVE_INSTRUCTION,
@@ -202,25 +204,53 @@ def test_workloads_and_prompt_files(tmp_path: Path) -> None:
         load_prompts(empty)
 
 
-def test_demo_runs_on_given_models(tiny_llama: Path, capsys: pytest.CaptureFixture[str],
+def test_demo_runs_on_given_models(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # The self-draft accepts everything, so the demo's tables show acceptance 1.00.
-    code = main(["demo", "--model", str(tiny_llama), "--draft-model", str(tiny_llama), "--max-tokens", "12",
-                 "--pair-target", str(tiny_llama), "--pair-draft", str(tiny_llama), "--num-prompts", "1",
-                 "--pair-max-tokens", "8"])
+    # The self-draft accepts everything, so the draft model's rows show acceptance 1.00. The EAGLE-3
+    # head is found where `infer train eagle` saves it for a model folder: its eagle/.
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    make_eagle3_head(model, model / "eagle")
+    code = main(["demo", "--model", str(model), "--draft-model", str(tiny_llama), "--per-kind", "1",
+                 "--max-tokens", "12", "--spec-length", "4"])
     out = capsys.readouterr().out
     assert code == 0
-    assert out.count("greedy text identical in every mode: True") == 2  # the instruct model, then the pair
-    for task in ("chat", "edit code", "summarize", "all"):
-        assert f"\n{task} " in out
-    assert "n-gram K=4" in out and "suffix K=4" in out and "draft model K=4" in out and "1.00" in out
-    assert "What are three tips for staying healthy?" in out
+    assert "greedy text identical in every mode: True" in out
+    for kind in ("chat", "summary", "code-edit", "all"):
+        for mode in ("plain", "n-gram K=4", "suffix K=4", "EAGLE-3 K=4", "draft model K=4"):
+            assert f"\n{kind:<12}{mode:<22}" in out, (kind, mode)
+    assert "1.00" in out and "no EAGLE-3 head" not in out
+    plain_all = next(line for line in out.splitlines() if line.startswith(f"{'all':<12}{'plain':<22}"))
+    assert 3 <= int(plain_all.split()[2]) <= 3 * 12  # one prompt of each kind
+    assert PROMPT_SETS["chat"][0] in out  # each kind's first prompt and its answer
+    assert main(["demo", "--model", str(tiny_llama), "--per-kind", "99"]) == 2  # more than the sets hold
 
-    # A mode whose greedy text differed makes the demo fail.
+    # Without a head the demo says how to train one; a mode whose greedy text differed makes it fail.
     from infer import demo
 
     monkeypatch.setattr(demo, "_identical", lambda rows: False)
-    assert main(["demo", "--model", str(tiny_llama), "--max-tokens", "4", "--pair", "none"]) == 1
+    assert main(["demo", "--model", str(tiny_llama), "--max-tokens", "4", "--per-kind", "1"]) == 1
+    out = capsys.readouterr().out
+    assert f"`infer train eagle --target {tiny_llama}`" in out and "EAGLE-3" not in out.split("(no EAGLE-3")[0]
+    assert "every drafter at its default policy" in out and f"\n{'chat':<12}{'n-gram':<22}" in out
+
+
+def test_demo_never_shows_a_speedup_on_degenerate_answers(tiny_llama: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from infer import demo
+
+    assert demo.degenerate("\n\n  \n", [13, 13, 220]) == "blank"
+    assert demo.degenerate("ab" * 20, [5, 6] * 20) == "a loop of a few tokens"
+    assert demo.degenerate("def f(x):\n    return x", list(range(40))) is None
+    assert demo.degenerate("short", [5, 5, 5]) is None  # too short to call a loop
+
+    # Every answer flagged: no kind gets a speedup column.
+    monkeypatch.setattr(demo, "degenerate", lambda text, token_ids: "blank")
+    assert main(["demo", "--model", str(tiny_llama), "--max-tokens", "4", "--per-kind", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "×" not in out
+    for kind in ("chat", "summary", "code-edit", "all"):
+        assert f"\n{kind:<12}every answer is degenerate (blank or a loop): no speedup shown" in out
+    assert "3 of 3 answers are degenerate" in out and out.count("(degenerate answer: blank)") == 3
 
 
 def test_bench_serving_against_launched_servers(tiny_llama: Path, tiny_draft: Path, tmp_path: Path) -> None:

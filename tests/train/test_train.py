@@ -450,6 +450,6 @@ def test_reference_sizes_are_sane() -> None:
         assert set(settings.total_steps()) == {"pretrain", "distill", "medusa"}
         if size == "small":
             assert 8e6 <= nt <= 12.5e6 and 0.4e6 <= nd <= 1.0e6, (nt, nd)
-            assert sum(settings.metadata["expected_s"].values()) <= 600  # the demo's build stays minutes
+            assert sum(settings.metadata["expected_s"].values()) <= 600  # the small pair builds in minutes
         else:
             assert nt >= 40e6 and nt >= 10 * nd, (nt, nd)
