@@ -30,9 +30,11 @@ DEADLINE_S = 30.0
 # Long enough to be mid-stream when a test disconnects, drains or kills the engine, however fast the
 # machine (the tiny model generates thousands of tokens a second): its context holds 32k tokens.
 LONG = 30_000
-# Speculation (ngram) and prefix caching on, so their statistics and metrics cross the boundary too.
+# Speculation (ngram) and prefix caching on, so their statistics and metrics cross the boundary too;
+# a fixed draft length, so both servers draft the same rounds (goodput's depend on measured timings).
 OPTIONS: dict[str, Any] = {"dtype": "float32", "device": "cpu", "max_batch_size": 2, "max_queue": 2,
-                           "prefix_caching": True, "speculator": "ngram", "spec_length": 2}
+                           "prefix_caching": True, "speculator": "ngram", "spec_length": 2,
+                           "spec_length_policy": "fixed"}
 
 
 def config(model: Path, **options: Any) -> EngineConfig:
