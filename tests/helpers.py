@@ -231,3 +231,17 @@ def served_models(model: Path, kinds: dict[str, dict[str, Any]], max_batch_size:
     finally:
         for server in servers.values():
             server.stop()
+
+
+# Grammars and schemas nested n deep: the shapes that once overflowed the grammar library's stack.
+def lark_chain(n: int) -> str:
+    return "start: r1\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(1, n)) + f'r{n}: "x"\n'
+
+
+def gbnf_chain(n: int) -> str:
+    return "root ::= r1\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(1, n)) + f'r{n} ::= "x"\n'
+
+
+def ref_chain(n: int) -> dict[str, Any]:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1, n)}
+    return {"$ref": "#/$defs/d1", "$defs": {**defs, f"d{n}": {"type": "string"}}}

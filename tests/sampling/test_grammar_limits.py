@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from helpers import gbnf_chain, lark_chain, ref_chain
 from infer.sampling.grammar import (
     GrammarCompiler,
     GrammarLimits,
@@ -41,19 +42,6 @@ def tokenizer() -> Any:
 
 def compiler(tokenizer: Any, **limits: Any) -> GrammarCompiler:
     return GrammarCompiler(tokenizer, [0], tokenizer.get_vocab_size(), GrammarLimits(**limits))
-
-
-def lark_chain(n: int) -> str:
-    return "start: r1\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(1, n)) + f'r{n}: "x"\n'
-
-
-def gbnf_chain(n: int) -> str:
-    return "root ::= r1\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(1, n)) + f'r{n} ::= "x"\n'
-
-
-def ref_chain(n: int) -> dict[str, Any]:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1, n)}
-    return {"$ref": "#/$defs/d1", "$defs": {**defs, f"d{n}": {"type": "string"}}}
 
 
 def nested(depth: int) -> dict[str, Any]:

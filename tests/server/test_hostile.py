@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import served_models, wait_serving
+from helpers import gbnf_chain, lark_chain, ref_chain, served_models, wait_serving
 from infer.server.background import bind_socket
 
 MODEL = "tiny"
@@ -33,19 +33,6 @@ INNOCENT = {"model": MODEL, "prompt": "def add(a, b):\n    return", "max_tokens"
 C, CH = "/v1/completions", "/v1/chat/completions"
 P = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
 M = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
-
-
-def lark_chain(n: int) -> str:
-    return "start: r1\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(1, n)) + f'r{n}: "x"\n'
-
-
-def gbnf_chain(n: int) -> str:
-    return "root ::= r1\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(1, n)) + f'r{n} ::= "x"\n'
-
-
-def ref_chain(n: int) -> dict[str, Any]:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1, n)}
-    return {"$ref": "#/$defs/d1", "$defs": {**defs, f"d{n}": {"type": "string"}}}
 
 
 def nested_any_of(depth: int, width: int) -> dict[str, Any]:
