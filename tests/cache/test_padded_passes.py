@@ -1,5 +1,5 @@
 """Fixed-shape passes for CUDA graphs: ``padded_kv_batch`` (checked on any device) and the graphs
-themselves (``core.cuda_graphs``, CUDA only)."""
+themselves (``backends.cuda_graphs``, CUDA only)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams
+from infer.backends.cuda_graphs import StepGraphs, bucket
 from infer.cache import make_pool
 from infer.cache.protocol import padded_kv_batch
-from infer.core.cuda_graphs import StepGraphs, bucket
 from infer.core.model_runner import ModelRunner
 from infer.engine.config import EngineConfig
 from infer.loader import load_model

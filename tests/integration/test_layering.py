@@ -26,7 +26,12 @@ LAYERS: list[tuple[str, ...]] = [
 TOP = len(LAYERS)
 # Within a layer: the scheduler and the plain runner never know about speculation.
 FORBIDDEN = [("infer.engine.scheduler", "infer.speculative"), ("infer.engine.continuous_runner", "infer.speculative"),
-             ("infer.kernels", "infer.backends"), ("infer.kernels", "infer.models")]
+             ("infer.kernels", "infer.backends"), ("infer.kernels", "infer.models"),
+             # How a pass runs (kernels, their threads, exact and compiled modes, CUDA graphs) is the
+             # backend's decision: the runner and the engine ask it, never the kernels or the modes.
+             ("infer.core", "infer.kernels"), ("infer.core", "infer.models.quantized"),
+             ("infer.engine", "infer.kernels"), ("infer.engine", "infer.backends.exact"),
+             ("infer.engine", "infer.backends.compiled"), ("infer.engine", "infer.backends.cuda_graphs")]
 # The front ends (the top): each is a command or service; they share code through the layers below,
 # never through each other. `infer` (the package's front door) re-exports the engine for users.
 FRONT_ENDS = {"infer.cli": "cli", "infer.chat": "cli", "infer.demo": "demo", "infer.server": "server",
@@ -98,6 +103,11 @@ def test_the_check_finds_hidden_upward_imports() -> None:
     assert violations("infer.models.gemma3", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                       "    from infer.backends import Backend\n")
     assert violations("infer.kernels.cpu", "from infer.models.layers import RMSNorm\n")
+    # The model runner runs passes through the backend: it chooses no kernels or threads itself.
+    assert violations("infer.core.model_runner", "from infer.kernels.cpu import MAX_ROWS, kernel_threads_only\n")
+    assert violations("infer.core.model_runner", "from infer.models.quantized import QuantLinear\n")
+    assert violations("infer.engine.engine", "from infer.backends.exact import make_exact\n")
+    assert not violations("infer.core.model_runner", "from infer.backends import backend_of\n")
     assert not violations("infer.backends.cpu_kernels", "from infer.models.layers import RMSNorm\n")
     assert not violations("infer.engine.engine", "from infer.speculative.budget import BudgetController\n")
     # Front ends: one reaching into another is caught; its own modules and lower layers are not.

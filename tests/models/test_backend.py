@@ -9,6 +9,7 @@ import torch
 
 from infer import Engine, EngineConfig, kernels
 from infer.backends import BACKENDS, choose_backend
+from infer.backends.backend import CpuKernelBackend, CudaBackend, TorchBackend
 from infer.cli import build_parser, engine_options
 from infer.server.app import create_app
 
@@ -60,3 +61,43 @@ def test_auto_takes_the_kernels_where_they_run_and_says_what_it_refused(no_bf16_
     assert chosen.describe().startswith("backend cpu-kernels (AVX-512 float32 kernels, fused operators, decoder stack")
     assert "avx512-bf16: CPU lacks avx512_bf16" in chosen.describe()
     assert chosen.info()["variant"] == "avx512"
+
+
+def test_modes_are_options_the_backend_is_made_with(tiny_llama: Path) -> None:
+    """Exact greedy, compiled mode and CUDA graphs are given when the backend is made (never set
+    later): the kind of backend, its mode, its declared capabilities and its startup line follow."""
+    torch_exact = choose_backend("cpu", torch.float32, "torch", exact=True)
+    assert type(torch_exact) is TorchBackend and torch_exact.mode == "exact"
+    assert torch_exact.capabilities.row_invariant and ", exact mode" in torch_exact.describe()
+    assert torch_exact.info()["mode"] == "exact"
+    with pytest.raises(AttributeError):
+        torch_exact.mode = "eager"  # type: ignore[misc]
+    compiled = choose_backend("cpu", torch.float32, "torch", compile=True)
+    assert compiled.mode == "compiled" and not compiled.onednn and not compiled.capabilities.row_invariant
+    cuda = choose_backend("cuda", torch.float16, cuda_graphs=True)  # made (not run) without a GPU
+    assert type(cuda) is CudaBackend and cuda.mode == "cuda-graphs" and cuda.capabilities.graphs
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+        choose_backend("cpu", torch.float32, cuda_graphs=True)
+    plain = choose_backend("cpu", torch.float32)
+    assert plain.mode == "eager" and not plain.capabilities.graphs
+    if kernels.selection().library is not None:
+        assert type(plain) is CpuKernelBackend and plain.capabilities.max_rows == 64
+    engine = Engine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu", exact_greedy=True))
+    assert engine.backend.mode == "exact" and engine.backend.capabilities.row_invariant
+    assert ", exact mode" in engine.summary
+
+
+def test_the_backend_owns_the_kernels_thread_policy(tiny_llama: Path) -> None:
+    """Passes the C kernels take run torch's operators on one thread (``kernel_threads_only``), up to
+    the kernels' row limit; a model without kernel linears keeps torch's threading."""
+    import contextlib
+
+    from infer.loader import load_model
+
+    model, _ = load_model(tiny_llama, "float32", "cpu")
+    policy = model.backend.thread_policy(model)
+    if type(model.backend) is CpuKernelBackend:
+        assert not isinstance(policy(64, "forward"), contextlib.nullcontext)
+        assert isinstance(policy(65, "forward"), contextlib.nullcontext)
+    plain, _ = load_model(tiny_llama, "float32", "cpu", backend="torch")
+    assert isinstance(plain.backend.thread_policy(plain)(1, "forward"), contextlib.nullcontext)

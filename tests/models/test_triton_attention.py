@@ -339,7 +339,7 @@ def test_older_gpus_keep_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cuda_paths_import_without_cuda_or_triton() -> None:
     """The CUDA code paths import on a machine without CUDA, and without Triton the backend names it."""
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import infer.backends.triton_attention as t, infer.core.cuda_graphs, infer.backends\n"
+            "import infer.backends.triton_attention as t, infer.backends.cuda_graphs, infer.backends\n"
             "print(t.unavailable_reason('cuda'))\n"
             "print(infer.backends.choose_backend('cuda', __import__('torch').float16).describe())\n")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

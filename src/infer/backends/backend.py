@@ -1,26 +1,38 @@
 """The execution backend: which code computes a model's forward pass, chosen once at load, with why.
 
-* ``torch``: the PyTorch layers (on CPU with oneDNN pre-packed linears where torch has them, except
-  in compiled mode: Inductor cannot lower packed weights, so the linears stay ``nn.Linear``; on CUDA
-  with Triton, attention reads the paged cache in place: ``backends.triton_attention``);
-* ``cpu-kernels``: the C kernels of ``infer.kernels`` (streaming products, the fused small
-  operators and the whole decoder stack in one call), each part probed against the layers
-  (``backends.cpu_kernels``).
+``Backend`` is the interface every pass goes through: ``prepare(model)`` puts a loaded model in the
+backend's form (and records the backend on it), ``forward(model, ids, positions, kv, aux)`` runs a
+pass, and the backend declares what it can do (``Capabilities``: the rows one fast pass takes, tree
+masks, whether a token's bits are the same in any pass). Three kinds:
 
-The loader chooses one (``choose_backend``), lets it put the model in its form (``Backend.prepare``)
-and records it on the model; every forward pass then goes through ``Backend.forward`` (the model
-runner, CUDA graphs, the load-time checks), so the architectures in ``infer.models`` stay math.
+* ``TorchBackend`` (``torch`` on the CPU): the PyTorch layers, with oneDNN pre-packed linears where
+  torch has them, except in compiled mode (Inductor cannot lower packed weights, so the linears stay
+  ``nn.Linear``);
+* ``CpuKernelBackend`` (``cpu-kernels``): the C kernels of ``infer.kernels`` (streaming products,
+  the fused small operators and the whole decoder stack in one call), each part probed against the
+  layers (``backends.cpu_kernels``), and the kernels' thread policy for each kind of pass;
+* ``CudaBackend`` (``torch`` on a GPU): the PyTorch layers with Triton paged attention reading the
+  cache in place (``backends.triton_attention``), FlexAttention compiled for tree masks, and CUDA
+  graphs of the passes a request repeats (``backends.cuda_graphs``).
+
+The modes are options given when the backend is made (``choose_backend``), never switched later:
+``exact`` (exact greedy: ``backends.exact``), ``compiled`` (``torch.compile``: ``backends.compiled``)
+and ``cuda_graphs``. ``prepare`` applies them after the backend's own form, so the architectures in
+``infer.models`` stay math and the engine and ``ModelRunner`` never choose how a pass runs.
 
 ``auto`` takes ``cpu-kernels`` where the CPU, the compiler and the probes allow and says why not
 otherwise; ``--backend`` (``EngineConfig.backend``) forces one and refuses, naming the reason, one
-this machine cannot run. The engine's modes ride on top and are recorded with the choice: compiled
-(``--compile``), CUDA graphs, exact greedy.
+this machine cannot run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -34,9 +46,13 @@ from infer.backends.cpu_kernels import (
     probe_stack,
 )
 from infer.backends.onednn import PackedLinear, cpu_packing_available
-from infer.cache.protocol import KVBatch
-from infer.kernels.cpu import KernelLibrary
+from infer.cache.protocol import CachePoolProtocol, KVBatch
+from infer.kernels.cpu import MAX_ROWS, GemvLinear, KernelLibrary, kernel_threads_only
 from infer.models.layers import Attention, AuxCapture, DecoderOnlyLM
+from infer.models.quantized import QuantLinear
+
+if TYPE_CHECKING:
+    from infer.backends.cuda_graphs import StepGraphs
 
 # ``cpu-kernels:NAME`` forces kernel variant NAME in each kernel family that has one (the float
 # kernels' ``build.VARIANTS``, the quantized kernels' ``build.QUANT_VARIANTS``; ``avx2`` is in both),
@@ -44,91 +60,74 @@ from infer.models.layers import Attention, AuxCapture, DecoderOnlyLM
 KERNEL_VARIANTS = tuple(dict.fromkeys([*kernels.build.VARIANT_NAMES, *(v.name for v in kernels.build.QUANT_VARIANTS)]))
 BACKENDS = ("auto", "torch", "cpu-kernels", *(f"cpu-kernels:{name}" for name in KERNEL_VARIANTS))
 
+Say = Callable[[str], None]
+ThreadPolicy = Callable[[int, str], contextlib.AbstractContextManager[None]]
+
 
 def forced_variant(requested: str) -> str | None:
     """The kernel variant ``--backend cpu-kernels:NAME`` names (None for the other backends)."""
     return requested.split(":", 1)[1] if requested.startswith("cpu-kernels:") else None
 
 
-@dataclass
+# How many ``Backend.forward`` calls this thread is inside (tests check that no pass runs outside one).
+_inside = threading.local()
+
+
+def inside_forward() -> bool:
+    """Whether this thread is running a pass through ``Backend.forward`` now."""
+    return getattr(_inside, "depth", 0) > 0
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend's passes can do, declared once (the startup line and tests read them)."""
+
+    # Rows (a pass's tokens) its fastest path takes in one pass; wider passes still run, on the
+    # layers (None: no such limit).
+    max_rows: int | None = None
+    tree_masks: bool = True  # tree verification's arbitrary masks (SDPA's dense mask, or FlexAttention)
+    row_invariant: bool = False  # a token's bits are the same in a decode step and in any verification pass
+    graphs: bool = False  # replays the passes a request repeats as CUDA graphs
+
+
+@dataclass(kw_only=True, eq=False)
 class Backend:
     """What runs a model's forward pass and why (``describe`` is the startup line's text).
 
-    One is chosen per loaded model: ``prepare`` gives that model the backend's form and ``forward``
-    runs its passes (``cpu_stack`` is that model's decoder stack in C, where it runs).
+    One is made per loaded model, with its modes: ``prepare`` gives that model the backend's form
+    and ``forward`` runs its passes. The base class runs the PyTorch layers as they are (a model
+    built without the loader: training, tests).
     """
 
-    name: str  # "torch" or "cpu-kernels"
-    library: KernelLibrary | None = None  # cpu-kernels: the variant in use
-    fused: bool = False  # RMSNorm, RoPE and SwiGLU's activation in C
-    stack: bool = False  # the whole decoder stack in one C call
-    onednn: bool = False  # torch on CPU: linears pre-packed for oneDNN
-    paged_attention: bool = False  # torch on CUDA: attention by the Triton paged kernel (no per-layer gather)
+    name: ClassVar[str] = "torch"  # what --backend calls it
     reasons: list[str] = field(default_factory=list)  # why a faster path was refused
-    mode: str = "eager"  # set by the engine: eager, compiled, cuda-graphs, exact
-    # The prepared model's decoder stack in one C call (None: layer by layer). Tests set None to
-    # compare with the layers; exact-greedy mode lifts its row limit.
+    exact: bool = False  # exact greedy (backends.exact), checked on this machine at prepare
+    compiled: bool = False  # the forward through torch.compile (backends.compiled)
+    cuda_graphs: bool = False  # CudaBackend: decode steps and chain verifications replayed as graphs
+    # The prepared model's decoder stack in one C call (CpuKernelBackend; None: layer by layer).
+    # Tests set None to compare with the layers; exact-greedy mode lifts its row limit.
     cpu_stack: CpuStack | None = field(default=None, repr=False, compare=False)
 
-    def prepare(self, model: DecoderOnlyLM) -> None:
-        """Give ``model`` (loaded, fused) this backend's inference form, in place, and record the
-        backend on it: the C kernels' modules and stack, oneDNN-packed linears, or nothing to do.
-        Only plain ``nn.Linear`` projections are converted (another kind, e.g. a quantized linear,
-        keeps its forward), so a new module kind needs no change here to run, only to run faster."""
-        if self.library is not None or self.onednn:
-            if not model.fused:
-                raise RuntimeError("a CPU backend needs the fused inference layout (fuse_projections first)")
-            if self.library is not None:
-                cpu_kernels.prepare(model, self.library, self.fused)
-            else:  # a packed LM head gets its own copy of a tied embedding
-                cpu_kernels.convert_linears(model, PackedLinear)
-        if self.paged_attention:
-            for module in model.modules():
-                if isinstance(module, Attention):
-                    module.paged_attention = triton_attention.attend
-        self.cpu_stack = CpuStack.build(model, self.library) if self.library is not None and self.stack else None
-        if self.cpu_stack is not None and self.cpu_stack.table.gemma:
-            assert self.library is not None
-            # Gemma's block (its norms, GELU, windows) is probed only when a Gemma model loads.
-            failure = probe_gemma_stack(self.library, self.cpu_stack.dtype)
-            if failure is not None:
-                self.cpu_stack, self.stack = None, False
-                self.reasons.append(failure)
-        if self.cpu_stack is not None and self.cpu_stack.quantized:
-            assert self.library is not None and self.cpu_stack.table.quant is not None
-            kernels = next(q.kernels for q in self.cpu_stack.table.quant if q is not None)
-            failure = probe_quant_stack(self.library, kernels)
-            if failure is not None:
-                self.cpu_stack, self.stack = None, False
-                self.reasons.append(failure)
-        model.backend = self
+    # -- what it is ------------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        """The mode the options give: exact, cuda-graphs, compiled or eager."""
+        if self.exact:
+            return "exact"
+        if self.cuda_graphs:
+            return "cuda-graphs"
+        return "compiled" if self.compiled else "eager"
 
-    def forward(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                kv: KVBatch | None = None, aux: AuxCapture | None = None) -> torch.Tensor:
-        """``model``'s final hidden states [B, T, hidden] for ``input_ids`` [B, T] at ``positions`` over
-        ``kv``: the one way every pass is run (``model(...)`` alone runs the layers, never the stack).
-        ``aux`` keeps the inputs of some layers on the way (the stack then runs in segments)."""
-        if self.cpu_stack is None or kv is None:
-            if aux is None:
-                return model(input_ids, positions, kv)  # type: ignore[no-any-return]
-            return model(input_ids, positions, kv, aux)  # type: ignore[no-any-return]
-        return self.cpu_stack.forward(model, input_ids, positions, kv, aux)
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(row_invariant=self.exact, graphs=self.cuda_graphs)
 
     @property
     def variant(self) -> str:
-        return "" if self.library is None else self.library.variant.name
+        return ""
 
     def detail(self) -> str:
-        if self.library is not None:
-            threads = torch.get_num_threads()
-            parts = [self.library.variant.description, *(["fused operators"] if self.fused else []),
-                     *(["decoder stack"] if self.stack else []),
-                     f"{threads} threads, or 1 per kind of pass where that measures faster (shared cores)"
-                     if threads > 1 else "1 thread"]
-            return ", ".join(parts)
-        if self.paged_attention:
-            return "PyTorch operators, Triton paged attention"
-        return "oneDNN-packed linears" if self.onednn else "PyTorch operators"
+        return "PyTorch operators"
 
     def describe(self) -> str:
         """One line: ``backend cpu-kernels (AVX-512 float32 kernels, ...; avx512-bf16: CPU lacks avx512_bf16)``."""
@@ -141,15 +140,193 @@ class Backend:
         return {"backend": self.name, "variant": self.variant, "mode": self.mode, "detail": self.detail(),
                 "reason": "; ".join(self.reasons)}
 
+    # -- preparing a model ----------------------------------------------------------------------
+    def prepare(self, model: DecoderOnlyLM, say: Say | None = None) -> None:
+        """Give ``model`` (loaded, fused) this backend's inference form and its modes, in place, and
+        record the backend on it (``model.backend``). Only plain ``nn.Linear`` projections are
+        converted (another kind, e.g. a quantized linear, keeps its forward), so a new module kind
+        needs no change here to run, only to run faster. ``say`` hears what takes time."""
+        self.install(model)
+        model.backend = self
+        if self.exact:
+            from infer.backends.exact import check_invariance, make_exact
+
+            if say is not None:
+                say("exact-greedy kernels: checking that this machine computes a token alike in any pass")
+            make_exact(model)
+            check_invariance(model)
+        if self.compiled:
+            from infer.backends.compiled import compile_forward
+
+            compile_forward(model, say)
+
+    def install(self, model: DecoderOnlyLM) -> None:
+        """The backend's own form of ``model`` (before its modes); the base class has none."""
+
+    # -- running passes -------------------------------------------------------------------------
+    def forward(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                kv: KVBatch | None = None, aux: AuxCapture | None = None) -> torch.Tensor:
+        """``model``'s final hidden states [B, T, hidden] for ``input_ids`` [B, T] at ``positions`` over
+        ``kv``: the one way every pass is run (``model(...)`` alone runs the layers, never the stack).
+        ``aux`` keeps the inputs of some layers on the way."""
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return self.run(model, input_ids, positions, kv, aux)
+        finally:
+            _inside.depth -= 1
+
+    def run(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
+            kv: KVBatch | None, aux: AuxCapture | None) -> torch.Tensor:
+        """One pass (``forward`` without its bookkeeping): the PyTorch layers."""
+        if aux is None:
+            return model(input_ids, positions, kv)  # type: ignore[no-any-return]
+        return model(input_ids, positions, kv, aux)  # type: ignore[no-any-return]
+
+    def thread_policy(self, model: DecoderOnlyLM) -> ThreadPolicy:
+        """How ``model``'s passes are threaded: ``policy(rows, kind)`` is the context a pass of
+        ``rows`` tokens of ``kind`` ("forward", "logits") runs in. Where C kernels (float or
+        quantized) carry the matmuls, passes they take whole run torch's own operators
+        single-threaded (``kernels.cpu.kernel_threads_only``); elsewhere torch's threading is left alone."""
+        if not any(isinstance(m, (GemvLinear, QuantLinear)) for m in model.modules()):
+            return lambda rows, kind: contextlib.nullcontext()
+        model_id = id(model)
+
+        def policy(rows: int, kind: str) -> contextlib.AbstractContextManager[None]:
+            # A kind of pass for the kernels' thread choice: this model's, of this many rows.
+            return kernel_threads_only((model_id, kind, rows)) if rows <= MAX_ROWS else contextlib.nullcontext()
+
+        return policy
+
+    def step_graphs(self, model: DecoderOnlyLM, pool: CachePoolProtocol, max_batch: int, max_width: int,
+                    say: Say | None = None) -> StepGraphs | None:
+        """The CUDA graphs that replay ``model``'s passes over ``pool`` (``ModelRunner.graphs``), or
+        None where this backend runs every pass eagerly."""
+        return None
+
+
+@dataclass(kw_only=True, eq=False)
+class TorchBackend(Backend):
+    """The PyTorch layers on the CPU, their linears pre-packed for oneDNN where torch has them."""
+
+    name: ClassVar[str] = "torch"
+    onednn: bool = False  # linears pre-packed for oneDNN
+
+    def detail(self) -> str:
+        return "oneDNN-packed linears" if self.onednn else "PyTorch operators"
+
+    def install(self, model: DecoderOnlyLM) -> None:
+        if self.onednn:
+            if not model.fused:
+                raise RuntimeError("a CPU backend needs the fused inference layout (fuse_projections first)")
+            cpu_kernels.convert_linears(model, PackedLinear)  # a packed LM head gets its own copy of a tied embedding
+
+
+@dataclass(kw_only=True, eq=False)
+class CpuKernelBackend(Backend):
+    """The C kernels: streaming products, the fused small operators, the decoder stack in one call."""
+
+    name: ClassVar[str] = "cpu-kernels"
+    library: KernelLibrary  # the variant in use
+    fused: bool = False  # RMSNorm, RoPE and SwiGLU's activation in C
+    stack: bool = False  # the whole decoder stack in one C call
+
+    @property
+    def capabilities(self) -> Capabilities:
+        # The stack takes passes of up to MAX_ROWS tokens (every pass in exact mode: its limit is lifted).
+        limit = None if self.cpu_stack is not None and self.cpu_stack.max_rows is None else MAX_ROWS
+        return Capabilities(max_rows=limit, row_invariant=self.exact)
+
+    @property
+    def variant(self) -> str:
+        return self.library.variant.name
+
+    def detail(self) -> str:
+        threads = torch.get_num_threads()
+        parts = [self.library.variant.description, *(["fused operators"] if self.fused else []),
+                 *(["decoder stack"] if self.stack else []),
+                 f"{threads} threads, or 1 per kind of pass where that measures faster (shared cores)"
+                 if threads > 1 else "1 thread"]
+        return ", ".join(parts)
+
+    def install(self, model: DecoderOnlyLM) -> None:
+        if not model.fused:
+            raise RuntimeError("a CPU backend needs the fused inference layout (fuse_projections first)")
+        cpu_kernels.prepare(model, self.library, self.fused)
+        self.cpu_stack = CpuStack.build(model, self.library) if self.stack else None
+        if self.cpu_stack is not None and self.cpu_stack.table.gemma:
+            # Gemma's block (its norms, GELU, windows) is probed only when a Gemma model loads.
+            failure = probe_gemma_stack(self.library, self.cpu_stack.dtype)
+            if failure is not None:
+                self.cpu_stack, self.stack = None, False
+                self.reasons.append(failure)
+        if self.cpu_stack is not None and self.cpu_stack.quantized:
+            assert self.cpu_stack.table.quant is not None
+            quant = next(q.kernels for q in self.cpu_stack.table.quant if q is not None)
+            failure = probe_quant_stack(self.library, quant)
+            if failure is not None:
+                self.cpu_stack, self.stack = None, False
+                self.reasons.append(failure)
+        if self.stack and self.cpu_stack is None:  # the startup line must not claim a stack that does not run
+            self.stack = False
+            self.reasons.append("the C decoder stack takes Llama-block models with float projections or quantized "
+                                "ones (float32): running layer by layer")
+
+    def run(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
+            kv: KVBatch | None, aux: AuxCapture | None) -> torch.Tensor:
+        """The C decoder stack where it is built (it declines passes it cannot take: they run on the
+        layers); the layers without a cache. ``aux``: the stack runs in segments."""
+        if self.cpu_stack is None or kv is None:
+            return super().run(model, input_ids, positions, kv, aux)
+        return self.cpu_stack.forward(model, input_ids, positions, kv, aux)
+
+
+@dataclass(kw_only=True, eq=False)
+class CudaBackend(Backend):
+    """The PyTorch layers on a GPU: Triton paged attention, compiled FlexAttention, CUDA graphs."""
+
+    name: ClassVar[str] = "torch"  # --backend torch (or auto) on a CUDA device
+    paged_attention: bool = False  # attention by the Triton paged kernel (no per-layer gather)
+
+    def detail(self) -> str:
+        return "PyTorch operators, Triton paged attention" if self.paged_attention else "PyTorch operators"
+
+    def install(self, model: DecoderOnlyLM) -> None:
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.flex_attention = _compiled_flex_attention()
+                if self.paged_attention:
+                    module.paged_attention = triton_attention.attend
+        # Fused Triton operators (RMSNorm + residual, RoPE, SwiGLU: backends.triton_ops) are
+        # installed here, on the layers, once they exist and measure faster.
+
+    def step_graphs(self, model: DecoderOnlyLM, pool: CachePoolProtocol, max_batch: int, max_width: int,
+                    say: Say | None = None) -> StepGraphs | None:
+        if not self.cuda_graphs:
+            return None
+        from infer.backends.cuda_graphs import StepGraphs
+
+        return StepGraphs(model, pool, max_batch, max_width, say)
+
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    """FlexAttention compiled, for tree masks on CUDA, where it pays (the layers' eager FlexAttention
+    is a slow reference, for tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
 
 def choose_backend(device: torch.device | str, dtype: torch.dtype, requested: str = "auto",
-                   compile: bool = False) -> Backend:
-    """The backend for a model in ``dtype`` on ``device``. ``requested`` is ``auto`` or a name from
-    ``BACKENDS``; one this machine cannot run raises ValueError with the reason."""
+                   compile: bool = False, exact: bool = False, cuda_graphs: bool = False) -> Backend:
+    """The backend for a model in ``dtype`` on ``device``, with its modes (``compile``: through
+    torch.compile; ``exact``: exact greedy; ``cuda_graphs``: passes replayed as CUDA graphs).
+    ``requested`` is ``auto`` or a name from ``BACKENDS``; one this machine cannot run raises
+    ValueError with the reason."""
     if requested not in BACKENDS:
         raise ValueError(f"backend={requested!r} is invalid: use {', '.join(BACKENDS)}")
     device = torch.device(device)
-    mode = "compiled" if compile else "eager"
+    modes: dict[str, Any] = {"compiled": compile, "exact": exact, "cuda_graphs": cuda_graphs}
     forced = requested.startswith("cpu-kernels")
     variant = forced_variant(requested)
     if device.type != "cpu":
@@ -158,8 +335,10 @@ def choose_backend(device: torch.device | str, dtype: torch.dtype, requested: st
         unavailable = triton_attention.unavailable_reason(device)
         if unavailable is None and compile:
             unavailable = "compiled mode keeps SDPA attention (the compiler does not trace the Triton kernel)"
-        return Backend("torch", mode=mode, paged_attention=unavailable is None,
-                       reasons=[] if unavailable is None else [f"paged attention: {unavailable}"])
+        return CudaBackend(paged_attention=unavailable is None,
+                           reasons=[] if unavailable is None else [f"paged attention: {unavailable}"], **modes)
+    if cuda_graphs:
+        raise ValueError(f"cuda_graphs needs a CUDA device; this engine runs on {device}")
     reasons = []
     if requested == "torch":
         reasons.append("forced by --backend torch")
@@ -188,13 +367,13 @@ def choose_backend(device: torch.device | str, dtype: torch.dtype, requested: st
             for failure in (fused_failure, stack_failure):
                 if failure is not None:
                     refused.append(failure)
-            return Backend("cpu-kernels", library, fused=fused_failure is None,
-                           stack=fused_failure is None and stack_failure is None and not compile,
-                           reasons=refused, mode=mode)
+            return CpuKernelBackend(library=library, fused=fused_failure is None,
+                                    stack=fused_failure is None and stack_failure is None and not compile,
+                                    reasons=refused, **modes)
     onednn = cpu_packing_available(dtype) and not compile
     if compile and cpu_packing_available(dtype):
         reasons.append("compiled mode keeps nn.Linear (Inductor cannot lower oneDNN-packed weights)")
-    return Backend("torch", onednn=onednn, reasons=reasons, mode=mode)
+    return TorchBackend(onednn=onednn, reasons=reasons, **modes)
 
 
 def backend_of(model: DecoderOnlyLM) -> Backend:
@@ -203,4 +382,5 @@ def backend_of(model: DecoderOnlyLM) -> Backend:
     backend = model.backend
     if isinstance(backend, Backend):
         return backend
-    return Backend("torch", reasons=["not prepared by a backend (built without the loader)"])
+    return Backend(reasons=["not prepared by a backend (built without the loader)"])
+

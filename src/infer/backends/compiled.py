@@ -21,12 +21,13 @@ and fewer kernel launches pay, and so that exactness holds, and is tested, in bo
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from infer.backends.backend import backend_of
+from infer.backends.backend import CpuKernelBackend, backend_of
 from infer.backends.onednn import PackedLinear
 from infer.models.layers import DecoderOnlyLM
 
@@ -36,6 +37,7 @@ from infer.models.layers import DecoderOnlyLM
 RECOMPILE_LIMIT = 64
 
 _reporter: list[Callable[[str], None]] = []
+_COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose forward is compiled already
 _graphs_compiled = [0]
 
 
@@ -69,8 +71,9 @@ def _install_progress() -> None:
 
 def compile_forward(model: nn.Module, say: Callable[[str], None] | None = None) -> None:
     """Replace ``model.forward`` by its compiled form (in place; weights are shared, not copied);
-    its backend then runs every pass through it, the C decoder stack no more.
-    A model with oneDNN-packed or quantized linears is refused (ValueError): load it with ``compile=True``."""
+    its backend then runs every pass through it, the C decoder stack no more. A backend made with
+    ``compiled`` calls this in ``prepare`` (a second call changes nothing). A model with
+    oneDNN-packed or quantized linears is refused (ValueError): load it with ``compile=True``."""
     import torch._dynamo
 
     from infer.models.quantized import QuantLinear
@@ -79,6 +82,8 @@ def compile_forward(model: nn.Module, say: Callable[[str], None] | None = None) 
         raise ValueError("this model's linears are pre-packed for oneDNN or quantized for C kernels, which "
                          "torch.compile cannot lower; load it with load_model(..., compile=True) so they stay nn.Linear")
 
+    if model in _COMPILED:
+        return
     config = torch._dynamo.config
     limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, limit_name, max(getattr(config, limit_name), RECOMPILE_LIMIT))
@@ -87,6 +92,9 @@ def compile_forward(model: nn.Module, say: Callable[[str], None] | None = None) 
         _reporter.append(say)
         say("torch.compile: each kind of pass compiles on first use (seconds to minutes; cached on disk)")
     model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
+    _COMPILED.add(model)
     if isinstance(model, DecoderOnlyLM):
         backend = backend_of(model)
-        backend.cpu_stack, backend.stack = None, False
+        backend.cpu_stack = None
+        if isinstance(backend, CpuKernelBackend):
+            backend.stack = False

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from infer.backends.compiled import compile_forward
 from infer.cache import PagedKVCachePool
 from infer.core.model_runner import ModelRunner
 from infer.loader import load_model, load_tokenizer, resolve_dtype
@@ -32,13 +31,11 @@ class _Copy:
 
 
 def _copy(model_ref: str, dtype: torch.dtype, prompt_ids: list[int], verify_width: int, backend: str,
-          compile: Callable[[Any], None] | None = None) -> _Copy:
-    # The to-be-compiled copy loads as --compile loads it (linears Inductor can lower); both copies
-    # are float layers (quantization="none": compiled mode dequantizes).
-    model, config = load_model(model_ref, dtype, "cpu", backend=backend, compile=compile is not None,
-                               quantization="none")
-    if compile is not None:
-        compile(model)
+          compile: bool = False, say: Callable[[str], None] | None = None) -> _Copy:
+    # The compiled copy loads as --compile loads it (linears Inductor can lower, the forward through
+    # torch.compile); both copies are float layers (quantization="none": compiled mode dequantizes).
+    model, config = load_model(model_ref, dtype, "cpu", backend=backend, compile=compile, quantization="none",
+                               progress=say)
     pool = PagedKVCachePool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks=64,
                             block_size=32, max_seq_len=2048, dtype=dtype, device="cpu")
     runner = ModelRunner(model, pool)
@@ -64,7 +61,7 @@ def run_compile_eval(model_ref: str, dtype_name: str, prompt: str, verify_width:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; it needs at least {verify_width}")
     say("loading the eager and the to-be-compiled copy")
     eager = _copy(model_ref, dtype, prompt_ids, verify_width, backend)
-    compiled = _copy(model_ref, dtype, prompt_ids, verify_width, backend, lambda model: compile_forward(model, say))
+    compiled = _copy(model_ref, dtype, prompt_ids, verify_width, backend, compile=True, say=say)
     compile_s: dict[str, float] = {}
     for kind in ("decode", "verify"):
         say(f"compiling the {kind} pass")

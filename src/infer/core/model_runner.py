@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from infer.backends import backend_of
+from infer.backends.cuda_graphs import StepGraphs
 from infer.cache.protocol import CachePoolProtocol, build_kv_batch
-from infer.core.cuda_graphs import StepGraphs
 from infer.core.request import Request
-from infer.kernels.cpu import MAX_ROWS, GemvLinear, kernel_threads_only
 from infer.models.layers import AuxCapture, DecoderOnlyLM, block_mask_from
-from infer.models.quantized import QuantLinear
 
 
 @dataclass
@@ -61,20 +58,16 @@ class ModelRunner:
         self.tree_attention = tree_attention  # "flex": tree passes use FlexAttention with a block mask
         self.device = pool.device
         self.vocab_size = model.config.vocab_size
-        # Where the CPU kernels (float or quantized) carry the matmuls, passes they take whole run torch's own operators
-        # single-threaded (kernels.cpu.kernel_threads_only); elsewhere torch's threading is left alone.
-        self.kernels = any(isinstance(m, (GemvLinear, QuantLinear)) for m in model.modules())
-        self.graphs: StepGraphs | None = None  # set by the engine with cuda_graphs: passes replayed as graphs
+        # The threads of each kind of pass, as the backend's kernels want them (Backend.thread_policy).
+        self._threads_for = self.backend.thread_policy(model)
+        # Passes replayed as CUDA graphs, where the backend makes them (CudaBackend.step_graphs, given
+        # the batch and widths by the engine); None: every pass eagerly.
+        self.graphs: StepGraphs | None = None
         # Layer inputs every pass keeps (an EAGLE-3 drafter's, vLLM's layer ids: models.layers.AuxCapture);
         # the last pass's are ``last_aux`` ([B, T, aux] like its hidden states). CUDA graphs are not
         # replayed then (a graph returns the final hidden states only).
         self.aux_layers: tuple[int, ...] = ()
         self.last_aux: torch.Tensor | None = None
-
-    def _threads_for(self, rows: int, kind: str) -> contextlib.AbstractContextManager[None]:
-        # A kind of pass for the kernels' thread choice: this model's, of this many rows.
-        key = (id(self.model), kind, rows)
-        return kernel_threads_only(key) if self.kernels and rows <= MAX_ROWS else contextlib.nullcontext()
 
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], runs: Sequence[Sequence[int]] | torch.Tensor,

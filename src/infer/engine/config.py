@@ -164,7 +164,7 @@ class EngineConfig:
     exact_greedy: bool = False
     # torch.compile the target's (and draft model's) forward pass (backends.compiled); off: eager.
     compile: bool = False
-    # CUDA only: replay decode steps and chain verifications as CUDA graphs (core.cuda_graphs).
+    # CUDA only: replay decode steps and chain verifications as CUDA graphs (backends.cuda_graphs).
     cuda_graphs: bool = False
     # What computes the forward pass (infer.backends): auto, torch or cpu-kernels. auto picks the
     # fastest this machine runs; naming one it cannot run is an error that says why.

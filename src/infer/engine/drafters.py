@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from infer.backends import count_weights
-from infer.backends.compiled import compile_forward
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.model_runner import ModelRunner
 from infer.engine.config import SpeculativeConfig
@@ -58,12 +57,10 @@ def make_drafter(spec: SpeculativeConfig, target: TargetModel, say: Callable[[st
         assert spec.draft_model is not None
         say(f"loading draft model {spec.draft_model}")
         model, config = load_model(spec.draft_model, target.dtype, str(target.device), backend=target.backend,
-                                   compile=target.compile, quantization=spec.draft_quantization)
+                                   compile=target.compile, quantization=spec.draft_quantization, progress=say)
         say(f"draft model: {model.weights_summary}")
         check_compatible(spec.draft_model, target.path, config.vocab_size, target.config.vocab_size,
                          load_tokenizer(spec.draft_model, config), target.tokenizer)
-        if target.compile:
-            compile_forward(model, say)
         # Same backend and sequence length as the target; its own (smaller) per-token footprint.
         stop = EntropyStop(spec.spec_length_min, spec.entropy_threshold) if spec.spec_length_policy == "entropy" else None
         return DraftModelDrafter(ModelRunner(model, target.make_pool(config)),

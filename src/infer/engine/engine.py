@@ -14,11 +14,8 @@ from typing import Any
 import torch
 
 from infer.backends import backend_of
-from infer.backends.compiled import compile_forward
-from infer.backends.exact import check_invariance, make_exact
 from infer.cache import PagedKVCachePool, local_blocks_per_sequence, make_pool
 from infer.cache.protocol import CachePoolProtocol
-from infer.core.cuda_graphs import StepGraphs
 from infer.core.detokenizer import IncrementalDetokenizer
 from infer.core.model_runner import ModelRunner
 from infer.core.request import Request
@@ -201,18 +198,12 @@ class Engine(PromptEncoding):
         quantized = loads_quantized(config.model, config.quantization, self.device, config.backend, config.compile)
         self.dtype, dtype_reason = choose_dtype(config.dtype, self.device, quantized)
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
+        # The backend is made with the modes (exact greedy, compiled, CUDA graphs) and applies them.
         self.model, self.model_config = load_model(config.model, self.dtype, str(self.device),
                                                    backend=config.backend, compile=config.compile,
-                                                   quantization=config.quantization)
+                                                   quantization=config.quantization, exact=config.exact_greedy,
+                                                   cuda_graphs=config.cuda_graphs, progress=say)
         self.backend = backend_of(self.model)
-        if config.exact_greedy or config.cuda_graphs:
-            self.backend.mode = "exact" if config.exact_greedy else "cuda-graphs"
-        if config.exact_greedy:
-            say("exact-greedy kernels: checking that this machine computes a token alike in any pass")
-            make_exact(self.model)
-            check_invariance(self.model)
-        if config.compile:
-            compile_forward(self.model, say)
         self.tokenizer: Tokenizer = load_tokenizer(config.model, self.model_config)
         self.max_seq_len, context_reason = choose_max_seq_len(config, self.model_config, self.device, self.dtype)
         self.pool = self._make_pool(self.model_config)
@@ -230,11 +221,9 @@ class Engine(PromptEncoding):
             prefix_cache = PrefixCache(self.pool)
         self.prefix_cache = prefix_cache
         target = ContinuousRunner(ModelRunner(self.model, self.pool, config.tree_attention), prefix_cache)
-        if config.cuda_graphs:
-            if self.device.type != "cuda":
-                raise ValueError(f"cuda_graphs needs a CUDA device; this engine runs on {self.device}")
-            width = 1 + (config.speculative.spec_length_limit if config.speculative is not None else 0)
-            target.runner.graphs = StepGraphs(self.model, self.pool, config.max_batch_size, width, say)
+        # Graphs up to a chain verification's width, where the backend replays passes as graphs.
+        width = 1 + (config.speculative.spec_length_limit if config.speculative is not None else 0)
+        target.runner.graphs = self.backend.step_graphs(self.model, self.pool, config.max_batch_size, width, say)
         self.runner: Runner = target
         if config.speculative is not None:
             from infer.engine.drafters import TargetModel, make_speculative_runner

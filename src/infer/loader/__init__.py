@@ -5,11 +5,15 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from infer.backends import Backend, choose_backend
+from infer.backends.backend import TorchBackend
 from infer.loader.hub import DEFAULT_MODEL, is_gguf_file, resolve_model_path
 from infer.loader.tokenizer import Tokenizer
 from infer.loader.weights import load_safetensors
@@ -18,7 +22,9 @@ from infer.models.config import CheckpointError, ModelConfig
 from infer.models.layers import rope_inv_freq
 
 if TYPE_CHECKING:
+    from infer.loader.quantized import QuantChoice
     from infer.models.layers import DecoderOnlyLM
+    from infer.models.quantized import QuantRows
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -93,80 +99,50 @@ def load_config(ref: str | os.PathLike[str]) -> ModelConfig:
     return config
 
 
-def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
-               device: str = "auto", fuse: bool = True, pack: bool | None = None, backend: str = "auto",
-               compile: bool = False, quantization: str = "auto") -> tuple[DecoderOnlyLM, ModelConfig]:
-    """Build the architecture the checkpoint names and fill it: a folder's safetensors, or a GGUF's
-    tensors (quantized ones kept in their blocks where the quantized kernels run, else dequantized
-    into ``dtype``).
+@dataclass
+class Checkpoint:
+    """A checkpoint's configuration and tensors as read (``read_checkpoint``), not yet a model:
+    float tensors by Hugging Face name (with the file each came from), the blocks of the quantized
+    ones kept as they are, and a GGUF's RoPE scaling."""
 
-    ``fuse`` merges q/k/v and gate/up projections for faster inference; pass False to get the
-    Hugging Face module layout (training, saving). ``pack`` gives a fused model on CPU the inference
-    form of ``backend`` (``infer.backends``: ``auto``, ``torch``, ``cpu-kernels``; ``compile`` says
-    it will run compiled), recorded as ``model.backend``; the default packs a fused CPU model.
-    ``quantization`` (``loader.quantized``: ``auto``, ``none``, ``q8_0``, ``q4_0``, ``q4_1``,
-    ``q5_0``) says which weights stay or become quantized; ``model.weights_summary`` says what it did.
-    """
-    from infer.loader.quantized import (
-        QuantChoice,
-        QuantReport,
-        check_quantization,
-        choose_quant_kernels,
-        gguf_keep,
-        install_quantized,
-        quantize_float_weights,
-        tie_head,
-    )
-    from infer.models.quantized import QuantRows, pack_quantized
+    path: Path
+    config: ModelConfig
+    tensors: dict[str, tuple[torch.Tensor, Path]]
+    quantized: dict[str, QuantRows] = field(default_factory=dict)
+    rope_divisors: torch.Tensor | None = None  # a GGUF's per-frequency RoPE scaling (Llama 3.1 and later)
+    gguf_file: Any = None  # the open GGUF (its pages are released as the model takes the weights)
+    implied_by: str = "config.json implies"  # how shape errors name the source of truth
+    notes: list[str] = field(default_factory=list)  # why a quantized tensor was dequantized
 
+
+def read_checkpoint(ref: str | os.PathLike[str], dtype: torch.dtype, device: torch.device,
+                    keep_blocks: bool = False) -> Checkpoint:
+    """Read a checkpoint: a folder's safetensors, or a GGUF's tensors (with ``keep_blocks``, the
+    quantized ones the kernels run kept in their blocks, else dequantized into ``dtype``), on
+    ``device``, under the names of the text model (a multimodal Gemma 3's vision parts left out)."""
     path = resolve_model_path(ref)
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    check_quantization(quantization)
-    if pack is None:
-        pack = fuse and dev.type == "cpu"
-    if pack or dev.type != "cpu":  # chosen before the weights are read: a refusal comes quickly
-        chosen = choose_backend(dev, torch_dtype, backend, compile)
-    elif backend.startswith("cpu-kernels"):
-        raise ValueError(f"backend {backend!r} needs the packed inference layout (fuse=True, pack=True)")
-    else:
-        chosen = Backend("torch", reasons=["loaded unpacked (training or conversion layout)"])
-    if fuse and (pack or dev.type != "cpu") and not compile:
-        quant = choose_quant_kernels(quantization, dev, backend)
-    elif quantization in ("auto", "none"):
-        quant = QuantChoice(quantization, None, "compiled mode" if compile else "loaded unpacked")
-    else:
-        raise ValueError(f"quantization={quantization!r} needs the packed inference layout and eager mode "
-                         "(fuse=True, pack=True, compile=False)")
-    report = QuantReport(quant)
     config = load_config(path)
-    with torch.device("meta"):
-        model = MODEL_REGISTRY[config.model_type](config)
-    expected = model.state_dict()
-    rope_divisors = None
-    quantized: dict[str, QuantRows] = {}
-    gguf_file = None
+    checkpoint = Checkpoint(path, config, {})
     if path.is_file():
         from gguf import GGMLQuantizationType
 
         from infer.loader.gguf import gguf_weights, hf_tensor_name, open_gguf
+        from infer.loader.quantized import gguf_keep
 
         gguf_file = open_gguf(path)
         keep = None
-        if quant.keeps_blocks:
+        if keep_blocks:
             types = {hf_tensor_name(name, config.model_type) or name: GGMLQuantizationType(t.tensor_type).name
                      for name, t in gguf_file.tensors.items()}
-            keep, notes = gguf_keep(types)
-            report.notes += notes
-        weights = gguf_weights(gguf_file, config, torch_dtype, dev, keep)
-        tensors = {name: (tensor, path) for name, tensor in weights.state.items()}
-        quantized = weights.quantized
-        rope_divisors = weights.rope_freq_divisors
-        implied_by = "the GGUF metadata implies"
+            keep, checkpoint.notes = gguf_keep(types)
+        weights = gguf_weights(gguf_file, config, dtype, device, keep)
+        tensors: dict[str, tuple[torch.Tensor, Path]] = {name: (tensor, path) for name, tensor in weights.state.items()}
+        checkpoint.quantized = weights.quantized
+        checkpoint.rope_divisors = weights.rope_freq_divisors
+        checkpoint.gguf_file = gguf_file
+        checkpoint.implied_by = "the GGUF metadata implies"
     else:
-        tensors = load_safetensors(path, torch_dtype, dev)
-        implied_by = "config.json implies"
-    state: dict[str, torch.Tensor] = {}
+        tensors = load_safetensors(path, dtype, device)
     for name, (tensor, source) in tensors.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
@@ -174,6 +150,30 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
             name = _gemma3_text_name(name)
             if not name:  # the image tower and projector of a multimodal checkpoint
                 continue
+        checkpoint.tensors[name] = (tensor, source)
+    return checkpoint
+
+
+def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, backend: Backend,
+                quant: QuantChoice, fuse: bool = True, progress: Callable[[str], None] | None = None) -> DecoderOnlyLM:
+    """The architecture ``checkpoint`` names, filled with its tensors (checked against the
+    architecture's names and shapes), in ``dtype`` on ``device``: weights quantized as ``quant``
+    says, projections fused (``fuse``), and put in ``backend``'s form with its modes
+    (``Backend.prepare``, which records it as ``model.backend``). ``model.weights_summary`` says
+    what the weights became."""
+    from infer.loader.quantized import QuantReport, install_quantized, quantize_float_weights, tie_head
+    from infer.models.quantized import pack_quantized
+
+    path, config = checkpoint.path, checkpoint.config
+    report = QuantReport(quant)
+    report.notes += checkpoint.notes
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[config.model_type](config)
+    expected = model.state_dict()
+    quantized = dict(checkpoint.quantized)
+    implied_by = checkpoint.implied_by
+    state: dict[str, torch.Tensor] = {}
+    for name, (tensor, source) in checkpoint.tensors.items():
         if name not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {name!r} for a {config.model_type} model")
         if tuple(tensor.shape) != tuple(expected[name].shape):
@@ -190,8 +190,8 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
         state.pop("lm_head.weight", None)
         quantized.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
-    if quant.keeps_blocks and quantization not in ("auto", "none"):
-        made, notes = quantize_float_weights(state, quantization)
+    if quant.keeps_blocks and quant.quantization not in ("auto", "none"):
+        made, notes = quantize_float_weights(state, quant.quantization)
         quantized.update(made)
         report.notes += notes
     missing = sorted(set(expected) - set(state) - set(quantized))
@@ -202,18 +202,20 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     if quantized:
         assert quant.kernels is not None
         report.types.update(rows.qtype for rows in quantized.values())
-        install_quantized(model, quantized, quant.kernels, torch_dtype)
+        install_quantized(model, quantized, quant.kernels, dtype)
     if config.tie_word_embeddings and not tie_head(model):
         model.lm_head.weight = model.model.embed_tokens.weight
     inv_freq = rope_inv_freq(config)
+    rope_divisors = checkpoint.rope_divisors
     if rope_divisors is not None:  # a GGUF's precomputed per-frequency RoPE scaling (Llama 3.1 and later)
         if rope_divisors.shape != inv_freq.shape:
             raise CheckpointError(f"{path}: rope_freqs has shape {tuple(rope_divisors.shape)}, "
                                   f"expected {tuple(inv_freq.shape)}")
         inv_freq = inv_freq / rope_divisors.float()
-    model.inv_freq = inv_freq.to(dev)
+    model.inv_freq = inv_freq.to(device)
     if fuse:
         model.fuse_projections()
+    gguf_file = checkpoint.gguf_file
     if gguf_file is not None:
         from infer.loader.gguf import release_mapped_pages
 
@@ -234,18 +236,57 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
         from infer.backends.exact import make_attention_exact
 
         make_attention_exact(model)
-    chosen.prepare(model)  # the backend's form of the model, recorded on it
-    if chosen.stack and chosen.cpu_stack is None:  # the startup line must not claim a stack that does not run
-        chosen.stack = False
-        chosen.reasons.append("the C decoder stack takes Llama-block models with float projections or quantized ones "
-                              "(float32): running layer by layer")
+    backend.prepare(model, progress)  # the backend's form of the model and its modes, recorded on it
     if gguf_file is not None:
         from infer.loader.gguf import release_mapped_pages
 
         release_mapped_pages(gguf_file)
     report.measure(model)
     model.weights_summary = report.describe()
-    return model.eval(), config
+    return model.eval()
+
+
+def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
+               device: str = "auto", fuse: bool = True, pack: bool | None = None, backend: str = "auto",
+               compile: bool = False, quantization: str = "auto", exact: bool = False, cuda_graphs: bool = False,
+               progress: Callable[[str], None] | None = None) -> tuple[DecoderOnlyLM, ModelConfig]:
+    """Read a checkpoint (``read_checkpoint``) and build its model (``build_model``): a folder's
+    safetensors, or a GGUF's tensors (quantized ones kept in their blocks where the quantized
+    kernels run, else dequantized into ``dtype``).
+
+    ``fuse`` merges q/k/v and gate/up projections for faster inference; pass False to get the
+    Hugging Face module layout (training, saving). ``pack`` gives a fused model on CPU the inference
+    form of ``backend`` (``infer.backends``: ``auto``, ``torch``, ``cpu-kernels``), recorded as
+    ``model.backend``; the default packs a fused CPU model. The backend's modes: ``compile`` (the
+    forward through torch.compile), ``exact`` (exact greedy, checked on this machine),
+    ``cuda_graphs`` (CUDA only). ``quantization`` (``loader.quantized``: ``auto``, ``none``,
+    ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``) says which weights stay or become quantized;
+    ``model.weights_summary`` says what it did. ``progress`` hears what takes time.
+    """
+    from infer.loader.quantized import QuantChoice, check_quantization, choose_quant_kernels
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    check_quantization(quantization)
+    if pack is None:
+        pack = fuse and dev.type == "cpu"
+    if pack or dev.type != "cpu":  # chosen before the weights are read: a refusal comes quickly
+        chosen = choose_backend(dev, torch_dtype, backend, compile, exact=exact, cuda_graphs=cuda_graphs)
+    elif backend.startswith("cpu-kernels"):
+        raise ValueError(f"backend {backend!r} needs the packed inference layout (fuse=True, pack=True)")
+    elif cuda_graphs:
+        raise ValueError(f"cuda_graphs needs a CUDA device; this engine runs on {dev}")
+    else:
+        chosen = TorchBackend(reasons=["loaded unpacked (training or conversion layout)"], compiled=compile, exact=exact)
+    if fuse and (pack or dev.type != "cpu") and not compile:
+        quant = choose_quant_kernels(quantization, dev, backend)
+    elif quantization in ("auto", "none"):
+        quant = QuantChoice(quantization, None, "compiled mode" if compile else "loaded unpacked")
+    else:
+        raise ValueError(f"quantization={quantization!r} needs the packed inference layout and eager mode "
+                         "(fuse=True, pack=True, compile=False)")
+    checkpoint = read_checkpoint(ref, torch_dtype, dev, keep_blocks=quant.keeps_blocks)
+    return build_model(checkpoint, torch_dtype, dev, chosen, quant, fuse, progress), checkpoint.config
 
 
 def forget_parsed_checkpoints() -> None:
@@ -282,6 +323,6 @@ def load_tokenizer(ref: str | os.PathLike[str], config: ModelConfig | None = Non
     return Tokenizer.from_folder(path, eos_token_ids=config.eos_token_ids)
 
 
-__all__ = ["DEFAULT_MODEL", "CheckpointError", "ModelConfig", "Tokenizer", "choose_dtype", "cpu_bf16_feature",
-           "forget_parsed_checkpoints", "is_gguf_file", "load_config", "load_model", "load_tokenizer", "resolve_device", "resolve_dtype",
-           "resolve_model_path"]
+__all__ = ["DEFAULT_MODEL", "Checkpoint", "CheckpointError", "ModelConfig", "Tokenizer", "build_model", "choose_dtype",
+           "cpu_bf16_feature", "forget_parsed_checkpoints", "is_gguf_file", "load_config", "load_model", "load_tokenizer",
+           "read_checkpoint", "resolve_device", "resolve_dtype", "resolve_model_path"]

@@ -8,7 +8,6 @@ backend (``infer.backends``) that prepares a loaded model and runs its forward p
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,6 +109,9 @@ class Attention(nn.Module):
         # the layer's LayerKV, the scale; None: 1/sqrt(D)): set by a backend with a paged-attention
         # kernel (backends.triton_attention on CUDA); no context is gathered. ``attend`` comes first.
         self.paged_attention: Callable[[torch.Tensor, LayerKV, float | None], torch.Tensor] | None = None
+        # FlexAttention for tree masks (q, k, v, block_mask=, enable_gqa=): a backend sets its compiled
+        # form (CUDA); None: the eager one, a slow reference.
+        self.flex_attention: Callable[..., torch.Tensor] | None = None
 
     def fuse(self) -> None:
         """Merge q/k/v into one projection for inference (fewer, larger matmuls; same math)."""
@@ -158,7 +160,7 @@ class Attention(nn.Module):
             if self.attend is not None:
                 out = self.attend(q.transpose(1, 2), keys, values, shared.mask)
             elif shared.block_mask is not None:
-                out = flex_attention_with(shared.block_mask, q.transpose(1, 2), keys, values)
+                out = flex_attention_with(shared.block_mask, q.transpose(1, 2), keys, values, self.flex_attention)
             else:
                 groups = heads // kv_heads
                 out = _sdpa(q.transpose(1, 2), keys, values, shared.attention_mask(1), False,
@@ -211,20 +213,16 @@ def block_mask_from(mask: torch.Tensor) -> Any:
     return create_block_mask(mask_mod, batch, None, width, context, device=mask.device)
 
 
-@functools.cache
-def _flex_kernel(device_type: str) -> Any:
-    """FlexAttention compiled where it pays (CUDA); eager elsewhere (a slow reference, for tests)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
-
-
-def flex_attention_with(block_mask: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def flex_attention_with(block_mask: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """FlexAttention under ``block_mask``: ``kernel`` (a backend's compiled form), else the eager one."""
     import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
 
     with warnings.catch_warnings():  # eager flex warns that it is unfused; that is known and intended off CUDA
         warnings.simplefilter("ignore", UserWarning)
-        out = _flex_kernel(q.device.type)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        out = (kernel or flex_attention)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
     return out  # type: ignore[no-any-return]
 
 

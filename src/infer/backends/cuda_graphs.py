@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.backends import backend_of
+from infer.backends.backend import backend_of
 from infer.cache.protocol import CachePoolProtocol, KVBatch, padded_kv_batch
 from infer.models.layers import DecoderOnlyLM
 
@@ -46,7 +46,7 @@ class _Graph:
 
 
 class StepGraphs:
-    """Captures and replays the graphs of one model over one pool (``ModelRunner.graphs``)."""
+    """Captures and replays the graphs of one model over one pool (``ModelRunner.graphs``; made by ``CudaBackend.step_graphs``)."""
 
     def __init__(self, model: DecoderOnlyLM, pool: CachePoolProtocol, max_batch: int, max_width: int,
                  progress: Callable[[str], None] | None = None) -> None:
