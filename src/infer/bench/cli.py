@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.backends import BACKENDS
+from infer.bench import SPEC_LENGTH_SWEEP
 from infer.bench.peer import EXPORT_TYPES, LLAMA_CPP_FILE_TYPES, QUANTIZERS
 from infer.bench.quality import add_arguments as add_quality_arguments
 from infer.bench.shapes import DEFAULT_TYPES, SHAPES
@@ -45,7 +46,9 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--num-prompts", type=int, default=4)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=None, help="default 0 (1 for --workload sample)")
-    gen.add_argument("--spec-length", type=int, nargs="+", default=[3, 5])
+    gen.add_argument("--spec-length", type=int, nargs="+", default=list(SPEC_LENGTH_SWEEP),
+                     help="the draft lengths swept: a fixed-K draft-model row each; n-gram, suffix and the policies "
+                          "draft up to the largest (default: the engine's default K and two shorter)")
     gen.add_argument("--policies", nargs="*", default=["entropy", "goodput"], choices=["entropy", "goodput"])
     gen.add_argument("--no-ngram", action="store_true")
     gen.add_argument("--no-suffix", action="store_true", help="skip the suffix decoding row")

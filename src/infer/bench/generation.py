@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from infer.bench import SPEC_LENGTH_SWEEP
 from infer.bench.peer import gguf_weight_bytes_per_token, memory_bandwidth, weight_bytes_per_token
 from infer.core.request import speculation_stats
 from infer.engine.llm import LLM
@@ -61,7 +62,7 @@ class BenchSettings:
     workload: str = "code"
     max_tokens: int = 128
     temperature: float = 0.0
-    spec_lengths: list[int] = field(default_factory=lambda: [3, 5])
+    spec_lengths: list[int] = field(default_factory=lambda: list(SPEC_LENGTH_SWEEP))
     policies: list[str] = field(default_factory=lambda: ["entropy", "goodput"])
     ngram: bool = True
     medusa_heads: str | None = None  # a Medusa heads folder: adds an "infer + Medusa" row

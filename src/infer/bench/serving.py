@@ -481,10 +481,10 @@ def add_serving_parser(kinds: Any) -> None:
                    "--server and --offline-repeats, the engine run offline")
     p.add_argument("--speculator", nargs="*", default=[], choices=["ngram", "suffix"],
                    help="also launch a server with each of these drafters")
-    # What the launched servers get, declared as infer serve declares them; a benchmark keeps naming its
-    # precision, device and draft length (the same on every machine and in every earlier run).
+    # What the launched servers get, declared as infer serve declares them (the draft length's default is
+    # the engine's); a benchmark keeps naming its precision and device (the same on every machine).
     add_engine_args(p, ("draft_model", "spec_length", "dtype", "device", "quantization", "backend"))
-    p.set_defaults(spec_length=4, dtype="float32", device="cpu")
+    p.set_defaults(dtype="float32", device="cpu")
     p.add_argument("--replicas", type=int, nargs="+", default=None, metavar="N",
                    help="also compare replica counts: 0 = one process, N = infer serve --replicas N on Ray Serve "
                         "(each replica gets cpu_count / N CPUs unless --replica-cpus says otherwise)")
