@@ -27,9 +27,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
 def _runner(path: Path, compiled: bool) -> tuple[ModelRunner, PagedKVCachePool]:
-    model, config = load_model(str(path), torch.float32, "cpu", compile=compiled)
-    if compiled:
-        compile_forward(model)
+    model, config = load_model(str(path), torch.float32, "cpu", compile=compiled)  # compiled by its backend
     pool = PagedKVCachePool(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, num_blocks=32,
                             block_size=4, max_seq_len=64, dtype=torch.float32, device="cpu")
     return ModelRunner(model, pool), pool

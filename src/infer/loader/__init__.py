@@ -265,6 +265,7 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     """
     from infer.loader.quantized import QuantChoice, check_quantization, choose_quant_kernels
 
+    path = resolve_model_path(ref)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     check_quantization(quantization)
@@ -285,7 +286,7 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     else:
         raise ValueError(f"quantization={quantization!r} needs the packed inference layout and eager mode "
                          "(fuse=True, pack=True, compile=False)")
-    checkpoint = read_checkpoint(ref, torch_dtype, dev, keep_blocks=quant.keeps_blocks)
+    checkpoint = read_checkpoint(path, torch_dtype, dev, keep_blocks=quant.keeps_blocks)
     return build_model(checkpoint, torch_dtype, dev, chosen, quant, fuse, progress), checkpoint.config
 
 
