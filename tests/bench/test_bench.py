@@ -22,6 +22,7 @@ from infer.data.workloads import (
     repetitive_prompts,
     workload_prompts,
 )
+from infer.engine.config import SpeculativeConfig
 from infer.loader import load_model
 from infer.speculative.budget import expected_speedup_over_rounds
 
@@ -354,7 +355,8 @@ def test_bench_serving_repetitive_workload_with_suffix(tiny_llama: Path, tmp_pat
                  "--out", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "serving.json").read_text())
-    assert [run["label"] for run in report["runs"]] == ["speculation off", "suffix K=4", "suffix goodput"]
+    k = SpeculativeConfig.spec_length  # the engine's one default: bench serving declares none of its own
+    assert [run["label"] for run in report["runs"]] == ["speculation off", f"suffix K={k}", "suffix goodput"]
     for run in report["runs"]:
         (level,) = run["levels"]
         assert level["errors"] == 0 and level["requests"] == 2 and level["output_tokens"] > 0
