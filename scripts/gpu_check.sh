@@ -159,7 +159,8 @@ if [ "$MODE" != smoke ]; then
   step cuda-tests 100 cuda_tests
 fi
 step bandwidth 20 $PY scripts/gpu_check.py bandwidth --device "$DEVICE" --gib 1 --out "$OUT/bandwidth.json"
-step shapes 100 write_shapes "$TARGET" "$SMALL" "$SMOL"
+# each shape once (--smoke's are all tiny)
+step shapes 100 write_shapes $(printf '%s\n' "$TARGET" "$SMALL" "$SMOL" | awk '!seen[$0]++')
 # decode_step BUDGET SHAPE: decode tok/s at $BATCHES, eager and with graphs, against the bandwidth limits.
 decode_step() {
   step "decode-$2" "$1" $PY scripts/gpu_check.py decode --model "$SHAPES/$2" --device "$DEVICE" \
