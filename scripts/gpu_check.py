@@ -8,7 +8,7 @@ device before reading the clock; every figure is a median over ``--repeats`` run
     python scripts/gpu_check.py bandwidth --out bw.json
     python scripts/gpu_check.py decode --model DIR --batch 1 8 32 --out decode.json
     python scripts/gpu_check.py widths --model DIR --out widths.json
-    python scripts/gpu_check.py hf-static --model DIR --out hf.json
+    python scripts/gpu_check.py hf-static --model DIR --batch 1 --out hf.json
     python scripts/gpu_check.py greedy --model DIR --out greedy.json
 """
 
@@ -66,6 +66,20 @@ def bandwidth(args: argparse.Namespace) -> None:
     save(args.out, {**environment(args.device), "copy_gib": args.gib, "bytes_per_s": 2 * src.numel() * 2 / seconds})
 
 
+# Data-sheet HBM bandwidth (bytes/s) by the name CUDA reports, most specific first: the peak the
+# measured copy bandwidth is compared with (a copy reaches some 85-90% of it).
+PEAK_BANDWIDTH = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12), ("H200", 4.8e12),
+                  ("A100-SXM4-80GB", 2.039e12), ("A100-PCIE-80GB", 1.935e12), ("A100", 1.555e12))
+
+
+def datasheet_peak(device: str) -> tuple[str, float] | None:
+    """The card's name and data-sheet memory bandwidth, when this table knows the card."""
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name()
+    return next(((name, peak) for key, peak in PEAK_BANDWIDTH if key in name), None)
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     seen: set[int] = set()
     total = 0
@@ -79,10 +93,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def decode(args: argparse.Namespace) -> None:
     """Decode tok/s of ``batch`` greedy sequences through the LLM API, eager and with CUDA graphs:
     (batch x (N - 1) tokens) / (time for N tokens - time for 1), so prefill is left out, against
-    ``batch x bandwidth / (weight bytes + KV bytes read per step)``."""
+    ``batch x bandwidth / (weight bytes + KV bytes read per step)``, with the measured copy bandwidth
+    and with the card's data-sheet peak (``--peak-tb-s``, else ``PEAK_BANDWIDTH`` by the card's name)."""
     from infer import LLM, SamplingParams
 
     bw = json.loads(Path(args.bandwidth).read_text())["bytes_per_s"] if args.bandwidth else None
+    known = datasheet_peak(args.device)
+    peak = args.peak_tb_s * 1e12 if args.peak_tb_s else known[1] if known else None
     rows, wbytes = [], 0
     for graphs in ([False, True] if args.cuda_graphs else [False]):
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=max(args.batch),
@@ -101,19 +118,26 @@ def decode(args: argparse.Namespace) -> None:
             tok_s = batch * (args.max_tokens - 1) / (full - first) if full > first else None
             row: dict[str, Any] = {"cuda_graphs": graphs, "batch": batch, "decode_tok_s": tok_s,
                                    "end_to_end_tok_s": batch * args.max_tokens / full}
+            # every step reads the weights once and each sequence's K/V (its mean length here)
+            per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+                         * getattr(torch, args.dtype).itemsize)
+            step_bytes = wbytes + batch * per_token * (args.prompt_tokens + args.max_tokens // 2)
+            row["bytes_per_step"] = step_bytes
+            if tok_s is not None:
+                row["achieved_bytes_per_s"] = step_bytes * tok_s / batch
             if bw is not None and tok_s is not None:
-                # every step reads the weights once and each sequence's K/V (its mean length here)
-                per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-                             * getattr(torch, args.dtype).itemsize)
-                kv = batch * per_token * (args.prompt_tokens + args.max_tokens // 2)
-                limit = batch * bw / (wbytes + kv)
+                limit = batch * bw / step_bytes
                 row |= {"limit_tok_s": limit, "fraction_of_limit": tok_s / limit}
+            if peak is not None and tok_s is not None:
+                row |= {"peak_limit_tok_s": batch * peak / step_bytes, "fraction_of_peak": tok_s * step_bytes / batch / peak}
             rows.append(row)
             print(f"cuda_graphs={graphs} batch={batch}: "
                   + (f"{tok_s:.1f} decode tok/s" if tok_s is not None else "decode not resolved from the noise")
-                  + (f" ({row['fraction_of_limit']:.0%} of the bandwidth limit)" if "fraction_of_limit" in row else ""))
+                  + (f" ({row['fraction_of_limit']:.0%} of the measured-bandwidth limit)" if "fraction_of_limit" in row else "")
+                  + (f" ({row['fraction_of_peak']:.0%} of the data-sheet peak)" if "fraction_of_peak" in row else ""))
         del llm
     save(args.out, {**environment(args.device), "model": args.model, "dtype": args.dtype, "weight_bytes": wbytes,
+                    "peak_bytes_per_s": peak, "peak_source": "--peak-tb-s" if args.peak_tb_s else known and known[0],
                     "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rows": rows})
 
 
@@ -151,8 +175,8 @@ def widths(args: argparse.Namespace) -> None:
 
 def hf_static(args: argparse.Namespace) -> None:
     """transformers' generate with a static KV cache and its forward under torch.compile (as generate
-    does by itself on CUDA with a static cache), greedy, batch 1: end-to-end tok/s of ``max_tokens``
-    tokens after two warm-up generations (which compile)."""
+    does by itself on CUDA with a static cache), greedy, at each ``--batch``: end-to-end tok/s of
+    ``batch x max_tokens`` tokens after two warm-up generations (which compile, once per batch size)."""
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, args.dtype)
@@ -160,24 +184,27 @@ def hf_static(args: argparse.Namespace) -> None:
     # With a static cache on CUDA, generate compiles the forward itself (transformers' own
     # CompileConfig, reduce-overhead): the path its documentation gives for fast decoding.
     model.generation_config.disable_compile = not args.compile
-    ids = torch.tensor([[(5 * i) % 1000 + 10 for i in range(args.prompt_tokens)]], device=args.device)
+    rows = []
+    for batch in args.batch:
+        ids = torch.tensor([[(7 * b + 5 * i) % 1000 + 10 for i in range(args.prompt_tokens)] for b in range(batch)],
+                           device=args.device)
 
-    def run() -> None:
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens,
-                           min_new_tokens=args.max_tokens, do_sample=False, cache_implementation="static")
+        def run(ids: torch.Tensor = ids) -> None:
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens,
+                               min_new_tokens=args.max_tokens, do_sample=False, cache_implementation="static")
 
-    start = time.perf_counter()
-    run()
-    run()
-    warm = time.perf_counter() - start
-    seconds = median_seconds(run, args.device, args.repeats)
-    tok_s = args.max_tokens / seconds
-    print(f"transformers static cache{' + torch.compile' if args.compile else ''}: {tok_s:.1f} tok/s end to end "
-          f"(warm-up {warm:.0f} s)")
+        start = time.perf_counter()
+        run()
+        run()
+        warm = time.perf_counter() - start
+        seconds = median_seconds(run, args.device, args.repeats)
+        tok_s = batch * args.max_tokens / seconds
+        rows.append({"batch": batch, "end_to_end_tok_s": tok_s, "warmup_s": warm})
+        print(f"transformers static cache{' + torch.compile' if args.compile else ''}, batch {batch}: "
+              f"{tok_s:.1f} tok/s end to end (warm-up {warm:.0f} s)")
     save(args.out, {**environment(args.device), "model": args.model, "dtype": args.dtype, "compiled": args.compile,
-                    "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "end_to_end_tok_s": tok_s,
-                    "warmup_s": warm})
+                    "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rows": rows})
 
 
 def greedy(args: argparse.Namespace) -> None:
@@ -231,10 +258,13 @@ def main() -> None:
             sub.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
             sub.add_argument("--bandwidth", default=None, help="bandwidth's JSON (for the limit)")
             sub.add_argument("--cuda-graphs", action="store_true", help="also with CUDA graphs")
+            sub.add_argument("--peak-tb-s", type=float, default=None,
+                             help="the card's data-sheet memory bandwidth in TB/s (default: by its name, if known)")
         if name == "widths":
             sub.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 32, 64])
             sub.add_argument("--context", type=int, default=512)
         if name == "hf-static":
+            sub.add_argument("--batch", type=int, nargs="+", default=[1])
             sub.add_argument("--no-compile", dest="compile", action="store_false",
                              help="static cache only (checks the step where compiling would take minutes)")
     args = parser.parse_args()

@@ -53,10 +53,12 @@ SUMMARY=$OUT/summary.md
 BUDGET=${GPU_CHECK_BUDGET:-450}
 END=$((SECONDS + BUDGET))
 if [ "$MODE" = smoke ]; then
-  DEVICE=cpu; DTYPE=float32; TARGET=tiny; SMALL=tiny; BATCHES="1 2"; TOKENS=8; REPEATS=1
+  DEVICE=cpu; DTYPE=float32; TARGET=tiny; SMALL=tiny; SMOL=tiny; BATCHES="1 2"; TOKENS=8; REPEATS=1
   WORK=${GPU_CHECK_WORK:-/tmp/gpu_check_smoke}
 else
-  DEVICE=cuda; DTYPE=bfloat16; TARGET=3b; SMALL=1b; BATCHES="1 8 32"; TOKENS=64; REPEATS=3
+  # SMOL: SmolLM2-135M's shape in bfloat16 (random weights): the default model's decode speed,
+  # since its own file cannot be carried.
+  DEVICE=cuda; DTYPE=bfloat16; TARGET=3b; SMALL=1b; SMOL=smollm2; BATCHES="1 8 32"; TOKENS=64; REPEATS=3
   # The shapes' folders (about 9 GB): in memory where /dev/shm is large enough (a container's often is not)
   shm_kb=$(df -Pk /dev/shm 2> /dev/null | awk 'NR == 2 {print $4}')
   if [ "${shm_kb:-0}" -gt 20000000 ]; then WORK=${GPU_CHECK_WORK:-/dev/shm/gpu_check}; else WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}; fi
@@ -157,13 +159,22 @@ if [ "$MODE" != smoke ]; then
   step cuda-tests 100 cuda_tests
 fi
 step bandwidth 20 $PY scripts/gpu_check.py bandwidth --device "$DEVICE" --gib 1 --out "$OUT/bandwidth.json"
-step shapes 100 write_shapes "$TARGET" "$SMALL"
-for shape in "$TARGET" "$SMALL"; do
-  step "decode-$shape" 70 $PY scripts/gpu_check.py decode --model "$SHAPES/$shape" --device "$DEVICE" \
+# each shape once (--smoke's are all tiny)
+step shapes 100 write_shapes $(printf '%s\n' "$TARGET" "$SMALL" "$SMOL" | awk '!seen[$0]++')
+# decode_step BUDGET SHAPE: decode tok/s at $BATCHES, eager and with graphs, against the bandwidth limits.
+decode_step() {
+  step "decode-$2" "$1" $PY scripts/gpu_check.py decode --model "$SHAPES/$2" --device "$DEVICE" \
     --dtype "$DTYPE" --batch $BATCHES --max-tokens "$TOKENS" --repeats "$REPEATS" ${GRAPHS[@]+"${GRAPHS[@]}"} \
-    --bandwidth "$OUT/bandwidth.json" --out "$OUT/decode-$shape.json"
-  [ "$MODE" = smoke ] && break  # one tiny shape checks the step
-done
+    --bandwidth "$OUT/bandwidth.json" --out "$OUT/decode-$2.json"
+}
+HF_COMPILE=()
+[ "$MODE" = smoke ] && HF_COMPILE=(--no-compile)  # compiling on two shared cores would take minutes
+decode_step 70 "$TARGET"
+if [ "$MODE" != smoke ]; then
+  decode_step 60 "$SMOL"
+fi
+step "greedy-$SMALL" 70 $PY scripts/gpu_check.py greedy --model "$SHAPES/$SMALL" --device "$DEVICE" \
+  --dtype "$DTYPE" --max-tokens 24 --out "$OUT/greedy-$SMALL.json"
 step "widths-$TARGET" 40 $PY scripts/gpu_check.py widths --model "$SHAPES/$TARGET" --device "$DEVICE" \
   --dtype "$DTYPE" --repeats "$REPEATS" --context 512 --out "$OUT/widths-$TARGET.json"
 # Every drafter infer has for a model without trained heads: n-gram (prompt lookup), suffix decoding and
@@ -171,21 +182,24 @@ step "widths-$TARGET" 40 $PY scripts/gpu_check.py widths --model "$SHAPES/$TARGE
 step "drafters-$TARGET" 110 $PY -m infer.cli bench generation --model "$SHAPES/$TARGET" --draft-model "$SHAPES/$SMALL" \
   --device "$DEVICE" --dtype "$DTYPE" --workload edit --num-prompts 2 --max-tokens "$TOKENS" --spec-length 4 \
   --repeats 1 --no-transformers ${GRAPHS[@]+"${GRAPHS[@]}"} --out "$OUT/drafters-$TARGET"
-HF_COMPILE=()
-[ "$MODE" = smoke ] && HF_COMPILE=(--no-compile)  # compiling on two shared cores would take minutes
 step "hf-static-$TARGET" 120 $PY scripts/gpu_check.py hf-static --model "$SHAPES/$TARGET" --device "$DEVICE" \
   --dtype "$DTYPE" --max-tokens "$TOKENS" --repeats "$REPEATS" ${HF_COMPILE[@]+"${HF_COMPILE[@]}"} --out "$OUT/hf-static-$TARGET.json"
-step "greedy-$SMALL" 70 $PY scripts/gpu_check.py greedy --model "$SHAPES/$SMALL" --device "$DEVICE" \
-  --dtype "$DTYPE" --max-tokens 24 --out "$OUT/greedy-$SMALL.json"
+if [ "$MODE" != smoke ]; then
+  # Last: what the budget may cut. transformers compiles once per batch size, so batch 1 only.
+  step "hf-static-$SMOL" 100 $PY scripts/gpu_check.py hf-static --model "$SHAPES/$SMOL" --device "$DEVICE" \
+    --dtype "$DTYPE" --max-tokens "$TOKENS" --repeats "$REPEATS" --batch 1 --out "$OUT/hf-static-$SMOL.json"
+  decode_step 70 "$SMALL"
+fi
 
 [ "$MODE" = dry ] && exit 0
 cat >> "$SUMMARY" << 'EOF'
 
 ## Not measured by this script
 
-- SmolLM2 rows: its 94 MB GGUF is over what can be carried to the GPU machine (64 MiB); the 1B/3B
-  shapes carry its vocabulary and tokenizer (random weights, so drafters' acceptance there says
-  nothing about real text).
+- SmolLM2 itself: its 94 MB GGUF is over what can be carried to the GPU machine (64 MiB). Its shape
+  (`smollm2`, bfloat16, random weights) stands in for decode speed; the shapes carry its vocabulary
+  and tokenizer (random weights, so drafters' acceptance there says nothing about real text).
+- transformers at batch 8/32: it compiles once per batch size, over the time this run has.
 - Medusa and EAGLE drafters: no trained heads exist for the shapes.
 - Speculation at batch 8/32, and decode with the verification width under CUDA graphs per width:
   `decode` runs plain decoding; `drafters` runs one request at a time.

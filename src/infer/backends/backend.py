@@ -296,8 +296,8 @@ class CudaBackend(Backend):
                 module.flex_attention = _compiled_flex_attention()
                 if self.paged_attention:
                     module.paged_attention = triton_attention.attend
-        # Fused Triton operators (RMSNorm + residual, RoPE, SwiGLU: backends.triton_ops) are
-        # installed here, on the layers, once they exist and measure faster.
+        # The fused Triton operators (RMSNorm + residual, RoPE, SwiGLU) are installed here, on the
+        # layers (backends.triton_ops.install(model)), once they measure faster on a GPU.
 
     def step_graphs(self, model: DecoderOnlyLM, pool: CachePoolProtocol, max_batch: int, max_width: int,
                     say: Say | None = None) -> StepGraphs | None:

@@ -36,6 +36,9 @@ class Shape:
 SHAPES = {
     "1b": Shape(2048, 16, 32, 8, 8192, "Llama-3.2-1B's shape"),
     "3b": Shape(3072, 28, 24, 8, 8192, "Llama-3.2-3B's shape"),
+    # The default model's shape in bfloat16, for a machine the real file cannot be carried to (a GPU's
+    # decode speed depends on the shape, not on the weights or their GGUF type).
+    "smollm2": Shape(576, 30, 9, 3, 1536, "SmolLM2-135M's shape"),
     "tiny": Shape(64, 2, 4, 2, 128, "a tiny model, for a quick check of the tooling"),
 }
 DEFAULT_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K_M")

@@ -188,7 +188,9 @@ class SpeculativeRunner:
         self.last_pass_rows = ragged.rows
         logits = runner.logits(ragged.hidden)  # [N, V]
         since = PHASES.add("verify pass", since)
-        num_draft = torch.tensor(proposal.num_tokens, device=self.device)
+        # Counts and greedy flags go to the verifiers as host lists, and the verdict comes back in one
+        # read (``to_host``): rejection sampling waits for the device once per round.
+        num_draft = proposal.num_tokens
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
         if argmax_only([r.params for r in requests]):
             # Greedy rows only compare drafts with the target's argmax: no distributions needed.
@@ -205,10 +207,9 @@ class SpeculativeRunner:
                 # restricted to the allowed tokens, renormalised, and that is the q it is judged by.
                 draft_probs = draft_probs * allowed[:, :-1]
                 draft_probs = draft_probs / draft_probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-            verdict = verify_drafts(drafts, num_draft, target_probs, draft_probs, sampling.greedy,
+            verdict = verify_drafts(drafts, num_draft, target_probs, draft_probs, [r.params.greedy for r in requests],
                                     [r.random_source() for r in requests])
-        accepted = verdict.num_accepted.tolist()
-        emitted = [row[: kept + 1] for row, kept in zip(verdict.output_tokens.tolist(), accepted, strict=True)]
+        accepted, emitted = verdict.to_host()
         PHASES.add("rejection", since)
         # Row i's logits (p_{i+1}) gave the final token after i accepted drafts.
         if self._hidden is not None:

@@ -8,14 +8,21 @@ from the target model directly, which is what makes speculative decoding lossles
 
 All per-token work is tensor ops over the whole batch. The only Python loops are over rows, to
 draw random numbers from each request's own ``torch.Generator`` (so a request's draws do not
-depend on what it is batched with).
+depend on what it is batched with). Nothing is read back to the host while verifying when the
+caller gives the draft counts and greedy flags as host lists (the runner does): the correction or
+bonus token is drawn by the exponential race (``argmax p / E``), which is what ``torch.multinomial``
+draws for one sample, same noise, same token, without the host reads multinomial makes to check
+its input (the check runs on the device and is read with the verdict), and the verdict comes back
+in one read (``VerificationResult.to_host``): one wait for the device per round.
 
 A row whose randomness is a ``KeyedDraw`` (a seeded request) is verified differently: the token
 the target samples at each position is fixed by the position's keyed noise (the exponential race
 ``argmax_v p_v / E_v``), so the row accepts its drafts while each equals the target's sample at
 its position and then emits that sample. That is plain decoding's token at every position, so
 the output is the same with and without speculation and distributed exactly as p; a one-hot
-draft t is accepted with probability p(t), as by rejection sampling.
+draft t is accepted with probability p(t), as by rejection sampling. On the CPU a keyed row draws
+its samples up to its first mismatch (reading its drafts); elsewhere it draws every position it may
+reach at once, reading nothing (``host_reads_are_free``): the same tokens either way.
 """
 
 from collections.abc import Sequence
@@ -23,8 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.sampling.sampler import KeyedDraw, RandomSource, keyed_sample, sample_rows
-from infer.sampling.sampler import row_index as _row_index
+from infer.sampling.sampler import KeyedDraw, RandomSource, keyed_sample
 
 
 @dataclass
@@ -32,16 +38,45 @@ class VerificationResult:
     """Outcome of verifying one round of drafts for a batch.
 
     ``num_accepted[b]`` drafts were accepted in row ``b``; ``output_tokens[b]`` holds those drafts
-    followed by the correction (or bonus) token, then ``-1`` padding.
+    followed by the correction (or bonus) token, then ``-1`` padding. ``invalid[b]`` marks a row
+    whose sampled distribution held inf, nan or a negative value, or summed to 0 (found on the device;
+    ``to_host`` raises for it, as ``torch.multinomial`` would have).
     """
 
     num_accepted: torch.Tensor  # [B] long, 0..num_draft[b]
     output_tokens: torch.Tensor  # [B, K+1] long, -1 past position num_accepted[b]
+    invalid: torch.Tensor | None = None  # [B] bool, None: nothing sampled
 
     def tokens_for(self, b: int) -> list[int]:
         """Host list of the ``num_accepted[b] + 1`` tokens emitted by row ``b``."""
         n = int(self.num_accepted[b])
         return [int(t) for t in self.output_tokens[b, : n + 1].tolist()]
+
+    def to_host(self) -> tuple[list[int], list[list[int]]]:
+        """Each row's accepted count and its emitted tokens (the accepted drafts and the final token),
+        read in one transfer: the round's one host sync."""
+        parts = [self.num_accepted[:, None], self.output_tokens]
+        if self.invalid is not None:
+            parts.append(self.invalid[:, None].long())
+        rows = torch.cat(parts, dim=1).tolist()
+        if self.invalid is not None and any(row[-1] for row in rows):
+            raise RuntimeError("rejection sampling: a probability distribution contains inf, nan or a negative "
+                               "value, or sums to 0")
+        return [row[0] for row in rows], [row[1: row[0] + 2] for row in rows]
+
+
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether reading a tensor on ``device`` from the host costs no wait (the CPU): there a keyed
+    row stops drawing at its first mismatch, which needs its drafts on the host."""
+    return device.type == "cpu"
+
+
+def _on_device(values: list[int] | list[bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the device: through pinned memory, copied
+    asynchronously on CUDA (a pageable copy would wait for the stream's queued work)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _draw_uniforms(
@@ -52,30 +87,60 @@ def _draw_uniforms(
     device: torch.device,
 ) -> torch.Tensor:
     """Uniforms [B, K] for the accept test; rows not in ``sampled`` stay 0 and draw nothing."""
-    u = torch.zeros(len(num_draft_host), k, device=device)
+    batch = len(num_draft_host)
     if k == 0 or not sampled:
-        return u
+        return torch.zeros(batch, k, device=device)
+    shared = [b for b in sampled if generators[b] is None]
+    # The global RNG has no per-request reproducibility anyway, so one batched draw is fine.
+    shared_draw = torch.rand(len(shared), k, device=device) if shared else None
+    zeros = torch.zeros(k, device=device)
+    rows = []
+    shared_at = {b: i for i, b in enumerate(shared)}
+    sampled_set = set(sampled)
+    for b in range(batch):
+        if b in shared_at:
+            assert shared_draw is not None
+            rows.append(shared_draw[shared_at[b]])
+        elif b in sampled_set:
+            # Draw exactly num_draft[b] uniforms so a request's random stream depends only on its own
+            # draft count, not on the batch-wide padding K.
+            own = torch.rand(num_draft_host[b], generator=generators[b], device=device)  # type: ignore[arg-type]
+            rows.append(torch.nn.functional.pad(own, (0, k - num_draft_host[b])))
+        else:
+            rows.append(zeros)
+    return torch.stack(rows)
+
+
+def _invalid(probs: torch.Tensor) -> torch.Tensor:
+    """Rows (over the last dim) that no sampler can draw from: inf, nan, a negative value, or sum 0
+    (a NaN makes both extremes NaN, and every comparison with NaN is false)."""
+    low, high = torch.aminmax(probs, dim=-1)
+    return ~((low >= 0) & (high < float("inf")) & (probs.sum(dim=-1) > 0))
+
+
+def _race_sample(dist: torch.Tensor, sampled: list[int],
+                 generators: Sequence[RandomSource]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """One token per row in ``sampled`` from ``dist`` [B, V] float32, by the exponential race
+    ``argmax(p / E)``: what ``torch.multinomial`` draws for one sample (the same noise from the same
+    stream, so the same token), without the host reads multinomial makes to check its input: each
+    row's token comes with whether its distribution was drawable (``_invalid``), on the device. The
+    global RNG's rows are drawn together, as ``sample_from_probs`` draws them."""
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     shared = [b for b in sampled if generators[b] is None]
     if shared:
-        # The global RNG has no per-request reproducibility anyway, so one batched draw is fine.
-        u[_row_index(shared, device)] = torch.rand(len(shared), k, device=device)
-    own = [b for b in sampled if isinstance(generators[b], torch.Generator)]
-    if own:
-        # Draw exactly num_draft[b] uniforms so a request's random stream depends only on its own
-        # draft count, not on the batch-wide padding K.
-        rows = [
-            torch.nn.functional.pad(
-                torch.rand(num_draft_host[b], generator=generators[b], device=device),  # type: ignore[arg-type]
-                (0, k - num_draft_host[b]),
-            )
-            for b in own
-        ]
-        u[_row_index(own, device)] = torch.stack(rows)
-    return u
+        rows = torch.stack([dist[b] for b in shared]) if len(shared) < dist.shape[0] else dist
+        drawn = (rows / torch.empty_like(rows).exponential_()).argmax(dim=-1)
+        bad = _invalid(rows)
+        out.update({b: (drawn[i], bad[i]) for i, b in enumerate(shared)})
+    for b in sampled:
+        if b not in out:
+            noise = torch.empty_like(dist[b]).exponential_(generator=generators[b])  # type: ignore[arg-type]
+            out[b] = ((dist[b] / noise).argmax(), _invalid(dist[b]))
+    return out
 
 
-def _check_inputs(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target_probs: torch.Tensor,
-                  draft_probs: torch.Tensor | None, greedy: torch.Tensor,
+def _check_inputs(draft_tokens: torch.Tensor, num_draft: list[int], target_probs: torch.Tensor,
+                  draft_probs: torch.Tensor | None, greedy: list[bool],
                   generators: Sequence[RandomSource]) -> None:
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must be [B, K], got shape {tuple(draft_tokens.shape)}")
@@ -89,20 +154,30 @@ def _check_inputs(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target_pr
         raise ValueError(
             f"draft_probs must be [B, K, V] = [{batch}, {k}, {vocab}], got {tuple(draft_probs.shape)}"
         )
-    if tuple(num_draft.shape) != (batch,):
-        raise ValueError(f"num_draft must be [B] = [{batch}], got {tuple(num_draft.shape)}")
-    if tuple(greedy.shape) != (batch,):
-        raise ValueError(f"greedy must be [B] = [{batch}], got {tuple(greedy.shape)}")
+    if len(num_draft) != batch:
+        raise ValueError(f"num_draft must be [B] = [{batch}], got {len(num_draft)} entries")
+    if any(n < 0 or n > k for n in num_draft):
+        raise ValueError(f"num_draft entries must lie in [0, {k}], got {num_draft}")
+    if len(greedy) != batch:
+        raise ValueError(f"greedy must be [B] = [{batch}], got {len(greedy)} entries")
     if len(generators) != batch:
         raise ValueError(f"generators has {len(generators)} entries for a batch of {batch}")
 
 
+def _host_list(values: torch.Tensor | Sequence[int] | Sequence[bool], kind: type) -> list:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise ValueError(f"expected a [B] tensor, got shape {tuple(values.shape)}")
+        return [kind(v) for v in values.tolist()]
+    return [kind(v) for v in values]
+
+
 def verify_drafts(
     draft_tokens: torch.Tensor,
-    num_draft: torch.Tensor,
+    num_draft: torch.Tensor | Sequence[int],
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
-    greedy: torch.Tensor,
+    greedy: torch.Tensor | Sequence[bool],
     generators: Sequence[RandomSource],
 ) -> VerificationResult:
     """Verify a batch of drafts against the target model's distributions.
@@ -118,27 +193,28 @@ def verify_drafts(
         generators: per-row generator for the accept uniforms and the final token draw; ``None``
             uses the global RNG of the tensors' device; a ``KeyedDraw`` (at the position of p_1's
             token) verifies the row by its keyed samples (see the module docstring).
+
+    Given ``num_draft`` and ``greedy`` as host sequences (the runner knows both), the verification
+    is tensor operations on the device that never wait for it: nothing is read back until the
+    result's ``to_host``, the round's one host sync. (Each given as a tensor costs one read.)
     """
-    _check_inputs(draft_tokens, num_draft, target_probs, draft_probs, greedy, generators)
+    num_draft_host = _host_list(num_draft, int)
+    greedy_host = _host_list(greedy, bool)
+    _check_inputs(draft_tokens, num_draft_host, target_probs, draft_probs, greedy_host, generators)
     device = target_probs.device
     batch, k = draft_tokens.shape
     vocab = target_probs.shape[2]
-
     drafts = draft_tokens.to(device=device, dtype=torch.long)
-    num_draft = num_draft.to(device=device, dtype=torch.long)
-    greedy = greedy.to(device=device, dtype=torch.bool)
-
-    # One host sync per call (not per token): the row loops below need to know which rows sample.
-    greedy_host, num_draft_host = torch.stack([greedy.long(), num_draft]).tolist()
-    if any(n < 0 or n > k for n in num_draft_host):
-        raise ValueError(f"num_draft entries must lie in [0, {k}], got {num_draft_host}")
     keyed = [b for b in range(batch) if not greedy_host[b] and isinstance(generators[b], KeyedDraw)]
     sampled = [b for b in range(batch) if not greedy_host[b] and b not in keyed]
+    exact_host = [greedy_host[b] or b in keyed for b in range(batch)]
+    num_draft_t = _on_device(num_draft_host, torch.long, device)
+    exact = _on_device(exact_host, torch.bool, device)
 
     # Padding past num_draft may be any id; clamp so the gathers below stay in range.
     safe_drafts = drafts.clamp(0, vocab - 1)
     rows = torch.arange(batch, device=device)
-    in_range = torch.arange(k, device=device)[None, :] < num_draft[:, None]  # [B, K]
+    in_range = torch.arange(k, device=device)[None, :] < num_draft_t[:, None]  # [B, K]
 
     # Probabilities of each draft under p and q; only these gathers are upcast, never [B, K, V].
     target_draft = target_probs[:, :k]
@@ -153,9 +229,10 @@ def verify_drafts(
     stochastic_ok = u * q_tok < p_tok
     # Greedy and keyed rows know the target's token at every position: its argmax, its keyed sample.
     chosen = target_probs.argmax(dim=2)  # [B, K+1]
-    if keyed:
-        # A keyed row's samples are drawn only up to its first mismatch (each costs a V-wide noise
-        # draw); the rows after it cannot be accepted whatever ``chosen`` holds there.
+    keyed_invalid: dict[int, torch.Tensor] = {}
+    if keyed and host_reads_are_free(device):
+        # On the CPU a keyed row's samples are drawn only up to its first mismatch (each costs a V-wide
+        # noise draw); the positions after it cannot be accepted whatever ``chosen`` holds there.
         drafts_host = safe_drafts.tolist()
         for b in keyed:
             draw = generators[b]
@@ -165,9 +242,22 @@ def verify_drafts(
                 chosen[b, j] = token
                 if j == num_draft_host[b] or token != drafts_host[b][j]:
                     break
-    exact = greedy.clone()
-    if keyed:
-        exact[_row_index(keyed, device)] = True
+    elif keyed:
+        # Elsewhere every position a keyed row may reach is drawn at once (the positions past its first
+        # mismatch are never read): more noise, no host read.
+        picked = []
+        for b in range(batch):
+            draw = generators[b]
+            if b not in keyed:
+                picked.append(chosen[b])
+                continue
+            assert isinstance(draw, KeyedDraw)
+            reach = num_draft_host[b] + 1
+            probs = target_probs[b, :reach].float()
+            noise = torch.stack([draw.at(j).exponentials(vocab, device) for j in range(reach)])
+            keyed_invalid[b] = _invalid(probs).any()
+            picked.append(torch.cat([(probs.double() / noise).argmax(dim=-1), chosen[b, reach:]]))
+        chosen = torch.stack(picked)
     ok = torch.where(exact[:, None], chosen[:, :k] == safe_drafts, stochastic_ok) & in_range
     # Accepted prefix length = number of leading ones.
     num_accepted = ok.long().cumprod(dim=1).sum(dim=1)
@@ -185,13 +275,19 @@ def verify_drafts(
         # Zero residual mass means p == q where rejection has probability 0; fall back to p.
         residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), stop_p)
         # Greedy and keyed rows keep p: their answer is the target's token there, whatever was rejected.
-        resample = (num_accepted < num_draft) & ~exact
+        resample = (num_accepted < num_draft_t) & ~exact
         final_dist = torch.where(resample[:, None], residual, stop_p)
 
-    exact_host = [bool(g) or b in keyed for b, g in enumerate(greedy_host)]
-    final = sample_rows(final_dist, exact_host, generators)
-    final = torch.where(exact, chosen.gather(1, num_accepted[:, None]).squeeze(1), final)
-    return _result(drafts, num_accepted, final)
+    final = chosen.gather(1, num_accepted[:, None]).squeeze(1)
+    invalid = None
+    if sampled or keyed:
+        drawn = _race_sample(final_dist, sampled, generators)
+        final = torch.stack([drawn[b][0] if b in drawn else final[b] for b in range(batch)])
+        no = torch.zeros((), dtype=torch.bool, device=device)
+        invalid = torch.stack([drawn[b][1] if b in drawn else keyed_invalid.get(b, no) for b in range(batch)])
+    result = _result(drafts, num_accepted, final)
+    result.invalid = invalid
+    return result
 
 
 def _result(drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) -> VerificationResult:
@@ -204,7 +300,8 @@ def _result(drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tenso
     return VerificationResult(num_accepted=num_accepted, output_tokens=output)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target_tokens: torch.Tensor) -> VerificationResult:
+def verify_greedy(draft_tokens: torch.Tensor, num_draft: torch.Tensor | Sequence[int],
+                  target_tokens: torch.Tensor) -> VerificationResult:
     """``verify_drafts`` for a batch whose rows are all greedy, from the target's argmax tokens alone.
 
     ``target_tokens`` [B, K+1] is the argmax of p_1..p_{K+1} (after any repetition penalty). A draft is
@@ -215,9 +312,11 @@ def verify_greedy(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target_to
     batch, k = draft_tokens.shape
     if tuple(target_tokens.shape) != (batch, k + 1):
         raise ValueError(f"target_tokens must be [B, K+1] = [{batch}, {k + 1}], got {tuple(target_tokens.shape)}")
+    device = target_tokens.device
+    if not isinstance(num_draft, torch.Tensor):  # host counts: copied without waiting for the device
+        num_draft = _on_device([int(n) for n in num_draft], torch.long, device)
     if tuple(num_draft.shape) != (batch,):
         raise ValueError(f"num_draft must be [B] = [{batch}], got {tuple(num_draft.shape)}")
-    device = target_tokens.device
     drafts = draft_tokens.to(device=device, dtype=torch.long)
     num_draft = num_draft.to(device=device, dtype=torch.long)
     in_range = torch.arange(k, device=device)[None, :] < num_draft[:, None]
