@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 import infer.kernels as kernels
-from infer.backends import cpu_kernels, triton_attention
+from infer.backends import cpu_kernels, triton_attention, triton_ops
 from infer.backends.cpu_kernels import (
     CpuStack,
     probe_fused,
@@ -287,8 +287,12 @@ class CudaBackend(Backend):
     name: ClassVar[str] = "torch"  # --backend torch (or auto) on a CUDA device
     paged_attention: bool = False  # attention by the Triton paged kernel (no per-layer gather)
 
+    fused_ops: bool = False  # RMSNorm + residual, RoPE and SwiGLU by the Triton kernels of backends.triton_ops
+
     def detail(self) -> str:
-        return "PyTorch operators, Triton paged attention" if self.paged_attention else "PyTorch operators"
+        parts = ["PyTorch operators", *(["Triton paged attention"] if self.paged_attention else []),
+                 *(["Triton fused norms, RoPE and SwiGLU"] if self.fused_ops else [])]
+        return ", ".join(parts)
 
     def install(self, model: DecoderOnlyLM) -> None:
         for module in model.modules():
@@ -296,8 +300,14 @@ class CudaBackend(Backend):
                 module.flex_attention = _compiled_flex_attention()
                 if self.paged_attention:
                     module.paged_attention = triton_attention.attend
-        # The fused Triton operators (RMSNorm + residual, RoPE, SwiGLU) are installed here, on the
-        # layers (backends.triton_ops.install(model)), once they measure faster on a GPU.
+        # The fused operators go where the paged kernel goes (Triton runs here, and the pass is not
+        # traced by the compiler): one kernel where the layers launch several for each norm, RoPE
+        # and activation, each checked equal to the layers' (tests/models/test_triton_ops.py).
+        if self.paged_attention:
+            reason = triton_ops.install(model)
+            self.fused_ops = reason is None
+            if reason is not None:
+                self.reasons.append(f"fused operators: {reason}")
 
     def step_graphs(self, model: DecoderOnlyLM, pool: CachePoolProtocol, max_batch: int, max_width: int,
                     say: Say | None = None) -> StepGraphs | None:
