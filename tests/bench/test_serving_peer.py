@@ -16,7 +16,7 @@ import pytest
 from fake_openai_server import serve_in_thread, stop
 
 from infer.bench import llama_server
-from infer.bench.peer_serving import Target, compare, llama_modes, run_requests
+from infer.bench.peer_serving import Target, compare, llama_mode_args, llama_modes, run_requests
 from infer.cli import main
 
 SAPPHIRE_RAPIDS_VM = ("fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2 avx512f avx512dq avx512cd "
@@ -104,6 +104,10 @@ def test_llama_modes_take_the_ngram_types_the_binary_has() -> None:
     assert llama_modes(["plain", "ngram-map-k"], ["none", "ngram-map-k"]) == ["plain", "ngram-map-k"]
     with pytest.raises(ValueError, match="ngram-mod"):
         llama_modes(["ngram-mod"], ["none", "ngram-simple"])
+    tuned = "ngram-simple --spec-ngram-simple-size-n 4"
+    assert llama_modes([tuned], ["ngram-simple"]) == [tuned]
+    assert llama_mode_args(tuned) == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4"]
+    assert llama_mode_args("plain") == []
 
 
 def test_requests_are_the_same_for_every_server_and_take_turns() -> None:

@@ -188,11 +188,12 @@ class LlamaServer:
         self._log: IO[bytes] | None = None
 
     def command(self) -> list[str]:
-        # One slot: infer's bench sends one request at a time, and a second slot would only split the
-        # context. No web UI, no prompt cache reuse across requests (infer keeps none either).
+        # One slot: the peer bench sends one request at a time, and a second slot would only split the
+        # context. No web UI, and no prompt kept across requests (infer's prefix caching is off by
+        # default): every request pays its own prefill on both servers.
         return [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
                 "-t", str(self.threads), "-tb", str(self.threads), "-c", str(self.context), "-np", "1",
-                "--no-webui", "--cache-reuse", "0", *self.extra]
+                "--no-webui", "--cache-reuse", "0", "--cache-ram", "0", *self.extra]
 
     def __enter__(self) -> LlamaServer:
         import tempfile

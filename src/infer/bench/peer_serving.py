@@ -230,14 +230,21 @@ def peer_gguf(args: argparse.Namespace) -> Path:
 
 def llama_modes(requested: list[str] | None, available: list[str]) -> list[str]:
     """The llama-server modes to run: ``plain`` and the n-gram spec types (``requested``, or every one of
-    ``LLAMA_SPEC_MODES`` this binary has)."""
+    ``LLAMA_SPEC_MODES`` this binary has). A requested mode is a spec type, optionally followed by that
+    mode's own llama-server flags (``"ngram-simple --spec-ngram-simple-size-n 4"``)."""
     if requested is None:
         return ["plain", *[m for m in LLAMA_SPEC_MODES if m in available]]
-    missing = [m for m in requested if m != "plain" and m not in available]
+    missing = [m for m in requested if m.split()[0] != "plain" and m.split()[0] not in available]
     if missing:
-        raise ValueError(f"--peer-modes {' '.join(missing)}: this llama-server's --spec-type offers "
-                         f"{', '.join(available) or 'nothing'}")
+        raise ValueError(f"--peer-modes {', '.join(repr(m) for m in missing)}: this llama-server's --spec-type "
+                         f"offers {', '.join(available) or 'nothing'}")
     return list(requested)
+
+
+def llama_mode_args(mode: str) -> list[str]:
+    """llama-server flags for one ``llama_modes`` entry."""
+    kind, *extra = shlex.split(mode)
+    return ([] if kind == "plain" else ["--spec-type", kind]) + extra
 
 
 def run_peer_bench(args: argparse.Namespace, infer_servers: list[tuple[str, str]],
@@ -262,7 +269,7 @@ def run_peer_bench(args: argparse.Namespace, infer_servers: list[tuple[str, str]
                      "build": llama_server.build_info(binary), "spec_types": available, "modes": modes,
                      "gguf": str(gguf), "extra_args": shlex.split(args.peer_args)}
         for mode in modes:
-            extra = ([] if mode == "plain" else ["--spec-type", mode]) + shlex.split(args.peer_args)
+            extra = llama_mode_args(mode) + shlex.split(args.peer_args)
             server = llama_server.LlamaServer(binary, gguf, args.threads, args.context, extra)
             print(f"[bench] starting llama-server ({mode}): {' '.join(server.command())}", file=sys.stderr,
                   flush=True)
@@ -289,7 +296,8 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--peer-model", default=None, metavar="FILE",
                    help="GGUF file llama-server loads (default: the file behind --model)")
     g.add_argument("--peer-modes", nargs="+", default=None, metavar="MODE",
-                   help="llama-server modes: plain and --spec-type values (default: plain and whichever of "
+                   help="llama-server modes: plain or a --spec-type value, each optionally followed by its own "
+                        "llama-server flags in one quoted string (default: plain and whichever of "
                         f"{', '.join(LLAMA_SPEC_MODES)} the binary offers)")
     g.add_argument("--peer-args", default="", metavar="ARGS",
                    help="extra llama-server flags for every mode, one quoted string")
