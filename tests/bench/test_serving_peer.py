@@ -63,6 +63,10 @@ def _sdist(root: Path) -> Path:
     src = root / "src" / "llama_cpp_python-9.9.9" / "vendor" / "llama.cpp"
     src.mkdir(parents=True)
     (src / "CMakeLists.txt").write_text("project(fake)\n")
+    (src.parent.parent / "CHANGELOG.md").write_text("# Changelog\n\n## [Unreleased]\n\n## [9.9.9]\n\n"
+                                                    "- fix: something\n- feat: update llama.cpp to "
+                                                    "ggml-org/llama.cpp@abc1234\n\n## [9.9.8]\n\n"
+                                                    "- feat: update llama.cpp to ggml-org/llama.cpp@0ld0000\n")
     with tarfile.open(root / "llama_cpp_python-9.9.9.tar.gz", "w:gz") as tar:
         tar.add(root / "src" / "llama_cpp_python-9.9.9", arcname="llama_cpp_python-9.9.9")
     return root / "llama_cpp_python-9.9.9" / "vendor" / "llama.cpp"
@@ -92,6 +96,7 @@ def test_build_configures_with_the_cpu_flags_then_reuses_the_build(tmp_path: Pat
     assert compile_[-5:] == ["-j", "2", "--target", "llama-server", "llama-bench"]
     info = llama_server.build_info(server)
     assert info["llama_cpp_python"] == "9.9.9" and "-DGGML_AVX2=ON" in info["configure"]
+    assert info["llama_cpp_commit"] == "abc1234"
     # Built: a second call runs nothing.
     commands.clear()
     assert llama_server.build(tmp_path, log=sys.stderr) == server

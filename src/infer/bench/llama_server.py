@@ -138,9 +138,31 @@ def build(root: Path | None = None, jobs: int = 2, force: bool = False, log: IO[
 
 
 def build_info(server: Path) -> dict[str, Any]:
-    """What ``build`` recorded next to this binary (empty for a binary built elsewhere)."""
-    info = server.parent.parent / "infer-build.json"
-    return json.loads(info.read_text()) if info.exists() else {}
+    """What ``build`` recorded next to this binary (empty for a binary built elsewhere), with the
+    llama.cpp commit the sdist vendors (its CHANGELOG names it; the sdist carries no git history)."""
+    info_path = server.parent.parent / "infer-build.json"
+    if not info_path.exists():
+        return {}
+    info = json.loads(info_path.read_text())
+    commit = vendored_commit(server.parent.parent.parent.parent.parent / "CHANGELOG.md", info.get("llama_cpp_python"))
+    if commit:
+        info["llama_cpp_commit"] = commit
+    return info
+
+
+def vendored_commit(changelog: Path, version: str | None) -> str | None:
+    """The ``ggml-org/llama.cpp@HASH`` the CHANGELOG's section for ``version`` updates to."""
+    if not version or not changelog.exists():
+        return None
+    section = False
+    for line in changelog.read_text(errors="replace").splitlines():
+        if line.startswith("## "):
+            if section:
+                return None
+            section = line.startswith(f"## [{version}]")
+        elif section and "llama.cpp@" in line:
+            return line.split("llama.cpp@", 1)[1].split()[0].strip(".,)")
+    return None
 
 
 def find_or_build(binary: str | None = None, jobs: int = 2) -> Path:
