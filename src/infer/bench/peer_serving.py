@@ -160,16 +160,22 @@ def peer_table(report: dict[str, Any]) -> str:
              f"({'past EOS' if s['ignore_eos'] else 'stop at EOS'}), temperature {s['temperature']}, "
              f"{s['threads']} threads, one chat request at a time, non-streamed; tok/s = completion tokens / "
              f"request wall time (median)", ""]
-    head = "| server | side | " + " | ".join(f"{k} tok/s | vs infer plain | vs peer plain | text = infer plain"
-                                             for k in kinds) + " |"
-    lines += [head, "|---|---|" + "---:|---:|---:|---:|" * len(kinds)]
-    for row in report["comparison"]["rows"]:
-        cells = [row["label"], row["side"]]
-        for kind in kinds:
+    peer = report.get("peer") or {}
+    if peer:
+        build = peer.get("build") or {}
+        lines[-1:-1] = [f"llama-server `{peer['binary']}` ({peer.get('version') or 'version unknown'}"
+                        + (f"; llama-cpp-python {build['llama_cpp_python']} sdist" if build.get("llama_cpp_python")
+                           else "")
+                        + (f", llama.cpp {build['llama_cpp_commit']}" if build.get("llama_cpp_commit") else "")
+                        + f") on `{peer['gguf']}`; its --spec-type offers: {', '.join(peer['spec_types']) or 'none'}"]
+    lines += ["| kind | server | side | tok/s | vs infer plain | vs peer plain | tokens (median) | text = infer plain |",
+              "|---|---|---|---:|---:|---:|---:|---:|"]
+    for kind in kinds:
+        for row in report["comparison"]["rows"]:
             e = row["kinds"][kind]
-            cells += [f"{e['tok_s']:.1f}", _ratio(e.get("vs_infer_plain")), _ratio(e.get("vs_peer_plain")),
-                      e.get("text_same_as_infer_plain", "–")]
-        lines.append("| " + " | ".join(cells) + " |")
+            lines.append(f"| {kind} | {row['label']} | {row['side']} | {e['tok_s']:.1f} | "
+                         f"{_ratio(e.get('vs_infer_plain'))} | {_ratio(e.get('vs_peer_plain'))} | "
+                         f"{e['median_tokens']:g} | {e.get('text_same_as_infer_plain', '–')} |")
     best = report["comparison"]["best"]
     if any("infer_vs_peer" in b for b in best.values()):
         lines += ["", "| kind | infer plain vs peer plain | infer's best | peer's best | best vs best |",
