@@ -230,6 +230,7 @@ def test_peer_llama_server_and_peer_server_get_the_same_requests(tmp_path: Path,
     for label in ("other", "llama-server plain"):  # another engine's text is reported, not required
         assert rows[label]["kinds"]["chat"]["text_same_as_infer_plain"] == "0/4"
     table = (out / "serving-peer.md").read_text()
+    assert f"on `{gguf}`; its --spec-type offers: none, draft-simple, ngram-simple, ngram-map-k" in table
     assert "| code-edit | llama-server ngram-simple | peer |" in table and "infer plain vs peer plain" in table
 
 
