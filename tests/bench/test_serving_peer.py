@@ -133,12 +133,15 @@ def test_requests_are_the_same_for_every_server_and_take_turns() -> None:
     assert [turn[0][0] for turn in requests] == ["a", "b", "c", "a", "b", "c"]  # who goes first rotates
     assert targets[0].texts == {"chat": ["three two", "five four"] * 2, "summary": ["seven six"] * 2}
     assert targets[0].tokens["chat"] == [2, 2, 2, 2]
+    assert targets[0].repeats == {"chat": [0, 0, 1, 1], "summary": [0, 1]}
 
 
 def _target(label: str, side: str, texts: list[str], rate: float) -> Target:
     t = Target(label, side, "http://x", "m")
     for text in texts:
-        t.record("chat", rate, 4, text)
+        t.record("chat", rate, 4, text, 0)
+    t.record("chat", rate * 3, 4, texts[0], 1)  # a second repeat of the first prompt, three times as fast
+    t.texts["chat"][-1] = texts[0]
     return t
 
 
@@ -152,8 +155,10 @@ def test_compare_reports_ratios_best_modes_and_text_agreement() -> None:
     rows = {r["label"]: r["kinds"]["chat"] for r in out["rows"]}
     assert rows["ngram"]["vs_infer_plain"] == pytest.approx(1.5)
     assert rows["peer spec"]["vs_peer_plain"] == pytest.approx(1.5)
-    assert rows["peer plain"]["text_same_as_infer_plain"] == "1/2"
-    assert rows["peer spec"]["text_same_as_infer_plain"] == "0/2"
+    assert rows["peer plain"]["text_same_as_infer_plain"] == "2/3"
+    assert rows["peer spec"]["text_same_as_infer_plain"] == "0/3"
+    assert rows["plain"]["tok_s"] == 100.0 and rows["plain"]["first_repeat_tok_s"] == 100.0
+    assert rows["ngram"]["samples"] == [150.0, 150.0, 450.0]
     best = out["best"]["chat"]
     assert best["infer"]["label"] == "ngram" and best["peer"]["label"] == "peer spec"
     assert best["infer_vs_peer"] == pytest.approx(2.0) and best["infer_plain_vs_peer_plain"] == pytest.approx(2.0)
