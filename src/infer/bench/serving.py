@@ -266,6 +266,35 @@ def single_stream_vs_offline(servers: dict[str, tuple[str, str]], engine: Any, p
     return out
 
 
+def _configs(args: argparse.Namespace, max_batch: int) -> list[tuple[str, list[str] | None]]:
+    """(label, ``infer serve`` flags) per configuration to launch, or (label, None) per ``--server`` URL."""
+    configs: list[tuple[str, list[str] | None]] = []
+    if args.server:
+        labels = args.label if len(args.label) == len(args.server) else \
+            [f"{args.label[0]} {i + 1}" if len(args.server) > 1 else args.label[0] for i in range(len(args.server))]
+        return [(label, None) for label in labels]
+    if not args.model:
+        raise ValueError("give --server URL, or --model (and --draft-model) to launch servers")
+    base = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
+            "--quantization", args.quantization, "--backend", args.backend, "--max-batch-size", str(max_batch)]
+    if args.peer or args.peer_server:
+        base += ["--max-seq-len", str(args.context)]
+    configs.append(("speculation off", base))
+    if args.draft_model:
+        configs.append(("fixed", base + ["--draft-model", args.draft_model, "--spec-length", str(args.spec_length),
+                                         "--spec-length-policy", "fixed"]))
+        configs.append(("goodput", base + ["--draft-model", args.draft_model, "--spec-length",
+                                           str(args.spec_length), "--spec-length-policy", "goodput"]))
+    for name in args.speculator:
+        drafter = base + ["--speculator", name, "--spec-length", str(args.spec_length)]
+        configs.append((f"{name} K={args.spec_length}", drafter + ["--spec-length-policy", "fixed"]))
+        configs.append((f"{name} goodput", drafter + ["--spec-length-policy", "goodput"]))
+    if args.replicas:
+        configs = [(f"{label}, {_replicas_label(n)}", serve_args + _replica_flags(n, args.replica_cpus))
+                   for label, serve_args in configs if serve_args is not None for n in args.replicas]
+    return configs
+
+
 def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
     from infer.data.workloads import code_prompts, load_prompts, repetitive_prompts
 
@@ -281,30 +310,7 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
         prompts, warmup = prompts[:measured], prompts[measured:]
     else:
         prompts = code_prompts(args.num_prompts)
-    configs: list[tuple[str, list[str] | None]] = []
-    if args.server:
-        labels = args.label if len(args.label) == len(args.server) else \
-            [f"{args.label[0]} {i + 1}" if len(args.server) > 1 else args.label[0] for i in range(len(args.server))]
-        configs += [(label, None) for label in labels]
-    else:
-        if not args.model:
-            raise ValueError("give --server URL, or --model (and --draft-model) to launch servers")
-        base = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
-                "--quantization", args.quantization, "--backend", args.backend,
-                "--max-batch-size", str(max(args.concurrency))]
-        configs.append(("speculation off", base))
-        if args.draft_model:
-            configs.append(("fixed", base + ["--draft-model", args.draft_model, "--spec-length", str(args.spec_length),
-                                             "--spec-length-policy", "fixed"]))
-            configs.append(("goodput", base + ["--draft-model", args.draft_model, "--spec-length",
-                                               str(args.spec_length), "--spec-length-policy", "goodput"]))
-        for name in args.speculator:
-            drafter = base + ["--speculator", name, "--spec-length", str(args.spec_length)]
-            configs.append((f"{name} K={args.spec_length}", drafter + ["--spec-length-policy", "fixed"]))
-            configs.append((f"{name} goodput", drafter + ["--spec-length-policy", "goodput"]))
-        if args.replicas:
-            configs = [(f"{label}, {_replicas_label(n)}", serve_args + _replica_flags(n, args.replica_cpus))
-                       for label, serve_args in configs if serve_args is not None for n in args.replicas]
+    configs = _configs(args, max(args.concurrency))
     report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "runs": []}
     # Servers of one process run side by side, each idle while another is measured, so the levels
     # can be interleaved; Ray Serve replicas would compete for the CPUs they reserve: one at a time.
@@ -339,6 +345,26 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def run_peer_comparison(args: argparse.Namespace) -> dict[str, Any]:
+    """``--peer`` / ``--peer-server``: infer's servers (launched, one request at a time, with ``--threads``
+    kernel threads, or the ``--server`` URLs) against the peer's, on the same chat requests."""
+    from infer.bench.peer_serving import run_peer_bench
+
+    if args.replicas:
+        raise ValueError("--peer and --peer-server compare one-process servers: drop --replicas")
+    if args.offline_repeats:
+        raise ValueError("--peer and --peer-server replace the sweep and its offline comparison: drop "
+                         "--offline-repeats")
+    args.threads = args.threads or os.cpu_count() or 1
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    with contextlib.ExitStack() as stack:
+        configs = _configs(args, 1)
+        urls = args.server or [None] * len(configs)
+        servers = [_Server(label, serve_args, url, stack, env) for (label, serve_args), url in zip(configs, urls,
+                                                                                                   strict=True)]
+        return run_peer_bench(args, [(s.label, s.url) for s in servers], stack)
+
+
 def _given_servers_vs_offline(servers: list[_Server], args: argparse.Namespace, prompts: list[str]) -> None:
     """``--server`` URLs with ``--offline-repeats``: every server and the engine ``--model`` (and the
     engine flags) describes, run offline here, take turns on the same single requests."""
@@ -361,7 +387,8 @@ def _given_servers_vs_offline(servers: list[_Server], args: argparse.Namespace, 
 class _Server:
     """One configuration under test: a launched ``infer serve`` (or the ``--server`` URL) and its results."""
 
-    def __init__(self, label: str, serve_args: list[str] | None, url: str | None, stack: contextlib.ExitStack) -> None:
+    def __init__(self, label: str, serve_args: list[str] | None, url: str | None, stack: contextlib.ExitStack,
+                 env: dict[str, str] | None = None) -> None:
         self.label = label
         self.serve_args = serve_args
         self.single: dict[str, Any] | None = None
@@ -371,7 +398,7 @@ class _Server:
             url = f"http://127.0.0.1:{port}"
             print(f"[bench] starting infer serve ({label}) on {url}", file=sys.stderr, flush=True)
             proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "serve", *serve_args, "--port", str(port)],
-                                    stdout=subprocess.DEVNULL, env=os.environ.copy())
+                                    stdout=subprocess.DEVNULL, env=env or os.environ.copy())
             stack.callback(_stop, proc)
             _wait_ready(url, proc)
         assert url is not None
@@ -509,10 +536,21 @@ def add_serving_parser(kinds: Any) -> None:
                    help="before the sweep, time N repeats of --num-prompts single requests (streamed and not) "
                         "through each server against the same engine run offline in this process, in turns")
     p.add_argument("--out", default="bench-out")
+    from infer.bench.peer_serving import add_peer_args
+
+    add_peer_args(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.peer or args.peer_server:
+        from infer.bench.peer_serving import peer_table, write_peer_report
+
+        report = run_peer_comparison(args)
+        paths = write_peer_report(report, args.out)
+        print(peer_table(report))
+        print("wrote " + ", ".join(str(p) for p in paths))
+        return 0
     report = run_serving_bench(args)
     paths = write_serving_report(report, args.out)
     print(serving_table(report))
