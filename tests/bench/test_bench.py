@@ -267,12 +267,16 @@ def test_bench_serving_against_launched_servers(tiny_llama: Path, tiny_draft: Pa
             assert level["output_tokens"] == 6 * level["requests"]
             assert level["ttft_ms"]["p50"] > 0
             assert len(level["repeat_throughputs_tok_s"]) == 2
+            # Each level's requests also ran offline on the same engine, right after each repeat.
+            assert len(level["repeat_offline_tok_s"]) == 2 and level["offline_tok_s"] > 0
+            assert level["vs_offline"] > 0
         # The same requests through the server and offline, alternating: same lengths, both timed.
         single = run["single_stream"]
         assert single["samples"] == 2 and single["same_token_counts"]
         assert single["ratio"] == pytest.approx(single["server_tok_s"] / single["offline_tok_s"])
     table = (tmp_path / "serving.md").read_text()
     assert "| goodput | " in table and "c=2 vs off" in table and "server / offline" in table
+    assert "the same requests offline tok/s" in table
     assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 1000
 
 

@@ -15,7 +15,9 @@ same level (median-throughput repeats). Ray Serve replicas reserve CPUs, so thos
 With ``--offline-repeats N`` each launched server is first compared with the same engine offline:
 the bench process builds an engine from the same flags and, alternating with single requests
 through the server (nothing else running), generates each prompt itself; the report gives both
-single-stream rates (tokens over the request's whole wall time, prefill included) and their ratio.
+single-stream rates (tokens over the request's whole wall time, prefill included) and their ratio;
+then every concurrency level's requests also run offline on that engine after each repeat through
+the server (``offline_level``), for aggregate tokens/s through the server against offline.
 """
 
 from __future__ import annotations
@@ -266,6 +268,31 @@ def single_stream_vs_offline(servers: dict[str, tuple[str, str]], engine: Any, p
     return out
 
 
+def offline_level(engine: Any, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int,
+                  temperature: float, chat: bool, first_prompt: int = 0) -> float:
+    """``run_level``'s requests run offline on ``engine``: at most ``concurrency`` in flight, a new one
+    added as one finishes (the server's closed loop, batched the same way); aggregate tokens/s."""
+    from infer.sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+
+    def prompt(i: int) -> str | list[int]:
+        text = prompts[(first_prompt + i) % len(prompts)]
+        return engine.encode_chat([{"role": "user", "content": text}]) if chat else text
+
+    start = time.perf_counter()
+    running: list[Any] = []
+    sent = tokens = 0
+    while sent < num_requests or running:
+        while sent < num_requests and len(running) < concurrency:
+            running.append(engine.add_request(prompt(sent), params))
+            sent += 1
+        engine.step()
+        tokens += sum(len(r.output_token_ids) for r in running if r.is_finished)
+        running = [r for r in running if not r.is_finished]
+    return tokens / (time.perf_counter() - start)
+
+
 def _configs(args: argparse.Namespace, max_batch: int) -> list[tuple[str, list[str] | None]]:
     """(label, ``infer serve`` flags) per configuration to launch, or (label, None) per ``--server`` URL."""
     configs: list[tuple[str, list[str] | None]] = []
@@ -340,6 +367,13 @@ def run_serving_bench(args: argparse.Namespace) -> dict[str, Any]:
                               f"{res.tpot_ms.get('p50', float('nan')):.1f} ms, errors {res.errors}",
                               file=sys.stderr, flush=True)
                         server.results.setdefault(c, []).append(res)
+                        if server.engine is not None:
+                            off = offline_level(server.engine, prompts, c, n, args.max_tokens, args.temperature,
+                                                args.chat, first_prompt=first)
+                            print(f"[bench] {server.label} c={c} offline: {off:.1f} tok/s "
+                                  f"({res.throughput_tok_s / off:.2f}x through the server)", file=sys.stderr,
+                                  flush=True)
+                            server.offline.setdefault(c, []).append(off)
             for server in servers:
                 report["runs"].append(server.report())
     return report
@@ -393,6 +427,10 @@ class _Server:
         self.serve_args = serve_args
         self.single: dict[str, Any] | None = None
         self.results: dict[int, list[LevelResult]] = {}
+        # With --offline-repeats: the same engine offline in the bench process, and its aggregate
+        # tokens/s per level, each measured right after the server's run of the same requests.
+        self.engine: Any = None
+        self.offline: dict[int, list[float]] = {}
         if serve_args is not None:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
@@ -412,12 +450,11 @@ class _Server:
         if args.offline_repeats and self.serve_args is not None:
             print(f"[bench] {self.label}: single stream through the server vs offline, {args.offline_repeats} "
                   f"repeats of {min(len(prompts), args.num_prompts)} prompts", file=sys.stderr, flush=True)
-            engine = _offline_engine(self.serve_args)
-            self.single = single_stream_vs_offline({self.label: (self.url, self.model)}, engine,
+            self.engine = _offline_engine(self.serve_args)
+            self.single = single_stream_vs_offline({self.label: (self.url, self.model)}, self.engine,
                                                    prompts[: args.num_prompts], args.offline_repeats,
                                                    args.max_tokens, args.temperature, args.seed,
                                                    args.chat)[self.label]
-            del engine
             _say_single(self.label, self.single)
         if warmup:
             print(f"[bench] {self.label}: {len(warmup)} warm-up requests", file=sys.stderr, flush=True)
@@ -427,10 +464,15 @@ class _Server:
     def report(self) -> dict[str, Any]:
         """Per level the repeat with the median throughput (all repeats' throughputs kept)."""
         levels = []
-        for runs in self.results.values():
+        for c, runs in self.results.items():
             ordered = sorted(runs, key=lambda r: r.throughput_tok_s)
             level = asdict(ordered[(len(ordered) - 1) // 2])
             level["repeat_throughputs_tok_s"] = [r.throughput_tok_s for r in runs]
+            if c in self.offline:
+                offline = self.offline[c]
+                level |= {"offline_tok_s": statistics.median(offline), "repeat_offline_tok_s": offline,
+                          "vs_offline": statistics.median(a.throughput_tok_s / b for a, b in zip(runs, offline,
+                                                                                                 strict=True))}
             levels.append(level)
         return {"label": self.label, "url": self.url, "levels": levels, "single_stream": self.single}
 
@@ -465,6 +507,12 @@ def serving_table(report: dict[str, Any]) -> str:
             mine = {lv["concurrency"]: lv["throughput_tok_s"] for lv in run["levels"]}
             rows.append(f"| {run['label']} | " + " | ".join(
                 f"{mine[c] / plain[c]:.2f}×" if c in mine and plain[c] else "–" for c in levels) + " |")
+    offline = [(run["label"], lv) for run in report["runs"] for lv in run["levels"] if "offline_tok_s" in lv]
+    if offline:
+        rows += ["", "| config | concurrency | through the server tok/s | the same requests offline tok/s | "
+                 "server / offline (median of paired repeats) |", "|---|---:|---:|---:|---:|"]
+        rows += [f"| {label} | {lv['concurrency']} | {lv['throughput_tok_s']:.1f} | {lv['offline_tok_s']:.1f} | "
+                 f"{lv['vs_offline']:.2f}× |" for label, lv in offline]
     singles = [(run["label"], run["single_stream"]) for run in report["runs"] if run.get("single_stream")]
     if singles:
         rows += ["", "| config | one stream through the server tok/s | not streamed tok/s | same requests offline "
