@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -245,3 +246,14 @@ def gbnf_chain(n: int) -> str:
 def ref_chain(n: int) -> dict[str, Any]:
     defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1, n)}
     return {"$ref": "#/$defs/d1", "$defs": {**defs, f"d{n}": {"type": "string"}}}
+
+
+def run_interpreted_half(test_file: str) -> None:
+    """Run ``test_file``'s Triton tests marked ``triton_interpreted`` in a child pytest under
+    ``TRITON_INTERPRET=1`` (tests/conftest.py deselects each half in the other process), and fail
+    with its output unless they all pass."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-m", "not cuda"],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]

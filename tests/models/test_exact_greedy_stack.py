@@ -14,9 +14,9 @@ from test_exact_greedy_real import (
     REAL_TOKENS,
     SPEC_LENGTH,
     PlainIds,
+    check_drafter_keeps_plain_ids,
     convert_real_folder,
     first_divergences,
-    real_drafter_options,
     real_llm,
     real_model,
 )
@@ -51,18 +51,11 @@ def test_real_model_rows_exact_in_exact_mode_and_the_cpu_stack(real_folder: Path
 
 @real_model
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["stack"])
 @pytest.mark.parametrize("drafter", ["ngram", "suffix", "medusa", "draft"])
-def test_real_model_greedy_speculation_token_identical_on_the_stack(real_folder: Path, real_plain_ids: dict[str, list[list[int]]],
-                                                       drafter: str, mode: str, tmp_path: Path) -> None:
-    """SmolLM2-135M-Instruct in bfloat16, 4 prompts batched x 128 tokens: with exact-greedy kernels,
-    and by default where the C decoder stack runs, every drafter (chains: n-gram, draft model;
-    trees: suffix, Medusa) emits plain decoding's ids."""
-    spec = real_llm(real_folder, mode, **real_drafter_options(drafter, real_folder, tmp_path))
-    ids, proposed, accepted = greedy_run(spec, REAL_PROMPTS, REAL_TOKENS)
-    diverged = first_divergences(ids, real_plain_ids[mode])
-    print(f"{drafter}, {mode}: proposed {proposed}, accepted {accepted}, diverged (prompt: first token) {diverged}")
-    assert not diverged and proposed > 0 and (accepted > 0 or drafter == "medusa")
+def test_real_model_greedy_speculation_token_identical_on_the_stack(real_folder: Path, real_plain_ids: PlainIds,
+                                                                    drafter: str, tmp_path: Path) -> None:
+    """By default, where the C decoder stack runs, every drafter emits plain decoding's ids."""
+    check_drafter_keeps_plain_ids(real_folder, real_plain_ids, drafter, "stack", tmp_path)
 
 
 @real_model

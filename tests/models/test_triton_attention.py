@@ -18,11 +18,11 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import run_interpreted_half
 from infer.backends import choose_backend, triton_attention
 from infer.cache import make_pool
 from infer.core.model_runner import ModelRunner
@@ -42,11 +42,7 @@ in_parent = pytest.mark.triton_parent
 @in_parent
 def test_interpreted_tests_pass() -> None:
     """This file's interpreted tests, in a child pytest with Triton's interpreter on."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not cuda"],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parents[2])
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+    run_interpreted_half(__file__)
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:

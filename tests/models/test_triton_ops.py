@@ -11,14 +11,11 @@ compiled kernels on a GPU (``pytest -m cuda``; skipped without one).
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import run_interpreted_half
 from infer.backends import triton_ops
 from infer.models import MODEL_REGISTRY
 from infer.models.config import FULL, SLIDING, ModelConfig
@@ -38,11 +35,7 @@ in_parent = pytest.mark.triton_parent
 @in_parent
 def test_interpreted_tests_pass() -> None:
     """This file's interpreted tests, in a child pytest with Triton's interpreter on."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not cuda"],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parents[2])
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+    run_interpreted_half(__file__)
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:
