@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import numpy as np
@@ -257,3 +258,41 @@ def run_interpreted_half(test_file: str) -> None:
                           capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+
+
+def secret_code_agent(url: str, model: str, responses_api: bool, max_tokens: int) -> tuple[Any, list[str],
+                                                                                        list[dict[str, Any]]]:
+    """An OpenAI Agents SDK agent on the server at ``url`` (chat completions, or the Responses API with
+    ``responses_api``) with one function tool, ``secret_code(city)``, and ``tool_choice`` required (the
+    SDK resets it to auto after a call). Returns the agent, the cities the tool was called with and
+    the request bodies the SDK sent, both filled as the agent runs."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+    sent: list[dict[str, Any]] = []
+
+    @function_tool
+    def secret_code(city: Literal["Paris", "Rome"]) -> str:
+        """The secret code of a city."""
+        calls.append(city)
+        return f"The secret code of {city} is 4217."
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
+                         http_client=httpx.AsyncClient(timeout=120, event_hooks={"request": [record]}))
+    model_class = OpenAIResponsesModel if responses_api else OpenAIChatCompletionsModel
+    agent = Agent(name="assistant", instructions="Answer with the tool's result.", tools=[secret_code],
+                  model=model_class(model=model, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=max_tokens))
+    return agent, calls, sent

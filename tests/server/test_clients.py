@@ -23,7 +23,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, Field
 
-from helpers import served_models
+from helpers import secret_code_agent, served_models
 from infer import LLM, Engine, EngineConfig, SamplingParams
 from infer.server.app import create_app
 from infer.server.background import BackgroundServer
@@ -149,34 +149,9 @@ def run_agent(url: str, question: str, max_tokens: int = 60,
               streamed: bool = False) -> tuple[Any, list[str], list[dict[str, Any]]]:
     """An agent with one function tool (tool_choice required, then auto: the SDK resets it after a
     call); returns the run's result, the tool's calls and the chat requests the SDK sent."""
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-    from openai import AsyncOpenAI
+    from agents import Runner
 
-    set_tracing_disabled(True)
-    calls: list[str] = []
-    sent: list[dict[str, Any]] = []
-
-    @function_tool
-    def secret_code(city: Literal["Paris", "Rome"]) -> str:
-        """The secret code of a city."""
-        calls.append(city)
-        return f"The secret code of {city} is 4217."
-
-    async def record(request: httpx.Request) -> None:
-        sent.append(json.loads(request.content))
-
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
-                         http_client=httpx.AsyncClient(timeout=120, event_hooks={"request": [record]}))
-    agent = Agent(name="assistant", instructions="Answer with the tool's result.", tools=[secret_code],
-                  model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=max_tokens))
+    agent, calls, sent = secret_code_agent(url, MODEL, responses_api=False, max_tokens=max_tokens)
     if not streamed:
         return Runner.run_sync(agent, question, max_turns=3), calls, sent
 

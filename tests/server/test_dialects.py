@@ -17,13 +17,13 @@ import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import pytest
 from pydantic import BaseModel
 
-from helpers import served_models
+from helpers import secret_code_agent, served_models
 from infer import Engine, EngineConfig
 from infer.server.app import create_app
 from infer.server.background import BackgroundServer
@@ -163,27 +163,9 @@ def test_responses_stream_text_and_a_call_whose_arguments_arrive_in_pieces(smol:
 
 def test_agents_sdk_responses_model_calls_a_function_tool(smol: str) -> None:
     need("agents")
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-    from openai import AsyncOpenAI
+    from agents import Runner
 
-    set_tracing_disabled(True)
-    calls: list[str] = []
-    sent: list[dict[str, Any]] = []
-
-    @function_tool
-    def secret_code(city: Literal["Paris", "Rome"]) -> str:
-        """The secret code of a city."""
-        calls.append(city)
-        return f"The secret code of {city} is 4217."
-
-    async def record(request: httpx.Request) -> None:
-        sent.append(json.loads(request.content))
-
-    client = AsyncOpenAI(base_url=f"{smol}/v1", api_key="x", max_retries=0,
-                         http_client=httpx.AsyncClient(timeout=120, event_hooks={"request": [record]}))
-    agent = Agent(name="assistant", instructions="Answer with the tool's result.", tools=[secret_code],
-                  model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=40))
+    agent, calls, sent = secret_code_agent(smol, MODEL, responses_api=True, max_tokens=40)
     result = asyncio.run(Runner.run(agent, "What is the secret code of Paris?", max_turns=3))
     assert calls == ["Paris"] and "4217" in result.final_output
     # Both turns went to /v1/responses; the second carried the tool's output back.
