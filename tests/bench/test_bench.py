@@ -389,3 +389,14 @@ def test_bench_threads_runs_each_mode_interleaved(tiny_llama: Path, tmp_path: Pa
     report = json.loads(out.read_text())
     assert set(report["tok_s"]) == {"default", "1"} and all(len(v) == 2 for v in report["tok_s"].values())
     assert report["greedy_ids_equal"] is True and report["busy_processes"] == 1
+
+
+def test_bench_generation_stop_at_eos_is_recorded(tiny_llama: Path, tmp_path: Path) -> None:
+    """--stop-at-eos ends answers at EOS as server requests do; the report says which length was timed."""
+    for flags, stops in (([], False), (["--stop-at-eos"], True)):
+        out = tmp_path / f"stops-{stops}"
+        code = main(["bench", "generation", "--model", str(tiny_llama), "--workload", "chat", "--num-prompts", "1",
+                     "--max-tokens", "4", "--repeats", "1", "--no-ngram", "--no-suffix", "--no-transformers",
+                     *flags, "--out", str(out)])
+        assert code == 0
+        assert json.loads((out / "generation.json").read_text())["settings"]["stop_at_eos"] is stops

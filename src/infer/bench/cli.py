@@ -45,6 +45,9 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user message in the chat template")
     gen.add_argument("--num-prompts", type=int, default=4)
     gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--stop-at-eos", action="store_true",
+                     help="end each answer at EOS, as a server request does (default: --max-tokens past EOS, "
+                          "every mode timed over the same length; the repetitive workload always stops)")
     gen.add_argument("--temperature", type=float, default=None, help="default 0 (1 for --workload sample)")
     gen.add_argument("--spec-length", type=int, nargs="+", default=list(SPEC_LENGTH_SWEEP),
                      help="the draft lengths swept: a fixed-K draft-model row each; n-gram, suffix and the policies "
@@ -193,7 +196,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
         compiled=args.compiled, cuda_graphs=args.cuda_graphs, backend=args.backend,
         peer=args.peer, peer_gguf=args.peer_gguf, extra_dtypes=args.also_dtype, extra_backends=args.also_backend, chat=args.chat or args.workload in CHAT_WORKLOADS,
-        stop_at_eos=repetitive,
+        stop_at_eos=repetitive or args.stop_at_eos,
         warmup_prompts=warmup, prefill_tokens=args.prefill_tokens,
         context_tokens=args.context_tokens,
         engine_options={name: getattr(args, name) for name in ROW_OPTIONS
