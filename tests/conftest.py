@@ -156,3 +156,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gone:
         config.hook.pytest_deselected(items=gone)
         items[:] = [item for item in items if not item.get_closest_marker(other)]
+    # The longest files first (a stable sort: each file's own order is kept): `make test`'s workers
+    # take whole files in this order, so a long one started last would leave one worker running alone.
+    items.sort(key=lambda item: item.path.name not in LONGEST_FILES)
+
+
+# The test files that take longest (real models, compiled graphs, statistical audits, live servers).
+LONGEST_FILES = {"test_exact_greedy_real.py", "test_exact_greedy_stack.py", "test_audit.py", "test_compiled.py",
+                 "test_exactness.py", "test_gemma3_gguf.py", "test_server_reliability.py", "test_grammar.py",
+                 "test_ray_serve.py", "test_seeded.py"}
