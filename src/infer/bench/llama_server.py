@@ -29,6 +29,7 @@ import sys
 import tarfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -191,9 +192,26 @@ def spec_types(binary: Path) -> list[str]:
 
 
 def free_port() -> int:
+    """A local port nothing listens on now (for a server this bench starts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str,
+                 output: Callable[[], str] = lambda: "") -> None:
+    """Wait until the server ``proc`` started answers 200 on ``url``/health; RuntimeError naming
+    ``what`` (with the tail of ``output()``, its log) if it exits first, TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log = output()[-4000:]
+            raise RuntimeError(f"{what} exited with code {proc.returncode}" + (f":\n{log}" if log else ""))
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} at {url} gave no healthy /health in {timeout:.0f} s")
 
 
 class LlamaServer:
@@ -221,16 +239,12 @@ class LlamaServer:
         import tempfile
         self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self._proc.returncode}:\n{self.output()[-4000:]}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return self
-            time.sleep(0.5)
-        self.__exit__(None, None, None)
-        raise TimeoutError(f"llama-server gave no healthy /health in {self.startup_timeout:.0f} s")
+        try:
+            wait_healthy(self.url, self._proc, self.startup_timeout, "llama-server", self.output)
+        except TimeoutError:
+            self.__exit__(None, None, None)
+            raise
+        return self
 
     def output(self) -> str:
         if self._log is None:

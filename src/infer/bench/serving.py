@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infer.bench.llama_server import free_port, wait_healthy
 from infer.bench.report import write_json_and_table
 from infer.extras import pyplot
 
@@ -154,28 +154,6 @@ def _replica_flags(replicas: int, cpus: float | None) -> list[str]:
     return ["--replicas", str(replicas), "--replica-cpus", f"{cpus:g}"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 600.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"infer serve exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server at {url} not ready after {timeout:.0f}s")
-
-
 def _offline_engine(serve_args: list[str]) -> Any:
     """An engine built from the engine options among the same ``infer serve`` flags (its HTTP and
     scale-out flags have no offline meaning), for the offline side of the comparison."""
@@ -207,6 +185,12 @@ async def _whole_request(url: str, model: str, prompt: str, max_tokens: int, tem
     return tokens / wall, tokens
 
 
+def _offline_prompt(engine: Any, prompt: str, chat: bool) -> str | list[int]:
+    """``prompt`` as the offline engine takes it: a user message through the chat template with
+    ``chat`` (as ``--chat`` sends it to the server), else the text."""
+    return engine.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt  # type: ignore[no-any-return]
+
+
 def single_stream_vs_offline(servers: dict[str, tuple[str, str]], engine: Any, prompts: list[str], repeats: int,
                              max_tokens: int, temperature: float, seed: int, chat: bool) -> dict[str, dict[str, Any]]:
     """One request at a time through each of ``servers`` (label -> (url, model)), streamed and not, and
@@ -215,9 +199,9 @@ def single_stream_vs_offline(servers: dict[str, tuple[str, str]], engine: Any, p
     from infer.sampling.params import SamplingParams
 
     def offline(prompt: str) -> tuple[float, int]:
-        ids = engine.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt
         start = time.perf_counter()
-        request = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=temperature))
+        request = engine.add_request(_offline_prompt(engine, prompt, chat),
+                                     SamplingParams(max_tokens=max_tokens, temperature=temperature))
         engine.run_until_done()
         return len(request.output_token_ids) / (time.perf_counter() - start), len(request.output_token_ids)
 
@@ -276,16 +260,13 @@ def offline_level(engine: Any, prompts: list[str], concurrency: int, num_request
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
 
-    def prompt(i: int) -> str | list[int]:
-        text = prompts[(first_prompt + i) % len(prompts)]
-        return engine.encode_chat([{"role": "user", "content": text}]) if chat else text
-
     start = time.perf_counter()
     running: list[Any] = []
     sent = tokens = 0
     while sent < num_requests or running:
         while sent < num_requests and len(running) < concurrency:
-            running.append(engine.add_request(prompt(sent), params))
+            running.append(engine.add_request(_offline_prompt(engine, prompts[(first_prompt + sent) % len(prompts)],
+                                                              chat), params))
             sent += 1
         engine.step()
         tokens += sum(len(r.output_token_ids) for r in running if r.is_finished)
@@ -432,13 +413,13 @@ class _Server:
         self.engine: Any = None
         self.offline: dict[int, list[float]] = {}
         if serve_args is not None:
-            port = _free_port()
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
             print(f"[bench] starting infer serve ({label}) on {url}", file=sys.stderr, flush=True)
             proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "serve", *serve_args, "--port", str(port)],
                                     stdout=subprocess.DEVNULL, env=env or os.environ.copy())
             stack.callback(_stop, proc)
-            _wait_ready(url, proc)
+            wait_healthy(url, proc, 600.0, "infer serve")
         assert url is not None
         self.url = url
         import httpx
