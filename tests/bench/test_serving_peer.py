@@ -256,5 +256,7 @@ def test_peer_argument_errors_name_the_problem(tmp_path: Path, fake_binary: Path
         assert "llama-server binary" in capsys.readouterr().err
         assert main([*base, "--peer-server", url, "--replicas", "1"]) == 2
         assert "--replicas" in capsys.readouterr().err
+        assert main([*base, "--peer-server", url, "--offline-repeats", "1"]) == 2
+        assert "--offline-repeats" in capsys.readouterr().err
     finally:
         stop(server)
