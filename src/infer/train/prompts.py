@@ -4,7 +4,8 @@ be the training text of its drafters (as in Medusa-2), with no corpus to downloa
 Three kinds, mixed: open questions and writing tasks over a list of everyday topics, passages to
 summarise or explain (module docstrings of the standard library: real English prose present on
 every machine), and code to rewrite, document or explain (standard-library functions). The list
-is a pure function of ``count`` and ``seed``.
+is a pure function of ``count`` and ``seed``. No topic here is a topic of the benchmark's prompt sets
+(``infer.data.prompt_sets``): a drafter trained on these answers is timed on text it never saw.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from infer.data.corpus import split_files, stdlib_source_files
 
 TOPICS = (
     "staying healthy", "learning a new language", "saving money", "growing tomatoes", "the water cycle",
-    "photosynthesis", "black holes", "the Roman Empire", "climate change", "electric cars", "sleep",
-    "public speaking", "time management", "the human heart", "volcanoes", "honey bees", "the internet",
-    "recycling", "coffee", "chess", "the moon landing", "vaccines", "earthquakes", "baking bread",
+    "photosynthesis", "black holes", "the Roman Empire", "climate change", "electric cars", "wind turbines",
+    "origami", "time management", "the human heart", "volcanoes", "lighthouses", "the internet",
+    "recycling", "knitting", "chess", "the moon landing", "vaccines", "earthquakes", "baking bread",
     "renewable energy", "the printing press", "octopuses", "rainbows", "friendship", "job interviews",
     "running a marathon", "meditation", "the French Revolution", "machine learning", "ocean tides",
     "writing a resume", "dinosaurs", "the stock market", "camping", "first aid", "music practice",
-    "composting", "the solar system", "democracy", "bicycles", "tea ceremonies", "desert animals",
-    "studying for exams", "cloud computing", "the immune system", "gardening in winter", "airplanes",
-    "healthy breakfasts", "password security", "the Great Wall of China", "glaciers", "team sports",
+    "birdwatching", "the solar system", "democracy", "bicycles", "tea ceremonies", "desert animals",
+    "the Silk Road", "cloud computing", "the immune system", "gardening in winter", "airplanes",
+    "mountain climbing", "password security", "the Great Wall of China", "glaciers", "team sports",
     "mobile phones", "kindness", "the Olympic Games",
 )
 
