@@ -35,6 +35,7 @@ from infer.cache.protocol import build_kv_batch
 from infer.loader import load_model
 from infer.models.eagle3 import Eagle3Head, default_aux_layers
 from infer.models.layers import AuxCapture
+from infer.models.quantized import QuantLinear
 from infer.speculative.eagle import default_head_dir, load_eagle_head
 
 PROMPTS = ["def add(a, b):\n    return", "The quick brown fox", "import os\nimport sys\n"]
@@ -136,6 +137,11 @@ def test_greedy_output_is_plain_output(tiny_llama: Path, tmp_path: Path, options
     eagle = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in eagle] == [o.token_ids for o in plain]
     assert sum(o.metrics.proposed_tokens for o in eagle) > 0  # it did draft
+    # A target on the quantized kernels gets a Q8_0 head (every projection); a float one keeps it float.
+    head_modules = list(llm.engine.runner.drafter.head.modules())  # type: ignore[attr-defined]
+    quantized = [m for m in head_modules if isinstance(m, QuantLinear)]
+    assert len(quantized) == (9 if options.get("quantization") == "q4_0" else 0)
+    assert all(m.qtypes == ["Q8_0"] for m in quantized)
     if options.get("prefix_caching"):  # again: now the prompts' blocks come from the prefix cache, never observed
         again = llm.generate(PROMPTS, params)
         assert [o.token_ids for o in again] == [o.token_ids for o in plain]
@@ -194,3 +200,27 @@ def test_negative_control_broken_residual_is_detected(engine: LLM, small_target:
     samples, _, _ = run_engine(engine, TREE_CONFIGS["temperature_1"], n=2000, seed0=10_000_000)
     ref = reference(small_target, PROMPT, SamplingParams(temperature=1.0))
     assert grouped_chisquare(samples, ref).pvalue < P_CONTROL
+
+
+def test_quantized_head_projections_match_float(tiny_llama: Path, tmp_path: Path) -> None:
+    # The Q8_0 head computes what the float head does, within Q8_0's rounding of weights and
+    # activations; widths that are not whole blocks stay float.
+    from infer.kernels.quant import quant_kernels
+    from infer.loader.quantized import quantize_linears
+
+    kernels = quant_kernels()
+    assert kernels is not None  # every CPU kind builds at least the portable variant
+    folder = make_eagle3_head(tiny_llama, tmp_path / "head")
+    float_head = Eagle3Head.load(folder, torch.float32, torch.device("cpu"))
+    head = Eagle3Head.load(folder, torch.float32, torch.device("cpu"))
+    odd = torch.nn.Linear(40, 8)
+    head.add_module("odd", odd)
+    assert quantize_linears(head, kernels) == 9
+    assert head.odd is odd  # 40 is not a whole number of 32-value blocks
+    x = torch.randn(5, head.config.hidden_size)
+    for name in ("midlayer.mlp.gate_proj", "lm_head"):
+        want = float_head.get_submodule(name)(x)
+        got = head.get_submodule(name)(x)
+        assert isinstance(head.get_submodule(name), QuantLinear)
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+        assert not torch.equal(got, want)  # it really ran on the quantized blocks

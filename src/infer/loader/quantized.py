@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from infer.models.quantized import QuantEmbedding, QuantLinear, QuantRows, weight_bytes
+from infer.models.quantized import QuantKernels as KernelsProtocol
 
 if TYPE_CHECKING:
     from infer.kernels.quant import QuantKernels
@@ -157,6 +158,29 @@ def quantize_float_weights(state: dict[str, torch.Tensor], quantization: str) ->
         out[name] = QuantRows(qtype.name, int(weight.shape[-1]), torch.from_numpy(np.ascontiguousarray(blocks)))
     lines = [f"kept float ({len(skipped)} weights of a width not a multiple of {block}, e.g. {skipped[0]})"] if skipped else []
     return out, lines
+
+
+def quantize_linears(module: nn.Module, kernels: KernelsProtocol, qtype: str = "Q8_0") -> int:
+    """Every float ``nn.Linear`` in ``module`` whose input width is a whole number of blocks becomes a
+    ``QuantLinear`` of ``qtype`` (``gguf.quants.quantize``) on ``kernels``; returns how many. For a
+    module that only proposes (a draft head), where reading its weights from memory is the cost and a
+    rounding never changes the output."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype.upper()]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    linears = [(name, m) for name, m in module.named_modules()
+               if type(m) is nn.Linear and m.in_features % block == 0 and m.weight.is_floating_point()]
+    for name, linear in linears:
+        assert isinstance(linear, nn.Linear)
+        blocks = gguf.quants.quantize(linear.weight.detach().float().cpu().numpy(), kind)
+        rows = QuantRows(kind.name, linear.in_features, torch.from_numpy(np.ascontiguousarray(blocks)))
+        bias = linear.bias if isinstance(linear.bias, torch.Tensor) else None
+        replacement = QuantLinear([rows], bias, kernels)
+        replacement.pack()
+        parent_path, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_path) if parent_path else module, attr, replacement)
+    return len(linears)
 
 
 def dequantized(rows: QuantRows) -> torch.Tensor:

@@ -120,7 +120,7 @@ class EagleDrafter(Drafter):
         self.embed = head.embed_tokens if head.embed_tokens is not None else embed
         self.device = torch.device(device)
         self.max_depth, self.top_k = max_depth, top_k
-        self.dtype = head.lm_head.weight.dtype
+        self.dtype = head.norm.weight.dtype  # (the projections may hold quantized blocks)
         self.target_ids = head.target_ids.tolist()
         self.info = DrafterInfo(tree=True, max_nodes=max_nodes, aux_layers=tuple(head.config.aux_layers),
                                 cost_hint=cost_hint)
