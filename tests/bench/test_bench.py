@@ -88,6 +88,20 @@ def test_bench_generation_medusa_rows(tiny_llama: Path, tmp_path: Path) -> None:
     assert all(modes[m]["mean_accepted_tokens"] >= 1.0 for m in ("infer + Medusa", "infer + Medusa (2-node tree)"))
 
 
+def test_bench_generation_eagle_row(tiny_llama: Path, tmp_path: Path) -> None:
+    head = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab=list(range(300)))
+    out = tmp_path / "report"
+    code = main(["bench", "generation", "--model", str(tiny_llama), "--num-prompts", "1", "--max-tokens", "8",
+                 "--repeats", "1", "--no-ngram", "--no-suffix", "--no-transformers", "--eagle-head", str(head),
+                 "--eagle-tree-size", "4", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "generation.json").read_text())
+    modes = {r["mode"]: r for r in report["results"]}
+    assert set(modes) == {"infer plain", "infer + EAGLE"}
+    assert report["greedy_outputs_identical"] is True
+    assert modes["infer + EAGLE"]["mean_accepted_tokens"] >= 1.0
+
+
 def test_bench_generation_repetitive_workload(tiny_llama: Path, tmp_path: Path) -> None:
     reports = {}
     for repeats in (1, 3):
@@ -378,6 +392,15 @@ def test_bench_step_prints_each_phase(tiny_llama: Path, tmp_path: Path, capsys: 
     assert "plain decode step:" in printed and "speculative round (ngram):" in printed
     report = json.loads(out.read_text())
     assert report["clock"] == "thread CPU time" and len(report["plain decode step"]) == 1
+
+
+def test_bench_step_splits_eagle_rounds(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    head = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab=list(range(300)))
+    code = main(["bench", "step", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "8",
+                 "--repeats", "1", "--threads", "1", "--speculator", "eagle", "--eagle-head", str(head)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "speculative round (eagle):" in printed and "drafting" in printed
 
 
 def test_bench_threads_runs_each_mode_interleaved(tiny_llama: Path, tmp_path: Path) -> None:

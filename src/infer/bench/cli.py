@@ -23,7 +23,7 @@ VARIED_BY_ROWS = ("use_speculative_decoding", "speculator", "spec_length", "spec
                   "exact_greedy", "compile", "cuda_graphs")
 ROW_OPTIONS = tuple(name for name in MODEL_OPTIONS if name not in VARIED_BY_ROWS)
 # Those BenchSettings has fields of its own for; the rest reach every row's LLM when set.
-_SETTINGS_FIELDS = ("model", "dtype", "device", "draft_model", "medusa_heads", "backend")
+_SETTINGS_FIELDS = ("model", "dtype", "device", "draft_model", "medusa_heads", "eagle_head", "backend")
 
 
 def add_subparser(sub: Any) -> None:
@@ -114,8 +114,8 @@ def add_subparser(sub: Any) -> None:
 
     step = kinds.add_parser("step", help="a decode step's and a speculative round's time by phase (model pass, "
                                          "sampling, scheduling, detokenization, drafting, verification, ...)")
-    add_engine_args(step, ("model", "dtype", "backend"))
-    step.add_argument("--speculator", default="ngram", choices=["none", "draft", "ngram", "medusa", "suffix"],
+    add_engine_args(step, ("model", "dtype", "backend", "eagle_head"))
+    step.add_argument("--speculator", default="ngram", choices=["none", "draft", "ngram", "medusa", "suffix", "eagle"],
                       help="also split this drafter's rounds (none: the plain step only)")
     step.add_argument("--max-tokens", type=int, default=128)
     step.add_argument("--repeats", type=int, default=3)
@@ -187,11 +187,16 @@ def _run_generation(args: argparse.Namespace) -> int:
     medusa = args.medusa_heads
     if medusa is None and (default_heads_dir(args.model) / "medusa_config.json").is_file():
         medusa = str(default_heads_dir(args.model))
+    from infer.speculative.eagle import default_head_dir
+
+    eagle = args.eagle_head
+    if eagle is None and (default_head_dir(args.model) / "config.json").is_file():
+        eagle = str(default_head_dir(args.model))
     temperature = args.temperature if args.temperature is not None else (1.0 if args.workload == "sample" else 0.0)
     settings = BenchSettings(
         model=args.model, draft_model=args.draft_model, prompts=prompts, workload=args.workload,
         max_tokens=args.max_tokens, temperature=temperature, spec_lengths=args.spec_length,
-        policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa,
+        policies=args.policies if args.draft_model else [], ngram=not args.no_ngram, medusa_heads=medusa, eagle_head=eagle,
         medusa_tree_sizes=args.medusa_tree_size, suffix=not args.no_suffix, hf=not args.no_transformers,
         repeats=args.repeats, dtype=args.dtype, device=args.device, seed=args.seed, exact_greedy=args.exact_greedy,
         compiled=args.compiled, cuda_graphs=args.cuda_graphs, backend=args.backend,
@@ -257,7 +262,7 @@ def _run_step(args: argparse.Namespace) -> int:
     from infer.bench.step import run_step_bench
 
     report = run_step_bench(args.model, args.dtype, args.backend, None if args.speculator == "none" else args.speculator,
-                            args.max_tokens, args.repeats, args.cpu_time, args.threads)
+                            args.max_tokens, args.repeats, args.cpu_time, args.threads, eagle_head=args.eagle_head)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -67,6 +67,7 @@ class BenchSettings:
     ngram: bool = True
     medusa_heads: str | None = None  # a Medusa heads folder: adds an "infer + Medusa" row
     medusa_tree_sizes: list[int] = field(default_factory=list)  # plus one row per fixed tree size
+    eagle_head: str | None = None  # an EAGLE-3 head folder: adds an "infer + EAGLE" row
     suffix: bool = False  # an "infer + suffix" row (suffix decoding)
     hf: bool = True
     repeats: int = 3
@@ -350,6 +351,9 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
         for size in settings.medusa_tree_sizes:
             infer_mode(f"infer + Medusa ({size}-node tree)", speculator="medusa", medusa_heads=settings.medusa_heads,
                        spec_length=max(settings.spec_lengths), medusa_tree_size=size)
+    if settings.eagle_head:
+        infer_mode("infer + EAGLE", speculator="eagle", eagle_head=settings.eagle_head,
+                   spec_length=max(settings.spec_lengths))
     if settings.suffix:
         infer_mode(f"infer + suffix K={max(settings.spec_lengths)}", speculator="suffix",
                    spec_length=max(settings.spec_lengths), spec_length_policy="fixed")

@@ -82,7 +82,7 @@ def report(name: str, runs: list[dict[str, float]], order: tuple[str, ...]) -> l
 
 def run_step_bench(model: str, dtype: str, backend: str | None, speculator: str | None, max_tokens: int,
                    repeats: int, cpu_time: bool, threads: int | None,
-                   say: Callable[[str], None] = print) -> dict[str, Any]:
+                   say: Callable[[str], None] = print, eagle_head: str | None = None) -> dict[str, Any]:
     from infer import LLM
 
     if threads is not None:
@@ -93,7 +93,10 @@ def run_step_bench(model: str, dtype: str, backend: str | None, speculator: str 
         options["backend"] = backend
     modes: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [("plain decode step", {}, PLAIN)]
     if speculator is not None:
-        modes.append((f"speculative round ({speculator})", {"speculator": speculator}, ROUND))
+        extra: dict[str, Any] = {"speculator": speculator}
+        if speculator == "eagle" and eagle_head is not None:
+            extra["eagle_head"] = eagle_head
+        modes.append((f"speculative round ({speculator})", extra, ROUND))
     results: dict[str, Any] = {"model": model, "threads": torch.get_num_threads(),
                                "clock": "thread CPU time" if cpu_time else "wall"}
     for name, extra, order in modes:
