@@ -137,10 +137,11 @@ def test_greedy_output_is_plain_output(tiny_llama: Path, tmp_path: Path, options
     eagle = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in eagle] == [o.token_ids for o in plain]
     assert sum(o.metrics.proposed_tokens for o in eagle) > 0  # it did draft
-    # A target on the quantized kernels gets a Q8_0 head (every projection); a float one keeps it float.
+    # A target on the quantized kernels gets a Q8_0 head (every projection; q/k/v and gate/up fused:
+    # fc, qkv, o, gate_up, down, lm_head); a float one keeps it float.
     head_modules = list(llm.engine.runner.drafter.head.modules())  # type: ignore[attr-defined]
     quantized = [m for m in head_modules if isinstance(m, QuantLinear)]
-    assert len(quantized) == (9 if options.get("quantization") == "q4_0" else 0)
+    assert len(quantized) == (6 if options.get("quantization") == "q4_0" else 0)
     assert all(m.qtypes == ["Q8_0"] for m in quantized)
     if options.get("prefix_caching"):  # again: now the prompts' blocks come from the prefix cache, never observed
         again = llm.generate(PROMPTS, params)
@@ -224,3 +225,19 @@ def test_quantized_head_projections_match_float(tiny_llama: Path, tmp_path: Path
         assert isinstance(head.get_submodule(name), QuantLinear)
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
         assert not torch.equal(got, want)  # it really ran on the quantized blocks
+
+
+def test_fused_head_computes_what_the_published_layout_does(tiny_llama: Path, tmp_path: Path) -> None:
+    folder = make_eagle3_head(tiny_llama, tmp_path / "head")
+    head = Eagle3Head.load(folder, torch.float32, torch.device("cpu"))
+    fused = Eagle3Head.load(folder, torch.float32, torch.device("cpu"))
+    fused.fuse()
+    assert fused.midlayer.self_attn.qkv_proj is not None and not hasattr(fused.midlayer.self_attn, "q_proj")
+    hidden = head.config.hidden_size
+    embeds, state = torch.randn(1, 3, hidden), torch.randn(1, 3, hidden)
+    cos, sin = head.rope(torch.arange(3).unsqueeze(0), torch.float32)
+    for want, got in zip(head.midlayer.qkv(embeds, state, cos, sin), fused.midlayer.qkv(embeds, state, cos, sin),
+                         strict=True):
+        torch.testing.assert_close(got, want)
+    x = torch.randn(4, hidden)
+    torch.testing.assert_close(fused.midlayer.mlp(x), head.midlayer.mlp(x))

@@ -87,6 +87,7 @@ def make_drafter(spec: SpeculativeConfig, target: TargetModel, say: Callable[[st
             # head's projections go to Q8_0 too, or drafting a depth would cost a sizeable share of a
             # target step. A draft's rounding never changes the output (verification is exact).
             say(f"EAGLE-3 head: {quantize_linears(head, kernels)} projections in Q8_0 on the quantized kernels")
+        head.fuse()
         # Bytes read per step, not parameters: a quantized target's projections hold no parameters.
         cost_hint = sum(weight_bytes(head)) / max(1, sum(weight_bytes(target.model)))
         return EagleDrafter(head, target.model.model.embed_tokens, target.device,

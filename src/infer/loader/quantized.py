@@ -176,8 +176,7 @@ def quantize_linears(module: nn.Module, kernels: KernelsProtocol, qtype: str = "
         blocks = gguf.quants.quantize(linear.weight.detach().float().cpu().numpy(), kind)
         rows = QuantRows(kind.name, linear.in_features, torch.from_numpy(np.ascontiguousarray(blocks)))
         bias = linear.bias if isinstance(linear.bias, torch.Tensor) else None
-        replacement = QuantLinear([rows], bias, kernels)
-        replacement.pack()
+        replacement = QuantLinear([rows], bias, kernels)  # packed on first use (or after fusing)
         parent_path, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent_path) if parent_path else module, attr, replacement)
     return len(linears)

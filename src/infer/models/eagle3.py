@@ -137,6 +137,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(wide, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(wide, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # q, k and v as one projection (``Eagle3Head.fuse``)
 
 
 class Eagle3MLP(nn.Module):
@@ -145,9 +146,13 @@ class Eagle3MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up as one projection (``Eagle3Head.fuse``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
 
 
 class Eagle3Layer(nn.Module):
@@ -172,9 +177,14 @@ class Eagle3Layer(nn.Module):
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         attn = self.self_attn
         batch, width = x.shape[:2]
-        q = attn.q_proj(x).view(batch, width, attn.heads, attn.head_dim)
-        k = attn.k_proj(x).view(batch, width, attn.kv_heads, attn.head_dim)
-        v = attn.v_proj(x).view(batch, width, attn.kv_heads, attn.head_dim)
+        if attn.qkv_proj is not None:
+            q_out, k_out, v_out = attn.qkv_proj(x).split(
+                [attn.heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.kv_heads * attn.head_dim], dim=-1)
+        else:
+            q_out, k_out, v_out = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q_out.reshape(batch, width, attn.heads, attn.head_dim)
+        k = k_out.reshape(batch, width, attn.kv_heads, attn.head_dim)
+        v = v_out.reshape(batch, width, attn.kv_heads, attn.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
 
     def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -235,6 +245,31 @@ class Eagle3Head(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(self.inv_freq, positions, dtype)
+
+    def fuse(self) -> None:
+        """For drafting only (a fused head no longer saves in the published layout): q/k/v become one
+        projection and gate/up another, so a draft depth makes two matmul calls fewer. Float
+        projections are concatenated; quantized ones (``loader.quantized.quantize_linears``, before
+        they are packed) become one ``QuantLinear``."""
+        from infer.models.quantized import QuantLinear
+
+        def joined(parts: list[nn.Module]) -> nn.Module:
+            if all(isinstance(p, QuantLinear) for p in parts):
+                return QuantLinear.fused(parts)  # type: ignore[arg-type]
+            if not all(type(p) is nn.Linear and p.bias is None for p in parts):
+                raise TypeError("only bias-free float or quantized projections fuse")
+            weight = torch.cat([p.weight for p in parts])  # type: ignore[misc]
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+            return linear
+
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        if attn.qkv_proj is None:
+            attn.qkv_proj = joined([attn.q_proj, attn.k_proj, attn.v_proj])
+            del attn.q_proj, attn.k_proj, attn.v_proj
+        if mlp.gate_up_proj is None:
+            mlp.gate_up_proj = joined([mlp.gate_proj, mlp.up_proj])
+            del mlp.gate_proj, mlp.up_proj
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of the layer's outputs."""

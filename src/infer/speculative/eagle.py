@@ -181,6 +181,9 @@ class EagleDrafter(Drafter):
         """The layer's outputs [R, hidden] for rows of several requests: request i owns the next
         ``sizes[i]`` rows, which attend over ``keys[i]``/``values[i]`` [S_i, kv_heads, D] as
         ``masks[i]`` [n_i, S_i] allows (attention padded per request)."""
+        if len(sizes) == 1:  # one request: nothing to pad
+            out = attend(q.unsqueeze(0), keys[0].unsqueeze(0), values[0].unsqueeze(0), masks[0].unsqueeze(0))
+            return self.head.midlayer.finish(residual, out[0])
         config = self.head.config
         count, longest = len(sizes), max(sizes)
         context = max(key.shape[0] for key in keys)
