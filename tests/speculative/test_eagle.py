@@ -241,3 +241,41 @@ def test_fused_head_computes_what_the_published_layout_does(tiny_llama: Path, tm
         torch.testing.assert_close(got, want)
     x = torch.randn(4, hidden)
     torch.testing.assert_close(fused.midlayer.mlp(x), head.midlayer.mlp(x))
+
+
+def test_pruned_tree_proposes_what_full_expansion_does(tiny_llama: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A candidate at or below the budget-th best score has no descendant the proposal keeps, so
+    # skipping its expansion (and stopping once none is left) changes no proposal, only the head's work.
+    from infer.speculative.eagle import EagleDrafter
+
+    head = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab=list(range(300)), std=1.0)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    def run() -> tuple[list[Any], int]:
+        llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="eagle", eagle_head=str(head),
+                  eagle_tree_size=6, spec_length=5, spec_length_policy="fixed")
+        drafter = llm.engine.runner.drafter  # type: ignore[attr-defined]
+        proposals: list[Any] = []
+        rows = [0]
+        propose, qkv = drafter.propose, drafter._qkv
+
+        def recording_propose(*args: Any) -> Any:
+            proposal = propose(*args)
+            proposals.append((proposal.tokens.tolist(), proposal.num_tokens, proposal.parents.tolist()))
+            return proposal
+
+        def counting_qkv(embeds: torch.Tensor, *args: Any) -> Any:
+            rows[0] += embeds.shape[0]
+            return qkv(embeds, *args)
+
+        monkeypatch.setattr(drafter, "propose", recording_propose)
+        monkeypatch.setattr(drafter, "_qkv", counting_qkv)
+        llm.generate(PROMPTS, params)
+        return proposals, rows[0]
+
+    pruned, pruned_rows = run()
+    monkeypatch.setattr(EagleDrafter, "_floor", staticmethod(lambda tree, budget: float("-inf")))
+    full, full_rows = run()
+    assert pruned == full and len(full) > 10
+    assert pruned_rows < full_rows  # the pruning did skip expansions (else this test proves nothing)

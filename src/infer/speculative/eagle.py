@@ -271,8 +271,11 @@ class EagleDrafter(Drafter):
         seqs = [self._seqs[r.request_id] for r in requests]
         roots_at = [r.num_tokens - 2 for r in requests]
         for depth in range(1, max(depths)):
-            growing = [i for i in range(count) if depth < depths[i]]
-            chosen = {i: self._frontier(trees[i], depth, top_ks[i]) for i in growing}
+            chosen = {i: self._frontier(trees[i], depth, top_ks[i], self._floor(trees[i], budgets[i]))
+                      for i in range(count) if depth < depths[i]}
+            growing = [i for i in chosen if chosen[i]]
+            if not growing:
+                break
             ids = [self.target_ids[trees[i].tokens[n]] for i in growing for n in chosen[i]]
             embeds = self.embed(torch.tensor(ids, device=self.device)).to(self.dtype)
             state = torch.stack([outputs[i][trees[i].parent[n]] for i in growing for n in chosen[i]])
@@ -313,10 +316,22 @@ class EagleDrafter(Drafter):
         return [self._best(tree, budget) for tree, budget in zip(trees, budgets, strict=True)]
 
     @staticmethod
-    def _frontier(tree: _Tree, depth: int, top_k: int) -> list[int]:
-        """The ``top_k`` best-scoring candidates at ``depth``: the ones expanded."""
+    def _floor(tree: _Tree, budget: int) -> float:
+        """The score a new node must beat to be among the ``budget`` kept: the budget-th best so far
+        (-inf while the tree is smaller). A node's children score at most its own score, and ties go
+        to the shallower node, so a candidate at or below the floor has no descendant the proposal
+        could keep: expanding it would only cost a row of the head."""
+        if len(tree.score) < budget:
+            return float("-inf")
+        return sorted(tree.score, reverse=True)[budget - 1]
+
+    @staticmethod
+    def _frontier(tree: _Tree, depth: int, top_k: int, floor: float = float("-inf")) -> list[int]:
+        """The ``top_k`` best-scoring candidates at ``depth`` (EAGLE-2's expansion), less those at or
+        below ``floor`` (``_floor``): the ones expanded. Dropping those changes no kept node, and the
+        tree stops growing once none is left: a confident head drafts deep, an unsure one stops early."""
         level = [n for n, d in enumerate(tree.depth) if d == depth]
-        return sorted(level, key=lambda n: -tree.score[n])[:top_k]
+        return [n for n in sorted(level, key=lambda n: -tree.score[n])[:top_k] if tree.score[n] > floor]
 
     def _best(self, tree: _Tree, budget: int) -> tuple[list[int], list[int]]:
         # A child scores at most its parent, and ties go to the shallower node: the kept set is a tree.
