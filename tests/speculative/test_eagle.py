@@ -91,7 +91,7 @@ def test_bad_heads_are_refused_by_name(tiny_llama: Path, small_target: Path, tmp
 
 @pytest.mark.parametrize("quantization", ["none", "q4_0"])
 def test_aux_states_change_no_bits_and_match_the_layers(tiny_llama: Path, quantization: str) -> None:
-    """Capturing layer inputs (the C stack then runs in segments) leaves the final hidden states bit for
+    """Capturing layer inputs (copied out by the same C stack call) leaves the final hidden states bit for
     bit as they were, and the captured states are those the layers compute."""
     model, config = load_model(str(tiny_llama), "float32", "cpu", quantization=quantization)
     assert model.backend.cpu_stack is not None or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
@@ -117,7 +117,29 @@ def test_aux_states_change_no_bits_and_match_the_layers(tiny_llama: Path, quanti
 
     plain = run(None, stack=True)
     captured = AuxCapture(layers)
-    assert torch.equal(run(captured, stack=True), plain)
+    stack = model.backend.cpu_stack
+    calls = []
+    if stack is not None:  # one C call, capture included (no split into segments)
+        library = stack.library
+        original = library.decoder_stack
+
+        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            calls.append(kwargs.get("capture", args[6] if len(args) > 6 else None))
+            return original(*args, **kwargs)  # type: ignore[no-any-return]
+
+        library.decoder_stack = counted  # type: ignore[method-assign]
+    try:
+        assert torch.equal(run(captured, stack=True), plain)
+    finally:
+        if stack is not None:
+            del library.decoder_stack
+    if stack is not None:
+        # (the last layer's output is the call's own result)
+        assert len(calls) == 1 and sorted(calls[0]) == [i for i in layers if i < config.num_hidden_layers]
+        bad = {1: torch.empty(3)}
+        x = torch.zeros(1, ids.shape[1], config.hidden_size)
+        with pytest.raises(ValueError, match="capture buffer 1 holds 3 values"):
+            library.decoder_stack(x, x, x, stack.table, None, None, bad)  # type: ignore[arg-type]
     reference_aux = AuxCapture(layers)
     run(reference_aux, stack=False)
     assert captured.result().shape == (1, ids.shape[1], 3 * config.hidden_size)

@@ -17,7 +17,6 @@ then runs layer by layer. Each part was probed against the layers when the backe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -31,8 +30,6 @@ from infer.kernels.cpu import (
     MAX_ROWS,
     MAX_STACK_GROUP,
     MAX_STACK_HEAD_DIM,
-    STACK_PROJECTIONS,
-    STACK_TENSORS,
     GemvLinear,
     KernelLibrary,
     QuantProjection,
@@ -137,7 +134,6 @@ class CpuStack:
         # Passes of more rows run layer by layer (prefill: oneDNN's GEMM is faster there). Exact-greedy
         # mode lifts the limit (None): every pass then computes a token the same way.
         self.max_rows: int | None = MAX_ROWS
-        self._segments: dict[tuple[int, int], StackTable] = {}  # tables of layer ranges (aux capture)
 
     @classmethod
     def build(cls, model: DecoderOnlyLM, library: KernelLibrary) -> CpuStack | None:
@@ -298,38 +294,12 @@ class CpuStack:
         flags = self.table.local_layers
         return flags is not None and kv.local_layers == frozenset(int(i) for i in flags.nonzero().flatten())
 
-    def _segment_table(self, start: int, end: int) -> StackTable:
-        """The table of layers ``start .. end - 1`` alone (made once per segment)."""
-        if (start, end) == (0, self.table.shape["layers"]):
-            return self.table
-        key = (start, end)
-        table = self._segments.get(key)
-        if table is None:
-            t, per, projections = self.table, len(STACK_TENSORS), len(STACK_PROJECTIONS)
-            table = StackTable(t.tensors[start * per: end * per], {**t.shape, "layers": end - start}, t.eps,
-                               t.qk_norm, None if t.quant is None else t.quant[start * projections: end * projections],
-                               gemma=t.gemma, scale=t.scale)
-            self._segments[key] = table
-        return table
-
-    def segment(self, table: StackTable, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: KVBatch) -> torch.Tensor:
-        """The layers of ``table`` (a segment of this stack, a view of ``kv`` for the same layers) over ``x``."""
-        if kv.packed is not None:
-            rows = x.shape[1]
-
-            def per_row(t: torch.Tensor) -> torch.Tensor:
-                return t.reshape(rows, 1, 1, -1).contiguous()
-
-            out = self.library.decoder_stack(x.reshape(rows, 1, -1).contiguous(), per_row(cos), per_row(sin),
-                                             table, kv.per_token())
-            return out.view(x.shape)
-        return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), table, kv)
-
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch,
-                 local: tuple[torch.Tensor, torch.Tensor, KVBatch] | None = None) -> torch.Tensor:
+                 local: tuple[torch.Tensor, torch.Tensor, KVBatch] | None = None,
+                 capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """The stack over ``x``; ``local`` (a stack with sliding-window layers) is their RoPE tables
-        and their view of the cache (``DecoderOnlyLM.layer_kv``'s)."""
+        and their view of the cache (``DecoderOnlyLM.layer_kv``'s); ``capture``: layer inputs copied
+        out during the call (``KernelLibrary.decoder_stack``)."""
         if kv.packed is not None:
             # A ragged pass [1, N]: the stack finds a token's sequence by its row, so each token goes
             # as a sequence of its own (same keys, same order: the same bits as a padded pass).
@@ -341,20 +311,20 @@ class CpuStack:
             if local is not None:
                 local = (per_row(local[0]), per_row(local[1]), local[2].per_token())
             out = self.library.decoder_stack(x.reshape(rows, 1, -1).contiguous(), per_row(cos), per_row(sin),
-                                             self.table, kv.per_token(), local)
+                                             self.table, kv.per_token(), local, capture)
             return out.view(x.shape)
         if local is not None:
             local = (local[0].contiguous(), local[1].contiguous(), local[2])
-        return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv, local)
+        return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv, local,
+                                          capture)
 
     def forward(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
                 kv: KVBatch, aux: AuxCapture | None = None) -> torch.Tensor:
         """``model``'s forward pass with its decoder layers in one C call where ``takes`` allows.
 
-        ``aux`` (the inputs of some layers, for an EAGLE-3 drafter) splits the stack at those layers:
-        one C call per segment, the same kernels on the same rows, so every token gets the same bits
-        as in one call. A stack with sliding-window layers (Gemma 3) is not split: its passes with
-        ``aux`` run layer by layer."""
+        ``aux`` (the inputs of some layers, for an EAGLE-3 drafter) is copied out by the same C call
+        (``capture``): no arithmetic changes, so every token gets the same bits as without it. A stack
+        with sliding-window layers (Gemma 3): its passes with ``aux`` run layer by layer."""
         if positions is None:
             positions = default_positions(input_ids)
         x, cos, sin = model.embed(input_ids, positions)
@@ -362,12 +332,12 @@ class CpuStack:
             x = model.run_layers(x, cos, sin, positions, kv, aux)
         elif aux is not None:
             layers = self.table.shape["layers"]
-            cuts = sorted({i for i in aux.layers if 0 < i < layers} | {0, layers})
             aux.take(0, x)
-            for start, end in zip(cuts, cuts[1:], strict=False):
-                part = dataclasses.replace(kv, k_layers=kv.k_layers[start:end], v_layers=kv.v_layers[start:end])
-                x = self.segment(self._segment_table(start, end), x, cos, sin, part)
-                aux.take(end, x)
+            capture = {i: torch.empty_like(x) for i in aux.layers if 0 < i < layers}
+            x = self(x, cos, sin, kv, capture=capture)
+            for i, state in capture.items():
+                aux.take(i, state)
+            aux.take(layers, x)
         elif not self.takes(x, kv):
             x = model.run_layers(x, cos, sin, positions, kv)
         elif self.table.local_layers is not None:

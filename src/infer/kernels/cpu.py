@@ -59,7 +59,7 @@ class StackArgs(ctypes.Structure):
         ("gemma", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in ("local_layers", "local_write_rows", "local_read_rows")),
         ("local_read_start", ctypes.c_int64),
-        *((name, ctypes.c_void_p) for name in ("local_mask", "local_cos", "local_sin"))]
+        *((name, ctypes.c_void_p) for name in ("local_mask", "local_cos", "local_sin", "capture"))]
 
 
 class QuantPart(ctypes.Structure):
@@ -350,17 +350,30 @@ class KernelLibrary:
         return out
 
     def decoder_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: StackTable,
-                      kv: KVBatch, local: tuple[torch.Tensor, torch.Tensor, KVBatch] | None = None) -> torch.Tensor:
+                      kv: KVBatch, local: tuple[torch.Tensor, torch.Tensor, KVBatch] | None = None,
+                      capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Every decoder layer over ``x`` [B, T, hidden] (contiguous) in one C call: ``table`` holds
         each layer's tensors, ``kv`` says where the new keys and values go and which cached ones
         each token sees. ``local`` (a table with sliding-window layers) is their RoPE tables and
-        their view of the cache (its rows and window mask). Returns the last layer's output (a new tensor)."""
+        their view of the cache (its rows and window mask). ``capture`` {layer id: a contiguous
+        buffer of x's dtype and size}: the stream entering that layer is copied there during the
+        call (id ``layers``: the last layer's output). Returns the last layer's output (a new tensor)."""
         dtype, shape = table.dtype, table.shape
         fn = self._fn("decoder_stack", dtype)
         heads, kv_heads, head_dim, layers = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["layers"]
         _check(x, "x", dtype)
         if x.dim() != 3 or x.shape[2] != shape["hidden"]:
             raise ValueError(f"x has shape {tuple(x.shape)}, expected [batch, tokens, {shape['hidden']}]")
+        capture_table = None
+        if capture:
+            capture_table = torch.zeros(layers + 1, dtype=torch.long)
+            for index, buffer in capture.items():
+                if not 0 <= index <= layers:
+                    raise ValueError(f"capture layer {index} is outside 0..{layers}")
+                _check(buffer, f"capture buffer {index}", dtype)
+                if buffer.numel() != x.numel():
+                    raise ValueError(f"capture buffer {index} holds {buffer.numel()} values, x {x.numel()}")
+                capture_table[index] = buffer.data_ptr()
         if (local is None) != (table.local_layers is None):
             raise ValueError("a stack with sliding-window layers needs their RoPE tables and cache view (local), "
                              "and one without takes none")
@@ -408,7 +421,8 @@ class KernelLibrary:
                          read_start=kv.read_start or 0, context=kv.context_len,
                          mask=None if mask is None else mask.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
                          x=out.data_ptr(), threads=_threads(), quant_parts=table.quant_parts_address or None,
-                         quant_index=table.quant_index_address or None, gemma=int(table.gemma))
+                         quant_index=table.quant_index_address or None, gemma=int(table.gemma),
+                         capture=None if capture_table is None else capture_table.data_ptr())
         if local is not None and local_view is not None and local_kv is not None and table.local_layers is not None:
             args.local_layers = table.local_layers.data_ptr()
             args.local_write_rows = local_view[0].data_ptr()

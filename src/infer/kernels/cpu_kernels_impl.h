@@ -488,6 +488,7 @@ int FN(decoder_stack)(const StackArgs *a) {
         int local = a->local_layers && a->local_layers[layer];
         const void *cos = local ? a->local_cos : a->cos, *sin = local ? a->local_sin : a->sin;
         const int64_t *write_rows = local ? a->local_write_rows : a->write_rows;
+        if (a->capture && a->capture[layer]) memcpy((void *)a->capture[layer], x, sizeof(ELEM) * (size_t)(m * d));
         if (a->gemma)
             FN(gemma_rmsnorm)(x, (const ELEM *)t[T_LN1], normed, m, d, a->eps);
         else
@@ -549,6 +550,8 @@ int FN(decoder_stack)(const StackArgs *a) {
         if (a->gemma) FN(gemma_rmsnorm)(delta, (const ELEM *)t[T_POST_FF_NORM], delta, m, d, a->eps);
         FN(add_into)(x, delta, m * d);
     }
+    if (status == 0 && a->capture && a->capture[a->layers])
+        memcpy((void *)a->capture[a->layers], x, sizeof(ELEM) * (size_t)(m * d));
     free(scratch);
     free(normed);
     free(qkv);
