@@ -274,7 +274,7 @@ class CpuKernelBackend(Backend):
     def run(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
             kv: KVBatch | None, aux: AuxCapture | None) -> torch.Tensor:
         """The C decoder stack where it is built (it declines passes it cannot take: they run on the
-        layers); the layers without a cache. ``aux``: the stack runs in segments."""
+        layers); the layers without a cache. ``aux``: the stack copies those layer inputs out in the same call."""
         if self.cpu_stack is None or kv is None:
             return super().run(model, input_ids, positions, kv, aux)
         return self.cpu_stack.forward(model, input_ids, positions, kv, aux)
