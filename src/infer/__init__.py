@@ -3,16 +3,7 @@
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
-
-# PyTorch's OpenMP threads busy-wait after each parallel operator (libgomp's default policy), on the
-# cores where infer's kernel pool runs the next pass: a speculative round's operators between passes
-# (rejection sampling over the vocabulary, drafting) left them spinning through the verification
-# pass, which then waited for its descheduled kernel threads. Passive: they sleep at once. libgomp
-# reads this when it loads (with torch), so it holds where infer is imported first (the CLI, the
-# server's engine process); a value already set wins. Measured in docs/benchmarks.md.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:
     from infer.engine.config import EngineConfig, SpeculativeConfig

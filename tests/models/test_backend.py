@@ -101,3 +101,28 @@ def test_the_backend_owns_the_kernels_thread_policy(tiny_llama: Path) -> None:
         assert isinstance(policy(65, "forward"), contextlib.nullcontext)
     plain, _ = load_model(tiny_llama, "float32", "cpu", backend="torch")
     assert isinstance(plain.backend.thread_policy(plain)(1, "forward"), contextlib.nullcontext)
+
+
+@pytest.mark.parametrize(("backend", "quantization", "one_thread"),
+                         [("auto", "q4_0", True), ("torch", "none", False)])
+def test_a_speculative_round_runs_torch_on_one_thread_where_kernels_carry_the_passes(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, backend: str, quantization: str, one_thread: bool) -> None:
+    # Drafting and rejection between the passes: torch's operators on one thread where C kernels
+    # carry the matmuls (so libgomp's workers never spin on the cores the next pass needs); a
+    # PyTorch model keeps torch's own threading.
+    from infer import LLM, SamplingParams
+
+    torch.set_num_threads(2)  # the autouse fixture restores the test's thread count
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", backend=backend, quantization=quantization,
+              speculator="ngram", spec_length=3, spec_length_policy="fixed")
+    drafter = llm.engine.runner.drafter  # type: ignore[attr-defined]
+    seen: list[int] = []
+    propose = drafter.propose
+
+    def recording(*args: object) -> object:
+        seen.append(torch.get_num_threads())
+        return propose(*args)
+
+    monkeypatch.setattr(drafter, "propose", recording)
+    llm.generate(["abc abc abc abc"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert seen and set(seen) == ({1} if one_thread else {2})

@@ -211,6 +211,36 @@ def test_small_passes_run_torch_single_threaded_and_the_kernels_on_every_thread(
     assert seen == [(1, 2), (1, 2)]
 
 
+def test_host_work_runs_torch_on_one_thread_around_passes_that_still_choose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A speculative round's host work (drafting, rejection) runs torch's operators on one thread, so
+    libgomp's workers never spin on the kernels' cores; its passes still choose and measure their
+    count, kernel calls between them use torch's count from before, and torch gets the settled count
+    back at the end."""
+    chooser = cpu.ThreadChooser()
+    monkeypatch.setattr(cpu, "THREADS", chooser)
+    clock = [0.0]
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: clock[0])
+    torch.set_num_threads(2)  # the autouse fixture restores the test's thread count
+    for _ in range(4):  # (each count's first pass is a warm-up, not measured)
+        with cpu.host_work_single_threaded():
+            assert (torch.get_num_threads(), cpu._threads()) == (1, 2)  # a draft head's projection: 2
+            with cpu.kernel_threads_only("verify"):
+                used = cpu._threads()
+                clock[0] += 1.0 if used == 2 else 3.0
+            assert torch.get_num_threads() == 1  # rejection sampling after the pass: still one
+            with cpu.host_work_single_threaded():  # nested: changes nothing
+                assert (torch.get_num_threads(), cpu._threads()) == (1, 2)
+        assert torch.get_num_threads() == 2 and cpu._host[0] is None
+    assert ("verify", 2) in chooser.seconds and ("verify", 1) in chooser.seconds  # both counts measured
+    # Where one thread won, the host work ends with torch on one (as after a bare pass).
+    chooser.seconds[("verify", 2)], chooser.seconds[("verify", 1)] = 5.0, 1.0
+    with cpu.host_work_single_threaded(), cpu.kernel_threads_only("verify"):
+        clock[0] += 1.0
+    assert torch.get_num_threads() == 1
+    with cpu.host_work_single_threaded():  # and the count asked for is still two
+        assert cpu._threads() == 2
+
+
 def test_a_try_of_one_thread_leaves_torch_at_the_settled_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """Between passes torch keeps a kind's settled thread count (a prefill runs on it), never the
     count a pass only tried; where one thread won, it keeps one."""

@@ -47,7 +47,13 @@ from infer.backends.cpu_kernels import (
 )
 from infer.backends.onednn import PackedLinear, cpu_packing_available
 from infer.cache.protocol import CachePoolProtocol, KVBatch
-from infer.kernels.cpu import MAX_ROWS, GemvLinear, KernelLibrary, kernel_threads_only
+from infer.kernels.cpu import (
+    MAX_ROWS,
+    GemvLinear,
+    KernelLibrary,
+    host_work_single_threaded,
+    kernel_threads_only,
+)
 from infer.models.layers import Attention, AuxCapture, DecoderOnlyLM
 from infer.models.quantized import QuantLinear
 
@@ -196,6 +202,15 @@ class Backend:
             return kernel_threads_only((model_id, kind, rows)) if rows <= MAX_ROWS else contextlib.nullcontext()
 
         return policy
+
+    def host_policy(self, model: DecoderOnlyLM) -> Callable[[], contextlib.AbstractContextManager[None]]:
+        """The context for host work around ``model``'s passes (a speculative round: drafting,
+        rejection sampling): where C kernels carry its matmuls, torch's operators on one thread
+        (``kernels.cpu.host_work_single_threaded``), so libgomp's workers do not spin on the cores the
+        next pass needs; elsewhere nothing."""
+        if not any(isinstance(m, (GemvLinear, QuantLinear)) for m in model.modules()):
+            return contextlib.nullcontext
+        return host_work_single_threaded
 
     def step_graphs(self, model: DecoderOnlyLM, pool: CachePoolProtocol, max_batch: int, max_width: int,
                     say: Say | None = None) -> StepGraphs | None:

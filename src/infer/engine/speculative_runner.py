@@ -129,6 +129,11 @@ class SpeculativeRunner:
     def speculative_decode(self, requests: list[Request]) -> StepResult:
         if not requests:
             return []
+        # Drafting and rejection between the passes, threaded as the backend wants (Backend.host_policy).
+        with self.target.runner.host_work():
+            return self._round(requests)
+
+    def _round(self, requests: list[Request]) -> StepResult:
         since = PHASES.mark()
         budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests), strict=True)]
         start = device_clock(self.device)

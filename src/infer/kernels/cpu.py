@@ -100,8 +100,9 @@ _kernel_threads: list[int | None] = [None]
 
 
 def _threads() -> int:
-    """The threads a kernel call uses: ``kernel_threads_only``'s count inside it, else torch's."""
-    return _kernel_threads[0] or torch.get_num_threads()
+    """The threads a kernel call uses: ``kernel_threads_only``'s count inside it, the count torch had
+    before ``host_work_single_threaded`` inside that, else torch's."""
+    return _kernel_threads[0] or (_wanted[0] if _host[0] is not None else torch.get_num_threads())
 
 
 class ThreadChooser:
@@ -177,6 +178,9 @@ THREADS = ThreadChooser()
 # The thread count a pass left torch at (None: none lowered it), and the count asked for before.
 _left_at: list[int | None] = [None]
 _wanted: list[int] = [0]
+# Set while ``host_work_single_threaded`` runs: torch's count to restore at its end (a pass inside
+# records there the count it settled on, and leaves torch on one thread).
+_host: list[int | None] = [None]
 
 
 @contextlib.contextmanager
@@ -207,9 +211,39 @@ def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
         if kind is not None:
             THREADS.record(kind, chosen, time.perf_counter() - start)
             after = THREADS.settled(kind, most)
+        if _host[0] is not None:  # inside host work: torch stays on one thread until it ends
+            _host[0] = after
+            after = 1
         torch.set_num_threads(after)
         _left_at[0] = after if after != most else None
         _kernel_threads[0] = None
+
+
+@contextlib.contextmanager
+def host_work_single_threaded() -> Iterator[None]:
+    """PyTorch's operators on one thread for host work around passes (a speculative round's drafting
+    and rejection sampling over the vocabulary). On two threads such an operator wakes libgomp's
+    workers, which then spin for a while on the cores the next pass's kernel threads need: 12% of a
+    copy-heavy n-gram run's ``perf`` samples were libgomp's spin loop. Passes inside still choose and
+    measure the kernels' count (``kernel_threads_only``), and kernel calls between them (a draft
+    head's projections) use the count torch had. At the end torch gets the count the last pass
+    settled on."""
+    if _host[0] is not None or _kernel_threads[0] is not None:
+        yield
+        return
+    current = torch.get_num_threads()
+    if _left_at[0] is None or current != _left_at[0]:  # as kernel_threads_only: no pass lowered it
+        _wanted[0] = current
+    _host[0] = current
+    torch.set_num_threads(1)
+    _left_at[0] = 1 if _wanted[0] != 1 else None
+    try:
+        yield
+    finally:
+        restore = _host[0] or current
+        _host[0] = None
+        torch.set_num_threads(restore)
+        _left_at[0] = restore if restore != _wanted[0] else None
 
 
 _data_ptr = torch.Tensor.data_ptr

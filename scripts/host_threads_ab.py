@@ -1,12 +1,13 @@
-"""A/B of PyTorch's OpenMP wait policy under infer: spinning (libgomp's default) against passive
-(what ``import infer`` sets), interleaved, each run a fresh process (libgomp reads the policy when
-it loads).
+"""A/B of two infer checkouts on one copy-heavy speculative request, interleaved, each run a fresh
+process with the environment as the user has it (no OpenMP settings added).
 
 Each run loads SmolLM2 and, for ``--seconds``, generates 256 tokens that copy a passage of infer's
 own source (greedy), with n-gram drafting at a fixed length (``--mode 8``) or plain decoding
-(``--mode plain``), and prints tokens per second. Usage:
+(``--mode plain``), and prints tokens per second. ``--baseline-src`` is the other checkout's ``src``
+folder (e.g. a ``git worktree`` of an earlier commit). Usage:
 
-    python scripts/omp_policy_ab.py --mode 8 --pairs 5 --json omp.json
+    git worktree add /tmp/wt-base 3ab78f5
+    python scripts/host_threads_ab.py --baseline-src /tmp/wt-base/src --mode 8 --pairs 5 --json ab.json
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 CHILD = r"""
 import sys, time
@@ -36,11 +38,11 @@ while time.perf_counter() - start < seconds:
 print(tokens / (time.perf_counter() - start))
 """
 
+HERE = Path(__file__).resolve().parents[1] / "src"
 
-def run(policy: str | None, mode: str, seconds: float) -> float:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if policy is not None:
-        env["OMP_WAIT_POLICY"] = policy  # "" keeps libgomp's default (spin), as an unset variable did
+
+def run(src: Path, mode: str, seconds: float) -> float:
+    env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run([sys.executable, "-c", CHILD, mode, str(seconds)], env=env, capture_output=True, text=True,
                          check=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -48,25 +50,27 @@ def run(policy: str | None, mode: str, seconds: float) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline-src", required=True, type=Path, help="the other checkout's src folder")
     p.add_argument("--mode", default="8", help="n-gram draft length, or plain")
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--seconds", type=float, default=12.0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    rates: dict[str, list[float]] = {"spin": [], "passive": []}
+    rates: dict[str, list[float]] = {"this": [], "baseline": []}
     for i in range(args.pairs):
-        order = [("passive", None), ("spin", "")] if i % 2 == 0 else [("spin", ""), ("passive", None)]
-        for name, policy in order:
-            rates[name].append(run(policy, args.mode, args.seconds))
-        print(f"pair {i + 1}/{args.pairs}: passive {rates['passive'][-1]:.1f}, spin {rates['spin'][-1]:.1f} tok/s",
+        order = [("this", HERE), ("baseline", args.baseline_src)]
+        for name, src in order if i % 2 == 0 else order[::-1]:
+            rates[name].append(run(src, args.mode, args.seconds))
+        print(f"pair {i + 1}/{args.pairs}: this {rates['this'][-1]:.1f}, baseline {rates['baseline'][-1]:.1f} tok/s",
               flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print(f"medians of {args.pairs}: passive {med['passive']:.1f}, spin {med['spin']:.1f} tok/s "
-          f"({med['passive'] / med['spin']:.2f}x)")
+    print(f"medians of {args.pairs}: this {med['this']:.1f}, baseline {med['baseline']:.1f} tok/s "
+          f"({med['this'] / med['baseline']:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": args.mode, "seconds": args.seconds, "tok_s": rates, "medians": med,
-                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=2)
+            json.dump({"mode": args.mode, "seconds": args.seconds, "baseline_src": str(args.baseline_src),
+                       "tok_s": rates, "medians": med, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+                      f, indent=2)
     return 0
 
 
