@@ -260,3 +260,11 @@ def test_peer_argument_errors_name_the_problem(tmp_path: Path, fake_binary: Path
         assert "--offline-repeats" in capsys.readouterr().err
     finally:
         stop(server)
+
+
+def test_a_server_that_drops_the_connection_is_named() -> None:
+    from infer.bench.llama_server import free_port
+
+    dead = Target("llama-server ngram-mod", "peer", f"http://127.0.0.1:{free_port()}", "m")  # nothing listens
+    with pytest.raises(RuntimeError, match=r"llama-server ngram-mod \(http://127\.0\.0\.1:\d+\): ConnectError"):
+        run_requests([dead], {"chat": ["hi"]}, 1, 4, 0.0, 0, False)

@@ -70,8 +70,13 @@ def chat_body(model: str, prompt: str, max_tokens: int, temperature: float, seed
 
 def one_chat(client: Any, target: Target, body: dict[str, Any]) -> tuple[float, int, str]:
     """One non-streamed chat request: (completion tokens / wall seconds, completion tokens, text)."""
+    import httpx
+
     start = time.perf_counter()
-    response = client.post(f"{target.url}/v1/chat/completions", json=body)
+    try:
+        response = client.post(f"{target.url}/v1/chat/completions", json=body)
+    except httpx.HTTPError as err:  # a server that died or dropped the connection: say which
+        raise RuntimeError(f"{target.label} ({target.url}): {type(err).__name__}: {err}") from err
     wall = time.perf_counter() - start
     if response.status_code != 200:
         raise RuntimeError(f"{target.label}: HTTP {response.status_code}: {response.text[:300]}")
