@@ -32,8 +32,9 @@ DEMO_MODEL = DEFAULT_MODEL  # the built-in smollm2-135m-instruct: the GGUF file 
 
 # What `infer train eagle` is known to cost on the demo's model: the one measured run in
 # docs/training.md (teacher answers, captured states and 10 minutes of training).
-EAGLE_TRAINING_COST = ("resumable with --resume; the measured run (512 answers, then 8 minutes of training: 19 minutes "
-                       "of 2 CPU cores) gave a head that does not pay yet (1.56-1.67 tokens per target pass)")
+EAGLE_TRAINING_COST = ("resumable with --resume; the measured run (two commands in docs/training.md: a cache of 512 "
+                       "answers, then 8 minutes of training; 19 minutes of 2 CPU cores) gave a head that does not pay "
+                       "yet (1.56-1.67 tokens per target pass)")
 
 
 def add_subparser(sub: Any) -> None:
