@@ -183,6 +183,14 @@ _wanted: list[int] = [0]
 _host: list[int | None] = [None]
 
 
+def _asked_for(current: int) -> int:
+    """The thread count the program asked for, given torch's ``current`` one: ``current`` unless a
+    pass (or host work) lowered torch to it, in which case the count asked for before."""
+    if _left_at[0] is None or current != _left_at[0]:  # no pass lowered it, or someone set it since
+        _wanted[0] = current
+    return _wanted[0]
+
+
 @contextlib.contextmanager
 def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
     """Run a small pass (a decode step, a verification) with PyTorch's operators on one thread and
@@ -197,9 +205,7 @@ def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
     if _kernel_threads[0] is not None:
         yield
         return
-    if _left_at[0] is None or current != _left_at[0]:  # no pass lowered it, or someone set it since
-        _wanted[0] = current
-    most = _wanted[0]
+    most = _asked_for(current)
     chosen = THREADS.pick(kind, most) if kind is not None else most
     _kernel_threads[0] = chosen
     torch.set_num_threads(1)
@@ -232,11 +238,10 @@ def host_work_single_threaded() -> Iterator[None]:
         yield
         return
     current = torch.get_num_threads()
-    if _left_at[0] is None or current != _left_at[0]:  # as kernel_threads_only: no pass lowered it
-        _wanted[0] = current
+    most = _asked_for(current)
     _host[0] = current
     torch.set_num_threads(1)
-    _left_at[0] = 1 if _wanted[0] != 1 else None
+    _left_at[0] = 1 if most != 1 else None
     try:
         yield
     finally:

@@ -153,33 +153,32 @@ def quantize_float_weights(state: dict[str, torch.Tensor], quantization: str) ->
         # The embedding table and the LM head stay at 8 bits under a 4- or 5-bit choice, as llama.cpp's
         # quantizer keeps its output tensor at Q6_K: in 4 bits they cost SmolLM2 much of its quality
         # (`infer bench quality`: perplexity 6.13 -> 7.69 with everything in Q4_0).
-        qtype = gguf.GGMLQuantizationType.Q8_0 if name in _EIGHT_BIT else requested
-        blocks = gguf.quants.quantize(weight.detach().float().cpu().numpy(), qtype)
-        out[name] = QuantRows(qtype.name, int(weight.shape[-1]), torch.from_numpy(np.ascontiguousarray(blocks)))
+        out[name] = quantized_rows(weight, "Q8_0" if name in _EIGHT_BIT else requested.name)
     lines = [f"kept float ({len(skipped)} weights of a width not a multiple of {block}, e.g. {skipped[0]})"] if skipped else []
     return out, lines
 
 
-def quantize_linears(module: nn.Module, kernels: KernelsProtocol, qtype: str = "Q8_0") -> int:
-    """Every float ``nn.Linear`` in ``module`` whose input width is a whole number of blocks becomes a
-    ``QuantLinear`` of ``qtype`` (``gguf.quants.quantize``) on ``kernels``; returns how many. For a
-    module that only proposes (a draft head), where reading its weights from memory is the cost and a
-    rounding never changes the output."""
+def quantized_rows(weight: torch.Tensor, qtype: str) -> QuantRows:
+    """A float matrix [rows, in_features] in ``qtype``'s blocks (``gguf.quants.quantize``, llama.cpp's rounding)."""
     import gguf
 
-    kind = gguf.GGMLQuantizationType[qtype.upper()]
-    block = gguf.GGML_QUANT_SIZES[kind][0]
-    linears = [(name, m) for name, m in module.named_modules()
-               if type(m) is nn.Linear and m.in_features % block == 0 and m.weight.is_floating_point()]
-    for name, linear in linears:
-        assert isinstance(linear, nn.Linear)
-        blocks = gguf.quants.quantize(linear.weight.detach().float().cpu().numpy(), kind)
-        rows = QuantRows(kind.name, linear.in_features, torch.from_numpy(np.ascontiguousarray(blocks)))
-        bias = linear.bias if isinstance(linear.bias, torch.Tensor) else None
-        replacement = QuantLinear([rows], bias, kernels)  # packed on first use (or after fusing)
-        parent_path, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent_path) if parent_path else module, attr, replacement)
-    return len(linears)
+    blocks = gguf.quants.quantize(weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType[qtype])
+    return QuantRows(qtype, int(weight.shape[-1]), torch.from_numpy(np.ascontiguousarray(blocks)))
+
+
+def quantize_linears(module: nn.Module, kernels: KernelsProtocol, qtype: str = "Q8_0") -> int:
+    """Every float ``nn.Linear`` in ``module`` whose input width is a whole number of blocks becomes a
+    ``QuantLinear`` of ``qtype`` on ``kernels`` (``install_quantized``, packed on first use or after
+    fusing); returns how many. For a module that only proposes (a draft head), where reading its
+    weights from memory is the cost and a rounding never changes the output."""
+    import gguf
+
+    qtype = qtype.upper()
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
+    weights = {f"{name}.weight": quantized_rows(m.weight, qtype) for name, m in module.named_modules()
+               if type(m) is nn.Linear and m.in_features % block == 0 and m.weight.is_floating_point()}
+    install_quantized(module, weights, kernels, torch.float32)  # (the dtype is an embedding's: none here)
+    return len(weights)
 
 
 def dequantized(rows: QuantRows) -> torch.Tensor:
@@ -190,7 +189,7 @@ def dequantized(rows: QuantRows) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
 
-def install_quantized(model: nn.Module, weights: dict[str, QuantRows], kernels: QuantKernels,
+def install_quantized(model: nn.Module, weights: dict[str, QuantRows], kernels: KernelsProtocol,
                       dtype: torch.dtype) -> None:
     """Replace the modules whose weights are in ``weights`` (Hugging Face names) by quantized ones:
     ``nn.Linear`` -> ``QuantLinear`` (its loaded bias kept), ``nn.Embedding`` -> ``QuantEmbedding``
