@@ -10,6 +10,7 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.sampling import SamplingBatch, probs_from_logits, sample_from_probs, sample_next_tokens
+from infer.sampling.sampler import inverse_cdf
 from infer.sampling.transforms import drafts_on_path, token_counts
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -254,6 +255,29 @@ def test_sample_from_probs_frequencies_match() -> None:
     freq = torch.bincount(own, minlength=5).float() / n
     torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
     assert freq[2] == 0
+
+
+def test_inverse_cdf_boundaries() -> None:
+    """Each uniform lands on the token whose cumulative interval holds it: boundaries go to the next
+    token of positive weight, a uniform just below 1 to the last token of positive weight (never a
+    zero-weight one, nor past the vocabulary), and unnormalised weights scale with their total."""
+    weights = torch.tensor([[0.0, 0.25, 0.0, 0.25, 0.5, 0.0, 0.0]]).expand(7, -1)
+    uniforms = torch.tensor([0.0, 0.2499, 0.25, 0.4999, 0.5, 0.75, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert inverse_cdf(weights, uniforms).tolist() == [1, 1, 3, 3, 4, 4, 4]
+    assert inverse_cdf(weights * 8, uniforms).tolist() == [1, 1, 3, 3, 4, 4, 4]
+    # The other convention (the first cumulative weight at or above the point) would draw token 0,
+    # of weight 0, at u = 0; this one never draws a zero-weight token, over many uniforms either.
+    wrong = torch.searchsorted(weights[:1].double().cumsum(-1), torch.tensor([[0.0]], dtype=torch.float64))
+    assert int(wrong) == 0
+    many = inverse_cdf(weights[:1].expand(10_000, -1), torch.rand(10_000, dtype=torch.float64))
+    assert set(many.tolist()) == {1, 3, 4}
+
+
+def test_sample_from_probs_refuses_undrawable_rows() -> None:
+    """Rows multinomial refuses are refused too: nan, inf, a negative weight, no mass."""
+    for bad in ([0.5, float("nan"), 0.5], [0.5, float("inf"), 0.5], [0.5, -0.1, 0.6], [0.0, 0.0, 0.0]):
+        with pytest.raises(RuntimeError, match="inf, nan or a negative"):
+            sample_from_probs(torch.tensor([[0.2, 0.3, 0.5], bad]), [None, None])
 
 
 def test_sample_from_probs_rejects_bad_shapes() -> None:

@@ -1,8 +1,8 @@
 """Rejection sampling that waits for the device once per round (``rejection.verify_drafts`` given
 host lists, then ``VerificationResult.to_host``).
 
-* the final token is drawn by the exponential race, which is exactly what ``torch.multinomial``
-  draws (same noise from the same stream, same token) without multinomial's host reads;
+* the final token is drawn as plain sampling draws it (``sample_from_probs``: the same uniform from
+  the same source, the same token), without a host read;
 * with host lists, a round reads the device once: counted on CPU by patching every ``Tensor``
   method that returns a host value, through the runner of a live engine too; on CUDA,
   ``torch.cuda.set_sync_debug_mode`` refuses any synchronising call (``pytest -m cuda``);
@@ -22,7 +22,7 @@ import torch
 
 import infer.engine.speculative_runner as speculative_runner
 from infer import LLM, SamplingParams
-from infer.sampling.sampler import KeyedDraw, RandomSource
+from infer.sampling.sampler import KeyedDraw, RandomSource, sample_from_probs
 from infer.speculative import rejection
 from infer.speculative.rejection import VerificationResult, verify_drafts
 
@@ -75,23 +75,29 @@ def batch_of(kinds: list[str], k: int, vocab: int, device: str = "cpu", seed: in
 MIXED = ["greedy", "shared", "own", "keyed", "own", "shared", "greedy", "keyed"]
 
 
-def test_race_draws_what_multinomial_draws() -> None:
-    """Same generator state, same token as torch.multinomial: for rows with their own generators and
-    for rows drawn together from the global RNG."""
+def test_final_draw_is_plain_samplings_draw() -> None:
+    """Same sources in the same state, same tokens as ``sample_from_probs`` (a plain decode step's
+    draw): rows with their own generators, keyed rows, and rows drawn together from the global RNG;
+    a distribution no sampler can draw from is flagged, not drawn silently."""
     dist = torch.softmax(torch.randn(6, 37, generator=torch.Generator().manual_seed(1)) * 3, -1)
-    own = [torch.Generator().manual_seed(50 + b) for b in range(6)]
-    sources: list[RandomSource] = [own[0], None, own[2], None, None, own[5]]
+
+    def sources() -> list[RandomSource]:
+        own = [torch.Generator().manual_seed(50 + b) for b in range(6)]
+        return [own[0], None, own[2], KeyedDraw(4, 9), None, own[5]]
+
     with torch.random.fork_rng():
         torch.manual_seed(9)
-        raced = rejection._race_sample(dist, list(range(6)), sources)
+        drawn = rejection._draw_final(dist, list(range(6)), sources())
         torch.manual_seed(9)
-        shared = torch.multinomial(dist[[1, 3, 4]], 1).squeeze(1).tolist()
-    for g, b in zip(own, range(6), strict=False):
-        g.manual_seed(50 + b)
-    want = {b: int(torch.multinomial(dist[b], 1, generator=own[b])) for b in (0, 2, 5)}
-    want.update(dict(zip((1, 3, 4), shared, strict=True)))
-    assert {b: int(token) for b, (token, _) in raced.items()} == want
-    assert not any(bool(bad) for _, bad in raced.values())
+        want = sample_from_probs(dist, sources()).tolist()
+    assert [int(drawn[b][0]) for b in range(6)] == want
+    assert not any(bool(bad) for _, bad in drawn.values())
+    # The draws depend on the sources: other seeds give other tokens somewhere.
+    other = [torch.Generator().manual_seed(70 + b) for b in range(6)]
+    assert [int(t) for t, _ in rejection._draw_final(dist, list(range(6)), other).values()] != want
+    broken = dist.clone()
+    broken[2, 3] = float("nan")
+    assert [bool(bad) for _, bad in rejection._draw_final(broken, [0, 2], sources()).values()] == [False, True]
 
 
 @pytest.mark.parametrize("with_q", [True, False])

@@ -1,8 +1,8 @@
 """Seeded sampling: each token drawn by noise keyed by (seed, position), whatever computes it.
 
-* The keyed draw itself (``KeyedDraw``, the exponential race) is exactly distributed as p: a
-  chi-square test over many seeds, and a negative control (uniform instead of exponential noise)
-  that the same test rejects.
+* The keyed draw itself (``KeyedDraw``, the inverse CDF at a keyed uniform) is exactly distributed
+  as p: a chi-square test over many seeds, and a negative control (the square of the uniform, a
+  skewed noise) that the same test rejects.
 * The same seeds give the same tokens with every drafter as with plain decoding (draft model, EAGLE-3,
   n-gram, suffix, Medusa), on the V = 10 pair of the exactness tests, and those tokens follow the
   target's distribution; speculation really ran and both verdicts occurred.
@@ -30,7 +30,7 @@ from helpers import (
     reference,
 )
 from infer import LLM, SamplingParams
-from infer.sampling.sampler import KeyedDraw, keyed_sample, sample_from_probs
+from infer.sampling.sampler import KeyedDraw, inverse_cdf, keyed_sample, sample_from_probs
 
 NUM_SAMPLES = 3000
 PROBS = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.04, 0.02, 0.01, 0.0])
@@ -45,17 +45,18 @@ def test_keyed_draw_is_exactly_distributed_and_deterministic() -> None:
     assert torch.equal(keyed_sample(PROBS.expand(len(draws), -1), draws), tokens)
     assert int(sample_from_probs(PROBS[None], [draws[5]])[0]) == int(tokens[5])
     # Positions and neighbouring seeds have their own noise (seed + 1 at p is not seed at p + 1).
-    noise = KeyedDraw(3, 4).exponentials(64, torch.device("cpu"))
+    noise = KeyedDraw(3, 4).uniform()
+    assert 0.0 <= noise < 1.0
     for other in (KeyedDraw(3, 5), KeyedDraw(4, 4), KeyedDraw(4, 3), KeyedDraw(2, 5)):
-        assert not torch.equal(other.exponentials(64, torch.device("cpu")), noise)
-    assert torch.equal(KeyedDraw(3, 4).exponentials(64, torch.device("cpu")), noise)
+        assert other.uniform() != noise
+    assert KeyedDraw(3, 4).uniform() == noise
 
 
 def test_negative_control_uniform_noise_is_detected() -> None:
-    """argmax p / U with U uniform (not exponential) favours the likeliest tokens: the same test fails."""
+    """The inverse CDF at u squared (a noise skewed towards 0) favours the first tokens: the same test fails."""
     draws = [KeyedDraw(seed, 7) for seed in range(20_000)]
-    uniform = torch.stack([1.0 - torch.exp(-d.exponentials(len(PROBS), torch.device("cpu"))) for d in draws])
-    tokens = (PROBS.double() / uniform).argmax(dim=-1)
+    skewed = torch.tensor([d.uniform() ** 2 for d in draws], dtype=torch.float64)
+    tokens = inverse_cdf(PROBS.expand(len(draws), -1), skewed)
     fit = chisquare_cells(np.bincount(tokens.numpy(), minlength=len(PROBS)), PROBS.double().numpy())
     assert fit.pvalue < P_CONTROL
 

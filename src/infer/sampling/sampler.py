@@ -63,6 +63,14 @@ def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
+def on_device(values: list[int] | list[bool] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the device: through pinned memory, copied
+    asynchronously on CUDA (a pageable copy would wait for the stream's queued work)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -77,9 +85,8 @@ def _splitmix64(x: int) -> int:
 class KeyedDraw:
     """The randomness of a seeded request's token at one position: a draw keyed by (seed, position).
 
-    Each position has its own noise, a vector of independent Exp(1) variables E_v (one per token,
-    from a generator seeded with a hash of seed and position), and the token drawn from a
-    distribution p is ``argmax_v p_v / E_v`` (the exponential race, i.e. Gumbel-max): exactly
+    Each position has its own uniform u in [0, 1) (53 bits of a 64-bit hash of seed and position),
+    and the token drawn from a distribution p is the inverse CDF at u (``inverse_cdf``): exactly
     distributed as p, and a deterministic function of (seed, position, p). Whatever pass computes p
     at that position (a decode step, a chain or tree verification), whatever the batch and the
     drafts, the token is the same; ``position`` is the index of the generated token (0: the first).
@@ -91,11 +98,10 @@ class KeyedDraw:
     def at(self, offset: int) -> KeyedDraw:
         return KeyedDraw(self.seed, self.position + offset)
 
-    def exponentials(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """[vocab] float64 Exp(1) noise of this position (the same on every call)."""
-        gen = torch.Generator(device=device)
-        gen.manual_seed(_splitmix64((_splitmix64(self.seed & _MASK64) + self.position) & _MASK64))
-        return torch.empty(vocab, dtype=torch.float64, device=device).exponential_(generator=gen)
+    def uniform(self) -> float:
+        """This position's u in [0, 1) (the same on every call, on every device)."""
+        key = _splitmix64((_splitmix64(self.seed & _MASK64) + self.position) & _MASK64)
+        return (_splitmix64(key) >> 11) * 2.0**-53
 
 
 # Where a row's randomness comes from: its own generator's stream, a keyed draw, or (None) the
@@ -103,53 +109,76 @@ class KeyedDraw:
 RandomSource = torch.Generator | KeyedDraw | None
 
 
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``weights`` [N, V] (non-negative, need not be normalised): row n's token
+    is the first i whose cumulative weight exceeds ``uniforms[n]`` (in [0, 1)) times the row's total,
+    so token i has probability ``w_i / sum(w)`` exactly up to float64 rounding, and a token of weight
+    0 is never drawn. One uniform per row where ``torch.multinomial`` draws V exponentials (its
+    exponential race costs a sizeable share of a small model's decode step); no host read. [N] long."""
+    cdf = weights.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # u * total may round up to total (u within 2^-53 of 1): the point just below it still lands on
+    # a token of positive weight, as every point below total does.
+    point = torch.minimum(uniforms.to(cdf).view(-1, 1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).squeeze(1)
+
+
+def invalid_rows(probs: torch.Tensor) -> torch.Tensor:
+    """Rows (over the last dim) that no sampler can draw from: inf, nan, a negative value, or sum 0
+    (a NaN makes the minimum and the sum NaN, and every comparison with NaN is false; an inf makes
+    the sum inf). On the device."""
+    total = probs.sum(dim=-1)
+    return ~((probs.amin(dim=-1) >= 0) & (total > 0) & (total < float("inf")))
+
+
+def row_uniforms(generators: Sequence[RandomSource], device: torch.device) -> torch.Tensor:
+    """One uniform [N] float64 per source: the global RNG's rows drawn together, a generator's from
+    its own stream (one value, so a request's stream depends on its tokens alone), a keyed draw's
+    from its key."""
+    out = torch.empty(len(generators), dtype=torch.float64, device=device)
+    shared = [b for b, g in enumerate(generators) if g is None]
+    if shared:
+        out[on_device(shared, torch.long, device)] = torch.rand(len(shared), dtype=torch.float64, device=device)
+    keyed = [b for b, g in enumerate(generators) if isinstance(g, KeyedDraw)]
+    if keyed:
+        values = [generators[b].uniform() for b in keyed]  # type: ignore[union-attr]
+        out[on_device(keyed, torch.long, device)] = on_device(values, torch.float64, device)
+    for b, g in enumerate(generators):
+        if isinstance(g, torch.Generator):
+            out[b] = torch.rand(1, generator=g, dtype=torch.float64, device=device)[0]
+    return out
+
+
 def keyed_sample(probs: torch.Tensor, draws: Sequence[KeyedDraw]) -> torch.Tensor:
     """One token per row of ``probs`` [N, V] (non-negative, need not be normalised), row i drawn by
-    ``draws[i]``: ``argmax_v probs[i, v] / E_v``. Returns [N] long on ``probs.device``."""
+    ``draws[i]``: the inverse CDF at its keyed uniform. Returns [N] long on ``probs.device``."""
     if not draws:
         return torch.empty(0, dtype=torch.long, device=probs.device)
-    # What multinomial refuses, refused here too: argmax would silently pick a token from NaNs.
-    if not bool((torch.isfinite(probs) & (probs >= 0)).all() & (probs.sum(dim=-1) > 0).all()):
+    # What multinomial refuses, refused here too: a draw from NaNs would silently pick a token.
+    if bool(invalid_rows(probs).any()):
         raise RuntimeError("keyed sampling: the probabilities contain inf, nan or a negative value, or a row sums to 0")
-    noise = torch.stack([d.exponentials(probs.shape[-1], probs.device) for d in draws])
-    return (probs.double() / noise).argmax(dim=-1)
+    return inverse_cdf(probs, row_uniforms(draws, probs.device))
 
 
 def sample_from_probs(probs: torch.Tensor, generators: Sequence[RandomSource]) -> torch.Tensor:
     """Draw one token per row of ``probs`` ([B, V], non-negative, need not be normalised).
 
-    Row ``b`` uses ``generators[b]``: a generator (multinomial from its stream), a ``KeyedDraw``
-    (the keyed exponential race), or ``None`` for the global RNG of ``probs.device``. Rows that
-    share the global RNG are sampled in one batched call, so large batches without per-row
-    generators stay fast. Returns a [B] long tensor on ``probs.device``.
+    Row ``b``'s uniform comes from ``generators[b]``: a generator (its stream), a ``KeyedDraw``
+    (its key), or ``None`` for the global RNG of ``probs.device`` (those rows drawn in one call);
+    the token is the inverse CDF there (``inverse_cdf``). A row with inf, nan, a negative value or
+    no mass is refused, as ``torch.multinomial`` refuses it. Returns a [B] long tensor on
+    ``probs.device``.
     """
     if probs.dim() != 2:
         raise ValueError(f"probs must be [B, V], got shape {tuple(probs.shape)}")
     batch = probs.shape[0]
     if len(generators) != batch:
         raise ValueError(f"generators has {len(generators)} entries for a batch of {batch}")
-    device = probs.device
     if batch == 0:
-        return torch.empty(0, dtype=torch.long, device=device)
-    # multinomial is not implemented for half types on every backend; a [B, V] cast is cheap.
-    weights = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
-
-    shared = [b for b, g in enumerate(generators) if g is None]
-    if len(shared) == batch:
-        return torch.multinomial(weights, 1).squeeze(1)
-    out = torch.empty(batch, dtype=torch.long, device=device)
-    if shared:
-        idx = row_index(shared, device)
-        out[idx] = torch.multinomial(weights[idx], 1).squeeze(1)
-    keyed = [b for b, g in enumerate(generators) if isinstance(g, KeyedDraw)]
-    if keyed:
-        idx = row_index(keyed, device)
-        out[idx] = keyed_sample(weights[idx], [generators[b] for b in keyed])  # type: ignore[misc]
-    own = [b for b, g in enumerate(generators) if isinstance(g, torch.Generator)]
-    if own:
-        draws = [torch.multinomial(weights[b], 1, generator=generators[b]) for b in own]  # type: ignore[arg-type]
-        out[row_index(own, device)] = torch.cat(draws)
-    return out
+        return torch.empty(0, dtype=torch.long, device=probs.device)
+    if bool(invalid_rows(probs).any()):
+        raise RuntimeError("sampling: the probabilities contain inf, nan or a negative value, or a row sums to 0")
+    return inverse_cdf(probs, row_uniforms(generators, probs.device))
 
 
 def sample_rows(probs: torch.Tensor, greedy: Sequence[bool], generators: Sequence[RandomSource]) -> torch.Tensor:

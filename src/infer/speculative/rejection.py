@@ -10,14 +10,14 @@ All per-token work is tensor ops over the whole batch. The only Python loops are
 draw random numbers from each request's own ``torch.Generator`` (so a request's draws do not
 depend on what it is batched with). Nothing is read back to the host while verifying when the
 caller gives the draft counts and greedy flags as host lists (the runner does): the correction or
-bonus token is drawn by the exponential race (``argmax p / E``), which is what ``torch.multinomial``
-draws for one sample, same noise, same token, without the host reads multinomial makes to check
-its input (the check runs on the device and is read with the verdict), and the verdict comes back
-in one read (``VerificationResult.to_host``): one wait for the device per round.
+bonus token is drawn as plain sampling draws it (``sampler.inverse_cdf``: one uniform from the
+row's source, the same draw ``sample_from_probs`` makes), whether its distribution was drawable is
+checked on the device and read with the verdict, and the verdict comes back in one read
+(``VerificationResult.to_host``): one wait for the device per round.
 
 A row whose randomness is a ``KeyedDraw`` (a seeded request) is verified differently: the token
-the target samples at each position is fixed by the position's keyed noise (the exponential race
-``argmax_v p_v / E_v``), so the row accepts its drafts while each equals the target's sample at
+the target samples at each position is fixed by the position's keyed uniform (the inverse CDF of
+p there), so the row accepts its drafts while each equals the target's sample at
 its position and then emits that sample. That is plain decoding's token at every position, so
 the output is the same with and without speculation and distributed exactly as p; a one-hot
 draft t is accepted with probability p(t), as by rejection sampling. On the CPU a keyed row draws
@@ -30,7 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.sampling.sampler import KeyedDraw, RandomSource, keyed_sample
+from infer.sampling.sampler import (
+    KeyedDraw,
+    RandomSource,
+    invalid_rows,
+    inverse_cdf,
+    keyed_sample,
+    on_device,
+    row_uniforms,
+)
 
 
 @dataclass
@@ -71,14 +79,6 @@ def host_reads_are_free(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _on_device(values: list[int] | list[bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` without waiting for the device: through pinned memory, copied
-    asynchronously on CUDA (a pageable copy would wait for the stream's queued work)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
 def _draw_uniforms(
     num_draft_host: list[int],
     sampled: list[int],
@@ -111,32 +111,17 @@ def _draw_uniforms(
     return torch.stack(rows)
 
 
-def _invalid(probs: torch.Tensor) -> torch.Tensor:
-    """Rows (over the last dim) that no sampler can draw from: inf, nan, a negative value, or sum 0
-    (a NaN makes both extremes NaN, and every comparison with NaN is false)."""
-    low, high = torch.aminmax(probs, dim=-1)
-    return ~((low >= 0) & (high < float("inf")) & (probs.sum(dim=-1) > 0))
-
-
-def _race_sample(dist: torch.Tensor, sampled: list[int],
-                 generators: Sequence[RandomSource]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """One token per row in ``sampled`` from ``dist`` [B, V] float32, by the exponential race
-    ``argmax(p / E)``: what ``torch.multinomial`` draws for one sample (the same noise from the same
-    stream, so the same token), without the host reads multinomial makes to check its input: each
-    row's token comes with whether its distribution was drawable (``_invalid``), on the device. The
-    global RNG's rows are drawn together, as ``sample_from_probs`` draws them."""
-    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    shared = [b for b in sampled if generators[b] is None]
-    if shared:
-        rows = torch.stack([dist[b] for b in shared]) if len(shared) < dist.shape[0] else dist
-        drawn = (rows / torch.empty_like(rows).exponential_()).argmax(dim=-1)
-        bad = _invalid(rows)
-        out.update({b: (drawn[i], bad[i]) for i, b in enumerate(shared)})
-    for b in sampled:
-        if b not in out:
-            noise = torch.empty_like(dist[b]).exponential_(generator=generators[b])  # type: ignore[arg-type]
-            out[b] = ((dist[b] / noise).argmax(), _invalid(dist[b]))
-    return out
+def _draw_final(dist: torch.Tensor, sampled: list[int],
+                generators: Sequence[RandomSource]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """One token per row in ``sampled`` from ``dist`` [B, V] float32, drawn as ``sample_from_probs``
+    draws it (the same uniform from the same source, so the same token), each with whether its
+    distribution was drawable (``invalid_rows``), both on the device: nothing is read back."""
+    if not sampled:
+        return {}
+    rows = dist[on_device(sampled, torch.long, dist.device)] if len(sampled) < dist.shape[0] else dist
+    drawn = inverse_cdf(rows, row_uniforms([generators[b] for b in sampled], dist.device))
+    bad = invalid_rows(rows)
+    return {b: (drawn[i], bad[i]) for i, b in enumerate(sampled)}
 
 
 def _check_inputs(draft_tokens: torch.Tensor, num_draft: list[int], target_probs: torch.Tensor,
@@ -208,8 +193,8 @@ def verify_drafts(
     keyed = [b for b in range(batch) if not greedy_host[b] and isinstance(generators[b], KeyedDraw)]
     sampled = [b for b in range(batch) if not greedy_host[b] and b not in keyed]
     exact_host = [greedy_host[b] or b in keyed for b in range(batch)]
-    num_draft_t = _on_device(num_draft_host, torch.long, device)
-    exact = _on_device(exact_host, torch.bool, device)
+    num_draft_t = on_device(num_draft_host, torch.long, device)
+    exact = on_device(exact_host, torch.bool, device)
 
     # Padding past num_draft may be any id; clamp so the gathers below stay in range.
     safe_drafts = drafts.clamp(0, vocab - 1)
@@ -244,7 +229,7 @@ def verify_drafts(
                     break
     elif keyed:
         # Elsewhere every position a keyed row may reach is drawn at once (the positions past its first
-        # mismatch are never read): more noise, no host read.
+        # mismatch are never read): more work, no host read.
         picked = []
         for b in range(batch):
             draw = generators[b]
@@ -254,9 +239,9 @@ def verify_drafts(
             assert isinstance(draw, KeyedDraw)
             reach = num_draft_host[b] + 1
             probs = target_probs[b, :reach].float()
-            noise = torch.stack([draw.at(j).exponentials(vocab, device) for j in range(reach)])
-            keyed_invalid[b] = _invalid(probs).any()
-            picked.append(torch.cat([(probs.double() / noise).argmax(dim=-1), chosen[b, reach:]]))
+            keyed_invalid[b] = invalid_rows(probs).any()
+            picked.append(torch.cat([inverse_cdf(probs, row_uniforms([draw.at(j) for j in range(reach)], device)),
+                                     chosen[b, reach:]]))
         chosen = torch.stack(picked)
     ok = torch.where(exact[:, None], chosen[:, :k] == safe_drafts, stochastic_ok) & in_range
     # Accepted prefix length = number of leading ones.
@@ -281,7 +266,7 @@ def verify_drafts(
     final = chosen.gather(1, num_accepted[:, None]).squeeze(1)
     invalid = None
     if sampled or keyed:
-        drawn = _race_sample(final_dist, sampled, generators)
+        drawn = _draw_final(final_dist, sampled, generators)
         final = torch.stack([drawn[b][0] if b in drawn else final[b] for b in range(batch)])
         no = torch.zeros((), dtype=torch.bool, device=device)
         invalid = torch.stack([drawn[b][1] if b in drawn else keyed_invalid.get(b, no) for b in range(batch)])
@@ -314,7 +299,7 @@ def verify_greedy(draft_tokens: torch.Tensor, num_draft: torch.Tensor | Sequence
         raise ValueError(f"target_tokens must be [B, K+1] = [{batch}, {k + 1}], got {tuple(target_tokens.shape)}")
     device = target_tokens.device
     if not isinstance(num_draft, torch.Tensor):  # host counts: copied without waiting for the device
-        num_draft = _on_device([int(n) for n in num_draft], torch.long, device)
+        num_draft = on_device([int(n) for n in num_draft], torch.long, device)
     if tuple(num_draft.shape) != (batch,):
         raise ValueError(f"num_draft must be [B] = [{batch}], got {tuple(num_draft.shape)}")
     drafts = draft_tokens.to(device=device, dtype=torch.long)
