@@ -126,3 +126,27 @@ def test_a_speculative_round_runs_torch_on_one_thread_where_kernels_carry_the_pa
     monkeypatch.setattr(drafter, "propose", recording)
     llm.generate(["abc abc abc abc"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert seen and set(seen) == ({1} if one_thread else {2})
+
+
+@pytest.mark.parametrize(("backend", "quantization", "one_thread"),
+                         [("auto", "q4_0", True), ("torch", "none", False)])
+def test_plain_sampling_runs_torch_on_one_thread_where_kernels_carry_the_passes(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, backend: str, quantization: str, one_thread: bool) -> None:
+    # A sampled step's operators over the vocabulary (temperature, softmax, the draw) likewise: on
+    # two threads they left OpenMP's workers spinning on the kernels' cores between decode steps.
+    import infer.engine.continuous_runner as continuous_runner
+    from infer import LLM, SamplingParams
+
+    torch.set_num_threads(2)  # the autouse fixture restores the test's thread count
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", backend=backend, quantization=quantization)
+    seen: list[int] = []
+    sample = continuous_runner.sample_with_logprobs
+
+    def recording(*args: object) -> object:
+        seen.append(torch.get_num_threads())
+        return sample(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(continuous_runner, "sample_with_logprobs", recording)
+    out = llm.generate(["abc abc"], SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6 and len(seen) == 6
+    assert set(seen) == ({1} if one_thread else {2})

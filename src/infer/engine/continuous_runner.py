@@ -140,12 +140,17 @@ class ContinuousRunner:
     def _sample(self, requests: list[Request], hidden: torch.Tensor, since: float) -> Sampled:
         """The next token of each request from its last ``hidden`` state (``since``: when the pass that
         gave it began, for the phase times)."""
-        logits = self.runner.logits(hidden)
-        since = PHASES.add("model pass", since)
-        tokens, logprobs = sample_with_logprobs(
-            logits, [r.params for r in requests], [r.all_token_ids for r in requests], [r.random_source() for r in requests],
-            grammar_masks(requests, logits.shape[-1], logits.device), [r.output_token_ids for r in requests],
-        )
+        # Sampling's operators over the vocabulary run as the backend wants host work around passes
+        # (Backend.host_policy): on two threads they would leave OpenMP's workers spinning on the
+        # cores the next pass's kernel threads need.
+        with self.runner.host_work():
+            logits = self.runner.logits(hidden)
+            since = PHASES.add("model pass", since)
+            tokens, logprobs = sample_with_logprobs(
+                logits, [r.params for r in requests], [r.all_token_ids for r in requests],
+                [r.random_source() for r in requests], grammar_masks(requests, logits.shape[-1], logits.device),
+                [r.output_token_ids for r in requests],
+            )
         sampled = Sampled([(r, StepOutput(t, lp)) for r, t, lp in zip(requests, tokens.tolist(), logprobs, strict=True)],
                           hidden)
         PHASES.add("sampling", since)
