@@ -580,6 +580,20 @@ def test_tree_sizer_follows_a_change_in_costs() -> None:
     assert sizer.best_tree_size == 0
 
 
+def test_tree_probes_back_off_where_speculation_does_not_pay() -> None:
+    # Nodes cost a whole step each: plain decoding is best. After every size is measured, a probe of
+    # the smallest tree comes after 16 rounds, then 32, 64 and 128 (each left plain decoding best),
+    # and every 128 rounds from then on: a request that cannot gain pays for ever fewer probes.
+    sizer = tree_sizer(16)
+    warmup = 2 * len(sizer.sizes)
+    chosen = play(sizer, warmup + 1000, lambda n: 1000 * expected_tokens(n, 0.6), lambda n: 1 + n)
+    assert sizer.best_tree_size == 0
+    probes = [i for i, n in enumerate(chosen) if i >= warmup and n]
+    assert all(chosen[i] == 1 for i in probes)  # from plain decoding, the smallest tree
+    gaps = [b - a for a, b in zip([warmup - 1, *probes], probes, strict=False)]
+    assert gaps[:4] == [16, 32, 64, 128] and set(gaps[4:]) == {128}
+
+
 @pytest.mark.parametrize("backend", list(KV_BACKENDS))
 def test_greedy_parity_over_a_quantized_target(tiny_llama: Path, heads_dirs: dict[str, Path], backend: str) -> None:
     """Medusa in front of a target quantized at load (Q4_1 blocks on the quantized kernels): the tree

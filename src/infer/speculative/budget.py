@@ -171,6 +171,9 @@ class BudgetController:
         self.counts = [0] * len(self.sizes)
         self._arm = len(self.sizes) - 1
         self._probe_up = True
+        self._tree_wait = probe_every  # rounds between a tree's probes of a neighbour size
+        self._since_probe = 0
+        self._probed_from: int | None = None  # the best arm the last round's probe left
         self._last_cost = self.round_cost(1)  # the prior, until a round is costed
 
     # -- the decision ----------------------------------------------------------------------------
@@ -268,16 +271,28 @@ class BudgetController:
 
     def tree_size(self, per_node: float, overhead: float = 0.0) -> int:
         """The tree size of the next round: untried sizes first (largest first: the heads' own tree
-        is the prior favourite), then the best, and every ``probe_every`` rounds a neighbour of it."""
+        is the prior favourite), then the best, and after ``probe_every`` rounds a neighbour of it
+        (alternately above and below; from plain decoding, the smallest tree). A probe that leaves
+        the best where it was doubles the wait for the next (up to ``max_probe_every``): where
+        speculation does not pay, its probes cost ever less; one that moves it starts over."""
         untried = [i for i, n in enumerate(self.counts) if n < self.warmup_rounds]
         if untried:
             self._arm = untried[-1]
-        elif self.rounds % self.probe_every == self.probe_every - 1:
-            step = 1 if self._probe_up else -1
+            return self.sizes[self._arm]
+        best = self._best_arm(per_node, overhead)
+        if self._probed_from is not None:  # the last round probed a neighbour of ``_probed_from``
+            moved = best != self._probed_from
+            self._tree_wait = self.probe_every if moved else min(2 * self._tree_wait, self.max_probe_every)
+            self._probed_from = None
+        self._since_probe += 1
+        self._arm = best
+        if self._since_probe >= self._tree_wait:
+            self._since_probe = 0
+            up = self._probe_up or best == 0
             self._probe_up = not self._probe_up
-            self._arm = min(max(self._best_arm(per_node, overhead) + step, 0), len(self.sizes) - 1)
-        else:
-            self._arm = self._best_arm(per_node, overhead)
+            neighbour = min(max(best + (1 if up else -1), 0), len(self.sizes) - 1)
+            if neighbour != best:
+                self._arm, self._probed_from = neighbour, best
         return self.sizes[self._arm]
 
     @property
