@@ -644,6 +644,32 @@ def test_thread_choice_follows_the_faster_count_and_keeps_checking() -> None:
     assert len(tries) >= 3 and tries[2] - tries[1] > tries[1] - tries[0] > 32  # the tries back off
 
 
+def test_thread_choice_returns_at_the_first_try_after_a_passing_disturbance() -> None:
+    """Another process slows two threads for a hundred passes (tries of two during it are slow too):
+    the choice moves to one, and once the machine is quiet again the first try of two threads brings
+    it back, a try's time replacing the count's old figure. Blended into that figure (the tries made
+    during the disturbance), two threads lost their tries for the next 2,000 passes."""
+    chooser = cpu.ThreadChooser()
+    cost = {2: 1.0, 1: 3.0}
+
+    def run(passes: int) -> list[int]:
+        picks = []
+        for _ in range(passes):
+            threads = chooser.pick("decode", 2)
+            chooser.record("decode", threads, cost[threads])
+            picks.append(threads)
+        return picks
+
+    run(100)
+    cost[2] = 10.0  # a disturbance on the second core
+    assert run(100)[-1] == 1
+    cost[2] = 1.0  # quiet again
+    picks = run(2000)
+    first_try = picks.index(2)
+    assert first_try <= 4 * chooser.EXPLORE  # the tries' wait grew during the disturbance
+    assert picks[first_try:].count(1) <= 10  # back at once, trying one thread now and then
+
+
 def test_a_slow_first_pass_does_not_decide_the_thread_count() -> None:
     """The first pass of a kind on a count pays one-time costs (page faults, thread start): it is
     not measured, so a first two-thread pass 6x slower than the rest does not make one thread win;

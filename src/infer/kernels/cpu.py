@@ -111,9 +111,9 @@ class ThreadChooser:
     On a machine of its own a pass runs fastest on every core. Where another process keeps a core
     busy, a thread sharing that core is descheduled for whole time slices and every parallel loop
     waits for it at its end: two threads then ran a SmolLM2 decode step at half the speed of one.
-    So each kind of pass (its label and row count) keeps a moving average of its time on all threads
-    and on one, runs the faster, and now and then runs the other once to notice the machine
-    changing. The first pass of a kind on a count is not measured: it pays one-time costs (a 1B
+    So each kind of pass (its label and row count) keeps a moving average of its time on the count
+    it runs, and the time of the last try of the other, runs the faster, and now and then runs the
+    other once to notice the machine changing. The first pass of a kind on a count is not measured: it pays one-time costs (a 1B
     model's first LM-head pass on two threads took 5.9 ms, later ones 2.4 ms, faulting in the
     weight pages the loader had handed back), and as the only sample it made one thread (4.4 ms)
     look faster for hundreds of steps. Exactness does not depend on it: every output of a kernel
@@ -155,7 +155,13 @@ class ThreadChooser:
             self.warmed.add(key)
             return
         previous = self.seconds.get(key)
-        self.seconds[key] = seconds if previous is None else previous + self.WEIGHT * (seconds - previous)
+        if previous is None or threads != self.best.get(kind):
+            # A try of the other count replaces its figure: the last one is as old as the last try
+            # (hundreds of passes), and blended with it, a count a passing disturbance made slow
+            # kept losing its tries long after the machine was quiet again.
+            self.seconds[key] = seconds
+        else:
+            self.seconds[key] = previous + self.WEIGHT * (seconds - previous)
 
     def settled(self, kind: Hashable, most: int) -> int:
         """The count ``kind``'s passes run on outside their tries of the other: the faster measured
