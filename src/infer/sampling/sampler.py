@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -154,10 +155,16 @@ def keyed_sample(probs: torch.Tensor, draws: Sequence[KeyedDraw]) -> torch.Tenso
     ``draws[i]``: the inverse CDF at its keyed uniform. Returns [N] long on ``probs.device``."""
     if not draws:
         return torch.empty(0, dtype=torch.long, device=probs.device)
-    # What multinomial refuses, refused here too: a draw from NaNs would silently pick a token.
-    if bool(invalid_rows(probs).any()):
-        raise RuntimeError("keyed sampling: the probabilities contain inf, nan or a negative value, or a row sums to 0")
+    _refuse_undrawable(probs, "keyed sampling")
     return inverse_cdf(probs, row_uniforms(draws, probs.device))
+
+
+def _refuse_undrawable(probs: torch.Tensor, what: str) -> None:
+    """RuntimeError where ``invalid_rows`` would flag a row (what multinomial refuses: a draw from
+    NaNs would silently pick a token), read in one transfer: each row's least value and sum."""
+    if not all(low >= 0 and 0 < total < math.inf
+               for low, total in zip(*torch.stack([probs.amin(dim=-1), probs.sum(dim=-1)]).tolist(), strict=True)):
+        raise RuntimeError(f"{what}: the probabilities contain inf, nan or a negative value, or a row sums to 0")
 
 
 def sample_from_probs(probs: torch.Tensor, generators: Sequence[RandomSource]) -> torch.Tensor:
@@ -176,18 +183,17 @@ def sample_from_probs(probs: torch.Tensor, generators: Sequence[RandomSource]) -
         raise ValueError(f"generators has {len(generators)} entries for a batch of {batch}")
     if batch == 0:
         return torch.empty(0, dtype=torch.long, device=probs.device)
-    if bool(invalid_rows(probs).any()):
-        raise RuntimeError("sampling: the probabilities contain inf, nan or a negative value, or a row sums to 0")
+    _refuse_undrawable(probs, "sampling")
     return inverse_cdf(probs, row_uniforms(generators, probs.device))
 
 
 def sample_rows(probs: torch.Tensor, greedy: Sequence[bool], generators: Sequence[RandomSource]) -> torch.Tensor:
     """One token per row of ``probs`` [B, V]: the argmax for greedy rows (no randomness consumed), a
     draw with the row's own generator for the others."""
-    tokens = probs.argmax(dim=-1)
     sampled = [b for b, is_greedy in enumerate(greedy) if not is_greedy]
     if len(sampled) == len(greedy):
         return sample_from_probs(probs, generators)
+    tokens = probs.argmax(dim=-1)
     if sampled:
         idx = row_index(sampled, probs.device)
         tokens[idx] = sample_from_probs(probs[idx], [generators[b] for b in sampled])

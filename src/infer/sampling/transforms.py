@@ -47,16 +47,19 @@ class SamplingBatch:
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str) -> SamplingBatch:
         greedy = [p.greedy for p in params]
+        # The float parameters as one [6, N] tensor (one host-to-device copy; rows are views).
+        floats = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                               [p.top_p for p in params], [p.min_p for p in params],
+                               [p.repetition_penalty for p in params], [p.presence_penalty for p in params],
+                               [p.frequency_penalty for p in params]], dtype=torch.float32, device=device)
         return cls(
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-                                     dtype=torch.float32, device=device),
+            temperature=floats[0],
             top_k=torch.tensor([min(p.top_k, _TOP_K_CAP) for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            repetition_penalty=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,
-                                            device=device),
-            presence_penalty=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
-            frequency_penalty=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            presence_penalty=floats[4],
+            frequency_penalty=floats[5],
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             logit_bias=[p.logit_bias for p in params],
             any_greedy=any(greedy),
