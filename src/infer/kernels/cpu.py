@@ -113,10 +113,9 @@ class ThreadChooser:
     waits for it at its end: two threads then ran a SmolLM2 decode step at half the speed of one.
     So each kind of pass (its label and row count) keeps a moving average of its time on the count
     it runs, and the time of the last try of the other, runs the faster, and now and then runs the
-    other once to notice the machine changing. The first pass of a kind on a count is not measured: it pays one-time costs (a 1B
-    model's first LM-head pass on two threads took 5.9 ms, later ones 2.4 ms, faulting in the
-    weight pages the loader had handed back), and as the only sample it made one thread (4.4 ms)
-    look faster for hundreds of steps. Exactness does not depend on it: every output of a kernel
+    other once to notice the machine changing. The first pass of a kind on a count is not
+    measured: it pays one-time costs (faulting in the weight pages the loader had handed back), and
+    as the only sample it made one thread look faster for hundreds of steps. Exactness does not depend on it: every output of a kernel
     is computed the same way whichever thread computes it."""
 
     EXPLORE = 32  # passes between tries of the other count; doubled while the try confirms the choice
