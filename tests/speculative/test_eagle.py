@@ -301,3 +301,34 @@ def test_pruned_tree_proposes_what_full_expansion_does(tiny_llama: Path, tmp_pat
     full, full_rows = run()
     assert pruned == full and len(full) > 10
     assert pruned_rows < full_rows  # the pruning did skip expansions (else this test proves nothing)
+
+
+def test_observed_states_are_held_once_in_position_order(tiny_llama: Path, tmp_path: Path) -> None:
+    """The target states the runner hands over (a prompt, then one a step, a retried pass repeating
+    positions, a restart after a gap) are kept in one growing buffer, position for position, and the
+    catch-up feeds exactly those to the head, then starts over."""
+    from types import SimpleNamespace
+
+    from infer.speculative.eagle import EagleDrafter
+
+    head = Eagle3Head.load(make_eagle3_head(tiny_llama, tmp_path / "head"), torch.float32, torch.device("cpu"))
+    head.config.aux_layers = (1, 2, 3)
+    width = 3 * head.config.target_hidden_size
+    drafter = EagleDrafter(head, lambda ids: torch.zeros(*ids.shape, head.config.hidden_size), "cpu",
+                           max_nodes=4, max_depth=2, cost_hint=0.1)
+    request: Any = SimpleNamespace(request_id="r")
+    states = torch.randn(200, width)
+    drafter.observe_states(request, 0, states[:70])  # a prompt longer than the first buffer
+    for position in range(70, 150):
+        drafter.observe_states(request, position, states[position: position + 1])
+    drafter.observe_states(request, 148, states[148:152])  # a retried pass: two new positions
+    seq = drafter._seqs["r"]
+    assert seq.pending == list(range(152)) and seq.observed_to() == 152
+    assert seq.states is not None and torch.equal(seq.states[:152], states[:152])
+    drafter.observe_states(request, 160, states[160:162])  # after a gap, the positions it holds
+    assert seq.pending[-3:] == [151, 160, 161] and torch.equal(seq.states[152:154], states[160:162])
+    request.all_token_ids = [i % 50 for i in range(163)]
+    drafter._catch_up([request])
+    assert seq.pending == [] and seq.length == 154 and seq.fed_to == 162  # every held state fed once
+    drafter.observe_states(request, 162, states[162:163])
+    assert seq.pending == [162] and torch.equal(seq.states[:1], states[162:163])  # the buffer starts over

@@ -86,10 +86,13 @@ class _Sequence:
     values: torch.Tensor
     length: int = 0  # cache entries in use
     fed_to: int = 0  # every position below was fed (or never observed)
-    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, states [n, aux])
+    pending: list[int] = field(default_factory=list)  # the positions observed and not fed yet, in order
+    # Their states, row i for pending[i]: one buffer, grown by doubling, that each observed pass is
+    # copied into (a round that falls back to a plain step then keeps no tensor of its own alive).
+    states: torch.Tensor | None = None
 
     def observed_to(self) -> int:
-        return self.pending[-1][0] + self.pending[-1][1].shape[0] if self.pending else self.fed_to
+        return self.pending[-1] + 1 if self.pending else self.fed_to
 
 
 @dataclass
@@ -134,9 +137,18 @@ class EagleDrafter(Drafter):
             shape = (64, config.num_key_value_heads, config.head_dim)
             seq = self._seqs[request.request_id] = _Sequence(torch.empty(shape, dtype=self.dtype, device=self.device),
                                                              torch.empty(shape, dtype=self.dtype, device=self.device))
-        skip = seq.observed_to() - position  # a retried pass repeats positions already held
-        if skip < states.shape[0]:
-            seq.pending.append((position + max(skip, 0), states[max(skip, 0):].detach().to(self.dtype)))
+        skip = max(seq.observed_to() - position, 0)  # a retried pass repeats positions already held
+        new = states.shape[0] - skip
+        if new <= 0:
+            return
+        held = len(seq.pending)
+        if seq.states is None or held + new > seq.states.shape[0]:
+            grown = torch.empty(max(64, 2 * (held + new)), states.shape[1], dtype=self.dtype, device=self.device)
+            if held:
+                grown[:held] = seq.states[:held]  # type: ignore[index]
+            seq.states = grown
+        seq.states[held: held + new] = states[skip:]
+        seq.pending.extend(range(position + skip, position + skip + new))
 
     def release(self, request: Request) -> None:
         self._seqs.pop(request.request_id, None)
@@ -213,12 +225,13 @@ class EagleDrafter(Drafter):
         sizes: list[int] = []
         for request, seq in zip(requests, seqs, strict=True):
             ids = request.all_token_ids
-            fed = [p for start, states in seq.pending for p in range(start, start + states.shape[0])]
+            fed = seq.pending
+            assert seq.states is not None  # (pending positions have their states)
             positions += fed
             tokens += [ids[p + 1] for p in fed]
-            chunks += [states for _, states in seq.pending]
+            chunks.append(seq.states[: len(fed)])  # copied by the cat below, before the buffer is reused
             sizes.append(len(fed))
-            seq.pending.clear()
+            seq.pending = []
             seq.fed_to = len(ids) - 1
         head = self.head
         state = head.fc(torch.cat(chunks))
