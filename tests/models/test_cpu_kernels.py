@@ -620,25 +620,27 @@ def test_probe_mismatches_fall_back_with_their_reasons(tiny_llama: Path, monkeyp
         kernels.reset()
 
 
+def decode_passes(chooser: cpu.ThreadChooser, cost: dict[int, float], passes: int) -> list[int]:
+    """``passes`` decode passes on two threads asked for, each taking ``cost[threads]``: the picks."""
+    picks = []
+    for _ in range(passes):
+        threads = chooser.pick("decode", 2)
+        chooser.record("decode", threads, cost[threads])
+        picks.append(threads)
+    return picks
+
+
 def test_thread_choice_follows_the_faster_count_and_keeps_checking() -> None:
     """A kind of pass runs on the count that measured faster; the other is tried again after a
     wait that doubles while the choice stands, and the choice flips when the machine changes."""
     chooser = cpu.ThreadChooser()
     cost = {2: 1.0, 1: 3.0}  # a machine of its own: two threads win
 
-    def run(passes: int) -> list[int]:
-        picks = []
-        for _ in range(passes):
-            threads = chooser.pick("decode", 2)
-            chooser.record("decode", threads, cost[threads])
-            picks.append(threads)
-        return picks
-
-    picks = run(200)
+    picks = decode_passes(chooser, cost, 200)
     assert picks[:4] == [2, 2, 1, 1] and picks.count(1) <= 5  # measured both, then tries at 32, 96, ...
     assert chooser.pick("prefill", 1) == 1  # one thread asked for: nothing to choose
     cost.update({2: 5.0, 1: 1.0})  # another process takes a core: two threads lose
-    picks = run(400)
+    picks = decode_passes(chooser, cost, 400)
     assert picks[-100:].count(1) >= 97
     tries = [i for i, t in enumerate(picks) if t == 2][3:]  # after the first passes (the switch)
     assert len(tries) >= 3 and tries[2] - tries[1] > tries[1] - tries[0] > 32  # the tries back off
@@ -652,19 +654,11 @@ def test_thread_choice_returns_at_the_first_try_after_a_passing_disturbance() ->
     chooser = cpu.ThreadChooser()
     cost = {2: 1.0, 1: 3.0}
 
-    def run(passes: int) -> list[int]:
-        picks = []
-        for _ in range(passes):
-            threads = chooser.pick("decode", 2)
-            chooser.record("decode", threads, cost[threads])
-            picks.append(threads)
-        return picks
-
-    run(100)
+    decode_passes(chooser, cost, 100)
     cost[2] = 10.0  # a disturbance on the second core
-    assert run(100)[-1] == 1
+    assert decode_passes(chooser, cost, 100)[-1] == 1
     cost[2] = 1.0  # quiet again
-    picks = run(2000)
+    picks = decode_passes(chooser, cost, 2000)
     first_try = picks.index(2)
     assert first_try <= 4 * chooser.EXPLORE  # the tries' wait grew during the disturbance
     assert picks[first_try:].count(1) <= 10  # back at once, trying one thread now and then
