@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -160,10 +159,9 @@ def keyed_sample(probs: torch.Tensor, draws: Sequence[KeyedDraw]) -> torch.Tenso
 
 
 def _refuse_undrawable(probs: torch.Tensor, what: str) -> None:
-    """RuntimeError where ``invalid_rows`` would flag a row (what multinomial refuses: a draw from
-    NaNs would silently pick a token), read in one transfer: each row's least value and sum."""
-    if not all(low >= 0 and 0 < total < math.inf
-               for low, total in zip(*torch.stack([probs.amin(dim=-1), probs.sum(dim=-1)]).tolist(), strict=True)):
+    """RuntimeError where ``invalid_rows`` flags a row: what multinomial refuses (a draw from NaNs
+    would silently pick a token)."""
+    if bool(invalid_rows(probs).any()):
         raise RuntimeError(f"{what}: the probabilities contain inf, nan or a negative value, or a row sums to 0")
 
 
