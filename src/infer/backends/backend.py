@@ -204,8 +204,8 @@ class Backend:
         return policy
 
     def host_policy(self, model: DecoderOnlyLM) -> Callable[[], contextlib.AbstractContextManager[None]]:
-        """The context for host work around ``model``'s passes (a speculative round: drafting,
-        rejection sampling): where C kernels carry its matmuls, torch's operators on one thread
+        """The context for host work around ``model``'s passes (sampling; a speculative round's
+        drafting and rejection sampling): where C kernels carry its matmuls, torch's operators on one thread
         (``kernels.cpu.host_work_single_threaded``), so libgomp's workers do not spin on the cores the
         next pass needs; elsewhere nothing."""
         if not any(isinstance(m, (GemvLinear, QuantLinear)) for m in model.modules()):

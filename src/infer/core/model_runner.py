@@ -60,8 +60,8 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         # The threads of each kind of pass, as the backend's kernels want them (Backend.thread_policy).
         self._threads_for = self.backend.thread_policy(model)
-        # Host work around the passes (a speculative round's drafting and rejection), threaded as the
-        # backend wants it (Backend.host_policy).
+        # Host work around the passes (sampling, a speculative round's drafting and rejection),
+        # threaded as the backend wants it (Backend.host_policy).
         self.host_work = self.backend.host_policy(model)
         # Passes replayed as CUDA graphs, where the backend makes them (CudaBackend.step_graphs, given
         # the batch and widths by the engine); None: every pass eagerly.

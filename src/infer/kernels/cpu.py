@@ -115,8 +115,8 @@ class ThreadChooser:
     it runs, and the time of the last try of the other, runs the faster, and now and then runs the
     other once to notice the machine changing. The first pass of a kind on a count is not
     measured: it pays one-time costs (faulting in the weight pages the loader had handed back), and
-    as the only sample it made one thread look faster for hundreds of steps. Exactness does not depend on it: every output of a kernel
-    is computed the same way whichever thread computes it."""
+    as the only sample it made one thread look faster for hundreds of steps. Exactness does not
+    depend on it: every output of a kernel is computed the same way whichever thread computes it."""
 
     EXPLORE = 32  # passes between tries of the other count; doubled while the try confirms the choice
     MAX_EXPLORE = 1024
