@@ -118,7 +118,7 @@ def test_a_plain_round_is_not_credited_to_the_tree_size_chosen(tiny_llama: Path,
 def test_controller_credits_each_request_to_the_size_it_verified() -> None:
     budget = BudgetController(8, adaptive=True, tree=True, cost_per_token=False)
     requests: Any = [SimpleNamespace(request_id=str(i)) for i in range(3)]
-    assert budget.budgets(requests) == [8, 8, 8]  # untried sizes first, largest first
+    assert budget.budgets(requests) == [0, 0, 0]  # the climb starts from plain decoding
     budget.observe_round(requests, verified=[8, 8, 5], judged=[3, 2, 2], accepted=[3, 1, 2])
     assert budget.tokens[budget.sizes.index(8)] == pytest.approx(3.0)  # (4 + 2) / 2; 5 is off the ladder
     assert sum(budget.counts) == 1

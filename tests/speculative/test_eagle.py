@@ -315,7 +315,7 @@ def test_observed_states_are_held_once_in_position_order(tiny_llama: Path, tmp_p
     head.config.aux_layers = (1, 2, 3)
     width = 3 * head.config.target_hidden_size
     drafter = EagleDrafter(head, lambda ids: torch.zeros(*ids.shape, head.config.hidden_size), "cpu",
-                           max_nodes=4, max_depth=2, cost_hint=0.1)
+                           max_nodes=4, max_depth=2, cost_hint=0.1, max_backlog=1000)
     request: Any = SimpleNamespace(request_id="r")
     states = torch.randn(200, width)
     drafter.observe_states(request, 0, states[:70])  # a prompt longer than the first buffer
@@ -332,3 +332,40 @@ def test_observed_states_are_held_once_in_position_order(tiny_llama: Path, tmp_p
     assert seq.pending == [] and seq.length == 154 and seq.fed_to == 162  # every held state fed once
     drafter.observe_states(request, 162, states[162:163])
     assert seq.pending == [162] and torch.equal(seq.states[:1], states[162:163])  # the buffer starts over
+
+
+def test_the_backlog_fed_to_the_head_is_bounded(tiny_llama: Path, tmp_path: Path) -> None:
+    """A long prompt, then plain rounds: the drafter holds at most twice ``max_backlog`` states, and
+    a catch-up feeds the newest ``max_backlog`` positions, each with its own state, in order."""
+    from types import SimpleNamespace
+
+    from infer.speculative.eagle import EagleDrafter
+
+    head = Eagle3Head.load(make_eagle3_head(tiny_llama, tmp_path / "head"), torch.float32, torch.device("cpu"))
+    head.config.aux_layers = (1, 2, 3)
+    width = 3 * head.config.target_hidden_size
+    fed: list[tuple[list[int], torch.Tensor]] = []
+    drafter = EagleDrafter(head, lambda ids: torch.zeros(*ids.shape, head.config.hidden_size), "cpu",
+                           max_nodes=4, max_depth=2, cost_hint=0.1, max_backlog=8)
+    real_qkv = drafter._qkv
+
+    def spy(embeds: torch.Tensor, state: torch.Tensor, positions: list[int]) -> Any:
+        fed.append((list(positions), state.clone()))
+        return real_qkv(embeds, state, positions)
+
+    drafter._qkv = spy  # type: ignore[method-assign]
+    request: Any = SimpleNamespace(request_id="r", all_token_ids=[i % 50 for i in range(101)])
+    states = torch.randn(100, width)
+    drafter.observe_states(request, 0, states[:40])  # a prompt five times the backlog
+    seq = drafter._seqs["r"]
+    assert seq.pending == list(range(32, 40)) and seq.states is not None and torch.equal(seq.states[:8], states[32:40])
+    for position in range(40, 100):  # plain rounds
+        drafter.observe_states(request, position, states[position: position + 1])
+        assert len(seq.pending) <= 16 and seq.pending == list(range(seq.pending[0], position + 1))
+        assert torch.equal(seq.states[: len(seq.pending)], states[seq.pending[0]: position + 1])
+    drafter._catch_up([request])
+    positions, fed_states = fed[-1]
+    assert positions == list(range(92, 100)) and seq.length == 8 and seq.pending == []
+    assert torch.equal(fed_states, head.fc(states[92:100]))  # the newest eight, each with its own state
+    with pytest.raises(ValueError, match="max_backlog"):
+        EagleDrafter(head, lambda ids: ids, "cpu", max_nodes=4, max_depth=2, cost_hint=0.1, max_backlog=0)

@@ -22,7 +22,11 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   backs off within a round or two and one copying a passage drafts long. For a tree, whose extra
   width a single ``α`` does not describe, it is measured: the mean tokens per request and round at
   each size on a ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times
-  first and a neighbour of the best every ``probe_every`` rounds. A chain request left at
+  first, smallest first while the sizes keep paying more (two in a row below the best end the
+  climb: a weak head never pays for a 64-node tree), then a neighbour of the best every
+  ``probe_every`` rounds. A tree must promise ``min_gain`` more tokens per unit of time than plain
+  decoding to be played at all: near break-even the estimates' noise decides, and a tree that
+  loses a little every round is what the default must never do. A chain request left at
   ``n = 0`` drafts two tokens after ``first_probe`` plain rounds (a new one: its α is only its
   predecessors'), then after ``probe_every``, so one whose text turns predictable can win
   speculation back. When one request is due, every request at 0 probes with it, because a round
@@ -129,7 +133,7 @@ class BudgetController:
                  prior_cost: float = 0.0, prior_alpha: float = 0.6, ema: float = 0.3, probe_every: int = 16,
                  max_probe_every: int = 128, warmup_rounds: int = 2, tree_ema: float = 0.2,
                  alpha_decay: float = 0.7, alpha_window: float = 8.0, prior_row_cost: float = 0.05,
-                 min_row_cost: float = 0.01, first_probe: int = 4) -> None:
+                 min_row_cost: float = 0.01, first_probe: int = 4, min_gain: float = 0.05) -> None:
         if max_budget < 1:
             raise ValueError(f"max_budget={max_budget} must be >= 1")
         self.max_budget = max_budget
@@ -167,6 +171,7 @@ class BudgetController:
         self.sizes = size_ladder(max_budget) if tree else list(range(max_budget + 1))
         self.warmup_rounds = warmup_rounds
         self.tree_ema = tree_ema
+        self.min_gain = min_gain
         self.tokens = [0.0] * len(self.sizes)
         self.counts = [0] * len(self.sizes)
         self._arm = len(self.sizes) - 1
@@ -270,14 +275,17 @@ class BudgetController:
         return probed
 
     def tree_size(self, per_node: float, overhead: float = 0.0) -> int:
-        """The tree size of the next round: untried sizes first (largest first: the heads' own tree
-        is the prior favourite), then the best, and after ``probe_every`` rounds a neighbour of it
-        (alternately above and below; from plain decoding, the smallest tree). A probe that leaves
-        the best where it was doubles the wait for the next (up to ``max_probe_every``): where
-        speculation does not pay, its probes cost ever less; one that moves it starts over."""
-        untried = [i for i, n in enumerate(self.counts) if n < self.warmup_rounds]
-        if untried:
-            self._arm = untried[-1]
+        """The tree size of the next round: the ladder climbed from plain decoding, each size tried
+        ``warmup_rounds`` times, while the best measured size is one of the two largest tried (a
+        big tree costs several plain steps a round: it is tried only once smaller ones pay more and
+        more); then the best, and after ``probe_every`` rounds a neighbour of it (alternately above
+        and below; from plain decoding, the smallest tree), which is how a size above the climb's
+        end is reached later. A probe that leaves the best where it was doubles the wait for the
+        next (up to ``max_probe_every``): where speculation does not pay, its probes cost ever
+        less; one that moves it starts over."""
+        climb = next((i for i, n in enumerate(self.counts) if n < self.warmup_rounds), None)
+        if climb is not None and (climb < 2 or self._best_arm(per_node, overhead) >= climb - 2):
+            self._arm = climb
             return self.sizes[self._arm]
         best = self._best_arm(per_node, overhead)
         if self._probed_from is not None:  # the last round probed a neighbour of ``_probed_from``
@@ -305,10 +313,13 @@ class BudgetController:
         return self.sizes[self._best_arm(*self._last_cost)]
 
     def _best_arm(self, per_node: float, overhead: float) -> int:
+        """The measured size of the most tokens per unit of time, a tree's rate counted ``min_gain``
+        lower against plain decoding's (trees against each other compare as measured)."""
         measured = [i for i, n in enumerate(self.counts) if n]
         if not measured:
-            return len(self.sizes) - 1
-        return max(measured, key=lambda i: self.tokens[i] / _cost(self.sizes[i], per_node, overhead))
+            return 0
+        return max(measured, key=lambda i: self.tokens[i] / _cost(self.sizes[i], per_node, overhead)
+                   / (1.0 + self.min_gain if self.sizes[i] else 1.0))
 
     # -- learning --------------------------------------------------------------------------------
     def observe_target(self, num_tokens: int, seconds: float) -> None:

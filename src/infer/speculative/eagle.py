@@ -35,6 +35,12 @@ from infer.models.eagle3 import CONFIG_FILE, WEIGHTS_FILE, Eagle3Head, attend, d
 from infer.speculative.drafter import Drafter, DrafterInfo, Proposal
 
 DEFAULT_TOP_K = 4  # candidates expanded per depth, and children proposed by each
+# The most positions one catch-up feeds the head: a request's prompt, or a stretch of plain rounds
+# (the tree sizer left speculation off), beyond that is skipped, its oldest positions first. Feeding
+# costs the head a pass over every row, and after a long stretch the catch-up made each probe of a
+# tree cost about two plain steps on the CPU, while the draft hardly reads that far back (tokens per
+# pass within noise of the whole backlog's: docs/speculative.md).
+MAX_BACKLOG = 64
 
 
 def default_head_dir(target: str | os.PathLike[str]) -> Path:
@@ -116,13 +122,17 @@ class EagleDrafter(Drafter):
     """Drafts a tree of up to ``budgets[b]`` nodes per request with an EAGLE-3 head (see the module doc)."""
 
     def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str,
-                 max_nodes: int, max_depth: int, cost_hint: float, top_k: int = DEFAULT_TOP_K) -> None:
+                 max_nodes: int, max_depth: int, cost_hint: float, top_k: int = DEFAULT_TOP_K,
+                 max_backlog: int = MAX_BACKLOG) -> None:
         if head.config.aux_layers is None:
             raise ValueError("the head's aux layers must be resolved against the target (load_eagle_head)")
         self.head = head
         self.embed = head.embed_tokens if head.embed_tokens is not None else embed
         self.device = torch.device(device)
         self.max_depth, self.top_k = max_depth, top_k
+        if max_backlog < 1:
+            raise ValueError(f"max_backlog={max_backlog} must be >= 1")
+        self.max_backlog = max_backlog
         self.dtype = head.norm.weight.dtype  # (the projections may hold quantized blocks)
         self.target_ids = head.target_ids.tolist()
         self.info = DrafterInfo(tree=True, max_nodes=max_nodes, aux_layers=tuple(head.config.aux_layers),
@@ -142,6 +152,16 @@ class EagleDrafter(Drafter):
         if new <= 0:
             return
         held = len(seq.pending)
+        keep = self.max_backlog
+        if held + new > 2 * keep:
+            # Far behind: only the newest ``keep`` positions will ever be fed (``_catch_up``), so the
+            # buffer restarts with them (held ones first) rather than growing with the backlog.
+            older = max(keep - new, 0)
+            kept = [seq.states[held - older: held]] if older and seq.states is not None else []
+            seq.states = torch.cat([*kept, states[states.shape[0] - min(new, keep):].to(self.dtype)])
+            seq.pending = seq.pending[held - older:] + list(range(position + states.shape[0] - min(new, keep),
+                                                                  position + states.shape[0]))
+            return
         if seq.states is None or held + new > seq.states.shape[0]:
             grown = torch.empty(max(64, 2 * (held + new)), states.shape[1], dtype=self.dtype, device=self.device)
             if held:
@@ -225,11 +245,12 @@ class EagleDrafter(Drafter):
         sizes: list[int] = []
         for request, seq in zip(requests, seqs, strict=True):
             ids = request.all_token_ids
-            fed = seq.pending
+            skip = max(len(seq.pending) - self.max_backlog, 0)  # the oldest beyond the backlog: never fed
+            fed = seq.pending[skip:]
             assert seq.states is not None  # (pending positions have their states)
             positions += fed
             tokens += [ids[p + 1] for p in fed]
-            chunks.append(seq.states[: len(fed)])  # copied by the cat below, before the buffer is reused
+            chunks.append(seq.states[skip: skip + len(fed)])  # copied by the cat below, before the buffer is reused
             sizes.append(len(fed))
             seq.pending = []
             seq.fed_to = len(ids) - 1
