@@ -108,13 +108,14 @@ def test_dequantize_rows_is_gguf_dequantize(qk: QuantKernels, qtype: str) -> Non
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_rows_and_threads_do_not_change_a_row(qk: QuantKernels, qtype: str) -> None:
-    """Output row r depends on activation row r only: the same bits in a 1-row call as among 3, 7 or
-    16 rows, and on 1 thread as on 2 (what makes a verification pass equal decode steps)."""
+    """Output row r depends on activation row r only: the same bits in a 1-row call as among 3, 6, 7,
+    16 or 17 rows (the few-row tiles of six, and the larger calls' tiles of four), and on 1 thread as
+    on 2 (what makes a verification pass equal decode steps)."""
     out_features, in_features = 37, 768
     weight = qk.pack(quant.random_blocks(qtype, out_features, in_features, torch.Generator().manual_seed(4)),
                      qtype, in_features)
     generator = torch.Generator().manual_seed(5)
-    for rows in (1, 3, 7, 16):
+    for rows in (1, 3, 6, 7, 16, 17):
         x = torch.randn(rows, in_features, generator=generator) * torch.rand(rows, 1, generator=generator) * 10
         together = qk.linear(x, weight, threads=1)
         for r in range(rows):
@@ -136,11 +137,11 @@ def test_x8_is_the_reference_bit_for_bit_for_any_rows_and_threads(qk: QuantKerne
     weight = qk.pack(raw, qtype, in_features)
     assert weight.data.shape == (-(-out_features // 8), in_features // block * QUANT_TYPES[qtype].x8_block_bytes)
     generator = torch.Generator().manual_seed(9)
-    x = torch.randn(11, in_features, generator=generator) * torch.rand(11, 1, generator=generator) * 10
+    x = torch.randn(17, in_features, generator=generator) * torch.rand(17, 1, generator=generator) * 10
     x[3, 64:96] = 0.0  # an all-zero activation block
     bias = torch.randn(out_features, generator=generator)
     want = quant.reference_linear_x8(x, raw, qtype, in_features, bias)
-    for rows in (1, 2, 3, 4, 5, 8, 11):
+    for rows in (1, 2, 3, 4, 5, 6, 8, 11, 17):
         for threads in (1, 2):
             got = qk.linear(x[:rows].contiguous(), weight, bias, threads=threads)
             assert torch.equal(got, want[:rows]), (rows, threads, float((got - want[:rows]).abs().max()))

@@ -105,7 +105,7 @@ static inline void x8_interleave(const uint8_t *const *rows, int at, int units, 
  * = value 16 + 4u + i's. isum[r][z] += the unsigned values' dot products with the activations. */
 static inline __attribute__((always_inline)) void x8_nibble_dots(const uint8_t *const *gp, int qs, int fifth,
                                                                  const X8Act *a, int64_t r0, int64_t b,
-                                                                 GI isum[X8_RB][X8_NZ_MAX], const int R, const int NZ) {
+                                                                 GI isum[X8_RB_MAX][X8_NZ_MAX], const int R, const int NZ) {
     for (int u = 0; u < 4; u++) {
         GW lo[X8_NZ_MAX], hi[X8_NZ_MAX];
         for (int z = 0; z < NZ; z++) {
@@ -124,8 +124,8 @@ static inline __attribute__((always_inline)) void x8_nibble_dots(const uint8_t *
 }
 /* acc = fmaf((float)isum, d_w * d_x, acc) per row and two-group vector, d_w the float16 scales at `at` */
 static inline __attribute__((always_inline)) void x8_scale_sums(const uint8_t *const *gp, int at, const X8Act *a,
-                                                                int64_t r0, int64_t b, GI isum[X8_RB][X8_NZ_MAX],
-                                                                GF acc[X8_RB][X8_NZ_MAX], const int R, const int NZ) {
+                                                                int64_t r0, int64_t b, GI isum[X8_RB_MAX][X8_NZ_MAX],
+                                                                GF acc[X8_RB_MAX][X8_NZ_MAX], const int R, const int NZ) {
     for (int z = 0; z < NZ; z++) {
         GF dw = gf_fp16(gp[2 * z] + at, gp[2 * z + 1] + at);
         for (int r = 0; r < R; r++) acc[r][z] = gf_fma_i(acc[r][z], isum[r][z], gf_mul(dw, gf_set1(x8_dx(a, r0 + r, b))));
@@ -151,9 +151,9 @@ static void x8_repack_q4_0(const uint8_t *const *rows, uint8_t *dst) {
     x8_interleave(rows, 2, 4, dst + 16);
 }
 static inline __attribute__((always_inline)) void x8_block_q4_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
-    GI isum[X8_RB][X8_NZ_MAX];
+    GI isum[X8_RB_MAX][X8_NZ_MAX];
     for (int r = 0; r < R; r++)
         for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(-8 * x8_xsum(a, r0 + r, b));
     x8_nibble_dots(gp, 16, -1, a, r0, b, isum, R, NZ);
@@ -171,9 +171,9 @@ static void x8_repack_q4_1(const uint8_t *const *rows, uint8_t *dst) {
     x8_interleave(rows, 4, 4, dst + 32);
 }
 static inline __attribute__((always_inline)) void x8_block_q4_1(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
-    GI isum[X8_RB][X8_NZ_MAX];
+    GI isum[X8_RB_MAX][X8_NZ_MAX];
     for (int r = 0; r < R; r++)
         for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(0);
     x8_nibble_dots(gp, 32, -1, a, r0, b, isum, R, NZ);
@@ -205,9 +205,9 @@ static void x8_repack_q5_0(const uint8_t *const *rows, uint8_t *dst) {
     x8_interleave(rows, 6, 4, dst + 48);
 }
 static inline __attribute__((always_inline)) void x8_block_q5_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
-    GI isum[X8_RB][X8_NZ_MAX];
+    GI isum[X8_RB_MAX][X8_NZ_MAX];
     for (int r = 0; r < R; r++)
         for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(-16 * x8_xsum(a, r0 + r, b));
     x8_nibble_dots(gp, 48, 16, a, r0, b, isum, R, NZ);
@@ -224,9 +224,9 @@ static void x8_repack_q8_0(const uint8_t *const *rows, uint8_t *dst) {
     x8_interleave(rows, 2, 8, dst + 16);
 }
 static inline __attribute__((always_inline)) void x8_block_q8_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
-    GI isum[X8_RB][X8_NZ_MAX];
+    GI isum[X8_RB_MAX][X8_NZ_MAX];
     for (int r = 0; r < R; r++)
         for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(-X8_S8_OFFSET * x8_xsum(a, r0 + r, b));
     for (int u = 0; u < 8; u++) {
@@ -298,18 +298,18 @@ static void x8_repack_k45(const uint8_t *const *rows, uint8_t *dst, int fifth) {
 static void x8_repack_q4_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 0); }
 static void x8_repack_q5_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 1); }
 static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                               int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                               int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                const int NZ, const int fifth) {
     GF d[X8_NZ_MAX], negmin[X8_NZ_MAX];
     for (int z = 0; z < NZ; z++) d[z] = gf_fp16(gp[2 * z], gp[2 * z + 1]), negmin[z] = gf_fp16(gp[2 * z] + 16, gp[2 * z + 1] + 16);
     for (int p = 0; p < 4; p++) {
-        GI i0[X8_RB][X8_NZ_MAX], i1[X8_RB][X8_NZ_MAX];
+        GI i0[X8_RB_MAX][X8_NZ_MAX], i1[X8_RB_MAX][X8_NZ_MAX];
         for (int r = 0; r < R; r++)
             for (int z = 0; z < NZ; z++) i0[r][z] = i1[r][z] = gi_set1(0);
         /* the 8 units in runs (gp_dot_u): all 8 of 4-bit values, 4 at a time of 5-bit ones */
         const int run = fifth ? X8_RUN16(31) : X8_RUN16(15);
         for (int w0 = 0; w0 < 8; w0 += run) {
-            GP run0[X8_RB][X8_NZ_MAX], run1[X8_RB][X8_NZ_MAX];
+            GP run0[X8_RB_MAX][X8_NZ_MAX], run1[X8_RB_MAX][X8_NZ_MAX];
             for (int r = 0; r < R; r++)
                 for (int z = 0; z < NZ; z++) run0[r][z] = gp_begin(i0[r][z]), run1[r][z] = gp_begin(i1[r][z]);
             for (int w = w0; w < w0 + run; w++) {
@@ -348,12 +348,12 @@ static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *co
     }
 }
 static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
     x8_block_k45(gp, a, r0, b, acc, R, NZ, 0);
 }
 static inline __attribute__((always_inline)) void x8_block_q5_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
     x8_block_k45(gp, a, r0, b, acc, R, NZ, 1);
 }
@@ -398,13 +398,13 @@ static void x8_repack_q6_k(const uint8_t *const *rows, uint8_t *dst) {
     }
 }
 static inline __attribute__((always_inline)) void x8_block_q6_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                int64_t b, GF acc[X8_RB][X8_NZ_MAX], const int R,
+                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
     GF d[X8_NZ_MAX];
     for (int z = 0; z < NZ; z++) d[z] = gf_fp16(gp[2 * z], gp[2 * z + 1]);
     for (int c = 0; c < 8; c++) {
         const int64_t xb = 8 * b + c;
-        GI half[2][X8_RB][X8_NZ_MAX];
+        GI half[2][X8_RB_MAX][X8_NZ_MAX];
         for (int r = 0; r < R; r++) {
             const int32_t s16 = a->sum16[(r0 + r) * a->xblocks + xb];
             for (int z = 0; z < NZ; z++) half[0][r][z] = gi_set1(-32 * s16), half[1][r][z] = gi_set1(-32 * (x8_xsum(a, r0 + r, xb) - s16));
@@ -449,36 +449,43 @@ static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
 /* Registration: one include per type, and its name:x8 block bytes in X8_TYPES (Python mirrors
  * both in quant.QUANT_TYPES). */
 #define X8T q8_0
+#define X8_TYPE_RB_FEW X8_RB_FEW
 #define X8_ELEMS 32
 #define X8_FILE_BYTES 34
 #define X8_GROUP_BYTES 272
 #include "quant_x8_impl.h"
 #define X8T q4_0
+#define X8_TYPE_RB_FEW X8_RB_FEW
 #define X8_ELEMS 32
 #define X8_FILE_BYTES 18
 #define X8_GROUP_BYTES 144
 #include "quant_x8_impl.h"
 #define X8T q4_1
+#define X8_TYPE_RB_FEW X8_RB_FEW
 #define X8_ELEMS 32
 #define X8_FILE_BYTES 20
 #define X8_GROUP_BYTES 160
 #include "quant_x8_impl.h"
 #define X8T q5_0
+#define X8_TYPE_RB_FEW X8_RB_FEW
 #define X8_ELEMS 32
 #define X8_FILE_BYTES 22
 #define X8_GROUP_BYTES 176
 #include "quant_x8_impl.h"
 #define X8T q4_k
+#define X8_TYPE_RB_FEW X8_RB
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 144
 #define X8_GROUP_BYTES 1152
 #include "quant_x8_impl.h"
 #define X8T q5_k
+#define X8_TYPE_RB_FEW X8_RB
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 176
 #define X8_GROUP_BYTES 1408
 #include "quant_x8_impl.h"
 #define X8T q6_k
+#define X8_TYPE_RB_FEW X8_RB
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 210
 #define X8_GROUP_BYTES 1680

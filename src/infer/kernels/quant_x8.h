@@ -105,6 +105,12 @@ static inline GI gi_mul(GI a, GI b) { return _mm512_mullo_epi32(a, b); }
 #ifndef X8_RB
 #define X8_RB 4
 #endif
+/* A call of a few rows (a verification pass: X8_FEW_ROWS or fewer) takes the 32-value types' tiles
+ * six rows at a time: a 6-row pass then reads and unpacks each weight tile once instead of for 4 +
+ * 2 rows (the K types keep X8_RB: their scales take the registers; docs/cpu.md has the figures). */
+#ifndef X8_RB_FEW
+#define X8_RB_FEW 6
+#endif
 #ifndef X8_NZ
 #define X8_NZ 2
 #endif
@@ -340,6 +346,11 @@ static inline GI gi_mul(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v
 #endif
 
 #define X8_NZ_MAX (X8_NZ > X8_NZ_DECODE ? X8_NZ : X8_NZ_DECODE)
+#ifndef X8_RB_FEW
+#define X8_RB_FEW X8_RB
+#endif
+#define X8_RB_MAX (X8_RB_FEW > X8_RB ? X8_RB_FEW : X8_RB) /* the accumulators' row dimension */
+#define X8_FEW_ROWS 16 /* the most rows a call may have for its type's X8_TYPE_RB_FEW tiles */
 /* Bytes ahead of the block in use to prefetch, every cache line of it, in each group's stream on
  * the first pass over a tile. Streaming a 2048x8192 Q4_0 weight from memory at 1 row on 1 thread
  * (project EPYC, medians of 7): no prefetch 27.3 GB/s, one line per block 1 KB ahead 20.9, every

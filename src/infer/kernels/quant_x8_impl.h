@@ -37,7 +37,7 @@ void X8FN(quant_repack)(const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
  * groups (quant_x8.h), one sequential stream: near its end the prefetch runs on into the next
  * run, the tile this thread takes next within its chunk of the pool's loop. */
 static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *const *gbase, int64_t blocks, int64_t stride,
-                                                             const X8Act *a, int64_t r0, GF acc[X8_RB][X8_NZ_MAX],
+                                                             const X8Act *a, int64_t r0, GF acc[X8_RB_MAX][X8_NZ_MAX],
                                                              const int R, const int NZ, const int stream) {
     for (int r = 0; r < R; r++)
         for (int z = 0; z < NZ; z++) acc[r][z] = gf_zero();
@@ -86,7 +86,7 @@ static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker)
         }
         /* a tile's groups lie in one run (2 * nz divides X8_RUN): one stride */
         const int64_t stride = x8_run_groups(t * nz * 2, groups) * X8_GROUP_BYTES;
-        GF acc[X8_RB][X8_NZ_MAX];
+        GF acc[X8_RB_MAX][X8_NZ_MAX];
         for (int64_t r0 = 0; r0 < m; r0 += rb) {
             const int64_t rn = m - r0 < rb ? m - r0 : rb;
             if (decode) {
@@ -94,15 +94,19 @@ static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker)
             } else {
                 switch (rn) {
                 case 1: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 1, X8_NZ, r0 == 0); break;
-#if X8_RB > 2
+#if X8_RB_MAX > 2
                 case 2: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 2, X8_NZ, r0 == 0); break;
                 case 3: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 3, X8_NZ, r0 == 0); break;
 #endif
-#if X8_RB > 4
+#if X8_RB_MAX > 4
                 case 4: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 4, X8_NZ, r0 == 0); break;
                 case 5: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 5, X8_NZ, r0 == 0); break;
 #endif
-                default: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, X8_RB, X8_NZ, r0 == 0); break;
+#if X8_RB_MAX > 6
+                case 6: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 6, X8_NZ, r0 == 0); break;
+                case 7: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 7, X8_NZ, r0 == 0); break;
+#endif
+                default: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, X8_RB_MAX, X8_NZ, r0 == 0); break;
                 }
             }
             for (int64_t r = 0; r < rn; r++)
@@ -141,12 +145,13 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
     const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum + m * xblocks};
     /* One activation row: X8_NZ_DECODE two-group vectors per tile, unless the smaller row tiles
      * spread the pairs over the threads more evenly (a 576-row weight on 2 threads: 9 decode tiles
-     * are 5 + 4, 18 small ones 9 + 9); else X8_RB rows x X8_NZ two-group vectors. */
+     * are 5 + 4, 18 small ones 9 + 9); else X8_RB rows (X8_TYPE_RB_FEW in a call of at most
+     * X8_FEW_ROWS) x X8_NZ two-group vectors. */
     const int64_t pairs = (groups + 1) / 2, per = threads > 1 ? threads : 1;
     const int64_t decode_path = ((pairs + X8_NZ_DECODE - 1) / X8_NZ_DECODE + per - 1) / per * X8_NZ_DECODE,
                   small_path = ((pairs + X8_NZ - 1) / X8_NZ + per - 1) / per * X8_NZ;
     const int decode = m == 1 && decode_path <= small_path, nz = decode ? X8_NZ_DECODE : X8_NZ,
-              rb = decode ? 1 : X8_RB;
+              rb = decode ? 1 : m <= X8_FEW_ROWS ? X8_TYPE_RB_FEW : X8_RB;
     const int64_t tiles = (pairs + nz - 1) / nz;
     X8Linear job = {w, n, m, blocks, groups, &act, bias, y, decode, nz, rb};
     pool_run(X8FN(quant_tiles), &job, tiles, 0, threads);
@@ -176,3 +181,4 @@ void X8FN(quant_dequantize_rows)(const uint8_t *w, int64_t n, int64_t k, const i
 #undef X8_ELEMS
 #undef X8_FILE_BYTES
 #undef X8_GROUP_BYTES
+#undef X8_TYPE_RB_FEW
