@@ -5,10 +5,14 @@
  * of the team must reach. On a machine where another process keeps a core busy, the thread sharing
  * that core is descheduled for whole time slices (milliseconds, against a decode step's ~5 ms), and
  * every loop waits for it: `infer demo` then decoded at 0.4x the speed one thread gave. Here the
- * caller posts a job (a function over items 0 .. items - 1, in chunks), takes chunks itself, and
- * waits only for chunks some thread has claimed: a helper that wakes late finds nothing left and
- * claims nothing. Only a helper descheduled while it holds a chunk still delays the job, by the rest
- * of its chunk; the chooser in infer.kernels.cpu notices the slower passes and runs fewer threads.
+ * caller posts a job (a function over items 0 .. items - 1, in chunks) and takes chunks itself. Each
+ * thread owns a run of consecutive chunks, which it takes from the front, in order: a weight streams
+ * from memory as one sequence per thread, as under a static split (taking chunks in turn from one
+ * counter made every thread jump between chunks, and a verification pass over SmolLM2's small
+ * matrices ran about 10% slower). A thread whose run is done takes chunks from the back of another
+ * thread's run, so a helper that wakes late, or is descheduled, has its chunks done by the others:
+ * only a helper descheduled while it holds a chunk still delays the job, by the rest of that chunk;
+ * the chooser in infer.kernels.cpu notices the slower passes and runs fewer threads.
  *
  * Which thread computes an item never changes what it computes (every caller's items are
  * independent, each written by exactly one chunk), so results are bit-identical for any thread
@@ -41,10 +45,19 @@
 
 typedef void (*pool_fn)(void *ctx, int64_t begin, int64_t end, int worker);
 
+#define POOL_MAX_CHUNKS ((1 << 20) - 1) /* a run's bounds are 20-bit fields of its word */
+
+/* One thread's run of chunks: (job sequence << 40) | (front << 20) | back, chunks front .. back - 1 left.
+ * Its owner claims the front, others the back, each by a compare-and-swap that fails once the word
+ * holds another job's tag, so a helper that slept through a job can never take a chunk of the next
+ * one. One cache line each: the owner's claims do not bounce a line the other threads write. */
 typedef struct {
-    /* (job word << 32) | chunks left to claim: a claim is a compare-and-swap that fails once the job
-     * is another's, so a helper that slept through a job can never take a chunk of the next one */
-    _Atomic uint64_t next;
+    _Atomic uint64_t word;
+    char pad[64 - sizeof(uint64_t)];
+} PoolRun;
+
+typedef struct {
+    PoolRun runs[POOL_MAX_THREADS]; /* the current job's: worker w's chunks */
     _Atomic uint32_t job;     /* (sequence << 8) | helpers asked for: what helpers wait on */
     _Atomic int64_t done;     /* chunks finished of the current job */
     _Atomic int sleepers;     /* helpers asleep on `wake` */
@@ -53,11 +66,12 @@ typedef struct {
     pthread_cond_t wake;
     int started;              /* helpers running */
     uint32_t sequence;
-    /* The current job. Written before `next` publishes it; read only by a thread holding a claimed,
+    /* The current job. Written before the runs publish it; read only by a thread holding a claimed,
      * unfinished chunk of it, so it cannot change under the reader. */
     pool_fn fn;
     void *ctx;
     int64_t items, chunk, chunks;
+    _Atomic int workers; /* the caller and the helpers asked for: the runs in use */
 } Pool;
 
 typedef struct {
@@ -83,19 +97,30 @@ static inline int64_t pool_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Claim one chunk of job `job`: its index, or -1 where none is left (or the job is over). */
-static inline int64_t pool_claim(Pool *p, uint32_t job) {
-    uint64_t v = atomic_load_explicit(&p->next, memory_order_acquire);
-    for (;;) {
-        if ((uint32_t)(v >> 32) != job || (uint32_t)v == 0) return -1;
-        if (atomic_compare_exchange_weak_explicit(&p->next, &v, v - 1, memory_order_acq_rel, memory_order_acquire))
-            return p->chunks - (int64_t)(uint32_t)v;
+static inline uint64_t pool_tag(uint32_t job) { return (uint64_t)(job >> 8) << 40; }
+
+/* Claim one chunk of job `job` for `worker`: the front of its own run, else the back of another's
+ * (the next workers' first); the chunk's index, or -1 where none is left (or the job is over). */
+static inline int64_t pool_claim(Pool *p, uint32_t job, int worker) {
+    const uint64_t tag = pool_tag(job);
+    const int workers = atomic_load_explicit(&p->workers, memory_order_relaxed);
+    for (int k = 0; k < workers; k++) {
+        PoolRun *run = &p->runs[(worker + k) % workers];
+        uint64_t v = atomic_load_explicit(&run->word, memory_order_acquire);
+        for (;;) {
+            const uint64_t front = v >> 20 & POOL_MAX_CHUNKS, back = v & POOL_MAX_CHUNKS;
+            if ((v & ~(((uint64_t)1 << 40) - 1)) != tag || front >= back) break;
+            const uint64_t taken = k == 0 ? v + ((uint64_t)1 << 20) : v - 1;
+            if (atomic_compare_exchange_weak_explicit(&run->word, &v, taken, memory_order_acq_rel, memory_order_acquire))
+                return (int64_t)(k == 0 ? front : back - 1);
+        }
     }
+    return -1;
 }
 
 /* Run every chunk of job `job` this thread can claim. */
 static inline void pool_work(Pool *p, uint32_t job, int worker) {
-    for (int64_t c; (c = pool_claim(p, job)) >= 0;) {
+    for (int64_t c; (c = pool_claim(p, job, worker)) >= 0;) {
         const int64_t begin = c * p->chunk, end = begin + p->chunk < p->items ? begin + p->chunk : p->items;
         p->fn(p->ctx, begin, end, worker);
         atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
@@ -176,8 +201,9 @@ static void pool_run(pool_fn fn, void *ctx, int64_t items, int64_t chunk, int th
         const int64_t want = (int64_t)(threads > 1 ? threads : 1) * POOL_CHUNKS_PER_THREAD;
         chunk = (items + want - 1) / want;
     }
+    if ((items + chunk - 1) / chunk > POOL_MAX_CHUNKS) chunk = (items + POOL_MAX_CHUNKS - 1) / POOL_MAX_CHUNKS;
     const int64_t chunks = (items + chunk - 1) / chunk;
-    if (threads <= 1 || chunks <= 1 || chunks > UINT32_MAX || pthread_mutex_trylock(&p->busy) != 0) {
+    if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&p->busy) != 0) {
         fn(ctx, 0, items, 0);
         return;
     }
@@ -189,9 +215,13 @@ static void pool_run(pool_fn fn, void *ctx, int64_t items, int64_t chunk, int th
     p->chunk = chunk;
     p->chunks = chunks;
     atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->workers, helpers + 1, memory_order_relaxed);
     p->sequence = (p->sequence + 1) & 0xffffff;
     const uint32_t job = p->sequence << 8 | (uint32_t)helpers;
-    atomic_store_explicit(&p->next, (uint64_t)job << 32 | (uint64_t)chunks, memory_order_release);
+    for (int w = 0; w <= helpers; w++) { /* worker w's run: its share of the chunks, in order */
+        const uint64_t front = (uint64_t)(chunks * w / (helpers + 1)), back = (uint64_t)(chunks * (w + 1) / (helpers + 1));
+        atomic_store_explicit(&p->runs[w].word, pool_tag(job) | front << 20 | back, memory_order_release);
+    }
     atomic_store(&p->job, job);
     if (atomic_load(&p->sleepers) > 0) {
         pthread_mutex_lock(&p->sleep);
@@ -199,7 +229,7 @@ static void pool_run(pool_fn fn, void *ctx, int64_t items, int64_t chunk, int th
         pthread_mutex_unlock(&p->sleep);
     }
     pool_work(p, job, 0);
-    /* Only claimed chunks are waited for: every chunk is claimed once `next` reaches 0. */
+    /* Only claimed chunks are waited for: the caller leaves pool_work once every run is empty. */
     for (int i = 1; atomic_load_explicit(&p->done, memory_order_acquire) < chunks; i++) {
         pool_relax();
         if (i % 1024 == 0) sched_yield(); /* a helper holding a chunk may need this core */
