@@ -369,3 +369,48 @@ def test_the_backlog_fed_to_the_head_is_bounded(tiny_llama: Path, tmp_path: Path
     assert torch.equal(fed_states, head.fc(states[92:100]))  # the newest eight, each with its own state
     with pytest.raises(ValueError, match="max_backlog"):
         EagleDrafter(head, lambda ids: ids, "cpu", max_nodes=4, max_depth=2, cost_hint=0.1, max_backlog=0)
+
+
+def test_a_head_resting_between_probes_captures_only_what_it_will_read(tiny_llama: Path, tmp_path: Path) -> None:
+    """A head that never pays leaves the tree sizer on plain decoding; the passes more than the
+    drafter's window before its next probe capture no layer inputs, the ones before a probe do (the
+    probe drafts), and the output is plain decoding's."""
+    import dataclasses
+
+    import infer.core.model_runner as model_runner
+
+    head = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab=list(range(300)))
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(PROMPTS[:1], params)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="eagle", eagle_head=str(head))
+    runner: Any = llm.engine.runner
+    runner.drafter.max_backlog = 4
+    runner.drafter.info = dataclasses.replace(runner.drafter.info, aux_window=4)
+    passes: list[bool] = []  # per target pass: were the layer inputs captured
+    real_forward = model_runner.ModelRunner._forward
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self is runner.target.runner:
+            passes.append(bool(self.aux_layers))
+        return real_forward(self, *args, **kwargs)
+
+    drafted_after_pause: list[int] = []  # nodes each drafting call proposed once a pass had skipped capture
+    real_propose = runner.drafter.propose
+
+    def propose(*args: Any) -> Any:
+        proposal = real_propose(*args)
+        if False in passes:
+            drafted_after_pause.append(sum(proposal.num_tokens))
+        return proposal
+
+    runner.drafter.propose = propose
+    model_runner.ModelRunner._forward = spy  # type: ignore[method-assign]
+    try:
+        out = llm.generate(PROMPTS[:1], params)
+    finally:
+        model_runner.ModelRunner._forward = real_forward  # type: ignore[method-assign]
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert runner.budget.best_tree_size == 0  # the random head does not pay
+    assert passes.count(False) > 200 and passes.count(True) > 20
+    # every probe after a pause drafted: the states it reads were captured in time
+    assert drafted_after_pause and all(drafted_after_pause)

@@ -577,6 +577,26 @@ def test_tree_sizer_settles_on_the_fastest_size(decay: float, cost_per_node: flo
     assert chosen[: 2 * len(climbed)] == [n for n in climbed for _ in range(2)]
 
 
+def test_plain_rounds_ahead_counts_down_to_the_next_probe() -> None:
+    # Plain decoding is best (each node costs a whole step): between probes the sizer knows how many
+    # rounds stay plain, and no round it promised plain drafts.
+    sizer = tree_sizer(16)
+    request: Any = SimpleNamespace(request_id="r")
+    chosen, ahead = [], []
+    for _ in range(700):
+        n = sizer.budgets([request])[0]
+        chosen.append(n)
+        ahead.append(sizer.plain_rounds_ahead())
+        sizer.observe_target(1 + n, 1.0 + n)
+        sizer.record_tree_round(n, round(1000 * expected_tokens(n, 0.6)))
+    assert chosen[:6] == [0, 0, 1, 1, 2, 2] and ahead[:6] == [0] * 6  # climbing: any round may draft
+    for i, k in enumerate(ahead):
+        assert not any(chosen[i + 1: i + 1 + k]), i  # promised plain rounds stay plain
+    probes = [i for i, n in enumerate(chosen) if i >= 6 and n]
+    assert len(probes) >= 5 and all(ahead[i - 1] == 0 for i in probes)  # each probe was announced
+    assert max(ahead) == 126  # probes 128 rounds apart: the first plain round after one knows the other 126
+
+
 @pytest.mark.parametrize(("gain", "played"), [(1.03, False), (1.10, True)])
 def test_tree_sizer_needs_a_margin_over_plain_decoding(gain: float, played: bool) -> None:
     # A one-node tree emitting `gain` tokens a round for the price of a plain step (every other

@@ -93,7 +93,19 @@ class SpeculativeRunner:
 
     # -- runner interface ------------------------------------------------------------------------
     def step(self, prefill: list[PrefillChunk], decode: list[Request]) -> StepResult:
+        if prefill:
+            self._choose_capture()
         return self._keep_hidden(self.target.prefill(prefill)) + self.speculative_decode(decode)
+
+    def _choose_capture(self) -> None:
+        """Whether the next target pass captures the layer inputs the drafter reads: not while the
+        budget will keep every round plain for longer than the drafter looks back (an EAGLE head
+        resting between probes), since those states would never be fed. Capturing changes no
+        arithmetic, only the copies and the drafter's bookkeeping a plain round pays."""
+        layers, window = self.drafter.info.aux_layers, self.drafter.info.aux_window
+        if layers:
+            wanted = window is None or self.budget.plain_rounds_ahead() < window
+            self.target.runner.aux_layers = layers if wanted else ()
 
     def release(self, request: Request) -> None:
         self.target.release(request)
@@ -136,6 +148,7 @@ class SpeculativeRunner:
     def _round(self, requests: list[Request]) -> StepResult:
         since = PHASES.mark()
         budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests), strict=True)]
+        self._choose_capture()
         start = device_clock(self.device)
         proposal = self.drafter.propose(requests, budgets, self._hidden_of(requests)) if any(budgets) else None
         drafted = device_clock(self.device)

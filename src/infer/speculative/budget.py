@@ -303,6 +303,18 @@ class BudgetController:
                 self._arm, self._probed_from = neighbour, best
         return self.sizes[self._arm]
 
+    def plain_rounds_ahead(self) -> int:
+        """How many rounds after the one just decided will surely draft nothing (0: the next may):
+        only a tree sizer resting on plain decoding knows, from the wait for its next probe. A
+        drafter that reads target states of recent positions only (``DrafterInfo.aux_window``)
+        needs none captured before then."""
+        if not (self.adaptive and self.tree) or self.sizes[self._arm] != 0 or self._probed_from is not None:
+            return 0
+        climb = next((i for i, n in enumerate(self.counts) if n < self.warmup_rounds), None)
+        if climb is not None and (climb < 2 or self._best_arm(*self._last_cost) >= climb - 2):
+            return 0
+        return max(self._tree_wait - self._since_probe - 1, 0)
+
     @property
     def rounds(self) -> int:
         return sum(self.counts)

@@ -77,6 +77,9 @@ class DrafterInfo:
     cost_per_token: bool = False
     cost_hint: float = 0.0  # prior for one draft step's time over one target decode step
     aux_layers: tuple[int, ...] = ()  # target layer inputs observe_states receives (EAGLE-3); () none
+    # Of those, a round feeds only the newest aux_window positions' (None: every one), so a pass more
+    # than aux_window rounds before the next round that may draft need not capture them.
+    aux_window: int | None = None
 
 
 class Drafter(ABC):

@@ -136,7 +136,7 @@ class EagleDrafter(Drafter):
         self.dtype = head.norm.weight.dtype  # (the projections may hold quantized blocks)
         self.target_ids = head.target_ids.tolist()
         self.info = DrafterInfo(tree=True, max_nodes=max_nodes, aux_layers=tuple(head.config.aux_layers),
-                                cost_hint=cost_hint)
+                                cost_hint=cost_hint, aux_window=max_backlog)
         self._seqs: dict[str, _Sequence] = {}
 
     # -- state from the runner -------------------------------------------------------------------
