@@ -184,6 +184,11 @@ static inline GI gi_mul(GI a, GI b) { return (GI){_mm256_mullo_epi32(a.a, b.a), 
 #ifndef X8_RB
 #define X8_RB 4
 #endif
+/* A few rows' call (see the AVX-512 variant): 6-row tiles here too, though they spill more of the
+ * accumulators (5 and 6 rows, run on the project's EPYC: docs/cpu.md) */
+#ifndef X8_RB_FEW
+#define X8_RB_FEW 6
+#endif
 #ifndef X8_NZ
 #define X8_NZ 1
 #endif
