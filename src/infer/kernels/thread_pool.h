@@ -8,8 +8,8 @@
  * caller posts a job (a function over items 0 .. items - 1, in chunks) and takes chunks itself. Each
  * thread owns a run of consecutive chunks, which it takes from the front, in order: a weight streams
  * from memory as one sequence per thread, as under a static split (taking chunks in turn from one
- * counter made every thread jump between chunks, and a verification pass over SmolLM2's small
- * matrices ran about 10% slower). A thread whose run is done takes chunks from the back of another
+ * counter made every thread jump between chunks, which cost most on small matrices and wide
+ * verification passes: docs/cpu.md). A thread whose run is done takes chunks from the back of another
  * thread's run, so a helper that wakes late, or is descheduled, has its chunks done by the others:
  * only a helper descheduled while it holds a chunk still delays the job, by the rest of that chunk;
  * the chooser in infer.kernels.cpu notices the slower passes and runs fewer threads.

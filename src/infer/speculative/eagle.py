@@ -37,9 +37,8 @@ from infer.speculative.drafter import Drafter, DrafterInfo, Proposal
 DEFAULT_TOP_K = 4  # candidates expanded per depth, and children proposed by each
 # The most positions one catch-up feeds the head: a request's prompt, or a stretch of plain rounds
 # (the tree sizer left speculation off), beyond that is skipped, its oldest positions first. Feeding
-# costs the head a pass over every row, and after a long stretch the catch-up made each probe of a
-# tree cost about two plain steps on the CPU, while the draft hardly reads that far back (tokens per
-# pass within noise of the whole backlog's: docs/speculative.md).
+# costs the head a pass over every row, so after a long stretch each probe of a tree paid for the
+# whole backlog, while the draft hardly reads that far back (docs/speculative.md has the figures).
 MAX_BACKLOG = 64
 
 
