@@ -124,6 +124,25 @@ def test_rows_and_threads_do_not_change_a_row(qk: QuantKernels, qtype: str) -> N
 
 
 @pytest.mark.parametrize("qtype", TYPES)
+def test_stream_prefetch_changes_no_bits_and_follows_the_vendor(qk: QuantKernels, qtype: str) -> None:
+    """A decode step's whole-run tiles give the same bits with and without their software prefetches
+    (on AMD's cores the library leaves the stream to the hardware, elsewhere it prefetches)."""
+    out_features, in_features = 1000, 512  # 63 whole-run decode tiles
+    raw = quant.random_blocks(qtype, out_features, in_features, torch.Generator().manual_seed(12))
+    weight = qk.pack(raw, qtype, in_features)
+    x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(13))
+    default = qk.set_stream_prefetch(True)
+    try:
+        assert default == (build.cpu_vendor() != "AuthenticAMD")
+        prefetched = qk.linear(x, weight, threads=2)
+        assert qk.set_stream_prefetch(False) is True
+        assert torch.equal(qk.linear(x, weight, threads=2), prefetched)
+        assert torch.equal(prefetched, quant.reference_linear_x8(x, raw, qtype, in_features))
+    finally:
+        qk.set_stream_prefetch(default)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("out_features", [45, 133])  # 6 groups (the last of 5 rows), 17 (an odd count)
 def test_x8_is_the_reference_bit_for_bit_for_any_rows_and_threads(qk: QuantKernels, qtype: str,
                                                                    out_features: int) -> None:

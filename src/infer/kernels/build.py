@@ -101,6 +101,18 @@ def _detected_cpu_flags() -> frozenset[str]:
             return frozenset()
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``, ...); "" where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags: /proc/cpuinfo's ``flags`` (x86) or ``Features`` (ARM) on Linux,
     else py-cpuinfo's when it is installed, else none known. Tests replace this function to fake

@@ -153,6 +153,17 @@ class QuantKernels:
             rows.argtypes, rows.restype = [pointer, size, size, pointer, size, pointer], None
             repack = getattr(lib, f"quant_repack_x8_{qt.suffix}")
             repack.argtypes, repack.restype = [pointer, size, size, pointer], None
+        lib.infer_quant_set_stream_prefetch.argtypes = [ctypes.c_int]
+        lib.infer_quant_set_stream_prefetch.restype = ctypes.c_int
+        # A decode step's tiles each stream a run of weight groups: on AMD's cores the hardware
+        # prefetcher alone streams them faster than with the software prefetches, which paid on the
+        # Xeon they were tuned on (docs/cpu.md). The same bits either way.
+        self.set_stream_prefetch(build.cpu_vendor() != "AuthenticAMD")
+
+    def set_stream_prefetch(self, on: bool) -> bool:
+        """Whether a 1-row call's whole-run tiles prefetch in software (this library, from now on);
+        returns the setting before."""
+        return bool(self.lib.infer_quant_set_stream_prefetch(int(on)))
 
     def __repr__(self) -> str:
         return f"QuantKernels({self.variant.name})"

@@ -492,6 +492,14 @@ static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
 #include "quant_x8_impl.h"
 #define X8_TYPES " x8=q8_0:272,q4_0:144,q4_1:160,q5_0:176,q4_k:1152,q5_k:1408,q6_k:1680"
 
+/* A 1-row call's whole-run tiles prefetch in software (1) or leave the stream to the hardware (0);
+ * returns the setting before. See quant_x8.h. */
+int infer_quant_set_stream_prefetch(int on) {
+    const int before = x8_stream_prefetch;
+    x8_stream_prefetch = on != 0;
+    return before;
+}
+
 /* What Python checks at load: the ISA this build holds, the types and their block sizes, the
  * activation block. A mismatch refuses the library instead of misreading the weights. */
 const char *infer_quant_layout(void) {

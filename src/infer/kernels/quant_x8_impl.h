@@ -90,7 +90,7 @@ static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker)
         for (int64_t r0 = 0; r0 < m; r0 += rb) {
             const int64_t rn = m - r0 < rb ? m - r0 : rb;
             if (decode) {
-                X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 1, X8_NZ_DECODE, 1);
+                X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 1, X8_NZ_DECODE, x8_stream_prefetch);
             } else {
                 switch (rn) {
                 case 1: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, 1, X8_NZ, r0 == 0); break;
