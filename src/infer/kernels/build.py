@@ -85,13 +85,19 @@ QUANT_VARIANTS = (
 )
 
 
+def _cpuinfo_field(*names: str) -> str | None:
+    """The value of /proc/cpuinfo's first line naming one of ``names`` (None: no such line); OSError
+    where the file cannot be read."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith(names):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 @functools.cache
 def _detected_cpu_flags() -> frozenset[str]:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-        return frozenset()
+        return frozenset((_cpuinfo_field("flags", "Features") or "").split())
     except OSError:
         try:
             import cpuinfo
@@ -105,12 +111,9 @@ def _detected_cpu_flags() -> frozenset[str]:
 def cpu_vendor() -> str:
     """/proc/cpuinfo's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``, ...); "" where unknown."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
+        return _cpuinfo_field("vendor_id") or ""
     except OSError:
-        pass
-    return ""
+        return ""
 
 
 def cpu_flags() -> frozenset[str]:

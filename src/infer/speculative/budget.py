@@ -283,8 +283,8 @@ class BudgetController:
         end is reached later. A probe that leaves the best where it was doubles the wait for the
         next (up to ``max_probe_every``): where speculation does not pay, its probes cost ever
         less; one that moves it starts over."""
-        climb = next((i for i, n in enumerate(self.counts) if n < self.warmup_rounds), None)
-        if climb is not None and (climb < 2 or self._best_arm(per_node, overhead) >= climb - 2):
+        climb = self._climb_arm(per_node, overhead)
+        if climb is not None:
             self._arm = climb
             return self.sizes[self._arm]
         best = self._best_arm(per_node, overhead)
@@ -310,10 +310,18 @@ class BudgetController:
         needs none captured before then."""
         if not (self.adaptive and self.tree) or self.sizes[self._arm] != 0 or self._probed_from is not None:
             return 0
-        climb = next((i for i, n in enumerate(self.counts) if n < self.warmup_rounds), None)
-        if climb is not None and (climb < 2 or self._best_arm(*self._last_cost) >= climb - 2):
+        if self._climb_arm(*self._last_cost) is not None:
             return 0
         return max(self._tree_wait - self._since_probe - 1, 0)
+
+    def _climb_arm(self, per_node: float, overhead: float) -> int | None:
+        """The next size of the climb (the smallest tried fewer than ``warmup_rounds`` times), while
+        the climb goes on: always up to the 2-node tree, then while the best measured size is one of
+        the two largest tried. None: the climb is over (for now: a probe may move the best up)."""
+        climb = next((i for i, n in enumerate(self.counts) if n < self.warmup_rounds), None)
+        if climb is not None and (climb < 2 or self._best_arm(per_node, overhead) >= climb - 2):
+            return climb
+        return None
 
     @property
     def rounds(self) -> int:
