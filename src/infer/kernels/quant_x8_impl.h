@@ -143,14 +143,14 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
     }
     quantize_rows(x, m, k, xq, dx, xsum, sx, xsum + m * xblocks, threads);
     const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum + m * xblocks};
-    /* One activation row: X8_NZ_DECODE two-group vectors per tile, unless the smaller row tiles
-     * spread the pairs over the threads more evenly (a 576-row weight on 2 threads: 9 decode tiles
-     * are 5 + 4, 18 small ones 9 + 9); else X8_RB rows (X8_TYPE_RB_FEW in a call of at most
-     * X8_FEW_ROWS) x X8_NZ two-group vectors. */
-    const int64_t pairs = (groups + 1) / 2, per = threads > 1 ? threads : 1;
-    const int64_t decode_path = ((pairs + X8_NZ_DECODE - 1) / X8_NZ_DECODE + per - 1) / per * X8_NZ_DECODE,
-                  small_path = ((pairs + X8_NZ - 1) / X8_NZ + per - 1) / per * X8_NZ;
-    const int decode = m == 1 && decode_path <= small_path, nz = decode ? X8_NZ_DECODE : X8_NZ,
+    /* One activation row: X8_NZ_DECODE two-group vectors per tile, each tile its whole run of groups
+     * (one stream), even where that splits a weight's tiles unevenly over the threads (a 576-row
+     * weight on 2 threads: 5 + 4). Half-run tiles balanced them (9 + 9) but read each run as two
+     * interleaved halves, and with the pool's per-thread runs a decode step's small products then
+     * ran no faster on two threads than on one (docs/cpu.md). Else X8_RB rows (X8_TYPE_RB_FEW in a
+     * call of at most X8_FEW_ROWS) x X8_NZ two-group vectors. */
+    const int64_t pairs = (groups + 1) / 2;
+    const int decode = m == 1, nz = decode ? X8_NZ_DECODE : X8_NZ,
               rb = decode ? 1 : m <= X8_FEW_ROWS ? X8_TYPE_RB_FEW : X8_RB;
     const int64_t tiles = (pairs + nz - 1) / nz;
     X8Linear job = {w, n, m, blocks, groups, &act, bias, y, decode, nz, rb};
