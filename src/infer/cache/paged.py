@@ -67,6 +67,9 @@ class PagedKVCachePool:
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._refcount = [0] * num_blocks
         self.block_tables: dict[int, list[int]] = {}
+        # Per sequence: the block table its storage rows were last made for, and those rows. A decode
+        # step asks for them every pass; the table changes only when a block is added or dropped.
+        self._rows: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
         self._lens: dict[int, int] = {}
         self._next_slot = 0
         # The prefix cache registers here so idle cached blocks count as free and are evicted on demand.
@@ -83,6 +86,7 @@ class PagedKVCachePool:
         return slot
 
     def free(self, slot: int) -> None:
+        self._rows.pop(slot, None)
         for block in self.block_tables.pop(slot):
             self.release_block(block)
         del self._lens[slot]
@@ -182,9 +186,19 @@ class PagedKVCachePool:
 
     # -- addressing ----------------------------------------------------------------------------
     def storage_rows(self, slot: int, end: int) -> torch.Tensor:
-        table = torch.tensor(self.block_tables[slot], dtype=torch.long, device=self.device)
-        offsets = torch.arange(self.block_size, device=self.device)
-        return (table.unsqueeze(1) * self.block_size + offsets).flatten()[:end]
+        """The storage rows of ``slot``'s first ``end`` positions (a view: callers do not write it)."""
+        table = tuple(self.block_tables[slot])
+        cached = self._rows.get(slot)
+        if cached is None or cached[0] != table:
+            known = cached is not None and cached[0] == table[:len(cached[0])]
+            start = len(cached[0]) if known and cached is not None else 0
+            blocks = torch.tensor(table[start:], dtype=torch.long, device=self.device)
+            rows = (blocks.unsqueeze(1) * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+            if start and cached is not None:  # blocks appended: extend the rows made before
+                rows = torch.cat((cached[1], rows))
+            cached = (table, rows)
+            self._rows[slot] = cached
+        return cached[1][:end]
 
     def contiguous_start(self, slot: int) -> int | None:
         table = self.block_tables[slot]

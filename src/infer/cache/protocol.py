@@ -255,10 +255,13 @@ def build_kv_batch(
         write_index = torch.arange(read_start + starts[0], read_start + ends[0], device=device)
     else:
         rows = [pool.storage_rows(slot, end) for slot, end in zip(slots, ends, strict=True)]
-        write_index = torch.cat([r[s:] for r, s in zip(rows, starts, strict=True)])
-        read_index = torch.zeros(batch, context, dtype=torch.long, device=device)
-        for b, r in enumerate(rows):
-            read_index[b, : r.numel()] = r
+        if batch == 1:  # the pool's rows as they are (read only)
+            write_index, read_index = rows[0][starts[0]:], rows[0].unsqueeze(0)
+        else:
+            write_index = torch.cat([r[s:] for r, s in zip(rows, starts, strict=True)])
+            read_index = torch.zeros(batch, context, dtype=torch.long, device=device)
+            for b, r in enumerate(rows):
+                read_index[b, : r.numel()] = r
     token_valid = None
     if not uniform:
         token_valid = torch.arange(width, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)
