@@ -297,6 +297,41 @@ def test_single_sequence_rows_are_contiguous_ranges(llama: tuple[DecoderOnlyLM, 
     assert kv.write_index.tolist() == pool.storage_rows(slot, 6 + BLOCK)[6:].tolist()
 
 
+def test_kept_storage_rows_follow_every_change_of_the_block_table(llama: tuple[DecoderOnlyLM, ModelConfig]) -> None:
+    """The pool keeps a sequence's rows between passes: after growth, truncation, re-growth onto
+    other blocks and a freed slot's blocks going to another sequence, they equal rows made afresh
+    from the block table."""
+    _, config = llama
+    pool = make_pool("paged", config, num_blocks=12)
+    assert isinstance(pool, PagedKVCachePool)
+
+    def fresh(slot: int, end: int) -> list[int]:
+        return [b * BLOCK + i for b in pool.block_tables[slot] for i in range(BLOCK)][:end]
+
+    a, b = pool.allocate(), pool.allocate()
+    # Each step's rows are checked after it, except where a step is marked unchecked: then the table
+    # changes twice between two reads (a's blocks truncated, taken by b, and a grown again to the
+    # same number of blocks, other ones).
+    script = [(a, "reserve", 3), (b, "reserve", 9), (a, "reserve", 10), (a, "truncate", 4, "unchecked"),
+              (b, "reserve", 17, "unchecked"), (a, "reserve", 10), (a, "reserve", 13), (a, "truncate", 0),
+              (a, "reserve", 21), (b, "free", 0)]
+    for slot, action, length, *unchecked in script:
+        if action == "reserve":
+            pool.reserve(slot, length)
+        elif action == "truncate":
+            pool.truncate_to(slot, length)
+        else:
+            pool.free(slot)
+            c = pool.allocate()
+            pool.reserve(c, 16)  # takes b's freed blocks
+            assert pool.storage_rows(c, 16).tolist() == fresh(c, 16)
+        if unchecked:
+            continue
+        for live in (s for s in (a, b) if s in pool.block_tables):
+            n = pool.seq_len(live)
+            assert pool.storage_rows(live, n).tolist() == fresh(live, n), (slot, action, length)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_pool_storage_is_zero_aligned_and_writable(dtype: torch.dtype) -> None:
     """CPU pools start as zero pages (``cache.protocol.zeroed``): zero, 64-byte aligned like
