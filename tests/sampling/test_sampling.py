@@ -11,7 +11,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.sampling import SamplingBatch, probs_from_logits, sample_from_probs, sample_next_tokens
 from infer.sampling.sampler import inverse_cdf
-from infer.sampling.transforms import drafts_on_path, token_counts
+from infer.sampling.transforms import drafts_on_path, greedy_tokens, token_counts
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -368,3 +368,18 @@ def test_seeded_generation_is_independent_of_the_batch(llm: LLM) -> None:
     # and in another position with different neighbours
     outputs = llm.generate(["import json", others[2]], [seeded, SamplingParams(max_tokens=3, temperature=1.5)])
     assert outputs[0].token_ids == alone
+
+
+def test_greedy_tokens_is_torch_argmax_on_ties_nans_batches_and_views() -> None:
+    """The NumPy route takes the same index as ``torch.argmax``: the first of tied maxima, the first
+    NaN, every row of a batch, a strided view; other dtypes go through torch itself."""
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(3, 5, 49152, generator=gen)
+    wide[0, 0, 7] = wide[0, 0, 9] = wide[0, 0].max() + 1  # a tie: index 7
+    wide[1, 2, 11] = wide[1, 2, 4] = float("nan")  # NaNs: the first, 4
+    wide[2, 1] = float("-inf")  # all -inf: index 0
+    cases = [wide, wide[:, 1], wide[..., ::3], wide.transpose(0, 1), wide.to(torch.bfloat16), torch.zeros(2, 1)]
+    for logits in cases:
+        got = greedy_tokens(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1)), logits.shape
+    assert int(greedy_tokens(wide)[0, 0]) == 7 and int(greedy_tokens(wide)[1, 2]) == 4

@@ -35,6 +35,7 @@ from infer.sampling.transforms import (
     SamplingBatch,
     argmax_only,
     drafts_on_path,
+    greedy_tokens,
     probs_from_processed,
     process_logits,
 )
@@ -212,7 +213,7 @@ class SpeculativeRunner:
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
         if argmax_only([r.params for r in requests]):
             # Greedy rows only compare drafts with the target's argmax: no distributions needed.
-            verdict = verify_greedy(drafts, num_draft, ragged.padded(logits.argmax(dim=-1)))
+            verdict = verify_greedy(drafts, num_draft, ragged.padded(greedy_tokens(logits)))
             # no processor applies: logprobs come from the raw logits
             processed = ragged.padded(logits) if any(r.params.logprobs is not None for r in requests) else logits
         else:
@@ -259,7 +260,7 @@ class SpeculativeRunner:
         if argmax_only([r.params for r in requests]):
             # Greedy rows only compare nodes with the target's argmax: no [B, W+1, V] distributions.
             verdict = verify_tree_greedy(tokens.tolist(), counts, parents.tolist(),
-                                         ragged.padded(logits.argmax(dim=-1)).tolist())
+                                         ragged.padded(greedy_tokens(logits)).tolist())
             # no processor applies: logprobs come from the raw logits
             processed = ragged.padded(logits) if any(r.params.logprobs is not None for r in requests) else logits
         else:

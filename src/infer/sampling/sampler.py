@@ -11,6 +11,7 @@ from infer.sampling.params import SamplingParams
 from infer.sampling.transforms import (
     SamplingBatch,
     argmax_only,
+    greedy_tokens,
     probs_from_processed,
     process_logits,
     processed_logprobs,
@@ -191,7 +192,7 @@ def sample_rows(probs: torch.Tensor, greedy: Sequence[bool], generators: Sequenc
     sampled = [b for b, is_greedy in enumerate(greedy) if not is_greedy]
     if len(sampled) == len(greedy):
         return sample_from_probs(probs, generators)
-    tokens = probs.argmax(dim=-1)
+    tokens = greedy_tokens(probs)
     if sampled:
         idx = row_index(sampled, probs.device)
         tokens[idx] = sample_from_probs(probs[idx], [generators[b] for b in sampled])
@@ -236,7 +237,7 @@ def sample_with_logprobs(
     """``sample_next_tokens``, and each token's ``TokenLogprobs`` for the rows whose params ask."""
     if allowed is None and argmax_only(params) and all(p.logprobs is None for p in params):
         # Each distribution would be the one-hot argmax of the raw logits: take the argmax.
-        return logits.argmax(dim=-1), [None] * len(params)
+        return greedy_tokens(logits), [None] * len(params)
     batch = SamplingBatch.from_params(params, logits.device)
     presence = context_presence(batch, contexts, logits.shape[-1], logits.device)
     counts = output_counts(batch, outputs if outputs is not None else [[] for _ in params], logits.shape[-1],
