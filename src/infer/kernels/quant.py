@@ -68,7 +68,7 @@ X8_ROWS = 8  # weight rows per x8 group
 class QuantWeight:
     """A weight ready for the kernels (``QuantKernels.pack`` makes it): ``data`` is uint8
     [ceil(out_features / 8), in_features / block_elems * x8_block_bytes], the x8 layout: groups of 8
-    weight rows interleaved, stored in runs of 8 groups interleaved block by block (quant_x8.h; the
+    weight rows interleaved, stored in runs of 4 groups interleaved block by block (quant_x8.h; the
     last group padded with zeros)."""
 
     qtype: str

@@ -115,7 +115,7 @@ static inline GI gi_mul(GI a, GI b) { return _mm512_mullo_epi32(a, b); }
 #define X8_NZ 2
 #endif
 #ifndef X8_NZ_DECODE
-#define X8_NZ_DECODE 4 /* one activation row: 8 groups in flight (their chains hide the latencies) */
+#define X8_NZ_DECODE 2 /* one activation row: a whole run of 4 groups per tile (X8_RUN, below) */
 #endif
 
 #elif defined(Q_X86)
@@ -373,11 +373,14 @@ static int x8_stream_prefetch = 1;
 #endif
 
 /* Groups are stored in runs of X8_RUN (the last run may be shorter): a run's groups interleaved
- * block by block, so a tile of a run's groups (a decode step's 8 on AVX-512) reads one sequential
- * stream. Eight separate streams read 20 GB/s on one core of the project's EPYC where one stream
- * reads 34 (the prefetchers follow one stream best; software prefetching did not close the gap).
+ * block by block, so a tile of a run's groups reads one sequential stream. Eight separate streams
+ * read 20 GB/s on one core of the project's EPYC where one stream reads 34 (the prefetchers follow
+ * one stream best; software prefetching did not close the gap). Runs of 4 make every AVX-512 tile
+ * (4 groups, a decode step's and a verification's alike) and AVX2's decode tile one whole run;
+ * with runs of 8, the 8-group decode tiles ran a SmolLM2 step's stack products 20-30% slower on two
+ * threads and the row tiles read half-runs (docs/cpu.md has the figures).
  * Block b of group g is at x8_group_at(g) + b * x8_stride(g), both in x8 blocks of its type. */
-#define X8_RUN 8
+#define X8_RUN 4
 static inline int64_t x8_run_groups(int64_t g, int64_t groups) {
     const int64_t start = g - g % X8_RUN;
     return groups - start < X8_RUN ? groups - start : X8_RUN;

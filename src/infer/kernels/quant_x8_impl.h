@@ -45,9 +45,9 @@ static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *cons
      * block rows, 8 KB). Where no block fits (the K types): X8_AHEAD bytes ahead when the tile reads
      * its whole run, one stream (AVX-512 decode; longer was slower, 1-row decode shapes, one thread:
      * Q6_K 25.4 GB/s at 1 KB, 20.4 at one block row, 13 KB; Q4_0 31.6 at 7 rows, 25.4 at 1 KB), else
-     * X8_AHEAD_ROWS block rows ahead: there the bytes just ahead are another tile's groups (AVX2
-     * decode, 4 of a run's 8 groups, Q4_K 2048 x 8192, 1 row, one thread: 0.36 ms at 2 rows, 0.42 at
-     * 1, 0.59 at 1 KB; prefill tiles too) */
+     * X8_AHEAD_ROWS block rows ahead: there the bytes just ahead are another tile's groups (AVX2's
+     * row tiles; measured on AVX2 decode tiles when they were 4 of a run of 8 groups, Q4_K 2048 x
+     * 8192, 1 row, one thread: 0.36 ms at 2 rows, 0.42 at 1, 0.59 at 1 KB) */
     const int64_t ahead = X8_AHEAD >= X8_GROUP_BYTES ? X8_AHEAD / X8_GROUP_BYTES * stride
                           : 2 * NZ >= X8_RUN ? X8_AHEAD : X8_AHEAD_ROWS * stride;
     (void)ahead; /* unused where X8_AHEAD is 0 */
@@ -143,12 +143,11 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
     }
     quantize_rows(x, m, k, xq, dx, xsum, sx, xsum + m * xblocks, threads);
     const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum + m * xblocks};
-    /* One activation row: X8_NZ_DECODE two-group vectors per tile, each tile its whole run of groups
-     * (one stream), even where that splits a weight's tiles unevenly over the threads (a 576-row
-     * weight on 2 threads: 5 + 4). Half-run tiles balanced them (9 + 9) but read each run as two
-     * interleaved halves, and with the pool's per-thread runs a decode step's small products then
-     * ran no faster on two threads than on one (docs/cpu.md). Else X8_RB rows (X8_TYPE_RB_FEW in a
-     * call of at most X8_FEW_ROWS) x X8_NZ two-group vectors. */
+    /* One activation row: X8_NZ_DECODE two-group vectors per tile, always (a balance rule that took
+     * the row tiles' smaller ones for some weights read their runs in interleaved halves, and with
+     * the pool's per-thread runs left a decode step's small products no faster on two threads than
+     * on one: docs/cpu.md). Else X8_RB rows (X8_TYPE_RB_FEW in a call of at most X8_FEW_ROWS) x
+     * X8_NZ two-group vectors. */
     const int64_t pairs = (groups + 1) / 2;
     const int decode = m == 1, nz = decode ? X8_NZ_DECODE : X8_NZ,
               rb = decode ? 1 : m <= X8_FEW_ROWS ? X8_TYPE_RB_FEW : X8_RB;
