@@ -190,12 +190,13 @@ class PagedKVCachePool:
         table = tuple(self.block_tables[slot])
         cached = self._rows.get(slot)
         if cached is None or cached[0] != table:
-            known = cached is not None and cached[0] == table[:len(cached[0])]
-            start = len(cached[0]) if known and cached is not None else 0
+            # Blocks only appended since: extend the rows made before; else make them all again.
+            kept = cached if cached is not None and cached[0] == table[:len(cached[0])] else None
+            start = 0 if kept is None else len(kept[0])
             blocks = torch.tensor(table[start:], dtype=torch.long, device=self.device)
             rows = (blocks.unsqueeze(1) * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
-            if start and cached is not None:  # blocks appended: extend the rows made before
-                rows = torch.cat((cached[1], rows))
+            if kept is not None:
+                rows = torch.cat((kept[1], rows))
             cached = (table, rows)
             self._rows[slot] = cached
         return cached[1][:end]

@@ -377,8 +377,8 @@ static int x8_stream_prefetch = 1;
  * read 20 GB/s on one core of the project's EPYC where one stream reads 34 (the prefetchers follow
  * one stream best; software prefetching did not close the gap). Runs of 4 make every AVX-512 tile
  * (4 groups, a decode step's and a verification's alike) and AVX2's decode tile one whole run;
- * with runs of 8, the 8-group decode tiles ran a SmolLM2 step's stack products 20-30% slower on two
- * threads and the row tiles read half-runs (docs/cpu.md has the figures).
+ * with runs of 8, AVX-512's 8-group decode tiles ran a decode step's small products slower on two
+ * threads and its row tiles read half-runs (docs/cpu.md has the figures).
  * Block b of group g is at x8_group_at(g) + b * x8_stride(g), both in x8 blocks of its type. */
 #define X8_RUN 4
 static inline int64_t x8_run_groups(int64_t g, int64_t groups) {
