@@ -213,3 +213,51 @@ def test_every_pair_of_variants_this_cpu_runs_passes_the_probe() -> None:
     for float_variant, quant_variant in pairs:
         failure = cpu_kernels.probe_quant_stack(load_variant(float_variant), quant.quant_kernels(quant_variant.name))
         assert failure is None, (float_variant.name, quant_variant.name, failure)
+
+
+def _passes_with_and_without_the_head(model: Any, aux_layers: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, ...]]:
+    """Each of a prefill, a ragged verification of two sequences and a decode step run twice on the
+    same cache rows: asking the pass for its logits (the stack's call ends with the LM head) and not
+    (the final norm and the head's own calls after it); the hidden states, aux and logits of both."""
+    from infer.cache import make_pool
+    from infer.core.model_runner import ModelRunner
+
+    c = model.config
+    pool = make_pool("paged", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                     max_seq_len=64, max_batch_size=2, block_size=4, num_blocks=None, dtype=torch.float32,
+                     device=torch.device("cpu"))
+    runner = ModelRunner(model, pool)
+    runner.aux_layers = aux_layers
+    slots = [pool.allocate(), pool.allocate()]
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for batch, lengths in (([slots[0]], [9]), ([slots[1]], [5]), (slots, [4, 2]), (slots, [1, 1])):
+        runs = [torch.randint(c.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+        starts = [pool.seq_len(s) for s in batch]
+        fused = runner.forward_ragged(batch, runs, logits=True)
+        for slot, start in zip(batch, starts, strict=True):
+            pool.truncate_to(slot, start)
+        plain = runner.forward_ragged(batch, runs)
+        assert fused.logits is not None and plain.logits is None
+        out.append((fused.hidden, plain.hidden, fused.logits, runner.logits(plain.hidden),
+                    *((fused.aux, plain.aux) if aux_layers else ())))
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_pass_ending_with_the_lm_head_gives_the_same_bits(arch: str, threads: int, tmp_path: Path) -> None:
+    """A decode step's or a verification's logits come from the stack's own call (the final norm and
+    the LM head at its end): the same bits as the norm's and the head's calls after the pass, in
+    every kind of pass, with the EAGLE layer inputs captured beside them (the last layer's output
+    before the norm); a head normed with another epsilon differs (the comparison can fail)."""
+    model, _ = load_model(quantized_file(arch, "mixed", tmp_path), "float32", "cpu")
+    stack = quantized_stack(model)
+    assert stack.head is not None and stack.head.vocab == model.config.vocab_size
+    torch.set_num_threads(threads)
+    layers = model.config.num_hidden_layers
+    for hidden, ref_hidden, logits, ref_logits, aux, ref_aux in _passes_with_and_without_the_head(model, (1, layers)):
+        assert torch.equal(hidden, ref_hidden) and torch.equal(logits, ref_logits) and torch.equal(aux, ref_aux)
+    stack.head.eps *= 4  # the negative control: the head's norm no longer the model's
+    differs = [not torch.equal(p[2], p[3]) for p in _passes_with_and_without_the_head(model)]
+    assert all(differs)

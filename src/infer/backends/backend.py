@@ -175,18 +175,26 @@ class Backend:
         """``model``'s final hidden states [B, T, hidden] for ``input_ids`` [B, T] at ``positions`` over
         ``kv``: the one way every pass is run (``model(...)`` alone runs the layers, never the stack).
         ``aux`` keeps the inputs of some layers on the way."""
+        return self.forward_logits(model, input_ids, positions, kv, aux, logits=False)[0]
+
+    def forward_logits(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                       kv: KVBatch | None = None, aux: AuxCapture | None = None,
+                       logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``, and with ``logits`` every row's logits (float32 [B, T, vocab]) where this
+        backend computes them in the pass itself (the C stack's call ending with the LM head); None
+        where it does not (the caller runs ``model.compute_logits``)."""
         _inside.depth = getattr(_inside, "depth", 0) + 1
         try:
-            return self.run(model, input_ids, positions, kv, aux)
+            return self.run(model, input_ids, positions, kv, aux, logits)
         finally:
             _inside.depth -= 1
 
     def run(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
-            kv: KVBatch | None, aux: AuxCapture | None) -> torch.Tensor:
-        """One pass (``forward`` without its bookkeeping): the PyTorch layers."""
+            kv: KVBatch | None, aux: AuxCapture | None, logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass (``forward_logits`` without its bookkeeping): the PyTorch layers (no logits)."""
         if aux is None:
-            return model(input_ids, positions, kv)  # type: ignore[no-any-return]
-        return model(input_ids, positions, kv, aux)  # type: ignore[no-any-return]
+            return model(input_ids, positions, kv), None
+        return model(input_ids, positions, kv, aux), None
 
     def thread_policy(self, model: DecoderOnlyLM) -> ThreadPolicy:
         """How ``model``'s passes are threaded: ``policy(rows, kind)`` is the context a pass of
@@ -287,12 +295,13 @@ class CpuKernelBackend(Backend):
                                 "ones (float32): running layer by layer")
 
     def run(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
-            kv: KVBatch | None, aux: AuxCapture | None) -> torch.Tensor:
+            kv: KVBatch | None, aux: AuxCapture | None, logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The C decoder stack where it is built (it declines passes it cannot take: they run on the
-        layers); the layers without a cache. ``aux``: the stack copies those layer inputs out in the same call."""
+        layers); the layers without a cache. ``aux``: the stack copies those layer inputs out in the same
+        call; ``logits``: its call ends with the LM head where the stack has it."""
         if self.cpu_stack is None or kv is None:
-            return super().run(model, input_ids, positions, kv, aux)
-        return self.cpu_stack.forward(model, input_ids, positions, kv, aux)
+            return super().run(model, input_ids, positions, kv, aux, logits)
+        return self.cpu_stack.forward(model, input_ids, positions, kv, aux, logits)
 
 
 @dataclass(kw_only=True, eq=False)

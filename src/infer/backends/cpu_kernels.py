@@ -33,6 +33,7 @@ from infer.kernels.cpu import (
     GemvLinear,
     KernelLibrary,
     QuantProjection,
+    StackHead,
     StackTable,
 )
 from infer.models.config import ModelConfig
@@ -134,6 +135,10 @@ class CpuStack:
         # Passes of more rows run layer by layer (prefill: oneDNN's GEMM is faster there). Exact-greedy
         # mode lifts the limit (None): every pass then computes a token the same way.
         self.max_rows: int | None = MAX_ROWS
+        # The model's final norm and LM head where a call can end with them (a quantized float32 Llama
+        # stack whose head is one quantized matrix): a decode step's or a verification's logits then
+        # come from the pass's own call (``forward(logits=True)``), not two more kernel calls after it.
+        self.head: StackHead | None = None
 
     @classmethod
     def build(cls, model: DecoderOnlyLM, library: KernelLibrary) -> CpuStack | None:
@@ -185,6 +190,7 @@ class CpuStack:
         except ValueError:
             return None
         stack = cls(library, table)
+        stack.head = cls._head(model) if table.quant is not None and table.dtype == torch.float32 else None
         if table.quant is not None:
             # Every pass of a quantized model runs here, prefill included: its projections run the
             # same quantized kernel in the stack as outside it (no faster GEMM for long passes, unlike
@@ -193,6 +199,23 @@ class CpuStack:
             # (the layers' attention, even exact_attention, rounds differently from the stack's).
             stack.max_rows = None
         return stack
+
+    @staticmethod
+    def _head(model: DecoderOnlyLM) -> StackHead | None:
+        """``model``'s final norm and LM head for the stack's call: where the norm is on the fused C
+        operator (the kernel the call runs) and the head one quantized matrix with the plain logits."""
+        norm, head = model.model.norm, model.lm_head
+        if (type(model).compute_logits is not DecoderOnlyLM.compute_logits or type(norm) is not KernelRMSNorm
+                or not isinstance(head, QuantLinear)):
+            return None
+        head.pack()
+        if len(head.weights) != 1:
+            return None
+        try:
+            return StackHead(norm.weight, norm.eps, QuantProjection(head.kernels, tuple(head.weights)),  # type: ignore[arg-type]
+                             head.bias)  # type: ignore[arg-type]
+        except ValueError:
+            return None
 
     @staticmethod
     def _projections(linears: tuple[nn.Module | None, ...], quant: list[QuantProjection | None]) -> \
@@ -296,10 +319,13 @@ class CpuStack:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBatch,
                  local: tuple[torch.Tensor, torch.Tensor, KVBatch] | None = None,
-                 capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                 capture: dict[int, torch.Tensor] | None = None,
+                 logits: torch.Tensor | None = None) -> torch.Tensor:
         """The stack over ``x``; ``local`` (a stack with sliding-window layers) is their RoPE tables
         and their view of the cache (``DecoderOnlyLM.layer_kv``'s); ``capture``: layer inputs copied
-        out during the call (``KernelLibrary.decoder_stack``)."""
+        out during the call (``KernelLibrary.decoder_stack``); ``logits`` (a buffer [rows, vocab]):
+        the call ends with the final norm (the output is then normed) and ``head``'s logits there."""
+        head = None if logits is None else self.head
         if kv.packed is not None:
             # A ragged pass [1, N]: the stack finds a token's sequence by its row, so each token goes
             # as a sequence of its own (same keys, same order: the same bits as a padded pass).
@@ -311,16 +337,19 @@ class CpuStack:
             if local is not None:
                 local = (per_row(local[0]), per_row(local[1]), local[2].per_token())
             out = self.library.decoder_stack(x.reshape(rows, 1, -1).contiguous(), per_row(cos), per_row(sin),
-                                             self.table, kv.per_token(), local, capture)
+                                             self.table, kv.per_token(), local, capture, head, logits)
             return out.view(x.shape)
         if local is not None:
             local = (local[0].contiguous(), local[1].contiguous(), local[2])
         return self.library.decoder_stack(x.contiguous(), cos.contiguous(), sin.contiguous(), self.table, kv, local,
-                                          capture)
+                                          capture, head, logits)
 
     def forward(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
-                kv: KVBatch, aux: AuxCapture | None = None) -> torch.Tensor:
-        """``model``'s forward pass with its decoder layers in one C call where ``takes`` allows.
+                kv: KVBatch, aux: AuxCapture | None = None, logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``model``'s forward pass with its decoder layers in one C call where ``takes`` allows:
+        the final hidden states and, with ``logits`` where the stack has the model's LM head
+        (``head``) and takes the pass, every row's logits (float32), computed in the same call;
+        else None (the caller computes them).
 
         ``aux`` (the inputs of some layers, for an EAGLE-3 drafter) is copied out by the same C call
         (``capture``): no arithmetic changes, so every token gets the same bits as without it. A stack
@@ -328,16 +357,20 @@ class CpuStack:
         if positions is None:
             positions = default_positions(input_ids)
         x, cos, sin = model.embed(input_ids, positions)
+        out = None
         if aux is not None and (self.table.local_layers is not None or not self.takes(x, kv)):
             x = model.run_layers(x, cos, sin, positions, kv, aux)
         elif aux is not None:
             layers = self.table.shape["layers"]
             aux.take(0, x)
-            capture = {i: torch.empty_like(x) for i in aux.layers if 0 < i < layers}
-            x = self(x, cos, sin, kv, capture=capture)
+            out = self._logits_buffer(x) if logits else None
+            # (the last layer's output is the call's result, unless the call goes on to the final norm)
+            capture = {i: torch.empty_like(x) for i in aux.layers if 0 < i < layers + (out is not None)}
+            x = self(x, cos, sin, kv, capture=capture, logits=out)
             for i, state in capture.items():
                 aux.take(i, state)
-            aux.take(layers, x)
+            if out is None:
+                aux.take(layers, x)
         elif not self.takes(x, kv):
             x = model.run_layers(x, cos, sin, positions, kv)
         elif self.table.local_layers is not None:
@@ -346,8 +379,17 @@ class CpuStack:
             local_cos, local_sin = model.local_rope(positions, x.dtype)
             x = self(x, cos, sin, kv, (local_cos, local_sin, model.layer_kv(kv, first, positions).batch))
         else:
-            x = self(x, cos, sin, kv)
-        return model.model.norm(x)  # type: ignore[no-any-return]
+            out = self._logits_buffer(x) if logits else None
+            x = self(x, cos, sin, kv, logits=out)
+        if out is not None:  # (the call normed x)
+            return x, out.view(*x.shape[:-1], -1)
+        return model.model.norm(x), None
+
+    def _logits_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The logits buffer of a pass over ``x`` whose call ends with the LM head, or None without one."""
+        if self.head is None:
+            return None
+        return torch.empty(x.numel() // x.shape[-1], self.head.vocab, dtype=torch.float32)
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -433,7 +475,7 @@ def _probe_passes(model: DecoderOnlyLM, stack: CpuStack | None, cache: str, dtyp
             kv = build_kv_batch(pool, slots_now, starts, lengths)
             if stack is not None and not stack.takes(model.embed(ids, positions)[0], kv):
                 raise RuntimeError("the probed stack declined a probe pass")
-            hidden = model(ids, positions, kv) if stack is None else stack.forward(model, ids, positions, kv)
+            hidden = model(ids, positions, kv) if stack is None else stack.forward(model, ids, positions, kv)[0]
             out.append(hidden.float())
     return out
 

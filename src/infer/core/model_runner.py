@@ -22,6 +22,7 @@ class RaggedPass:
     offsets: list[int]  # [B + 1] cumulative run lengths (vLLM's cu_num_tokens)
     rows: int  # token rows the forward computed: N, or B x the longest run where it ran padded
     aux: torch.Tensor | None = None  # [N, aux] the captured layer inputs (ModelRunner.aux_layers), row for row
+    logits: torch.Tensor | None = None  # [N, vocab] float32, where the pass was asked for them (logits=True)
 
     def padded(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """``x`` [N, ...] (a row per token, e.g. the logits of ``hidden``) as [B, longest run, ...],
@@ -86,16 +87,19 @@ class ModelRunner:
             replayed = self.graphs.run(slots, runs)
             if replayed is not None:
                 return replayed
-        return self._forward(slots, runs, positions, tree_mask, ragged=False)
+        return self._forward(slots, runs, positions, tree_mask, ragged=False)[0]
 
     @torch.inference_mode()
     def forward_ragged(self, slots: Sequence[int], runs: Sequence[Sequence[int]],
-                       positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> RaggedPass:
+                       positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                       logits: bool = False) -> RaggedPass:
         """``forward`` computing only the runs' own tokens: run b's hidden states are rows
         ``offsets[b] .. offsets[b + 1] - 1`` of a [N, hidden] tensor (vLLM's ``cu_num_tokens``
         layout), N = the runs' total length, where ``forward`` computes B x the longest run.
         Attention still sees each token's keys as a padded pass does, so every row is the same.
-        A pass a CUDA graph replays stays padded (its shape is the graph's) and is packed after."""
+        A pass a CUDA graph replays stays padded (its shape is the graph's) and is packed after.
+        ``logits``: every row's logits too (``RaggedPass.logits``), from the pass itself where the
+        backend computes them there (``Backend.forward_logits``), else as ``logits`` computes them."""
         lengths = [len(r) for r in runs]
         offsets = [0]
         for n in lengths:
@@ -104,13 +108,19 @@ class ModelRunner:
             replayed = self.graphs.run(slots, runs)
             if replayed is not None:
                 index = _packed_index(lengths, replayed.shape[1], replayed.device)
-                return RaggedPass(replayed.flatten(0, 1)[index], offsets, replayed.shape[0] * replayed.shape[1])
-        hidden = self._forward(slots, runs, positions, tree_mask, ragged=True)
+                packed = replayed.flatten(0, 1)[index]
+                return RaggedPass(packed, offsets, replayed.shape[0] * replayed.shape[1],
+                                  logits=self.logits(packed) if logits else None)
+        hidden, computed = self._forward(slots, runs, positions, tree_mask, ragged=True, logits=logits)
         aux = None if self.last_aux is None else self.last_aux.flatten(0, 1)
-        return RaggedPass(hidden.flatten(0, 1), offsets, hidden.shape[0] * hidden.shape[1], aux)
+        flat = hidden.flatten(0, 1)
+        if logits:
+            computed = self.logits(flat) if computed is None else computed.flatten(0, 1)
+        return RaggedPass(flat, offsets, hidden.shape[0] * hidden.shape[1], aux, computed)
 
     def _forward(self, slots: Sequence[int], runs: Sequence[Sequence[int]] | torch.Tensor,
-                 positions: torch.Tensor | None, tree_mask: torch.Tensor | None, ragged: bool) -> torch.Tensor:
+                 positions: torch.Tensor | None, tree_mask: torch.Tensor | None, ragged: bool,
+                 logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         starts = [self.pool.seq_len(s) for s in slots]
         if isinstance(runs, torch.Tensor):
             ids = runs
@@ -134,9 +144,9 @@ class ModelRunner:
             ids, positions = kv.pack(ids), kv.pack(positions)
         aux = AuxCapture(self.aux_layers) if self.aux_layers else None
         with self._threads_for(ids.numel(), "forward"):
-            hidden = self.backend.forward(self.model, ids, positions, kv, aux)
+            hidden, computed = self.backend.forward_logits(self.model, ids, positions, kv, aux, logits)
         self.last_aux = None if aux is None else aux.result()
-        return hidden
+        return hidden, computed
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -152,10 +162,10 @@ class ModelRunner:
         try:
             for batch in ([slots[0]], slots):
                 self.logits(self.forward(batch, [[0] * 4] * len(batch))[:, -1])  # prefill
-                self.logits(self.forward(batch, [[0]] * len(batch))[:, -1])  # decode step
-                self.logits(self.forward(batch, [[0] * width] * len(batch)))  # verification
+                self.forward_ragged(batch, [[0]] * len(batch), logits=True)  # decode step
+                self.forward_ragged(batch, [[0] * width] * len(batch), logits=True)  # verification
                 if len(batch) > 1 and width > 1:  # a verification whose requests drafted unequally
-                    self.logits(self.forward_ragged(batch, [[0] * width] + [[0]] * (len(batch) - 1)).hidden)
+                    self.forward_ragged(batch, [[0] * width] + [[0]] * (len(batch) - 1), logits=True)
         finally:
             for slot in slots:
                 self.pool.free(slot)

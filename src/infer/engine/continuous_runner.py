@@ -128,23 +128,28 @@ class ContinuousRunner:
         if not requests:
             return Sampled([], None)
         since = PHASES.mark()
-        hidden = self.runner.forward([r.slot for r in requests], [[r.output_token_ids[-1]] for r in requests])  # type: ignore[misc]
-        aux = self.runner.last_aux
-        states = [] if aux is None else [(r, r.num_computed_tokens, aux[b, -1:]) for b, r in enumerate(requests)]
+        # One token a request: the pass's rows are the requests' last states (the logits computed in
+        # the pass where the backend can: the C stack's call ends with the LM head).
+        done = self.runner.forward_ragged([r.slot for r in requests], [[r.output_token_ids[-1]] for r in requests],  # type: ignore[misc]
+                                          logits=True)
+        aux = done.aux
+        states = [] if aux is None else [(r, r.num_computed_tokens, aux[b: b + 1]) for b, r in enumerate(requests)]
         for r in requests:
             r.num_computed_tokens += 1
-        sampled = self._sample(requests, hidden[:, -1], since)
+        sampled = self._sample(requests, done.hidden, since, done.logits)
         sampled.states = states
         return sampled
 
-    def _sample(self, requests: list[Request], hidden: torch.Tensor, since: float) -> Sampled:
-        """The next token of each request from its last ``hidden`` state (``since``: when the pass that
-        gave it began, for the phase times)."""
+    def _sample(self, requests: list[Request], hidden: torch.Tensor, since: float,
+                logits: torch.Tensor | None = None) -> Sampled:
+        """The next token of each request from its last ``hidden`` state, or from its ``logits`` where the
+        pass gave them (``since``: when the pass that gave it began, for the phase times)."""
         # Sampling's operators over the vocabulary run as the backend wants host work around passes
         # (Backend.host_policy): on two threads they would leave OpenMP's workers spinning on the
         # cores the next pass's kernel threads need.
         with self.runner.host_work():
-            logits = self.runner.logits(hidden)
+            if logits is None:
+                logits = self.runner.logits(hidden)
             since = PHASES.add("model pass", since)
             tokens, logprobs = sample_with_logprobs(
                 logits, [r.params for r in requests], [r.all_token_ids for r in requests],

@@ -203,9 +203,11 @@ class SpeculativeRunner:
         # Ragged: request b's rows [g, t_1..t_kb] back to back, sum_b (1 + k_b) rows through the
         # model and the LM head; only the sampling step below sees them padded to [B, width].
         since = PHASES.mark()
-        ragged = runner.forward_ragged([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens))  # type: ignore[misc]
+        ragged = runner.forward_ragged([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens),  # type: ignore[misc]
+                                       logits=True)
         self.last_pass_rows = ragged.rows
-        logits = runner.logits(ragged.hidden)  # [N, V]
+        logits = ragged.logits  # [N, V]
+        assert logits is not None
         since = PHASES.add("verify pass", since)
         # Counts and greedy flags go to the verifiers as host lists, and the verdict comes back in one
         # read (``to_host``): rejection sampling waits for the device once per round.
@@ -253,10 +255,12 @@ class SpeculativeRunner:
         # Node at depth d sits at RoPE position start + d, where it would be if its path were kept.
         positions = torch.tensor(starts, device=self.device).unsqueeze(1) + depths
         # Ragged like a chain: request b's g and its counts[b] nodes, back to back.
-        ragged = runner.forward_ragged(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask)
+        ragged = runner.forward_ragged(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask,
+                                       logits=True)
         self.last_pass_rows = ragged.rows
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-        logits = runner.logits(ragged.hidden)  # [N, V]
+        logits = ragged.logits  # [N, V]
+        assert logits is not None
         if argmax_only([r.params for r in requests]):
             # Greedy rows only compare nodes with the target's argmax: no [B, W+1, V] distributions.
             verdict = verify_tree_greedy(tokens.tolist(), counts, parents.tolist(),

@@ -59,7 +59,9 @@ class StackArgs(ctypes.Structure):
         ("gemma", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in ("local_layers", "local_write_rows", "local_read_rows")),
         ("local_read_start", ctypes.c_int64),
-        *((name, ctypes.c_void_p) for name in ("local_mask", "local_cos", "local_sin", "capture"))]
+        *((name, ctypes.c_void_p) for name in ("local_mask", "local_cos", "local_sin", "capture")),
+        ("final_norm", ctypes.c_void_p), ("final_eps", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in ("head", "head_bias", "logits"))]
 
 
 class QuantPart(ctypes.Structure):
@@ -395,13 +397,16 @@ class KernelLibrary:
 
     def decoder_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: StackTable,
                       kv: KVBatch, local: tuple[torch.Tensor, torch.Tensor, KVBatch] | None = None,
-                      capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                      capture: dict[int, torch.Tensor] | None = None, head: StackHead | None = None,
+                      logits: torch.Tensor | None = None) -> torch.Tensor:
         """Every decoder layer over ``x`` [B, T, hidden] (contiguous) in one C call: ``table`` holds
         each layer's tensors, ``kv`` says where the new keys and values go and which cached ones
         each token sees. ``local`` (a table with sliding-window layers) is their RoPE tables and
         their view of the cache (its rows and window mask). ``capture`` {layer id: a contiguous
         buffer of x's dtype and size}: the stream entering that layer is copied there during the
-        call (id ``layers``: the last layer's output). Returns the last layer's output (a new tensor)."""
+        call (id ``layers``: the last layer's output). Returns the last layer's output (a new tensor);
+        with ``head`` (a float32 stack without Gemma's block), that output after the final norm, and
+        every row's logits written to ``logits`` (float32 [rows, vocab], contiguous)."""
         dtype, shape = table.dtype, table.shape
         fn = self._fn("decoder_stack", dtype)
         heads, kv_heads, head_dim, layers = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["layers"]
@@ -474,6 +479,17 @@ class KernelLibrary:
             args.local_read_start = local_kv.read_start or 0
             args.local_mask = None if local_view[2] is None else local_view[2].data_ptr()
             args.local_cos, args.local_sin = local[0].data_ptr(), local[1].data_ptr()
+        if head is not None:
+            if dtype != torch.float32 or table.gemma or head.hidden != hidden:
+                raise ValueError("an LM head in the stack's call takes a float32 stack of Llama blocks of its width")
+            if logits is None:
+                raise ValueError("an LM head in the stack's call needs its logits buffer")
+            _check(logits, "logits", torch.float32)
+            _check_shape(logits, "logits", (rows, head.vocab))
+            part = head.part()
+            args.final_norm, args.final_eps, args.head = head.norm.data_ptr(), head.eps, ctypes.addressof(part)
+            args.head_bias = None if head.bias is None else head.bias.data_ptr()
+            args.logits = logits.data_ptr()
         since = PHASES.mark()
         with _recorded(STACK_EVENT):
             status = fn(ctypes.byref(args))
@@ -523,6 +539,38 @@ class QuantProjection:
 
     kernels: QuantKernels
     weights: tuple[QuantWeight, ...]
+
+
+class StackHead:
+    """The final RMSNorm and a one-matrix quantized LM head that a float32 stack's call can end with
+    (``decoder_stack``'s ``head``): a decode step's or a verification's logits come out of the same C
+    call, by the same kernels as the norm's and the head's own calls (``KernelLibrary.rms_norm``,
+    ``QuantKernels.linear``), so with the same bits. Like ``StackTable``, it holds the tensors and
+    checks them again whenever an address changed."""
+
+    def __init__(self, norm: torch.Tensor, eps: float, projection: QuantProjection, bias: torch.Tensor | None) -> None:
+        if len(projection.weights) != 1:
+            raise ValueError(f"the stack's LM head is one quantized matrix, got {len(projection.weights)}")
+        self.norm, self.eps, self.projection, self.bias = norm, eps, projection, bias
+        weight = projection.weights[0]
+        self.vocab, self.hidden = weight.out_features, weight.in_features
+        self._part: tuple[tuple[int, ...], QuantPart] | None = None
+        self.part()  # checks every tensor now
+
+    def part(self) -> QuantPart:
+        """The head's ``QuantPart`` for the C call, the tensors checked where an address changed."""
+        weight = self.projection.weights[0]
+        key = (weight.data.data_ptr(), self.norm.data_ptr(), 0 if self.bias is None else self.bias.data_ptr())
+        if self._part is None or self._part[0] != key:
+            check_quant_weight(weight)
+            _check(self.norm, "the final norm's weight", torch.float32)
+            _check_shape(self.norm, "the final norm's weight", (self.hidden,))
+            if self.bias is not None:
+                _check(self.bias, "the LM head's bias", torch.float32)
+                _check_shape(self.bias, "the LM head's bias", (self.vocab,))
+            self._part = (key, QuantPart(linear=self.projection.kernels.linear_entry(weight), blocks=key[0], offset=0,
+                                         rows=self.vocab, in_features=self.hidden))
+        return self._part[1]
 
 
 class StackTable:

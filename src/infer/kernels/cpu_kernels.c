@@ -256,6 +256,15 @@ typedef struct {
      * to capture[l], the last layer's output to capture[layers] (an EAGLE-3 drafter's layer inputs,
      * taken in the same call: a copy, no arithmetic changes). */
     const int64_t *capture;
+    /* NULL, or the LM head run in the same call (float32 stacks only): after the last layer (and its
+     * capture) the final RMSNorm (weight final_norm, epsilon final_eps) in place over x, then head's
+     * product of every row (bias head_bias or NULL) into logits [rows, head->rows], float32. The
+     * same kernels as the norm and the head's own call, in the same order: the same bits. */
+    const void *final_norm;
+    float final_eps;
+    const struct QuantPart *head;
+    const float *head_bias;
+    float *logits;
 } StackArgs;
 
 /* One quantized matrix of a projection: infer.kernels.quant's C entry for its block type (all
@@ -294,7 +303,8 @@ const char *infer_kernels_layout(void) {
              FIELD(k_stores) FIELD(v_stores) FIELD(write_rows) FIELD(read_rows) FIELD(read_start) FIELD(context)
              FIELD(mask) FIELD(cos) FIELD(sin) FIELD(x) FIELD(threads) FIELD(quant_parts) FIELD(quant_index)
              FIELD(gemma) FIELD(local_layers) FIELD(local_write_rows) FIELD(local_read_rows) FIELD(local_read_start)
-             FIELD(local_mask) FIELD(local_cos) FIELD(local_sin) FIELD(capture)
+             FIELD(local_mask) FIELD(local_cos) FIELD(local_sin) FIELD(capture) FIELD(final_norm) FIELD(final_eps)
+             FIELD(head) FIELD(head_bias) FIELD(logits)
              "part_size=%zu part_linear=%zu part_blocks=%zu part_offset=%zu part_rows=%zu part_in_features=%zu "
              "projections=qkv:%d,o:%d,gate_up:%d,down:%d/%d "
              "tensors=ln1:%d,qkv_w:%d,qkv_b:%d,q_norm:%d,k_norm:%d,o_w:%d,o_b:%d,ln2:%d,gate_up_w:%d,gate_up_b:%d,"
@@ -303,7 +313,8 @@ const char *infer_kernels_layout(void) {
              AT(inter), AT(layers), AT(qk_norm), AT(eps), AT(scale), AT(tensors), AT(k_stores), AT(v_stores),
              AT(write_rows), AT(read_rows), AT(read_start), AT(context), AT(mask), AT(cos), AT(sin), AT(x),
              AT(threads), AT(quant_parts), AT(quant_index), AT(gemma), AT(local_layers), AT(local_write_rows),
-             AT(local_read_rows), AT(local_read_start), AT(local_mask), AT(local_cos), AT(local_sin), AT(capture), sizeof(QuantPart), offsetof(QuantPart, linear),
+             AT(local_read_rows), AT(local_read_start), AT(local_mask), AT(local_cos), AT(local_sin), AT(capture), AT(final_norm), AT(final_eps), AT(head), AT(head_bias),
+             AT(logits), sizeof(QuantPart), offsetof(QuantPart, linear),
              offsetof(QuantPart, blocks), offsetof(QuantPart, offset), offsetof(QuantPart, rows),
              offsetof(QuantPart, in_features), P_QKV, P_O, P_GATE_UP, P_DOWN, STACK_PROJECTIONS, T_LN1, T_QKV_W, T_QKV_B, T_Q_NORM, T_K_NORM, T_O_W, T_O_B, T_LN2, T_GATE_UP_W,
              T_GATE_UP_B, T_DOWN_W, T_DOWN_B, T_POST_ATTN_NORM, T_POST_FF_NORM, STACK_TENSORS, MAX_GROUP, MAX_HEAD_DIM,

@@ -552,6 +552,17 @@ int FN(decoder_stack)(const StackArgs *a) {
     }
     if (status == 0 && a->capture && a->capture[a->layers])
         memcpy((void *)a->capture[a->layers], x, sizeof(ELEM) * (size_t)(m * d));
+    if (status == 0 && a->head) { /* the final norm (in place: a row is read before it is written), the LM head */
+        const QuantPart *h = a->head;
+        if (sizeof(ELEM) != sizeof(float) || a->gemma || h->in_features != d || h->offset != 0 || h->rows <= 0
+            || !a->final_norm || !a->logits) {
+            status = -2;
+        } else {
+            FN(rmsnorm)(x, (const ELEM *)a->final_norm, x, m, d, a->final_eps);
+            if (h->linear(h->blocks, h->rows, d, (const float *)(const void *)x, m, a->head_bias, a->logits, a->threads))
+                status = -1;
+        }
+    }
     free(scratch);
     free(normed);
     free(qkv);

@@ -33,7 +33,6 @@ from infer.models.layers import (
     DecoderLayer,
     DecoderOnlyLM,
     apply_rope,
-    rope_cos_sin,
     rope_inv_freq,
 )
 
@@ -148,12 +147,12 @@ class Gemma3ForCausalLM(DecoderOnlyLM):
         """The embeddings scaled by sqrt(hidden) and the global layers' RoPE tables."""
         embedded = self.model.embed_tokens(input_ids)
         x = embedded * torch.tensor(self.config.hidden_size ** 0.5, dtype=embedded.dtype)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # type: ignore[arg-type]
+        cos, sin = self.rope_tables(self.inv_freq, positions, x.dtype)  # type: ignore[arg-type]
         return x, cos, sin
 
     def local_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The sliding-window layers' RoPE tables (their own base)."""
-        return rope_cos_sin(self.local_inv_freq(positions.device), positions, dtype)
+        return self.rope_tables(self.local_inv_freq(positions.device), positions, dtype)
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    kv: KVBatch | None, aux: AuxCapture | None = None) -> torch.Tensor:

@@ -78,6 +78,30 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
 
 
+class RopeTables:
+    """``rope_cos_sin``'s rows for positions 0 .. n - 1, made once per ``inv_freq`` and dtype (grown
+    by doubling) and gathered for a pass's positions, on the CPU: a decode step then runs two index
+    operators where ``rope_cos_sin`` runs a dozen, and on the CPU the operators around a step's C
+    call cost more than their arithmetic. Every CPU pass of a model reads its rows here, so a
+    position gets the same values in any pass. Other devices compute them (a CUDA graph captures that)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, inv_freq: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.device.type != "cpu" or positions.numel() == 0 or torch.compiler.is_compiling():
+            return rope_cos_sin(inv_freq, positions, dtype)
+        key = (dtype, inv_freq.data_ptr())
+        tables = self._tables.get(key)
+        need = int(positions.max()) + 1
+        if tables is None or tables[0].shape[0] < need:
+            size = max(need, 256, 0 if tables is None else 2 * tables[0].shape[0])
+            cos, sin = rope_cos_sin(inv_freq, torch.arange(size).unsqueeze(0), dtype)
+            tables = self._tables[key] = (cos[0, :, 0], sin[0, :, 0])
+        return tables[0][positions].unsqueeze(-2), tables[1][positions].unsqueeze(-2)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, T, heads, head_dim]; cos/sin from ``rope_cos_sin``. Computes the reference
     ``x * cos + rotate_half(x) * sin`` bit for bit (negating a factor does not change a product's
@@ -343,6 +367,7 @@ class DecoderOnlyLM(nn.Module):
         with torch.device("cpu"):  # not on the meta device: see Embedding (arange's arithmetic runs in Python there)
             inv_freq = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
+        self.rope_tables = RopeTables()
         self.fused = False
         # The execution backend (infer.backends.Backend) that prepared this model, recorded by the
         # loader for the engine and the runners; the math here never reads it.
@@ -361,7 +386,7 @@ class DecoderOnlyLM(nn.Module):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The token embeddings [B, T, hidden] and the RoPE tables every layer shares."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # type: ignore[arg-type]
+        cos, sin = self.rope_tables(self.inv_freq, positions, x.dtype)  # type: ignore[arg-type]
         return x, cos, sin
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
