@@ -407,13 +407,18 @@ def test_stack_takes_small_passes_and_the_backend_option_turns_it_off(tiny_llama
     assert {type(m) for m in model.modules() if isinstance(m, (RMSNorm, Attention, MLP))} == {KernelRMSNorm, KernelAttention,
                                                                                            KernelMLP}
     calls: list[int] = []
-    real = KernelLibrary.decoder_stack
+    real, real_sequence = KernelLibrary.decoder_stack, KernelLibrary.sequence_stack
 
     def counting(self: KernelLibrary, x: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(x.shape[0] * x.shape[1])
         return real(self, x, *args)  # type: ignore[arg-type]
 
+    def counting_sequence(self: KernelLibrary, x: torch.Tensor, *args: object) -> None:  # one sequence: [width, hidden]
+        calls.append(x.shape[0])
+        real_sequence(self, x, *args)  # type: ignore[arg-type]
+
     monkeypatch.setattr(KernelLibrary, "decoder_stack", counting)
+    monkeypatch.setattr(KernelLibrary, "sequence_stack", counting_sequence)
     runner = _runner(model, "paged", torch.float32)
     slot = runner.pool.allocate()
     runner.forward([slot], [[1] * (MAX_ROWS + 1)])  # a prefill above the limit: layer by layer

@@ -261,3 +261,73 @@ def test_a_pass_ending_with_the_lm_head_gives_the_same_bits(arch: str, threads: 
     stack.head.eps *= 4  # the negative control: the head's norm no longer the model's
     differs = [not torch.equal(p[2], p[3]) for p in _passes_with_and_without_the_head(model)]
     assert all(differs)
+
+
+def _sequence_passes(model: Any, cache: str, one_sequence: bool, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """A prefill chunk, decode steps and chain verifications of one sequence (beside another that
+    interleaves its paged blocks), through ``ModelRunner``: with the backend's one-sequence call
+    (``forward_sequence``) or, without it, the tensors of ``build_kv_batch``; each pass's hidden
+    states and logits."""
+    from infer.cache import make_pool
+    from infer.core.model_runner import ModelRunner
+
+    backend = model.backend
+    with monkeypatch.context() as patch:
+        if not one_sequence:
+            patch.setattr(backend, "takes_sequence", lambda *args: False)
+        c = model.config
+        pool = make_pool(cache, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
+                         head_dim=c.head_dim, max_seq_len=96, max_batch_size=2, block_size=4, num_blocks=None,
+                         dtype=torch.float32, device=torch.device("cpu"))
+        runner = ModelRunner(model, pool)
+        calls = []
+        original = backend.forward_sequence
+        patch.setattr(backend, "forward_sequence", lambda *a, **k: calls.append(1) or original(*a, **k))
+        slots = [pool.allocate(), pool.allocate()]
+        gen = torch.Generator().manual_seed(11)
+        out = []
+        for slot, width in ((0, 7), (1, 5), (0, 1), (0, 6), (1, 3), (0, 1), (0, 1), (0, 4), (1, 1), (0, 33)):
+            run = torch.randint(c.vocab_size, (width,), generator=gen).tolist()
+            done = runner.forward_ragged([slots[slot]], [run], logits=True)
+            assert done.logits is not None
+            out += [done.hidden, done.logits]
+            if width == 6:  # a verification whose last two tokens are rejected: the next pass rewrites them
+                pool.truncate_to(slots[slot], pool.seq_len(slots[slot]) - 2)
+    assert len(calls) == (10 if one_sequence else 0)
+    return out
+
+
+@pytest.mark.parametrize("cache", ["paged", "slotted"])
+@pytest.mark.parametrize("model_kind", ["quantized", "float32"])
+def test_a_one_sequence_pass_through_addresses_gives_the_same_bits(model_kind: str, cache: str, tmp_path: Path,
+                                                                   tiny_llama: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step, a verification or a short prefill of one sequence hands the C stack its cache
+    rows, embedding rows and RoPE rows as addresses and lets it apply the causal rule itself
+    (``forward_sequence``): every pass's hidden states and logits are the bits the tensors of
+    ``build_kv_batch`` give, on both pools, for a quantized model and a float one. A wrong cache
+    view (the paged rows rotated by one, the slotted tokens one position on) changes them: the
+    comparison can fail."""
+    from infer.cache import protocol
+
+    path = quantized_file("llama", "mixed", tmp_path) if model_kind == "quantized" else tiny_llama
+    model, _ = load_model(str(path), "float32", "cpu")
+    assert model.backend.cpu_stack is not None
+    ours = _sequence_passes(model, cache, True, monkeypatch)
+    ref = _sequence_passes(model, cache, False, monkeypatch)
+    for index, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert torch.equal(a, b), index
+    original = protocol.sequence_rows
+
+    def shifted(pool: Any, slot: int, start: int, width: int) -> protocol.SequenceRows:
+        rows = original(pool, slot, start, width)
+        if rows.read_start is not None:
+            rows.start, rows.context = rows.start + 1, rows.context + 1
+        else:
+            assert rows.rows is not None
+            rows.rows = torch.cat((rows.rows[1:], rows.rows[:1]))
+        return rows
+
+    monkeypatch.setattr("infer.core.model_runner.sequence_rows", shifted)
+    broken = _sequence_passes(model, cache, True, monkeypatch)
+    assert any(not torch.equal(a, b) for a, b in zip(broken, ref, strict=True))

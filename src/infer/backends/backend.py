@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -46,7 +46,7 @@ from infer.backends.cpu_kernels import (
     probe_stack,
 )
 from infer.backends.onednn import PackedLinear, cpu_packing_available
-from infer.cache.protocol import CachePoolProtocol, KVBatch
+from infer.cache.protocol import CachePoolProtocol, KVBatch, SequenceRows
 from infer.kernels.cpu import (
     MAX_ROWS,
     GemvLinear,
@@ -189,6 +189,18 @@ class Backend:
         finally:
             _inside.depth -= 1
 
+    def takes_sequence(self, model: DecoderOnlyLM, width: int, store: torch.Tensor) -> bool:
+        """Whether ``forward_sequence`` runs a pass of ``width`` new tokens of one sequence over a pool
+        whose stores are like ``store`` (the base class: never)."""
+        return False
+
+    def forward_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
+                         logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward_logits`` of one sequence's chain of new ``tokens`` at their cache positions, the
+        cache given as ``rows`` (``cache.protocol.sequence_rows``), where ``takes_sequence`` said so:
+        the same bits as ``forward_logits`` over the same pass, without the tensors that describe it."""
+        raise NotImplementedError(f"backend {self.name} runs every pass through forward_logits")
+
     def run(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
             kv: KVBatch | None, aux: AuxCapture | None, logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass (``forward_logits`` without its bookkeeping): the PyTorch layers (no logits)."""
@@ -302,6 +314,18 @@ class CpuKernelBackend(Backend):
         if self.cpu_stack is None or kv is None:
             return super().run(model, input_ids, positions, kv, aux, logits)
         return self.cpu_stack.forward(model, input_ids, positions, kv, aux, logits)
+
+    def takes_sequence(self, model: DecoderOnlyLM, width: int, store: torch.Tensor) -> bool:
+        return self.cpu_stack is not None and self.cpu_stack.takes_sequence(model, width, store)
+
+    def forward_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
+                         logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert self.cpu_stack is not None
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return self.cpu_stack.forward_sequence(model, tokens, rows, logits)
+        finally:
+            _inside.depth -= 1
 
 
 @dataclass(kw_only=True, eq=False)

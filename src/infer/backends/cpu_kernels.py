@@ -17,15 +17,16 @@ then runs layer by layer. Each part was probed against the layers when the backe
 
 from __future__ import annotations
 
+import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infer.cache import make_pool
-from infer.cache.protocol import KVBatch, build_kv_batch
+from infer.cache.protocol import KVBatch, SequenceRows, build_kv_batch
 from infer.kernels.cpu import (
     MAX_ROWS,
     MAX_STACK_GROUP,
@@ -50,12 +51,13 @@ from infer.models.layers import (
     AuxCapture,
     DecoderLayer,
     DecoderOnlyLM,
+    Embedding,
     RMSNorm,
     apply_rope,
     default_positions,
     rope_cos_sin,
 )
-from infer.models.quantized import QuantKernels, QuantLinear
+from infer.models.quantized import QuantEmbedding, QuantKernels, QuantLinear
 
 
 def _run_fused(library: KernelLibrary, *tensors: torch.Tensor) -> bool:
@@ -384,6 +386,53 @@ class CpuStack:
         if out is not None:  # (the call normed x)
             return x, out.view(*x.shape[:-1], -1)
         return model.model.norm(x), None
+
+    def takes_sequence(self, model: DecoderOnlyLM, width: int, store: torch.Tensor) -> bool:
+        """Whether ``forward_sequence`` runs a pass of ``width`` new tokens of one sequence over a
+        pool whose stores are like ``store``: ``takes``'s conditions, no sliding-window layers, a
+        Llama embedding (float rows of the stack's dtype, or quantized ones dequantized to float32)
+        and at most ``MAX_ROWS`` tokens (a decode step, a verification, a short prefill chunk)."""
+        embedding = model.model.embed_tokens
+        if isinstance(embedding, QuantEmbedding):
+            embeds = embedding.dtype == self.dtype == torch.float32 and embedding.weight.data.device.type == "cpu"
+        else:
+            embeds = (type(embedding) in (nn.Embedding, Embedding) and embedding.max_norm is None
+                      and embedding.weight.dtype == self.dtype
+                      and embedding.weight.device.type == "cpu")
+        return (embeds and 0 < width <= (MAX_ROWS if self.max_rows is None else min(self.max_rows, MAX_ROWS))
+                and self.table.local_layers is None and type(model).embed is DecoderOnlyLM.embed
+                and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+                and store.dtype == self.dtype and store.device.type == "cpu" and model.inv_freq.device.type == "cpu"
+                and self.table.tensors[0] is not None
+                and self.table.tensors[0].dtype == self.dtype and self.table.tensors[0].device.type == "cpu")
+
+    def forward_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
+                         logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` of one sequence's chain of new ``tokens`` (after ``takes_sequence``): the
+        embedding rows, RoPE rows and cache rows handed to the C call as addresses
+        (``KernelLibrary.sequence_stack``), with the same kernels and keys as ``forward``'s pass, so
+        the same bits; hidden states [1, width, hidden] and, with ``logits`` where the stack has the
+        head, the logits [1, width, vocab]."""
+        width, hidden = len(tokens), self.table.shape["hidden"]
+        x = torch.empty(width, hidden, dtype=self.dtype)
+        embedding = model.model.embed_tokens
+        if isinstance(embedding, QuantEmbedding):
+            embedding.kernels.dequantize_ids(embedding.weight, tokens, x)  # type: ignore[attr-defined]
+        else:
+            weight = embedding.weight
+            vocab, size = weight.shape[0], hidden * weight.element_size()
+            if any(not 0 <= t < vocab for t in tokens):
+                raise ValueError(f"token ids must lie in [0, {vocab}), got {list(tokens)}")
+            base, into = weight.data_ptr(), x.data_ptr()
+            for i, token in enumerate(tokens):
+                ctypes.memmove(into + i * size, base + token * size, size)
+        cos, sin = model.rope_tables.rows(model.inv_freq, rows.context, self.dtype)  # type: ignore[arg-type]
+        out = self._logits_buffer(x) if logits else None
+        self.library.sequence_stack(x, cos[rows.start: rows.context], sin[rows.start: rows.context], self.table,
+                                    rows, None if out is None else self.head, out)
+        if out is None:
+            return model.model.norm(x.view(1, width, hidden)), None
+        return x.view(1, width, hidden), out.view(1, width, -1)
 
     def _logits_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
         """The logits buffer of a pass over ``x`` whose call ends with the LM head, or None without one."""

@@ -226,6 +226,31 @@ class CachePoolProtocol(Protocol):
         ...
 
 
+@dataclasses.dataclass
+class SequenceRows:
+    """Where a pass of one sequence's new tokens reads and writes the cache, for a kernel that takes
+    addresses (the C decoder stack's one-sequence call): the pool's stores and the storage rows of
+    the sequence's positions 0 .. ``context`` - 1, the new tokens' last. No tensor is made for the
+    common case: a decode step then costs its kernels, not the operators that describe them."""
+
+    k_layers: Sequence[torch.Tensor]
+    v_layers: Sequence[torch.Tensor]
+    start: int  # the first new token's position
+    context: int  # start + the new tokens
+    read_start: int | None  # the positions lie in rows read_start + position (one run of rows); else
+    rows: torch.Tensor | None  # int64 [context]: the pool's own rows (read only)
+
+
+def sequence_rows(pool: CachePoolProtocol, slot: int, start: int, width: int) -> SequenceRows:
+    """``build_kv_batch`` for one sequence's chain of ``width`` new tokens at ``start`` (room reserved,
+    causal), as ``SequenceRows``."""
+    _reserve(pool, [slot], [start], [width])
+    end = start + width
+    read_start = pool.contiguous_start(slot)
+    rows = None if read_start is not None else pool.storage_rows(slot, end)
+    return SequenceRows(pool.k_layers, pool.v_layers, start, end, read_start, rows)
+
+
 def build_kv_batch(
     pool: CachePoolProtocol,
     slots: Sequence[int],

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.cache.protocol import KVBatch
+from infer.cache.protocol import KVBatch, SequenceRows
 from infer.kernels import build
 from infer.kernels.quant import QuantKernels, QuantWeight
 from infer.kernels.quant import check_weight as check_quant_weight
@@ -61,7 +61,7 @@ class StackArgs(ctypes.Structure):
         ("local_read_start", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in ("local_mask", "local_cos", "local_sin", "capture")),
         ("final_norm", ctypes.c_void_p), ("final_eps", ctypes.c_float),
-        *((name, ctypes.c_void_p) for name in ("head", "head_bias", "logits"))]
+        *((name, ctypes.c_void_p) for name in ("head", "head_bias", "logits")), ("causal", ctypes.c_int64)]
 
 
 class QuantPart(ctypes.Structure):
@@ -409,7 +409,7 @@ class KernelLibrary:
         every row's logits written to ``logits`` (float32 [rows, vocab], contiguous)."""
         dtype, shape = table.dtype, table.shape
         fn = self._fn("decoder_stack", dtype)
-        heads, kv_heads, head_dim, layers = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["layers"]
+        head_dim, layers = shape["head_dim"], shape["layers"]
         _check(x, "x", dtype)
         if x.dim() != 3 or x.shape[2] != shape["hidden"]:
             raise ValueError(f"x has shape {tuple(x.shape)}, expected [batch, tokens, {shape['hidden']}]")
@@ -426,32 +426,13 @@ class KernelLibrary:
         if (local is None) != (table.local_layers is None):
             raise ValueError("a stack with sliding-window layers needs their RoPE tables and cache view (local), "
                              "and one without takes none")
-        batch, width, hidden = x.shape
-        rows = batch * width
+        batch, width, _ = x.shape
         tables = [("cos", cos), ("sin", sin)] + ([] if local is None else [("local cos", local[0]),
                                                                           ("local sin", local[1])])
         for name, rope_table in tables:
             _check(rope_table, name, dtype)
             _check_shape(rope_table, name, (batch, width, 1, head_dim))
-        if len(kv.k_layers) != layers or len(kv.v_layers) != layers:
-            raise ValueError(f"the cache has {len(kv.k_layers)} layers, the model {layers}")
-        # A pool may give the sliding-window layers stores of their own size (PagedKVCachePool):
-        # each view's rows are checked against the stores it reaches.
-        flags = [False] * layers if table.local_layers is None else [bool(f) for f in table.local_layers]
-        rows_of = [t.shape[0] if t.dim() else 0 for t in kv.k_layers]
-        storage = min((r for r, f in zip(rows_of, flags, strict=True) if not f), default=0)
-        local_storage = min((r for r, f in zip(rows_of, flags, strict=True) if f), default=storage)
-        storage = storage if not all(flags) else local_storage  # (every layer local: the main view unused)
-        k_pointers, v_pointers = list(map(_data_ptr, kv.k_layers)), list(map(_data_ptr, kv.v_layers))
-        signature = (k_pointers, v_pointers, kv.k_layers[0].dtype, rows_of)
-        if signature != table.checked_cache:  # every store checked once per pool, not per pass
-            for name, stores in (("key", kv.k_layers), ("value", kv.v_layers)):
-                for index, store in enumerate(stores):
-                    _check(store, f"layer {index}'s {name} cache", dtype)
-                    _check_shape(store, f"layer {index}'s {name} cache", (rows_of[index], kv_heads, head_dim))
-            table.checked_cache = signature
-            # the stores' address tables, made once per pool too
-            table.store_addresses = (torch.tensor(k_pointers, dtype=torch.long), torch.tensor(v_pointers, dtype=torch.long))
+        storage, local_storage = _checked_stores(table, kv.k_layers, kv.v_layers)
         write_rows, read_rows, mask = _cache_view(kv, batch, width, storage)
         local_view: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         local_kv = None
@@ -460,18 +441,11 @@ class KernelLibrary:
             if local_kv.context_len != kv.context_len:
                 raise ValueError(f"the local view's context is {local_kv.context_len}, the pass's {kv.context_len}")
             local_view = _cache_view(local_kv, batch, width, local_storage)
-        k_stores, v_stores = table.store_addresses
         out = x.clone()
-        args = StackArgs(rows=rows, width=width, batch=batch, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                         head_dim=head_dim, inter=shape["inter"], layers=layers, qk_norm=int(table.qk_norm),
-                         eps=table.eps, scale=table.scale, tensors=table.addresses().data_ptr(),
-                         k_stores=k_stores.data_ptr(), v_stores=v_stores.data_ptr(), write_rows=write_rows.data_ptr(),
-                         read_rows=None if read_rows is None else read_rows.data_ptr(),
-                         read_start=kv.read_start or 0, context=kv.context_len,
-                         mask=None if mask is None else mask.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
-                         x=out.data_ptr(), threads=_threads(), quant_parts=table.quant_parts_address or None,
-                         quant_index=table.quant_index_address or None, gemma=int(table.gemma),
-                         capture=None if capture_table is None else capture_table.data_ptr())
+        args = _stack_args(table, out, batch, width, cos.data_ptr(), sin.data_ptr(), write_rows.data_ptr(),
+                           None if read_rows is None else read_rows.data_ptr(), kv.read_start or 0, kv.context_len)
+        args.mask = None if mask is None else mask.data_ptr()
+        args.capture = None if capture_table is None else capture_table.data_ptr()
         if local is not None and local_view is not None and local_kv is not None and table.local_layers is not None:
             args.local_layers = table.local_layers.data_ptr()
             args.local_write_rows = local_view[0].data_ptr()
@@ -479,13 +453,55 @@ class KernelLibrary:
             args.local_read_start = local_kv.read_start or 0
             args.local_mask = None if local_view[2] is None else local_view[2].data_ptr()
             args.local_cos, args.local_sin = local[0].data_ptr(), local[1].data_ptr()
+        self._run_stack(fn, args, table, head, logits)
+        return out
+
+    def sequence_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: StackTable,
+                       rows: SequenceRows, head: StackHead | None = None, logits: torch.Tensor | None = None) -> None:
+        """``decoder_stack`` over one sequence's chain of new tokens, ``x`` [width, hidden] in place
+        (contiguous): cos and sin [width, head_dim] (contiguous), the cache as ``rows`` gives it (the
+        pool's own rows, trusted as ``build_kv_batch``'s are not: no index tensor is made or scanned
+        per pass; the stores are checked once per pool), the keys each token sees those of a causal
+        mask (the C call's ``causal``). The same C call with the same keys as ``decoder_stack`` over
+        the same pass: the same bits, for a few microseconds of Python instead of dozens of operators."""
+        dtype, shape = table.dtype, table.shape
+        fn = self._fn("decoder_stack", dtype)
+        width = x.shape[0]
+        if table.local_layers is not None:
+            raise ValueError("a stack with sliding-window layers runs its passes through decoder_stack")
+        for name, tensor in (("x", x), ("cos", cos), ("sin", sin)):
+            _check(tensor, name, dtype)
+            _check_shape(tensor, name, (width, shape["hidden"] if name == "x" else shape["head_dim"]))
+        storage, _ = _checked_stores(table, rows.k_layers, rows.v_layers)
+        if not 0 < width <= rows.context or rows.context - width != rows.start:
+            raise ValueError(f"{width} new tokens at {rows.start} do not end the context of {rows.context}")
+        if rows.read_start is not None:
+            if not 0 <= rows.read_start <= storage - rows.context:
+                raise ValueError(f"read_start={rows.read_start} with context {rows.context} does not fit the "
+                                 f"{storage} cache rows")
+            write = (ctypes.c_int64 * width)(*range(rows.read_start + rows.start, rows.read_start + rows.context))
+            write_rows, read_rows = ctypes.addressof(write), None
+        else:
+            if rows.rows is None or rows.rows.dtype != torch.long or rows.rows.numel() < rows.context:
+                raise ValueError(f"the sequence's rows must be int64 covering its {rows.context} positions")
+            read_rows = rows.rows.data_ptr()
+            write_rows = read_rows + 8 * rows.start
+        args = _stack_args(table, x, 1, width, cos.data_ptr(), sin.data_ptr(), write_rows, read_rows,
+                           rows.read_start or 0, rows.context)
+        args.causal = 1
+        self._run_stack(fn, args, table, head, logits)
+
+    @staticmethod
+    def _run_stack(fn: Any, args: StackArgs, table: StackTable, head: StackHead | None,
+                   logits: torch.Tensor | None) -> None:
+        """The C stack call of ``args`` (ending with ``head``'s logits in ``logits`` where given)."""
         if head is not None:
-            if dtype != torch.float32 or table.gemma or head.hidden != hidden:
+            if table.dtype != torch.float32 or table.gemma or head.hidden != table.shape["hidden"]:
                 raise ValueError("an LM head in the stack's call takes a float32 stack of Llama blocks of its width")
             if logits is None:
                 raise ValueError("an LM head in the stack's call needs its logits buffer")
             _check(logits, "logits", torch.float32)
-            _check_shape(logits, "logits", (rows, head.vocab))
+            _check_shape(logits, "logits", (args.rows, head.vocab))
             part = head.part()
             args.final_norm, args.final_eps, args.head = head.norm.data_ptr(), head.eps, ctypes.addressof(part)
             args.head_bias = None if head.bias is None else head.bias.data_ptr()
@@ -498,7 +514,54 @@ class KernelLibrary:
             raise RuntimeError("the C decoder stack refused a quantized projection's descriptor")
         if status != 0:
             raise MemoryError("the C decoder stack could not allocate its scratch memory")
-        return out
+
+
+def _stack_args(table: StackTable, x: torch.Tensor, batch: int, width: int, cos: int, sin: int, write_rows: int,
+                read_rows: int | None, read_start: int, context: int) -> StackArgs:
+    """``StackArgs`` of a pass over ``x`` (written in place) through ``table``'s stack (stores from
+    ``_checked_stores``); the rest given as addresses."""
+    shape = table.shape
+    k_stores, v_stores = table.store_addresses
+    return StackArgs(rows=batch * width, width=width, batch=batch, hidden=shape["hidden"], heads=shape["heads"],
+                     kv_heads=shape["kv_heads"], head_dim=shape["head_dim"], inter=shape["inter"],
+                     layers=shape["layers"], qk_norm=int(table.qk_norm), eps=table.eps, scale=table.scale,
+                     tensors=table.addresses().data_ptr(), k_stores=k_stores.data_ptr(), v_stores=v_stores.data_ptr(),
+                     write_rows=write_rows, read_rows=read_rows, read_start=read_start, context=context, cos=cos,
+                     sin=sin, x=x.data_ptr(), threads=_threads(), quant_parts=table.quant_parts_address or None,
+                     quant_index=table.quant_index_address or None, gemma=int(table.gemma))
+
+
+def _checked_stores(table: StackTable, k_layers: Sequence[torch.Tensor],
+                    v_layers: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """The rows of the stores the main and the sliding-window layers reach (a pool may give those
+    layers stores of their own size, PagedKVCachePool: each view's rows are checked against its
+    own), every store checked and ``table.store_addresses`` made once per pool, not per pass (a
+    pool keeps its lists of stores: the same lists are not looked at again)."""
+    if table.checked_lists is not None and table.checked_lists[0] is k_layers and table.checked_lists[1] is v_layers:
+        return table.checked_lists[2], table.checked_lists[3]
+    shape = table.shape
+    layers = shape["layers"]
+    if len(k_layers) != layers or len(v_layers) != layers:
+        raise ValueError(f"the cache has {len(k_layers)} layers, the model {layers}")
+    flags = [False] * layers if table.local_layers is None else [bool(f) for f in table.local_layers]
+    rows_of = [t.shape[0] if t.dim() else 0 for t in k_layers]
+    storage = min((r for r, f in zip(rows_of, flags, strict=True) if not f), default=0)
+    local_storage = min((r for r, f in zip(rows_of, flags, strict=True) if f), default=storage)
+    storage = storage if not all(flags) else local_storage  # (every layer local: the main view unused)
+    k_pointers, v_pointers = list(map(_data_ptr, k_layers)), list(map(_data_ptr, v_layers))
+    signature = (k_pointers, v_pointers, k_layers[0].dtype, rows_of)
+    if signature != table.checked_cache:
+        for name, stores in (("key", k_layers), ("value", v_layers)):
+            for index, store in enumerate(stores):
+                _check(store, f"layer {index}'s {name} cache", table.dtype)
+                _check_shape(store, f"layer {index}'s {name} cache", (rows_of[index], shape["kv_heads"],
+                                                                     shape["head_dim"]))
+        table.checked_cache = signature
+        table.store_addresses = (torch.tensor(k_pointers, dtype=torch.long), torch.tensor(v_pointers, dtype=torch.long))
+    # (lists a caller builds anew each pass are compared by their stores' addresses, as before)
+    if isinstance(k_layers, list) and isinstance(v_layers, list):
+        table.checked_lists = (k_layers, v_layers, storage, local_storage)
+    return storage, local_storage
 
 
 def _cache_view(kv: KVBatch, batch: int, width: int,
@@ -630,6 +693,8 @@ class StackTable:
         self.quant_parts_address = self.quant_index_address = 0
         # The KV stores last checked (their addresses, dtype and shape): a pool is checked once.
         self.checked_cache: tuple[object, ...] = ()
+        # the lists of stores last checked (a pool's own, kept) and their rows (_checked_stores)
+        self.checked_lists: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], int, int] | None = None
         self.store_addresses = (torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))  # their data_ptrs
 
     def _shapes(self) -> list[tuple[int, ...] | None]:

@@ -334,7 +334,8 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
         for (int64_t rr = 0; rr < nr; rr++) {
             const uint8_t *visible = mask ? mask + (r0 + rr) * L : NULL;
             int64_t *keys = key + rr * L, count = 0, lead = 0;
-            for (int64_t l = 0; l < L; l++)
+            const int64_t seen = a->causal ? L - a->width + (r0 + rr - b * a->width) + 1 : L; /* (see StackArgs) */
+            for (int64_t l = 0; l < seen; l++)
                 if (!visible || visible[l]) {
                     lead += count == l; /* the keys every one of the first l seen */
                     keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
@@ -482,6 +483,7 @@ int FN(decoder_stack)(const StackArgs *a) {
     float *scratch = a->quant_parts ? malloc(sizeof(float) * (size_t)(m * (widest > d ? widest : d))) : NULL;
     int status = normed && qkv && qk && attn && delta && gate_up && act && (qk_normed || !a->qk_norm)
                  && (scratch || !a->quant_parts) ? 0 : -1;
+    if (a->causal && (a->batch != 1 || a->mask || a->local_layers || a->context < a->width)) status = -2;
     for (int64_t layer = 0; layer < a->layers && status == 0; layer++) {
         const int64_t *t = a->tensors + layer * STACK_TENSORS;
         ELEM *ks = (ELEM *)a->k_stores[layer], *vs = (ELEM *)a->v_stores[layer];

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,6 +245,20 @@ class QuantKernels:
             function(weight.data.data_ptr(), weight.out_features, weight.in_features, flat.data_ptr(), flat.numel(),
                      out.data_ptr())
         return out
+
+
+    def dequantize_ids(self, weight: QuantWeight, ids: Sequence[int], out: torch.Tensor) -> None:
+        """``dequantize_rows`` of ``ids`` given as Python ints, into ``out`` (float32 [len(ids),
+        in_features], contiguous): a decode step's embedding rows without an index tensor."""
+        function = self._function("quant_dequantize_rows", weight)
+        if any(not 0 <= i < weight.out_features for i in ids):
+            raise ValueError(f"ids must lie in [0, {weight.out_features}), got {list(ids)}")
+        if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() \
+                or tuple(out.shape) != (len(ids), weight.in_features):
+            raise ValueError(f"out must be a contiguous float32 CPU tensor [{len(ids)}, {weight.in_features}]")
+        index = (ctypes.c_int64 * len(ids))(*ids)
+        function(weight.data.data_ptr(), weight.out_features, weight.in_features, ctypes.addressof(index), len(ids),
+                 out.data_ptr())
 
 
 def expected_layout(isa: str) -> str:

@@ -92,14 +92,19 @@ class RopeTables:
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.device.type != "cpu" or positions.numel() == 0 or torch.compiler.is_compiling():
             return rope_cos_sin(inv_freq, positions, dtype)
+        cos, sin = self.rows(inv_freq, int(positions.max()) + 1, dtype)
+        return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
+
+    def rows(self, inv_freq: torch.Tensor, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables [n, head_dim] (contiguous) of positions 0 .. n - 1, n >= ``end``
+        (``inv_freq`` on the CPU)."""
         key = (dtype, inv_freq.data_ptr())
         tables = self._tables.get(key)
-        need = int(positions.max()) + 1
-        if tables is None or tables[0].shape[0] < need:
-            size = max(need, 256, 0 if tables is None else 2 * tables[0].shape[0])
+        if tables is None or tables[0].shape[0] < end:
+            size = max(end, 256, 0 if tables is None else 2 * tables[0].shape[0])
             cos, sin = rope_cos_sin(inv_freq, torch.arange(size).unsqueeze(0), dtype)
-            tables = self._tables[key] = (cos[0, :, 0], sin[0, :, 0])
-        return tables[0][positions].unsqueeze(-2), tables[1][positions].unsqueeze(-2)
+            tables = self._tables[key] = (cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous())
+        return tables
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
