@@ -331,3 +331,28 @@ def test_a_one_sequence_pass_through_addresses_gives_the_same_bits(model_kind: s
     monkeypatch.setattr("infer.core.model_runner.sequence_rows", shifted)
     broken = _sequence_passes(model, cache, True, monkeypatch)
     assert any(not torch.equal(a, b) for a, b in zip(broken, ref, strict=True))
+
+
+def test_the_stack_keeps_no_dropped_pool_alive(tmp_path: Path) -> None:
+    """The stack remembers the last pool's stores it checked (so a pass does not check them again)
+    by weak references: a pool dropped is freed, not held by the model for its lifetime."""
+    import gc
+    import weakref
+
+    from infer.cache import make_pool
+    from infer.core.model_runner import ModelRunner
+
+    model, _ = load_model(quantized_file("llama", "Q4_0", tmp_path), "float32", "cpu")
+    c = model.config
+    pool = make_pool("paged", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                     max_seq_len=32, max_batch_size=1, block_size=4, num_blocks=None, dtype=torch.float32,
+                     device=torch.device("cpu"))
+    runner = ModelRunner(model, pool)
+    slot = pool.allocate()
+    for run in ([1, 2, 3], [4]):  # the second pass takes the remembered stores
+        runner.forward_ragged([slot], [run], logits=True)
+    assert quantized_stack(model).table.checked_lists is not None
+    store = weakref.ref(pool.k_layers[0])
+    del runner, pool
+    gc.collect()
+    assert store() is None

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import functools
 import time
+import weakref
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -463,7 +464,7 @@ class KernelLibrary:
         pool's own rows, trusted as ``build_kv_batch``'s are not: no index tensor is made or scanned
         per pass; the stores are checked once per pool), the keys each token sees those of a causal
         mask (the C call's ``causal``). The same C call with the same keys as ``decoder_stack`` over
-        the same pass: the same bits, for a few microseconds of Python instead of dozens of operators."""
+        the same pass: the same bits, for a little Python instead of dozens of operators."""
         dtype, shape = table.dtype, table.shape
         fn = self._fn("decoder_stack", dtype)
         width = x.shape[0]
@@ -536,9 +537,12 @@ def _checked_stores(table: StackTable, k_layers: Sequence[torch.Tensor],
     """The rows of the stores the main and the sliding-window layers reach (a pool may give those
     layers stores of their own size, PagedKVCachePool: each view's rows are checked against its
     own), every store checked and ``table.store_addresses`` made once per pool, not per pass (a
-    pool keeps its lists of stores: the same lists are not looked at again)."""
-    if table.checked_lists is not None and table.checked_lists[0] is k_layers and table.checked_lists[1] is v_layers:
-        return table.checked_lists[2], table.checked_lists[3]
+    pool keeps its lists of stores and never replaces one in them: lists seen last time, holding the
+    same first stores, are not looked at again; weak references, so a pool dropped is freed)."""
+    seen = table.checked_lists
+    if (seen is not None and seen[0] == id(k_layers) and seen[1] == id(v_layers) and len(k_layers) == seen[4]
+            and k_layers and seen[2]() is k_layers[0] and seen[3]() is v_layers[0]):
+        return seen[5], seen[6]
     shape = table.shape
     layers = shape["layers"]
     if len(k_layers) != layers or len(v_layers) != layers:
@@ -558,9 +562,8 @@ def _checked_stores(table: StackTable, k_layers: Sequence[torch.Tensor],
                                                                      shape["head_dim"]))
         table.checked_cache = signature
         table.store_addresses = (torch.tensor(k_pointers, dtype=torch.long), torch.tensor(v_pointers, dtype=torch.long))
-    # (lists a caller builds anew each pass are compared by their stores' addresses, as before)
-    if isinstance(k_layers, list) and isinstance(v_layers, list):
-        table.checked_lists = (k_layers, v_layers, storage, local_storage)
+    table.checked_lists = (id(k_layers), id(v_layers), weakref.ref(k_layers[0]), weakref.ref(v_layers[0]),
+                           len(k_layers), storage, local_storage)
     return storage, local_storage
 
 
@@ -693,8 +696,9 @@ class StackTable:
         self.quant_parts_address = self.quant_index_address = 0
         # The KV stores last checked (their addresses, dtype and shape): a pool is checked once.
         self.checked_cache: tuple[object, ...] = ()
-        # the lists of stores last checked (a pool's own, kept) and their rows (_checked_stores)
-        self.checked_lists: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], int, int] | None = None
+        # the lists of stores last checked (a pool's own) and their rows (_checked_stores)
+        self.checked_lists: tuple[int, int, weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int, int,
+                                  int] | None = None
         self.store_addresses = (torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))  # their data_ptrs
 
     def _shapes(self) -> list[tuple[int, ...] | None]:
