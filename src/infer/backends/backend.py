@@ -199,6 +199,15 @@ class Backend:
         """``forward_logits`` of one sequence's chain of new ``tokens`` at their cache positions, the
         cache given as ``rows`` (``cache.protocol.sequence_rows``), where ``takes_sequence`` said so:
         the same bits as ``forward_logits`` over the same pass, without the tensors that describe it."""
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return self.run_sequence(model, tokens, rows, logits)
+        finally:
+            _inside.depth -= 1
+
+    def run_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
+                     logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One such pass (``forward_sequence`` without its bookkeeping): the base class takes none."""
         raise NotImplementedError(f"backend {self.name} runs every pass through forward_logits")
 
     def run(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None,
@@ -318,14 +327,10 @@ class CpuKernelBackend(Backend):
     def takes_sequence(self, model: DecoderOnlyLM, width: int, store: torch.Tensor) -> bool:
         return self.cpu_stack is not None and self.cpu_stack.takes_sequence(model, width, store)
 
-    def forward_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
-                         logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
+                     logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert self.cpu_stack is not None
-        _inside.depth = getattr(_inside, "depth", 0) + 1
-        try:
-            return self.cpu_stack.forward_sequence(model, tokens, rows, logits)
-        finally:
-            _inside.depth -= 1
+        return self.cpu_stack.forward_sequence(model, tokens, rows, logits)
 
 
 @dataclass(kw_only=True, eq=False)

@@ -246,7 +246,6 @@ class QuantKernels:
                      out.data_ptr())
         return out
 
-
     def dequantize_ids(self, weight: QuantWeight, ids: Sequence[int], out: torch.Tensor) -> None:
         """``dequantize_rows`` of ``ids`` given as Python ints, into ``out`` (float32 [len(ids),
         in_features], contiguous): a decode step's embedding rows without an index tensor."""
