@@ -281,8 +281,9 @@ def _runner(model: torch.nn.Module, backend: str, dtype: torch.dtype) -> ModelRu
 
 def _passes(model: torch.nn.Module, backend: str, dtype: torch.dtype) -> list[torch.Tensor]:
     """Hidden states of a sequence of passes over three sequences: prefills of different lengths
-    (the paged pool's blocks interleave), a batched decode step, a chain verification of uneven
-    runs (padding), a rollback and a tree verification batched with a chain."""
+    (the paged pool's blocks interleave; the last one's keys span two of the attention's
+    segments, cpu.STACK_ATTN_SEGMENT, the others fit in one), a batched decode step, a chain
+    verification of uneven runs (padding), a rollback and a tree verification batched with a chain."""
     runner = _runner(model, backend, dtype)
     gen = torch.Generator().manual_seed(5)
     vocab = model.config.vocab_size  # type: ignore[union-attr]
@@ -291,7 +292,8 @@ def _passes(model: torch.nn.Module, backend: str, dtype: torch.dtype) -> list[to
         return torch.randint(vocab, (n,), generator=gen).tolist()
 
     slots = [runner.pool.allocate() for _ in range(3)]
-    out = [runner.forward([s], [ids(n)]) for s, n in zip(slots, (13, 29, 7), strict=True)]
+    long = cpu.STACK_ATTN_SEGMENT + 9
+    out = [runner.forward([s], [ids(n)]) for s, n in zip(slots, (13, 29, long), strict=True)]
     out.append(runner.forward(slots, [ids(1) for _ in slots]))
     out.append(runner.forward(slots, [ids(6), ids(2), ids(4)]))
     runner.pool.truncate_to(slots[0], 15)

@@ -17,6 +17,7 @@ from infer.backends.exact import ROWS, RowChunked, check_invariance, exact_atten
 from infer.cache import make_pool
 from infer.core.model_runner import ModelRunner
 from infer.engine.config import EngineConfig
+from infer.kernels import cpu
 from infer.loader import load_model
 from infer.models.layers import DecoderOnlyLM
 from infer.speculative.tree import tree_attention_mask, tree_depths
@@ -49,7 +50,7 @@ def runner_for(model: DecoderOnlyLM, backend: str) -> ModelRunner:
     c = model.config
     pool = make_pool(backend, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
                      head_dim=c.head_dim, max_seq_len=320, max_batch_size=2, block_size=8, num_blocks=None,
-                     dtype=torch.bfloat16, device=torch.device("cpu"))
+                     dtype=model.model.embed_tokens.weight.dtype, device=torch.device("cpu"))
     return ModelRunner(model, pool)
 
 
@@ -61,17 +62,19 @@ def step_logits(runner: ModelRunner, slot: int, start: int, tokens: list[int]) -
     return logits
 
 
-def pass_vs_steps(model: DecoderOnlyLM, backend: str, kind: str, batched: bool, ragged: bool = False) -> list[bool]:
+def pass_vs_steps(model: DecoderOnlyLM, backend: str, kind: str, batched: bool, ragged: bool = False,
+                  start: int = 188) -> list[bool]:
     """Per row of one verification pass (``kind`` chain: g + 5 drafts; tree: g + the PARENTS tree),
     whether its logits equal, bit for bit, those of plain 1-token steps along the row's path.
-    ``ragged``: the pass packs the runs' tokens (``ModelRunner.forward_ragged``) instead of padding."""
+    ``ragged``: the pass packs the runs' tokens (``ModelRunner.forward_ragged``) instead of padding.
+    ``start``: the cached tokens before the pass (at most 257)."""
     runner = runner_for(model, backend)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    # The pass starts at 188: its rows straddle a key block boundary (192), and the batched
-    # sequence is longer, so these rows' keys are followed by ~70 masked ones (a single product
-    # over all keys would sum them in another order than a step's: it splits the keys by count).
-    context, other = torch.randint(vocab, (188,), generator=gen).tolist(), torch.randint(vocab, (260,), generator=gen).tolist()
+    # By default the pass starts at 188: its rows straddle a key block boundary (192), and the
+    # batched sequence is longer, so these rows' keys are followed by ~70 masked ones (a single
+    # product over all keys would sum them in another order than a step's: it splits the keys by count).
+    context, other = torch.randint(vocab, (start,), generator=gen).tolist(), torch.randint(vocab, (260,), generator=gen).tolist()
     slot = runner.pool.allocate()
     runner.forward([slot], [context])
     start = len(context)
@@ -113,6 +116,19 @@ def test_every_verification_row_equals_the_decode_step_bit_for_bit(wide_llama: P
     model = bf16_model(wide_llama, exact=True, stack=stack)
     assert all(pass_vs_steps(model, backend, kind, batched=False))
     assert all(pass_vs_steps(model, backend, kind, batched=True))
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_rows_whose_keys_straddle_an_attention_segment_equal_the_decode_step(wide_llama: Path, kind: str) -> None:
+    """The C stack's attention takes a row's key list in segments of cpu.STACK_ATTN_SEGMENT keys and
+    merges them: a pass (float32) starting just before a segment's end has rows of one segment and of two
+    (a tree's row skips its hidden siblings, so its list indices past the boundary are not its
+    positions), beside a batched sequence of five. Each row still equals its decode step."""
+    model, _ = load_model(wide_llama, "float32", "cpu")  # float32: no bfloat16 rounding hides a difference
+    assert model.backend.cpu_stack is not None
+    for start in (cpu.STACK_ATTN_SEGMENT - 4, 2 * cpu.STACK_ATTN_SEGMENT - 1):
+        assert all(pass_vs_steps(model, "paged", kind, batched=True, start=start)), start
+        assert all(pass_vs_steps(model, "paged", kind, batched=False, start=start)), start
 
 
 @pytest.mark.parametrize("stack", [True, False], ids=["stack", "layers"])

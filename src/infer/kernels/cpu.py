@@ -85,6 +85,7 @@ STACK_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _PROJECTION_WEIGHTS = (1, 5, 8, 10)  # each projection's weight slot in STACK_TENSORS
 MAX_STACK_HEAD_DIM = 256  # the attention keeps a key or value row in 16 registers of 16 floats
 MAX_STACK_GROUP = 16  # query heads per KV head the attention takes (cpu_kernels.c's MAX_GROUP)
+STACK_ATTN_SEGMENT = 128  # keys of a row's list per attention work item, merged in order (ATTN_SEGMENT)
 
 
 def expected_layout(dtypes: Sequence[str]) -> str:
@@ -95,7 +96,7 @@ def expected_layout(dtypes: Sequence[str]) -> str:
     projections = ",".join(f"{name}:{i}" for i, name in enumerate(STACK_PROJECTIONS))
     return (f"size={ctypes.sizeof(StackArgs)} {fields} part_size={ctypes.sizeof(QuantPart)} {part} "
             f"projections={projections}/{len(STACK_PROJECTIONS)} tensors={tensors}/{len(_C_TENSOR_NAMES)} "
-            f"max_group={MAX_STACK_GROUP} max_head_dim={MAX_STACK_HEAD_DIM} dtypes={','.join(dtypes)}")
+            f"max_group={MAX_STACK_GROUP} max_head_dim={MAX_STACK_HEAD_DIM} attn_segment={STACK_ATTN_SEGMENT} dtypes={','.join(dtypes)}")
 
 
 # Set while ``kernel_threads_only`` runs a pass: the thread count the kernels use instead of torch's.

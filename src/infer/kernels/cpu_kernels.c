@@ -219,6 +219,14 @@ enum {
 };
 #define MAX_GROUP 16     /* query heads per KV head the attention takes */
 #define MAX_HEAD_DIM 256 /* the attention keeps a key or value row in 16 registers of 16 floats */
+/* A row's key list is taken in segments of ATTN_SEGMENT keys, by index in the list, each segment a
+ * work item of its own: its scores, their softmax against the segment's peak, its total and its
+ * weighted sum of values, merged afterwards in segment order. The boundaries depend on the row's list
+ * alone, never on the pass or the thread count, so a token's result is still the same in every pass;
+ * a row of at most ATTN_SEGMENT keys is one segment and its merge is exact (a factor of 1). Without
+ * segments a pass had one item per KV head and row group: SmolLM2's 3 KV heads on two threads left
+ * one thread idle for half of every attention, the longer the context the longer. */
+#define ATTN_SEGMENT 128 /* keys */
 
 typedef struct {
     int64_t rows, width, batch;           /* rows = batch * width query tokens */
@@ -312,7 +320,7 @@ const char *infer_kernels_layout(void) {
              "part_size=%zu part_linear=%zu part_blocks=%zu part_offset=%zu part_rows=%zu part_in_features=%zu "
              "projections=qkv:%d,o:%d,gate_up:%d,down:%d/%d "
              "tensors=ln1:%d,qkv_w:%d,qkv_b:%d,q_norm:%d,k_norm:%d,o_w:%d,o_b:%d,ln2:%d,gate_up_w:%d,gate_up_b:%d,"
-             "down_w:%d,down_b:%d,post_attn_norm:%d,post_ff_norm:%d/%d max_group=%d max_head_dim=%d dtypes=%s",
+             "down_w:%d,down_b:%d,post_attn_norm:%d,post_ff_norm:%d/%d max_group=%d max_head_dim=%d attn_segment=%d dtypes=%s",
              sizeof(StackArgs), AT(rows), AT(width), AT(batch), AT(hidden), AT(heads), AT(kv_heads), AT(head_dim),
              AT(inter), AT(layers), AT(qk_norm), AT(eps), AT(scale), AT(tensors), AT(k_stores), AT(v_stores),
              AT(write_rows), AT(read_rows), AT(read_start), AT(context), AT(mask), AT(cos), AT(sin), AT(x),
@@ -321,7 +329,7 @@ const char *infer_kernels_layout(void) {
              AT(logits), AT(causal), sizeof(QuantPart), offsetof(QuantPart, linear),
              offsetof(QuantPart, blocks), offsetof(QuantPart, offset), offsetof(QuantPart, rows),
              offsetof(QuantPart, in_features), P_QKV, P_O, P_GATE_UP, P_DOWN, STACK_PROJECTIONS, T_LN1, T_QKV_W, T_QKV_B, T_Q_NORM, T_K_NORM, T_O_W, T_O_B, T_LN2, T_GATE_UP_W,
-             T_GATE_UP_B, T_DOWN_W, T_DOWN_B, T_POST_ATTN_NORM, T_POST_FF_NORM, STACK_TENSORS, MAX_GROUP, MAX_HEAD_DIM,
+             T_GATE_UP_B, T_DOWN_W, T_DOWN_B, T_POST_ATTN_NORM, T_POST_FF_NORM, STACK_TENSORS, MAX_GROUP, MAX_HEAD_DIM, ATTN_SEGMENT,
 #ifdef __AVX512BF16__
              "f32,bf16"
 #else

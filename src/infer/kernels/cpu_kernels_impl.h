@@ -250,16 +250,17 @@ static __attribute__((noinline)) void FN(value_block)(const FN(AttnShape) *sh, c
     }
 }
 
-/* Rows krow[0 .. LANES - 1] of block i0 of a key list (a short last block repeats its last key),
- * and the rows of the block KEYS_AHEAD keys on fetched. With `stage` (LANES rows of `staged`
+/* Rows krow[0 .. LANES - 1] of block i0 of a key list of n keys (a short last block repeats its
+ * last key), and the rows of the block KEYS_AHEAD keys on fetched (the list's first nf keys may be
+ * fetched: it may go on past the n in use, into the next segment's). With `stage` (LANES rows of `staged`
  * elements), the block's rows are first copied there, one after another: where a cache row is a
  * multiple of 4 KB (8 KV heads of 128 float32s), every key's row of a head falls in the same L1
  * sets, so a block of 16 rows overflows their ways and each head of the group reads it again from
  * L2 (a 3B model after 1,024 tokens: +3% decode speed). The values are the same, so is every sum. */
-static inline void FN(block_rows)(const ELEM *base, const int64_t *key, int64_t n, int64_t i0, int64_t kvh,
-                                  int64_t g, int64_t hd, const ELEM **row, ELEM *stage, int64_t staged) {
+static inline void FN(block_rows)(const ELEM *base, const int64_t *key, int64_t n, int64_t nf, int64_t i0,
+                                  int64_t kvh, int64_t g, int64_t hd, const ELEM **row, ELEM *stage, int64_t staged) {
     const int64_t bn = n - i0 < LANES ? n - i0 : LANES, ahead = i0 + KEYS_AHEAD;
-    FN(fetch_rows)(base, key, ahead < n ? ahead : n, ahead + LANES < n ? ahead + LANES : n, kvh, g, hd);
+    FN(fetch_rows)(base, key, ahead < nf ? ahead : nf, ahead + LANES < nf ? ahead + LANES : nf, kvh, g, hd);
     for (int64_t t = 0; t < LANES; t++) row[t] = base + (key[i0 + (t < bn ? t : bn - 1)] * kvh + g) * hd;
     if (!stage) return;
     for (int64_t t = 0; t < LANES; t++) {
@@ -285,9 +286,49 @@ typedef struct {
     const uint8_t *mask;
     const ELEM *qk, *ks, *vs;
     ELEM *out;
+    int64_t segments;         /* of every row group's key lists: 1, or the context's ATTN_SEGMENT-key segments */
+    int64_t part_stride;      /* a segment's partial result: its peak, its total, then (from LANES) its sum */
+    float *part;              /* segments > 1: [rows, heads, segments, part_stride] */
+    _Atomic int64_t *done;    /* segments > 1: per row group and KV head, its segments finished */
     FN(AttnScratch) *scratch; /* one per worker */
     _Atomic int failed;
 } FN(AttnJob);
+
+/* A head's output row o[0 .. hd - 1] = sum / total (zeros where no key was visible). */
+static inline void FN(attn_out)(const float *sum, float total, int64_t chunks, int64_t hd, ELEM *o) {
+    float inv = total > 0.0f ? 1.0f / total : 0.0f, lane[LANES];
+    for (int64_t c = 0; c < chunks; c++) {
+        fvec_storeu(lane, fvec_mul(fvec_load(sum + c * LANES), fvec_set1(inv)));
+        for (int64_t e = 0; e < LANES && LANES * c + e < hd; e++) o[LANES * c + e] = FN(store)(lane[e]);
+    }
+}
+
+/* Rows r0 .. r0 + nr - 1, the heads of KV head g: their segments' partial results merged in segment
+ * order (each scaled by exp(its peak - the largest peak)) into their output rows. */
+static void FN(merge_segments)(const FN(AttnJob) *job, int64_t r0, int64_t nr, int64_t g) {
+    const StackArgs *a = job->a;
+    const int64_t heads = a->heads, groups = heads / a->kv_heads, hd = a->head_dim;
+    const int64_t chunks = (hd + LANES - 1) / LANES, segs = job->segments, ps = job->part_stride;
+    float sum[MAX_HEAD_DIM] __attribute__((aligned(64)));
+    for (int64_t rr = 0; rr < nr; rr++)
+        for (int64_t j = 0; j < groups; j++) {
+            const int64_t h = g * groups + j;
+            const float *p = job->part + ((r0 + rr) * heads + h) * segs * ps;
+            float peak = -INFINITY, total = 0.0f;
+            for (int64_t s = 0; s < segs; s++)
+                if (p[s * ps + 1] > 0.0f && p[s * ps] > peak) peak = p[s * ps];
+            for (int64_t c = 0; c < chunks; c++) fvec_store(sum + c * LANES, fvec_zero());
+            for (int64_t s = 0; s < segs; s++) {
+                if (!(p[s * ps + 1] > 0.0f)) continue; /* a segment with no visible key */
+                const float f = expf(p[s * ps] - peak);
+                const FVEC fv = fvec_set1(f);
+                total += f * p[s * ps + 1];
+                for (int64_t c = 0; c < chunks; c++)
+                    fvec_store(sum + c * LANES, fvec_fma(fv, fvec_load(p + s * ps + LANES + c * LANES), fvec_load(sum + c * LANES)));
+            }
+            FN(attn_out)(sum, total, chunks, hd, job->out + ((r0 + rr) * heads + h) * hd);
+        }
+}
 
 /* Attention items begin .. end - 1 (a chunk of the pool's loop; see attention). */
 static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worker) {
@@ -299,7 +340,7 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
     ELEM *out = job->out;
     int64_t hd = a->head_dim, heads = a->heads, kvh = a->kv_heads, groups = heads / kvh;
     int64_t L = a->context, stride = (L + LANES - 1) / LANES * LANES, chunks = (hd + LANES - 1) / LANES;
-    int64_t per_seq = (a->width + ATTN_ROWS - 1) / ATTN_ROWS;
+    int64_t per_seq = (a->width + ATTN_ROWS - 1) / ATTN_ROWS, segs = job->segments, ps = job->part_stride;
     int64_t width = groups * chunks * LANES;
     /* a block's rows are staged (see block_rows) where cache rows lie a multiple of 4 KB apart */
     const int stages = kvh * hd * (int64_t)sizeof(ELEM) % 4096 == 0;
@@ -327,21 +368,32 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
     for (int64_t c = 0; c < chunks; c++) mask_of[c] = lanes(hd - LANES * c);
     const FN(AttnShape) sh = {groups, chunks, hd, stride, a->scale, mask_of};
     for (int64_t p = begin; p < end; p++) {
-        const int64_t g = p % kvh, b = p / kvh / per_seq, r0 = b * a->width + p / kvh % per_seq * ATTN_ROWS;
+        /* KV head g of segment seg of row group q / kvh: a thread's consecutive items read every
+         * head of the same keys, whose rows lie side by side in the cache */
+        const int64_t g = p % kvh, seg = p / kvh % segs, q = p / kvh / segs * kvh + g;
+        const int64_t b = q / kvh / per_seq, r0 = b * a->width + q / kvh % per_seq * ATTN_ROWS;
         const int64_t nr = b * a->width + a->width - r0 < ATTN_ROWS ? b * a->width + a->width - r0 : ATTN_ROWS;
-        int64_t n[ATTN_ROWS], shared = L;
+        const int64_t s0 = seg * ATTN_SEGMENT, s1 = segs > 1 ? s0 + ATTN_SEGMENT : L; /* list indices */
+        const int64_t s2 = s1 + KEYS_AHEAD; /* the list goes on to here for fetching: the next segment's keys */
+        int64_t n[ATTN_ROWS], nf[ATTN_ROWS], shared = ATTN_SEGMENT + L;
         float top[ATTN_ROWS][MAX_GROUP], total[ATTN_ROWS][MAX_GROUP];
         for (int64_t rr = 0; rr < nr; rr++) {
             const uint8_t *visible = mask ? mask + (r0 + rr) * L : NULL;
-            int64_t *keys = key + rr * L, count = 0, lead = 0;
+            int64_t *keys = key + rr * L, count = 0;
             const int64_t seen = a->causal ? L - a->width + (r0 + rr - b * a->width) + 1 : L; /* (see StackArgs) */
-            for (int64_t l = 0; l < seen; l++)
-                if (!visible || visible[l]) {
-                    lead += count == l; /* the keys every one of the first l seen */
-                    keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
+            /* positions before the first hidden one are their own list indices, the same in every row */
+            const uint8_t *gap = visible && seen > 0 ? memchr(visible, 0, (size_t)seen) : NULL;
+            const int64_t lead = gap ? gap - visible : seen;
+            for (int64_t l = s0; l < lead && l < s2; l++) keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
+            for (int64_t l = lead + 1, index = lead; l < seen && index < s2; l++) /* the rest, after the gap */
+                if (visible[l]) {
+                    if (index >= s0) keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
+                    index++;
                 }
-            n[rr] = count;
-            shared = lead < shared ? lead : shared;
+            nf[rr] = count;
+            n[rr] = count < s1 - s0 ? count : s1 - s0;
+            const int64_t common_here = (lead < s1 ? lead : s1) - s0;
+            shared = common_here < shared ? common_here : shared;
             for (int64_t j = 0; j < groups; j++) {
                 const ELEM *qh = qk + ((r0 + rr) * (heads + kvh) + g * groups + j) * hd;
                 for (int64_t c = 0; c < chunks; c++)
@@ -349,18 +401,21 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
                 top[rr][j] = -INFINITY;
             }
         }
-        /* blocks that are the same leading keys in every row's list */
-        const int64_t common = shared / LANES * LANES;
+        /* blocks that are the same keys in every row's list */
+        const int64_t common = shared > 0 ? shared / LANES * LANES : 0;
         const ELEM *row[LANES];
-        FN(fetch_rows)(ks, key, 0, n[0] < KEYS_AHEAD ? n[0] : KEYS_AHEAD, kvh, g, hd);
+        /* the first keys' rows, then the values' of the whole segment (theirs arrive during the scores) */
+        FN(fetch_rows)(ks, key, 0, nf[0] < KEYS_AHEAD ? nf[0] : KEYS_AHEAD, kvh, g, hd);
+        for (int64_t rr = 0; rr < nr; rr++)
+            if (rr == 0 || n[rr] > common) FN(fetch_rows)(vs, key + rr * L, rr ? common : 0, n[rr], kvh, g, hd);
         for (int64_t i0 = 0; i0 < common; i0 += LANES) {
-            FN(block_rows)(ks, key, common, i0, kvh, g, hd, row, stage, staged);
+            FN(block_rows)(ks, key, common, nf[0], i0, kvh, g, hd, row, stage, staged);
             for (int64_t rr = 0; rr < nr; rr++)
                 FN(score_block)(&sh, row, LANES, query + rr * width, score + rr * stride * groups + i0, top[rr]);
         }
         for (int64_t rr = 0; rr < nr; rr++)
             for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
-                FN(block_rows)(ks, key + rr * L, n[rr], i0, kvh, g, hd, row, stage, staged);
+                FN(block_rows)(ks, key + rr * L, n[rr], nf[rr], i0, kvh, g, hd, row, stage, staged);
                 FN(score_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, query + rr * width,
                                 score + rr * stride * groups + i0, top[rr]);
             }
@@ -377,48 +432,60 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
             }
             for (int64_t e = 0; e < width; e += LANES) fvec_store(sum + rr * width + e, fvec_zero());
         }
-        FN(fetch_rows)(vs, key, 0, n[0] < KEYS_AHEAD ? n[0] : KEYS_AHEAD, kvh, g, hd);
         for (int64_t i0 = 0; i0 < common; i0 += LANES) {
-            FN(block_rows)(vs, key, common, i0, kvh, g, hd, row, stage, staged);
+            FN(block_rows)(vs, key, common, nf[0], i0, kvh, g, hd, row, stage, staged);
             for (int64_t rr = 0; rr < nr; rr++)
                 FN(value_block)(&sh, row, LANES, score + rr * stride * groups + i0, sum + rr * width);
         }
         for (int64_t rr = 0; rr < nr; rr++) {
             for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
-                FN(block_rows)(vs, key + rr * L, n[rr], i0, kvh, g, hd, row, stage, staged);
+                FN(block_rows)(vs, key + rr * L, n[rr], nf[rr], i0, kvh, g, hd, row, stage, staged);
                 FN(value_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, score + rr * stride * groups + i0,
                                 sum + rr * width);
             }
             for (int64_t j = 0; j < groups; j++) {
-                float inv = total[rr][j] > 0.0f ? 1.0f / total[rr][j] : 0.0f, lane[LANES];
-                ELEM *o = out + ((r0 + rr) * heads + g * groups + j) * hd;
-                for (int64_t c = 0; c < chunks; c++) {
-                    fvec_storeu(lane, fvec_mul(fvec_load(sum + rr * width + (j * chunks + c) * LANES), fvec_set1(inv)));
-                    for (int64_t e = 0; e < LANES && LANES * c + e < hd; e++) o[LANES * c + e] = FN(store)(lane[e]);
+                const float *sj = sum + rr * width + j * chunks * LANES;
+                if (segs == 1) {
+                    FN(attn_out)(sj, total[rr][j], chunks, hd, out + ((r0 + rr) * heads + g * groups + j) * hd);
+                    continue;
                 }
+                float *pp = job->part + (((r0 + rr) * heads + g * groups + j) * segs + seg) * ps;
+                pp[0] = top[rr][j];
+                pp[1] = total[rr][j];
+                for (int64_t c = 0; c < chunks; c++) fvec_store(pp + LANES + c * LANES, fvec_load(sj + c * LANES));
             }
         }
+        /* the item's last segment to finish merges them (the counter orders the partial results' stores) */
+        if (segs > 1 && atomic_fetch_add(&job->done[q], 1) == segs - 1) FN(merge_segments)(job, r0, nr, g);
     }
 }
 
 /* Attention of every query row of the pass over its visible cached keys (see decoder_stack).
- * A work item is up to ATTN_ROWS query rows of one sequence and one KV head, an item of the pool's
- * loop (thread_pool.h). Each row's visible keys
+ * A work item is a segment (ATTN_SEGMENT) of the key lists of up to ATTN_ROWS query rows of one
+ * sequence and one KV head, an item of the pool's loop (thread_pool.h). Each row's visible keys
  * form its own list, taken in blocks of LANES: a block's scores are LANES dot products (chunks in
  * order) whose lanes one transpose tree sums, the softmax is float32 with the vector exp, and the
  * values are summed key by key in order, in registers across a block. The leading blocks every row
  * of the item sees whole (the cached context of a verification pass or a prefill chunk) are read
  * once for all of them; a row's arithmetic is the same as alone, so its result depends on its
  * visible keys only, never on the pass around it or the thread computing it. Returns 0, or -1 where
- * a thread's scratch memory could not be allocated. */
+ * memory could not be allocated. */
 static int FN(attention)(const StackArgs *a, const int64_t *read_rows, int64_t read_start, const uint8_t *mask,
                          const ELEM *qk, const ELEM *ks, const ELEM *vs, ELEM *out) {
     const int64_t per_seq = (a->width + ATTN_ROWS - 1) / ATTN_ROWS, items = a->batch * per_seq * a->kv_heads;
+    const int64_t segs = a->context > ATTN_SEGMENT ? (a->context + ATTN_SEGMENT - 1) / ATTN_SEGMENT : 1;
+    const int64_t ps = ((a->head_dim + LANES - 1) / LANES + 1) * LANES;
     const int threads = a->threads < 1 ? 1 : a->threads > POOL_MAX_THREADS ? POOL_MAX_THREADS : a->threads;
-    FN(AttnJob) job = {a, read_rows, read_start, mask, qk, ks, vs, out, calloc((size_t)threads, sizeof(FN(AttnScratch))), 0};
-    if (!job.scratch) return -1;
-    pool_run(FN(attention_items), &job, items, 1, threads);
-    for (int t = 0; t < threads; t++) {
+    FN(AttnJob) job = {a, read_rows, read_start, mask, qk, ks, vs, out, segs, ps, NULL, NULL,
+                       calloc((size_t)threads, sizeof(FN(AttnScratch))), 0};
+    int failed = !job.scratch;
+    if (segs > 1 && !failed) {
+        job.part = aligned_alloc(64, (sizeof(float) * (size_t)(a->rows * a->heads * segs * ps) + 63) / 64 * 64);
+        job.done = calloc((size_t)items, sizeof(_Atomic int64_t));
+        failed = !job.part || !job.done;
+    }
+    if (!failed) pool_run(FN(attention_items), &job, items * segs, 1, threads);
+    for (int t = 0; job.scratch && t < threads; t++) {
         free(job.scratch[t].score);
         free(job.scratch[t].query);
         free(job.scratch[t].sum);
@@ -426,8 +493,11 @@ static int FN(attention)(const StackArgs *a, const int64_t *read_rows, int64_t r
         free(job.scratch[t].stage);
     }
     free(job.scratch);
-    return atomic_load(&job.failed) ? -1 : 0;
+    free(job.part);
+    free((void *)job.done);
+    return failed || atomic_load(&job.failed) ? -1 : 0;
 }
+
 
 static void FN(add_into)(ELEM *x, const ELEM *y, int64_t n) { /* x += y, rounded */
     for (int64_t i = 0; i < n; i++) x[i] = FN(store)(FN(load)(x, i) + FN(load)(y, i));
