@@ -197,10 +197,12 @@ typedef struct {
     const LMASK *mask;                  /* [chunks]: each chunk's valid lanes */
 } FN(AttnShape);
 
-/* The scores of one block of keys (rows krow[0 .. LANES - 1], bn real) for every head of a query:
- * score[j][i0 + t] = scale * dot(query_j, k_t), each a chain over the chunks in order whose lanes
- * fvec_sums adds; top[j] takes the block's largest real score. */
-static __attribute__((noinline)) void FN(score_block)(const FN(AttnShape) *sh, const ELEM *const *krow, int64_t bn, const float *query,
+/* The scores of one block of keys (rows krow[0 .. LANES - 1]; block_rows repeats a short block's
+ * last row, so every lane is a real key's score) for every head of a query: score[j][i0 + t] =
+ * scale * dot(query_j, k_t), each a chain over the chunks in order whose lanes fvec_sums adds;
+ * top[j] takes the block's largest score (one vector reduction: a maximum is the same whatever the
+ * order, and where only the sign of a zero peak could differ, exp(score - peak) does not). */
+static __attribute__((noinline)) void FN(score_block)(const FN(AttnShape) *sh, const ELEM *const *krow, const float *query,
                             float *score, float *top) {
     const int64_t groups = sh->groups, chunks = sh->chunks, stride = sh->stride;
     const FVEC scale = fvec_set1(sh->scale);
@@ -214,9 +216,8 @@ static __attribute__((noinline)) void FN(score_block)(const FN(AttnShape) *sh, c
         }
         FVEC s = fvec_mul(fvec_sums(acc), scale);
         fvec_store(score + j * stride, s);
-        float lane[LANES];
-        fvec_storeu(lane, s);
-        for (int64_t t = 0; t < bn; t++) top[j] = lane[t] > top[j] ? lane[t] : top[j];
+        const float peak = fvec_hmax(s);
+        top[j] = peak > top[j] ? peak : top[j];
     }
 }
 
@@ -411,13 +412,12 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
         for (int64_t i0 = 0; i0 < common; i0 += LANES) {
             FN(block_rows)(ks, key, common, nf[0], i0, kvh, g, hd, row, stage, staged);
             for (int64_t rr = 0; rr < nr; rr++)
-                FN(score_block)(&sh, row, LANES, query + rr * width, score + rr * stride * groups + i0, top[rr]);
+                FN(score_block)(&sh, row, query + rr * width, score + rr * stride * groups + i0, top[rr]);
         }
         for (int64_t rr = 0; rr < nr; rr++)
             for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
                 FN(block_rows)(ks, key + rr * L, n[rr], nf[rr], i0, kvh, g, hd, row, stage, staged);
-                FN(score_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, query + rr * width,
-                                score + rr * stride * groups + i0, top[rr]);
+                FN(score_block)(&sh, row, query + rr * width, score + rr * stride * groups + i0, top[rr]);
             }
         for (int64_t rr = 0; rr < nr; rr++) {
             const int64_t padded = (n[rr] + LANES - 1) / LANES * LANES;
