@@ -410,6 +410,7 @@ def test_bench_threads_runs_each_mode_interleaved(tiny_llama: Path, tmp_path: Pa
     report = json.loads(out.read_text())
     assert set(report["tok_s"]) == {"default", "1"} and all(len(v) == 2 for v in report["tok_s"].values())
     assert report["greedy_ids_equal"] is True and report["busy_processes"] == 1
+    assert report["orders"] == [["default", "1"], ["1", "default"]]  # each mode first as often
 
 
 def test_bench_generation_stop_at_eos_is_recorded(tiny_llama: Path, tmp_path: Path) -> None:

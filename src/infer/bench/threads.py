@@ -3,7 +3,8 @@
 Each mode is its own process that loads the model once (``default``: infer's own thread choice;
 a number: ``torch.set_num_threads(N)`` before the engine starts, as ``infer demo --threads N``
 does). Every repeat times each mode once, in turn, on the same greedy request (interleaved, so
-a machine whose load drifts meets every mode alike); only one mode runs at a time. ``--busy N``
+a machine whose load drifts meets every mode alike; the order rotates from repeat to repeat, so
+every mode is first as often); only one mode runs at a time. ``--busy N``
 starts N processes spinning in a loop (``while True: pass``) for the whole run: the shared
 machine the default choice must survive. The figure is end-to-end tokens/s of
 ``LLM.generate``; the medians over the repeats, each mode's greedy ids checked equal.
@@ -89,8 +90,14 @@ def run(model: str, modes: list[str], busy: int, repeats: int, max_tokens: int,
             spinners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
         speeds: dict[str, list[float]] = {name: [] for name in workers}
         ids: dict[str, list[int]] = {}
+        names = list(workers)
+        orders: list[list[str]] = []
         for repeat in range(repeats):
-            for name, process in workers.items():
+            # The order rotates: whichever mode was timed first in every repeat measured slowest
+            # (docs/benchmarks.md, issue 34's busy-core rows).
+            orders.append(names[repeat % len(names):] + names[: repeat % len(names)])
+            for name in orders[-1]:
+                process = workers[name]
                 assert process.stdin is not None
                 process.stdin.write("go\n")
                 process.stdin.flush()
@@ -107,7 +114,8 @@ def run(model: str, modes: list[str], busy: int, repeats: int, max_tokens: int,
     commits = {prefix or "this": _commit(src or here) for prefix, src in trees}
     best_fixed = max((medians[m] for m in modes if m != "default"), default=None)
     return {"model": model, "max_tokens": max_tokens, "busy_processes": busy, "repeats": repeats,
-            "commits": commits, "cpus": len(os.sched_getaffinity(0)), "loadavg_after": os.getloadavg(), "tok_s": speeds,
+            "commits": commits, "cpus": len(os.sched_getaffinity(0)), "loadavg_after": os.getloadavg(), "orders": orders,
+            "tok_s": speeds,
             "median_tok_s": medians, "best_fixed_tok_s": best_fixed,
             "default_vs_best_fixed": (medians["default"] / best_fixed if best_fixed and "default" in medians else None),
             "greedy_ids_equal": len({tuple(v) for v in ids.values()}) == 1}
