@@ -649,7 +649,9 @@ def test_thread_choice_follows_the_faster_count_and_keeps_checking() -> None:
     cost.update({2: 5.0, 1: 1.0})  # another process takes a core: two threads lose
     picks = decode_passes(chooser, cost, 400)
     assert picks[-100:].count(1) >= 97
-    tries = [i for i, t in enumerate(picks) if t == 2][3:]  # after the first passes (the switch)
+    switch = picks.index(1)  # at once: two threads' time rose past DRIFT
+    assert switch <= 4
+    tries = [i for i, t in enumerate(picks) if t == 2 and i > switch]
     assert len(tries) >= 3 and tries[2] - tries[1] > tries[1] - tries[0] > 32  # the tries back off
 
 
@@ -688,6 +690,26 @@ def test_a_slow_first_pass_does_not_decide_the_thread_count() -> None:
             chooser.record("logits", threads, cost)
             picks.append(threads)
         assert picks[4:] == [want] * 26, (measure_first, picks)
+
+
+def test_a_choice_that_slows_down_is_tried_against_the_other_at_once() -> None:
+    """Quiet for 600 passes (the wait between tries has grown to hundreds), then another process
+    takes a core: two threads slow down, though not past one thread's figure of the quiet machine,
+    and one thread is now faster. It wins within a few passes. The negative control: without the
+    drift check (DRIFT infinite) the next try is over a hundred passes away."""
+    for drift, within in ((cpu.ThreadChooser.DRIFT, 8), (float("inf"), None)):
+        chooser = cpu.ThreadChooser()
+        chooser.DRIFT = drift
+        cost = {2: 1.0, 1: 1.7}
+        decode_passes(chooser, cost, 600)
+        assert chooser.interval["decode"] >= 256
+        cost.update({2: 1.6, 1: 1.2})
+        picks = decode_passes(chooser, cost, 200)
+        first_one = picks.index(1) if 1 in picks else len(picks)
+        if within is not None:
+            assert first_one <= within and picks[within:].count(1) >= 190 - within, picks
+        else:
+            assert first_one > 100, first_one
 
 
 def test_the_checks_hold_under_python_optimize() -> None:

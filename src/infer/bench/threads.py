@@ -1,10 +1,10 @@
 """Decode speed by kernel thread count, with and without another process keeping cores busy.
 
-Each mode is its own process that loads the model once (``default``: infer's own thread choice;
-a number: ``torch.set_num_threads(N)`` before the engine starts, as ``infer demo --threads N``
-does). Every repeat times each mode once, in turn, on the same greedy request (interleaved, so
-a machine whose load drifts meets every mode alike; the order rotates from repeat to repeat, so
-every mode is first as often); only one mode runs at a time. ``--busy N``
+Every repeat starts each mode's own process, which loads the model and warms up (``default``:
+infer's own thread choice; a number: ``torch.set_num_threads(N)`` before the engine starts, as
+``infer demo --threads N`` does), then times each mode once, in turn, on the same greedy request
+(interleaved, so a machine whose load drifts meets every mode alike; the order rotates from repeat
+to repeat, so every mode is started and timed first as often); only one mode runs at a time. ``--busy N``
 starts N processes spinning in a loop (``while True: pass``) for the whole run: the shared
 machine the default choice must survive. The figure is end-to-end tokens/s of
 ``LLM.generate``; the medians over the repeats, each mode's greedy ids checked equal.
@@ -66,36 +66,42 @@ def _reply(process: subprocess.Popen[str]) -> Any:
     raise RuntimeError(f"a mode's process ended (exit {process.wait()})")
 
 
+def _start(name: str, src: str | None, mode: str, model: str, max_tokens: int) -> subprocess.Popen[Any]:
+    """A mode's worker process (of ``src``'s infer where given), loaded and warmed up."""
+    env = dict(os.environ)
+    if src is not None:  # that tree's infer; this file runs as a script (the other may lack it)
+        env["PYTHONPATH"] = src
+    argv = ["--worker", mode, "--model", model, "--max-tokens", str(max_tokens)]
+    code = f"import runpy, sys; sys.argv = {[__file__, *argv]!r}; runpy.run_path({__file__!r}, run_name='__main__')"
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, text=True, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE)
+    if _reply(process) != "ready":
+        raise RuntimeError(f"mode {name} did not start")
+    return process
+
+
 def run(model: str, modes: list[str], busy: int, repeats: int, max_tokens: int,
         compare_src: str | None = None) -> dict[str, Any]:
     """``compare_src``: another source tree (its ``src`` folder) whose modes run beside this one's,
     named ``other:<mode>`` (a before/after comparison in one interleaved run)."""
     trees = [("", None)] + ([("other:", compare_src)] if compare_src else [])
-    spinners: list[subprocess.Popen[Any]] = []
-    workers: dict[str, subprocess.Popen[Any]] = {}
-    try:
-        for prefix, src in trees:
-            env = dict(os.environ)
-            if src is not None:  # that tree's infer; this file runs as a script (the other may lack it)
-                env["PYTHONPATH"] = src
-            for mode in modes:
-                argv = ["--worker", mode, "--model", model, "--max-tokens", str(max_tokens)]
-                code = f"import runpy, sys; sys.argv = {[__file__, *argv]!r}; runpy.run_path({__file__!r}, run_name='__main__')"
-                process = subprocess.Popen([sys.executable, "-c", code], env=env, text=True, stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE)
-                workers[prefix + mode] = process
-                if _reply(process) != "ready":
-                    raise RuntimeError(f"mode {prefix + mode} did not start")
-        for _ in range(busy):  # started after the loads: the timed runs alone meet them
-            spinners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
-        speeds: dict[str, list[float]] = {name: [] for name in workers}
-        ids: dict[str, list[int]] = {}
-        names = list(workers)
-        orders: list[list[str]] = []
-        for repeat in range(repeats):
-            # The order rotates: whichever mode was timed first in every repeat measured slowest
-            # (docs/benchmarks.md, issue 34's busy-core rows).
-            orders.append(names[repeat % len(names):] + names[: repeat % len(names)])
+    configs = {prefix + mode: (src, mode) for prefix, src in trees for mode in modes}
+    names = list(configs)
+    speeds: dict[str, list[float]] = {name: [] for name in names}
+    ids: dict[str, list[int]] = {}
+    orders: list[list[str]] = []
+    for repeat in range(repeats):
+        # Fresh processes every repeat, started and timed in an order that rotates: with one process
+        # per mode for the whole run, whichever was started first measured slowest, and so did
+        # whichever was timed first in every repeat (docs/benchmarks.md, issue 34's busy-core rows).
+        orders.append(names[repeat % len(names):] + names[: repeat % len(names)])
+        spinners: list[subprocess.Popen[Any]] = []
+        workers: dict[str, subprocess.Popen[Any]] = {}
+        try:
+            for name in orders[-1]:
+                workers[name] = _start(name, *configs[name], model, max_tokens)
+            for _ in range(busy):  # started after the loads: the timed runs alone meet them
+                spinners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
             for name in orders[-1]:
                 process = workers[name]
                 assert process.stdin is not None
@@ -105,10 +111,10 @@ def run(model: str, modes: list[str], busy: int, repeats: int, max_tokens: int,
                 speeds[name].append(rate)
                 ids.setdefault(name, token_ids)
                 print(f"repeat {repeat + 1}/{repeats} threads={name}: {rate:.1f} tok/s", flush=True)
-    finally:
-        for each in [*spinners, *workers.values()]:
-            each.kill()
-            each.wait()
+        finally:
+            for each in [*spinners, *workers.values()]:
+                each.kill()
+                each.wait()
     medians = {name: statistics.median(v) for name, v in speeds.items()}
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     commits = {prefix or "this": _commit(src or here) for prefix, src in trees}

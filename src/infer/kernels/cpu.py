@@ -119,12 +119,16 @@ class ThreadChooser:
     it runs, and the time of the last try of the other, runs the faster, and now and then runs the
     other once to notice the machine changing. The first pass of a kind on a count is not
     measured: it pays one-time costs (faulting in the weight pages the loader had handed back), and
-    as the only sample it made one thread look faster for hundreds of steps. Exactness does not
+    as the only sample it made one thread look faster for hundreds of steps. The wait between tries
+    grows while the choice stands, and starts over when the chosen count's time rises by DRIFT
+    since the choice was last made or confirmed: a machine that turns busy is noticed within
+    passes, not after the hundreds a long wait had grown to on a quiet one. Exactness does not
     depend on it: every output of a kernel is computed the same way whichever thread computes it."""
 
     EXPLORE = 32  # passes between tries of the other count; doubled while the try confirms the choice
     MAX_EXPLORE = 1024
     WEIGHT = 0.25  # of the newest time in the moving average
+    DRIFT = 1.25  # the chosen count's time, over its time when last chosen or confirmed: try the other now
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[Hashable, int], float] = {}
@@ -132,6 +136,7 @@ class ThreadChooser:
         self.interval: dict[Hashable, int] = {}
         self.best: dict[Hashable, int] = {}
         self.warmed: set[tuple[Hashable, int]] = set()  # (kind, count)s past their unmeasured first pass
+        self.reference: dict[Hashable, float] = {}  # the chosen count's time when last chosen or confirmed
 
     def pick(self, kind: Hashable, most: int) -> int:
         if most <= 1:
@@ -140,9 +145,15 @@ class ThreadChooser:
             if (kind, threads) not in self.seconds:
                 return threads
         best = most if self.seconds[(kind, most)] <= self.seconds[(kind, 1)] else 1
+        now = self.seconds[(kind, best)]
         if self.best.get(kind) != best:  # a new choice: try the other again soon
             self.best[kind], self.interval[kind] = best, self.EXPLORE
-            self.countdown[kind] = self.EXPLORE
+            self.countdown[kind], self.reference[kind] = self.EXPLORE, now
+        elif now > self.DRIFT * self.reference[kind]:  # the chosen count slowed: try the other now
+            self.interval[kind] = self.EXPLORE // 2  # (doubled below, as after any try)
+            self.countdown[kind], self.reference[kind] = 1, now
+        elif self.countdown[kind] == self.interval[kind]:  # a try since the last pass confirmed the choice
+            self.reference[kind] = now
         self.countdown[kind] -= 1
         if self.countdown[kind] > 0:
             return best
