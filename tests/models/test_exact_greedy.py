@@ -123,7 +123,8 @@ def test_rows_whose_keys_straddle_an_attention_segment_equal_the_decode_step(wid
     """The C stack's attention takes a row's key list in segments of cpu.STACK_ATTN_SEGMENT keys and
     merges them: a pass (float32) starting just before a segment's end has rows of one segment and of two
     (a tree's row skips its hidden siblings, so its list indices past the boundary are not its
-    positions), beside a batched sequence of five. Each row still equals its decode step."""
+    positions), alone and beside a batched sequence whose keys span three segments. Each row still
+    equals its decode step."""
     model, _ = load_model(wide_llama, "float32", "cpu")  # float32: no bfloat16 rounding hides a difference
     assert model.backend.cpu_stack is not None
     for start in (cpu.STACK_ATTN_SEGMENT - 4, 2 * cpu.STACK_ATTN_SEGMENT - 1):
