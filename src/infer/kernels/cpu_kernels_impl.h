@@ -340,8 +340,12 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
     const ELEM *qk = job->qk, *ks = job->ks, *vs = job->vs;
     ELEM *out = job->out;
     int64_t hd = a->head_dim, heads = a->heads, kvh = a->kv_heads, groups = heads / kvh;
-    int64_t L = a->context, stride = (L + LANES - 1) / LANES * LANES, chunks = (hd + LANES - 1) / LANES;
+    int64_t L = a->context, chunks = (hd + LANES - 1) / LANES;
     int64_t per_seq = (a->width + ATTN_ROWS - 1) / ATTN_ROWS, segs = job->segments, ps = job->part_stride;
+    /* an item holds one segment of each row's list (a single segment: the whole list): its scores,
+     * and its keys with the next KEYS_AHEAD for fetching */
+    const int64_t span = segs > 1 ? ATTN_SEGMENT : L, klen = segs > 1 ? ATTN_SEGMENT + KEYS_AHEAD : (L > 0 ? L : 1);
+    const int64_t stride = (span + LANES - 1) / LANES * LANES;
     int64_t width = groups * chunks * LANES;
     /* a block's rows are staged (see block_rows) where cache rows lie a multiple of 4 KB apart */
     const int stages = kvh * hd * (int64_t)sizeof(ELEM) % 4096 == 0;
@@ -349,11 +353,11 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
     FN(AttnScratch) *s = &job->scratch[worker];
     if (!s->ready) {
         /* per row of an item, per head: its scores (then weights; each row 64-byte aligned and
-         * padded to whole blocks), its query and its weighted sum, in float32; the row's key list */
+         * padded to whole blocks), its query and its weighted sum, in float32; the row's keys */
         s->score = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * stride * groups + LANES));
         s->query = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
         s->sum = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
-        s->key = malloc(sizeof(int64_t) * (size_t)(ATTN_ROWS * (L > 0 ? L : 1)));
+        s->key = malloc(sizeof(int64_t) * (size_t)(ATTN_ROWS * klen));
         s->stage = stages ? aligned_alloc(64, (sizeof(ELEM) * (size_t)(LANES * staged) + 63) / 64 * 64) : NULL;
         s->ok = s->score && s->query && s->sum && s->key && (s->stage || !stages);
         s->ready = 1;
@@ -380,7 +384,7 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
         float top[ATTN_ROWS][MAX_GROUP], total[ATTN_ROWS][MAX_GROUP];
         for (int64_t rr = 0; rr < nr; rr++) {
             const uint8_t *visible = mask ? mask + (r0 + rr) * L : NULL;
-            int64_t *keys = key + rr * L, count = 0;
+            int64_t *keys = key + rr * klen, count = 0;
             const int64_t seen = a->causal ? L - a->width + (r0 + rr - b * a->width) + 1 : L; /* (see StackArgs) */
             /* positions before the first hidden one are their own list indices, the same in every row */
             const uint8_t *gap = visible && seen > 0 ? memchr(visible, 0, (size_t)seen) : NULL;
@@ -408,7 +412,7 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
         /* the first keys' rows, then the values' of the whole segment (theirs arrive during the scores) */
         FN(fetch_rows)(ks, key, 0, nf[0] < KEYS_AHEAD ? nf[0] : KEYS_AHEAD, kvh, g, hd);
         for (int64_t rr = 0; rr < nr; rr++)
-            if (rr == 0 || n[rr] > common) FN(fetch_rows)(vs, key + rr * L, rr ? common : 0, n[rr], kvh, g, hd);
+            if (rr == 0 || n[rr] > common) FN(fetch_rows)(vs, key + rr * klen, rr ? common : 0, n[rr], kvh, g, hd);
         for (int64_t i0 = 0; i0 < common; i0 += LANES) {
             FN(block_rows)(ks, key, common, nf[0], i0, kvh, g, hd, row, stage, staged);
             for (int64_t rr = 0; rr < nr; rr++)
@@ -416,7 +420,7 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
         }
         for (int64_t rr = 0; rr < nr; rr++)
             for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
-                FN(block_rows)(ks, key + rr * L, n[rr], nf[rr], i0, kvh, g, hd, row, stage, staged);
+                FN(block_rows)(ks, key + rr * klen, n[rr], nf[rr], i0, kvh, g, hd, row, stage, staged);
                 FN(score_block)(&sh, row, query + rr * width, score + rr * stride * groups + i0, top[rr]);
             }
         for (int64_t rr = 0; rr < nr; rr++) {
@@ -439,7 +443,7 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
         }
         for (int64_t rr = 0; rr < nr; rr++) {
             for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
-                FN(block_rows)(vs, key + rr * L, n[rr], nf[rr], i0, kvh, g, hd, row, stage, staged);
+                FN(block_rows)(vs, key + rr * klen, n[rr], nf[rr], i0, kvh, g, hd, row, stage, staged);
                 FN(value_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, score + rr * stride * groups + i0,
                                 sum + rr * width);
             }
