@@ -305,11 +305,16 @@ class CpuStack:
         # the stack does), so its stack takes those passes: one path for all of a model's passes.
         return ((self.max_rows is None or x.shape[0] * x.shape[1] <= self.max_rows)
                 and (kv.block_mask is None or self.quantized)
-                and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
-                and x.device.type == "cpu" and x.dtype == self.dtype == kv.k_layers[0].dtype
-                and kv.k_layers[0].device.type == "cpu" and self.table.tensors[0] is not None
-                and self.table.tensors[0].dtype == self.dtype and self.table.tensors[0].device.type == "cpu"
+                and x.device.type == "cpu" and x.dtype == self.dtype and self._runs_over(kv.k_layers[0])
                 and self._local_layout_fits(kv))
+
+    def _runs_over(self, store: torch.Tensor) -> bool:
+        """What every pass the stack takes needs: not traced by torch.compile nor recorded by
+        autograd, and a cache like ``store`` and the weights on the CPU in the stack's dtype."""
+        weight = self.table.tensors[0]
+        return (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+                and store.dtype == self.dtype and store.device.type == "cpu"
+                and weight is not None and weight.dtype == self.dtype and weight.device.type == "cpu")
 
     def _local_layout_fits(self, kv: KVBatch) -> bool:
         """Whether the pool keeps the sliding-window layers where the stack reads them: in the
@@ -401,10 +406,7 @@ class CpuStack:
                       and embedding.weight.device.type == "cpu")
         return (embeds and 0 < width <= (MAX_ROWS if self.max_rows is None else min(self.max_rows, MAX_ROWS))
                 and self.table.local_layers is None and type(model).embed is DecoderOnlyLM.embed
-                and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
-                and store.dtype == self.dtype and store.device.type == "cpu" and model.inv_freq.device.type == "cpu"
-                and self.table.tensors[0] is not None
-                and self.table.tensors[0].dtype == self.dtype and self.table.tensors[0].device.type == "cpu")
+                and model.inv_freq.device.type == "cpu" and self._runs_over(store))
 
     def forward_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
                          logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
