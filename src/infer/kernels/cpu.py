@@ -619,6 +619,12 @@ class QuantProjection:
     weights: tuple[QuantWeight, ...]
 
 
+def _quant_part(kernels: QuantKernels, weight: QuantWeight, offset: int) -> QuantPart:
+    """``weight``'s ``QuantPart``: its kernel entry and blocks, computing outputs ``offset`` on."""
+    return QuantPart(linear=kernels.linear_entry(weight), blocks=weight.data.data_ptr(), offset=offset,
+                     rows=weight.out_features, in_features=weight.in_features)
+
+
 class StackHead:
     """The final RMSNorm and a one-matrix quantized LM head that a float32 stack's call can end with
     (``decoder_stack``'s ``head``): a decode step's or a verification's logits come out of the same C
@@ -646,8 +652,7 @@ class StackHead:
             if self.bias is not None:
                 _check(self.bias, "the LM head's bias", torch.float32)
                 _check_shape(self.bias, "the LM head's bias", (self.vocab,))
-            self._part = (key, QuantPart(linear=self.projection.kernels.linear_entry(weight), blocks=key[0], offset=0,
-                                         rows=self.vocab, in_features=self.hidden))
+            self._part = (key, _quant_part(self.projection.kernels, weight, 0))
         return self._part[1]
 
 
@@ -757,9 +762,7 @@ class StackTable:
             index += [len(parts), len(projection.weights)]
             offset = 0
             for weight in projection.weights:
-                parts.append(QuantPart(linear=projection.kernels.linear_entry(weight),
-                                       blocks=weight.data.data_ptr(), offset=offset, rows=weight.out_features,
-                                       in_features=weight.in_features))
+                parts.append(_quant_part(projection.kernels, weight, offset))
                 offset += weight.out_features
         self._parts = (QuantPart * max(len(parts), 1))(*parts)
         self._index = torch.tensor(index, dtype=torch.long)
