@@ -253,3 +253,36 @@ def test_a_bad_checkpoint_fails_as_it_does_in_process(tmp_path: Path) -> None:
     with pytest.raises(type(in_process.value)) as in_child:
         EngineProcess(config(broken))
     assert str(in_child.value) == str(in_process.value) and str(broken) in str(in_child.value)
+
+
+def test_a_response_that_is_not_streamed_sends_the_front_end_only_its_end(long_llama: Path) -> None:
+    """The engine process hands the front end one delta for a request whose handler reads only the
+    finished progress (a response that is not streamed), a delta per step for a streamed one, and the
+    same text, token counts and metric updates either way (updates alone batched, none lost)."""
+    from infer.sampling import SamplingParams
+    from infer.server.engine_process import _EngineCore
+
+    messages: list[tuple[Any, ...]] = []
+    core = _EngineCore(Engine(config(long_llama)), messages.append)
+    core.start()
+    try:
+        ids = core.engine.tokenizer.encode(PROMPT)
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        for rid, final_only in (("whole", True), ("streamed", False)):
+            core.add(rid, ids, params, None, False, final_only)
+            wait_until(lambda r=rid: any(m[0] == "out" and any(d[0] == r and d[5] for d in m[1])  # type: ignore[misc]
+                                         for m in list(messages)), f"{rid} to finish")
+        wait_until(lambda: any(m[0] == "out" and (("busy",), (False,), {}) in m[2] for m in list(messages)[-3:]),
+                   "the engine to go idle")
+    finally:
+        core.stop(DEADLINE_S)
+    deltas = {rid: [d for m in messages if m[0] == "out" for d in m[1] if d[0] == rid] for rid in ("whole", "streamed")}
+    assert len(deltas["whole"]) == 1 and len(deltas["streamed"]) > 5, {k: len(v) for k, v in deltas.items()}
+    whole = deltas["whole"][0]
+    streamed_text = ""
+    for _, kept, new, *_ in deltas["streamed"]:
+        streamed_text = streamed_text[:kept] + new
+    assert whole[1] == 0 and whole[2] == streamed_text and whole[4] == deltas["streamed"][-1][4] == 40
+    generated = sum(call[1][0] for m in messages if m[0] == "out" for call in m[2]
+                    if call[0] == ("generation_tokens", "inc"))
+    assert generated == 80

@@ -265,7 +265,7 @@ class _Api:
         # An explicit max_tokens must fit the context with the prompt (a 400 naming both otherwise);
         # the default (16) stops at the context's end.
         submit: dict[str, Any] = {"cache_salt": body.cache_salt, "parse_special": bool(body.parse_special_tokens),
-                                  "max_tokens_param": body.max_tokens_field()}
+                                  "max_tokens_param": body.max_tokens_field(), "final_only": not body.stream}
         n = body.n or 1
         width = max(n, body.best_of or 1)  # best_of: generate width per prompt, answer the n likeliest
         scored = params if width == n or params.logprobs is not None else dataclasses.replace(params, logprobs=0)
@@ -302,7 +302,8 @@ class _Api:
             body.check_logprob_entries(params, (body.n or 1) * params.max_tokens, self.limits)
         await self._check_grammar(body, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        submit: dict[str, Any] = {"cache_salt": body.cache_salt, "max_tokens_param": body.max_tokens_field()}
+        submit: dict[str, Any] = {"cache_salt": body.cache_salt, "max_tokens_param": body.max_tokens_field(),
+                                  "final_only": not body.stream}
         n = body.n or 1
         if n > 1:
             streams = [_Stream("chat.completion.chunk", rid, self.model_name, body, chat=True,

@@ -96,12 +96,17 @@ class Progress:
 
 
 class Subscription:
-    """The handler's end of one request: ``await next()`` for the latest progress, ``close()`` when done."""
+    """The handler's end of one request: ``await next()`` for the latest progress, ``close()`` when done.
 
-    def __init__(self, service: EngineService, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    ``final_only``: the handler reads only the finished progress (a response that is not streamed),
+    so the steps before it are not handed over: the front end does no work per step for it."""
+
+    def __init__(self, service: EngineService, request_id: str, loop: asyncio.AbstractEventLoop,
+                 final_only: bool = False) -> None:
         self.service = service
         self.request_id = request_id
         self.loop = loop
+        self.final_only = final_only
         self._queue: asyncio.Queue[Progress] = asyncio.Queue()
         self.request: Request | None = None  # set once the engine accepted it
         self.final_sent = False  # engine thread: a finished Progress was handed over
@@ -109,9 +114,11 @@ class Subscription:
         self.closed = False
 
     def push(self, progress: Progress) -> None:
-        """Engine thread: hand ``progress`` to the handler's loop."""
+        """Engine thread: hand ``progress`` to the handler's loop (only the finished one if ``final_only``)."""
         if progress.finished:
             self.final_sent = True
+        elif self.final_only:
+            return
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             self.loop.call_soon_threadsafe(self._queue.put_nowait, progress)
 
@@ -228,16 +235,17 @@ class EngineService:
 
     async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                      prompt_param: str = "prompt", cache_salt: str | None = None, *, parse_special: bool = False,
-                     max_tokens_param: str | None = None) -> Subscription:
+                     max_tokens_param: str | None = None, final_only: bool = False) -> Subscription:
         """Admit a request to the engine's queue; 400 if the engine refuses it, 429 if the queue is
-        full, 503 while draining. Tokenization runs on a worker thread.
+        full, 503 while draining. Tokenization runs on a worker thread. ``final_only``: the handler
+        awaits only the finished progress (``Subscription``).
 
         Special-token text in a string prompt is plain text unless ``parse_special``. With
         ``max_tokens_param`` (the field the client set) a prompt plus max_tokens over the context
         is a 400 naming that field; without it generation stops at the context's end."""
         self.check_admitting()
         loop = asyncio.get_running_loop()
-        sub = Subscription(self, request_id, loop)
+        sub = Subscription(self, request_id, loop, final_only)
         with self._subs_lock:
             self._subs[request_id] = sub
         add = loop.run_in_executor(None, functools.partial(self._add, prompt, params, request_id, cache_salt,

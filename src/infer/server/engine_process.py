@@ -53,6 +53,9 @@ from infer.server.metrics import ServerMetrics
 
 log = logging.getLogger("infer.server")
 STOP_TIMEOUT_S = 60.0  # the engine's own stop (its last step, then failing what is left) before it is killed
+# While the engine is busy, metric updates with no progress to carry them wait this long at most (a
+# message per step would wake the front end every step even when no handler reads the progress).
+METRICS_EVERY_S = 0.1
 
 # One request's progress since the last message: (request_id, kept, new_text, prompt_tokens,
 # completion_tokens, finished, finish_reason, error, spec, shutdown, new_logprobs, prompt_logprobs).
@@ -228,8 +231,8 @@ def describe_exit(code: int | None) -> str:
 class RemoteSubscription(Subscription):
     """The handler's end of a request served by the engine process: deltas in, cumulative progress out."""
 
-    def __init__(self, service: Any, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(service, request_id, loop)
+    def __init__(self, service: Any, request_id: str, loop: asyncio.AbstractEventLoop, final_only: bool = False) -> None:
+        super().__init__(service, request_id, loop, final_only)
         self.accepted: asyncio.Future[tuple[Any, ...]] = loop.create_future()
         self.added = False  # the engine took it (its acknowledgement came)
         self._text = ""
@@ -354,8 +357,9 @@ class EngineClient:
 
     async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                      prompt_param: str = "prompt", cache_salt: str | None = None, *, parse_special: bool = False,
-                     max_tokens_param: str | None = None) -> Subscription:
-        """As ``EngineService.submit``; a string prompt is tokenized here, on a worker thread."""
+                     max_tokens_param: str | None = None, final_only: bool = False) -> Subscription:
+        """As ``EngineService.submit``; a string prompt is tokenized here, on a worker thread. With
+        ``final_only`` the engine process sends nothing of the request but its end."""
         self.check_admitting()
         if isinstance(prompt, str):
             try:
@@ -365,10 +369,10 @@ class EngineClient:
             self.check_admitting()
         else:
             ids = list(prompt)
-        sub = RemoteSubscription(self, request_id, asyncio.get_running_loop())
+        sub = RemoteSubscription(self, request_id, asyncio.get_running_loop(), final_only)
         with self._subs_lock:
             self._subs[request_id] = sub
-        self._command(("add", request_id, ids, params, cache_salt, max_tokens_param is not None))
+        self._command(("add", request_id, ids, params, cache_salt, max_tokens_param is not None, final_only))
         if self._gone is not None:  # died before the add went out (or as it did)
             sub.acknowledge(("refused", request_id, "unavailable", self._gone))
         try:
@@ -509,11 +513,14 @@ class _MetricPath:
 
 
 class _RemoteSub:
-    """The engine process's end of one request: turns each progress into a delta for the front end."""
+    """The engine process's end of one request: turns each progress into a delta for the front end
+    (only the finished one where the handler reads nothing else: ``final_only``, a response that is
+    not streamed, whose steps then cost the front end no message, wake-up or Python work)."""
 
-    def __init__(self, core: _EngineCore, request_id: str) -> None:
+    def __init__(self, core: _EngineCore, request_id: str, final_only: bool = False) -> None:
         self.core = core
         self.request_id = request_id
+        self.final_only = final_only
         self.request: Any = None
         self.final_sent = False
         self.finished = False
@@ -522,7 +529,7 @@ class _RemoteSub:
         self._prompt_sent = False
 
     def push(self, progress: Progress) -> None:
-        if self.final_sent:
+        if self.final_sent or (self.final_only and not progress.finished):
             return
         text = progress.text
         kept = len(self._text) if text.startswith(self._text) else 0
@@ -556,22 +563,29 @@ class _EngineCore(EngineService):
         self.notices: list[tuple[Any, ...]] = []
         self._outbox_lock = threading.Lock()
         self._busy_sent: bool | None = None
+        self._sent_at = 0.0  # time.monotonic() of the last "out" message
 
     def forget(self, request_id: str) -> None:
         with self._subs_lock:
             self._subs.pop(request_id, None)
 
     def _flush(self) -> None:
-        """One message per loop turn: the turn's deltas and metric updates (and any notices after)."""
+        """At most one message per loop turn: the turn's deltas and the metric updates since the last
+        message (and any notices after). Metric updates alone go out once METRICS_EVERY_S has passed
+        since the last message, or when the engine turns busy or idle."""
         busy = self.engine.has_unfinished() or bool(self._aborts)
+        now = time.monotonic()
         with self._outbox_lock:
-            if busy != self._busy_sent:
+            turned = busy != self._busy_sent
+            if turned:
                 self._busy_sent = busy
                 self.recorder.calls.append((("busy",), (busy,), {}))
             deltas, self.deltas = self.deltas, []
-            calls = self.recorder.take()
             notices, self.notices = self.notices, []
+            due = deltas or turned or not busy or now - self._sent_at >= METRICS_EVERY_S
+            calls = self.recorder.take() if due else []
         if deltas or calls:
+            self._sent_at = now
             self.send(("out", deltas, calls))
         for notice in notices:
             self.send(notice)
@@ -588,12 +602,12 @@ class _EngineCore(EngineService):
             self.notices.append(("drained", self.drain_finished, self.drain_aborted, self.kv_in_use()))
 
     def add(self, request_id: str, ids: list[int], params: SamplingParams, cache_salt: str | None,
-            fit_context: bool) -> None:
+            fit_context: bool, final_only: bool = False) -> None:
         """Command thread: queue a request (as ``EngineService.submit``'s worker thread does) and answer."""
         if self.draining:
             self.send(("refused", request_id, "draining", "the server is shutting down"))
             return
-        sub = _RemoteSub(self, request_id)
+        sub = _RemoteSub(self, request_id, final_only)
         with self._subs_lock:
             self._subs[request_id] = sub  # type: ignore[assignment]  # before the add: a step may deliver at once
         try:
