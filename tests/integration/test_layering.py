@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # Lowest first; a module may import from its own layer or a lower one. The first matching prefix
 # names a module's layer; a module no prefix matches counts as a front end (the top).
 LAYERS: list[tuple[str, ...]] = [
-    ("infer.fileio", "infer.extras", "infer.data", "infer.phases"),
+    ("infer.fileio", "infer.extras", "infer.data", "infer.phases", "infer.memory"),
     ("infer.cache", "infer.sampling"),
     ("infer.models",),
     # The speed: the C kernels and the execution backends that put a model in their form and run it.

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import torch
+
+from infer.memory import huge_zeros
 
 
 class CacheFullError(RuntimeError):
@@ -191,16 +191,13 @@ def kv_storage(num_layers: int, rows: int, num_kv_heads: int, head_dim: int, dty
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On the CPU its pages are the kernel's zero pages, made resident when first
-    written (numpy's zeros is a calloc): a pool sized for the whole KV budget then costs neither
+    """A zero tensor. On the CPU its pages are made resident when first written (an anonymous
+    mapping, ``infer.memory.huge_zeros``): a pool sized for the whole KV budget then costs neither
     start-up time (``torch.zeros`` writes every byte: seconds for gigabytes) nor memory until
-    sequences fill it. Aligned to 64 bytes, like PyTorch's own CPU allocations."""
+    sequences fill it, and its pages are huge where Linux gives them (attention streams the cache)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = dtype.itemsize * math.prod(shape)
-    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
-    skip = -raw.data_ptr() % 64
-    return raw[skip:skip + nbytes].view(dtype).view(shape)
+    return huge_zeros(shape, dtype)
 
 
 class CachePoolProtocol(Protocol):

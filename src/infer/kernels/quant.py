@@ -32,6 +32,7 @@ import torch
 
 from infer.kernels import build
 from infer.kernels.build import KernelUnavailable, Variant
+from infer.memory import WEIGHTS
 from infer.phases import PHASES
 
 ACTIVATION_BLOCK = 32  # elements per int8 activation block (and per weight chunk)
@@ -182,11 +183,12 @@ class QuantKernels:
 
     def pack(self, raw: torch.Tensor, qtype: str, in_features: int) -> QuantWeight:
         """``raw`` (uint8 [out_features, bytes per row], ggml's blocks as the file stores them)
-        repacked into the x8 layout: a new tensor made once (the file's view can then be dropped)."""
+        repacked into the x8 layout: a new tensor made once (the file's view can then be dropped), in
+        the weights' huge-page arena (``infer.memory``: a decode step streams every one of them)."""
         qt = quant_type(qtype)
         _check_raw(raw, qt, in_features, "raw")
         rows = int(raw.shape[0])
-        packed = torch.empty(-(-rows // X8_ROWS), in_features // qt.block_elems * qt.x8_block_bytes, dtype=torch.uint8)
+        packed = WEIGHTS.zeros((-(-rows // X8_ROWS), in_features // qt.block_elems * qt.x8_block_bytes), torch.uint8)
         getattr(self.lib, f"quant_repack_x8_{qt.suffix}")(raw.data_ptr(), rows, in_features, packed.data_ptr())
         return QuantWeight(qt.name, rows, in_features, packed)
 
