@@ -263,11 +263,12 @@ def test_a_pass_ending_with_the_lm_head_gives_the_same_bits(arch: str, threads: 
     assert all(differs)
 
 
-def _sequence_passes(model: Any, cache: str, one_sequence: bool, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+def _sequence_passes(model: Any, cache: str, one_sequence: bool, monkeypatch: pytest.MonkeyPatch,
+                     aux_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """A prefill chunk, decode steps and chain verifications of one sequence (beside another that
     interleaves its paged blocks), through ``ModelRunner``: with the backend's one-sequence call
     (``forward_sequence``) or, without it, the tensors of ``build_kv_batch``; each pass's hidden
-    states and logits."""
+    states and logits, and with ``aux_layers`` the layer inputs each pass captured (EAGLE-3's)."""
     from infer.cache import make_pool
     from infer.core.model_runner import ModelRunner
 
@@ -280,6 +281,7 @@ def _sequence_passes(model: Any, cache: str, one_sequence: bool, monkeypatch: py
                          head_dim=c.head_dim, max_seq_len=96, max_batch_size=2, block_size=4, num_blocks=None,
                          dtype=torch.float32, device=torch.device("cpu"))
         runner = ModelRunner(model, pool)
+        runner.aux_layers = aux_layers
         calls = []
         original = backend.forward_sequence
         patch.setattr(backend, "forward_sequence", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -291,6 +293,9 @@ def _sequence_passes(model: Any, cache: str, one_sequence: bool, monkeypatch: py
             done = runner.forward_ragged([slots[slot]], [run], logits=True)
             assert done.logits is not None
             out += [done.hidden, done.logits]
+            if aux_layers:
+                assert done.aux is not None and done.aux.shape == (width, len(aux_layers) * c.hidden_size)
+                out.append(done.aux)
             if width == 6:  # a verification whose last two tokens are rejected: the next pass rewrites them
                 pool.truncate_to(slots[slot], pool.seq_len(slots[slot]) - 2)
     assert len(calls) == (10 if one_sequence else 0)
@@ -317,6 +322,14 @@ def test_a_one_sequence_pass_through_addresses_gives_the_same_bits(model_kind: s
     ref = _sequence_passes(model, cache, False, monkeypatch)
     for index, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert torch.equal(a, b), index
+    # An EAGLE-3 drafter's captures (the embeddings, a middle layer's input, the last layer's output)
+    # come out of the same call, the same bits as the general pass's, which change nothing else.
+    layers = model.config.num_hidden_layers
+    captured = _sequence_passes(model, cache, True, monkeypatch, (0, 1, layers))
+    captured_ref = _sequence_passes(model, cache, False, monkeypatch, (0, 1, layers))
+    for index, (a, b) in enumerate(zip(captured, captured_ref, strict=True)):
+        assert torch.equal(a, b), index
+    assert all(torch.equal(a, b) for a, b in zip([t for i, t in enumerate(captured) if i % 3 != 2], ours, strict=True))
     original = protocol.sequence_rows
 
     def shifted(pool: Any, slot: int, start: int, width: int) -> protocol.SequenceRows:

@@ -195,18 +195,19 @@ class Backend:
         return False
 
     def forward_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
-                         logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         logits: bool, aux: AuxCapture | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward_logits`` of one sequence's chain of new ``tokens`` at their cache positions, the
         cache given as ``rows`` (``cache.protocol.sequence_rows``), where ``takes_sequence`` said so:
-        the same bits as ``forward_logits`` over the same pass, without the tensors that describe it."""
+        the same bits as ``forward_logits`` over the same pass (``aux``'s layer inputs too), without
+        the tensors that describe it."""
         _inside.depth = getattr(_inside, "depth", 0) + 1
         try:
-            return self.run_sequence(model, tokens, rows, logits)
+            return self.run_sequence(model, tokens, rows, logits, aux)
         finally:
             _inside.depth -= 1
 
     def run_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
-                     logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     logits: bool, aux: AuxCapture | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One such pass (``forward_sequence`` without its bookkeeping): the base class takes none."""
         raise NotImplementedError(f"backend {self.name} runs every pass through forward_logits")
 
@@ -328,9 +329,9 @@ class CpuKernelBackend(Backend):
         return self.cpu_stack is not None and self.cpu_stack.takes_sequence(model, width, store)
 
     def run_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
-                     logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     logits: bool, aux: AuxCapture | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert self.cpu_stack is not None
-        return self.cpu_stack.forward_sequence(model, tokens, rows, logits)
+        return self.cpu_stack.forward_sequence(model, tokens, rows, logits, aux)
 
 
 @dataclass(kw_only=True, eq=False)

@@ -409,12 +409,13 @@ class CpuStack:
                 and model.inv_freq.device.type == "cpu" and self._runs_over(store))
 
     def forward_sequence(self, model: DecoderOnlyLM, tokens: Sequence[int], rows: SequenceRows,
-                         logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         logits: bool, aux: AuxCapture | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward`` of one sequence's chain of new ``tokens`` (after ``takes_sequence``): the
         embedding rows, RoPE rows and cache rows handed to the C call as addresses
         (``KernelLibrary.sequence_stack``), with the same kernels and keys as ``forward``'s pass, so
         the same bits; hidden states [1, width, hidden] and, with ``logits`` where the stack has the
-        head, the logits [1, width, vocab]."""
+        head, the logits [1, width, vocab]. ``aux``: layer inputs copied out by the same call, as
+        ``forward``'s (each [1, width, hidden])."""
         width, hidden = len(tokens), self.table.shape["hidden"]
         x = torch.empty(width, hidden, dtype=self.dtype)
         embedding = model.model.embed_tokens
@@ -430,8 +431,20 @@ class CpuStack:
                 ctypes.memmove(into + i * size, base + token * size, size)
         cos, sin = model.rope_tables.rows(model.inv_freq, rows.context, self.dtype)  # type: ignore[arg-type]
         out = self._logits_buffer(x) if logits else None
+        capture = None
+        if aux is not None:
+            layers = self.table.shape["layers"]
+            if 0 in aux.layers:  # (the call works on x in place)
+                aux.take(0, x.clone().view(1, width, hidden))
+            # (the last layer's output is x after the call, unless the call goes on to the final norm)
+            capture = {i: torch.empty_like(x) for i in aux.layers if 0 < i < layers + (out is not None)}
         self.library.sequence_stack(x, cos[rows.start: rows.context], sin[rows.start: rows.context], self.table,
-                                    rows, None if out is None else self.head, out)
+                                    rows, None if out is None else self.head, out, capture)
+        if aux is not None:
+            for i, state in (capture or {}).items():
+                aux.take(i, state.view(1, width, hidden))
+            if out is None:
+                aux.take(layers, x.view(1, width, hidden))
         if out is None:
             return model.model.norm(x.view(1, width, hidden)), None
         return x.view(1, width, hidden), out.view(1, width, -1)

@@ -122,15 +122,15 @@ class ModelRunner:
                  positions: torch.Tensor | None, tree_mask: torch.Tensor | None, ragged: bool,
                  logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         starts = [self.pool.seq_len(s) for s in slots]
-        if (len(slots) == 1 and positions is None and tree_mask is None and not self.aux_layers
-                and not isinstance(runs, torch.Tensor)
+        if (len(slots) == 1 and positions is None and tree_mask is None and not isinstance(runs, torch.Tensor)
                 and self.backend.takes_sequence(self.model, len(runs[0]), self.pool.k_layers[0])):
             # One sequence's chain of tokens (a decode step, a verification): the backend takes the
             # cache as rows and addresses, not the tensors build_kv_batch makes (the same bits).
             rows = sequence_rows(self.pool, slots[0], starts[0], len(runs[0]))
+            aux = AuxCapture(self.aux_layers) if self.aux_layers else None
             with self._threads_for(len(runs[0]), "forward"):
-                hidden, computed = self.backend.forward_sequence(self.model, runs[0], rows, logits)
-            self.last_aux = None
+                hidden, computed = self.backend.forward_sequence(self.model, runs[0], rows, logits, aux)
+            self.last_aux = None if aux is None else aux.result()
             return hidden, computed
         if isinstance(runs, torch.Tensor):
             ids = runs

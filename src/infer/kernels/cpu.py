@@ -426,16 +426,7 @@ class KernelLibrary:
         _check(x, "x", dtype)
         if x.dim() != 3 or x.shape[2] != shape["hidden"]:
             raise ValueError(f"x has shape {tuple(x.shape)}, expected [batch, tokens, {shape['hidden']}]")
-        capture_table = None
-        if capture:
-            capture_table = torch.zeros(layers + 1, dtype=torch.long)
-            for index, buffer in capture.items():
-                if not 0 <= index <= layers:
-                    raise ValueError(f"capture layer {index} is outside 0..{layers}")
-                _check(buffer, f"capture buffer {index}", dtype)
-                if buffer.numel() != x.numel():
-                    raise ValueError(f"capture buffer {index} holds {buffer.numel()} values, x {x.numel()}")
-                capture_table[index] = buffer.data_ptr()
+        capture_table = _capture_table(capture, layers, x)
         if (local is None) != (table.local_layers is None):
             raise ValueError("a stack with sliding-window layers needs their RoPE tables and cache view (local), "
                              "and one without takes none")
@@ -470,13 +461,15 @@ class KernelLibrary:
         return out
 
     def sequence_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: StackTable,
-                       rows: SequenceRows, head: StackHead | None = None, logits: torch.Tensor | None = None) -> None:
+                       rows: SequenceRows, head: StackHead | None = None, logits: torch.Tensor | None = None,
+                       capture: dict[int, torch.Tensor] | None = None) -> None:
         """``decoder_stack`` over one sequence's chain of new tokens, ``x`` [width, hidden] in place
         (contiguous): cos and sin [width, head_dim] (contiguous), the cache as ``rows`` gives it (the
         pool's own rows, trusted as ``build_kv_batch``'s are not: no index tensor is made or scanned
         per pass; the stores are checked once per pool), the keys each token sees those of a causal
         mask (the C call's ``causal``). The same C call with the same keys as ``decoder_stack`` over
-        the same pass: the same bits, for a little Python instead of dozens of operators."""
+        the same pass: the same bits, for a little Python instead of dozens of operators. ``capture``
+        as ``decoder_stack``'s."""
         dtype, shape = table.dtype, table.shape
         fn = self._fn("decoder_stack", dtype)
         width = x.shape[0]
@@ -499,9 +492,11 @@ class KernelLibrary:
                 raise ValueError(f"the sequence's rows must be int64 covering its {rows.context} positions")
             read_rows = rows.rows.data_ptr()
             write_rows = read_rows + 8 * rows.start
+        capture_table = _capture_table(capture, shape["layers"], x)
         args = _stack_args(table, x, 1, width, cos.data_ptr(), sin.data_ptr(), write_rows, read_rows,
                            rows.read_start or 0, rows.context)
         args.causal = 1
+        args.capture = None if capture_table is None else capture_table.data_ptr()
         self._run_stack(fn, args, table, head, logits)
 
     @staticmethod
@@ -527,6 +522,22 @@ class KernelLibrary:
             raise RuntimeError("the C decoder stack refused a quantized projection's descriptor")
         if status != 0:
             raise MemoryError("the C decoder stack could not allocate its scratch memory")
+
+
+def _capture_table(capture: dict[int, torch.Tensor] | None, layers: int, x: torch.Tensor) -> torch.Tensor | None:
+    """The C call's table of capture buffers (``decoder_stack``'s ``capture``), each checked against
+    ``x``: an address per layer id 0 .. ``layers`` (0 where none is wanted); None without any."""
+    if not capture:
+        return None
+    table = torch.zeros(layers + 1, dtype=torch.long)
+    for index, buffer in capture.items():
+        if not 0 <= index <= layers:
+            raise ValueError(f"capture layer {index} is outside 0..{layers}")
+        _check(buffer, f"capture buffer {index}", x.dtype)
+        if buffer.numel() != x.numel():
+            raise ValueError(f"capture buffer {index} holds {buffer.numel()} values, x {x.numel()}")
+        table[index] = buffer.data_ptr()
+    return table
 
 
 def _stack_args(table: StackTable, x: torch.Tensor, batch: int, width: int, cos: int, sin: int, write_rows: int,
