@@ -4,6 +4,7 @@ each a tensor with a storage of its own, alive as long as any tensor in its mapp
 from __future__ import annotations
 
 import gc
+import mmap
 import sys
 
 import numpy as np
@@ -71,8 +72,8 @@ def test_an_arena_lays_tensors_side_by_side_each_with_a_storage_of_its_own() -> 
 @needs_linux
 def test_weights_and_kv_stores_are_advised_huge_pages() -> None:
     """Where Linux takes the advice, the repacked weights and the pool's stores lie in mappings
-    advised MADV_HUGEPAGE: a decode step streams all of them (the negative control: memory from
-    PyTorch's allocator carries no advice)."""
+    advised MADV_HUGEPAGE: a decode step streams all of them (the negative control: an anonymous
+    mapping made without the advice)."""
     kernels = quant.quant_kernels()
     assert kernels is not None, quant.quant_unavailable_reason()
     rng = np.random.default_rng(0)
@@ -83,6 +84,7 @@ def test_weights_and_kv_stores_are_advised_huge_pages() -> None:
                             max_seq_len=64, dtype=torch.float32, device="cpu")
     for tensor in (weight.data, pool.k_layers[0], pool.v_layers[1]):
         assert advised(tensor), vm_flags(tensor.data_ptr())
-    assert not advised(torch.empty(4 << 20, dtype=torch.uint8))
+    plain = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # a mapping never advised
+    assert not advised(torch.from_numpy(np.frombuffer(plain, dtype=np.uint8)))
     x = torch.randn(3, 256)
     assert torch.equal(kernels.linear(x, weight), kernels.linear(x, weight))
