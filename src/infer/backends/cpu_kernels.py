@@ -368,16 +368,11 @@ class CpuStack:
         if aux is not None and (self.table.local_layers is not None or not self.takes(x, kv)):
             x = model.run_layers(x, cos, sin, positions, kv, aux)
         elif aux is not None:
-            layers = self.table.shape["layers"]
             aux.take(0, x)
             out = self._logits_buffer(x) if logits else None
-            # (the last layer's output is the call's result, unless the call goes on to the final norm)
-            capture = {i: torch.empty_like(x) for i in aux.layers if 0 < i < layers + (out is not None)}
+            capture = self._capture_buffers(aux, x, out is not None)
             x = self(x, cos, sin, kv, capture=capture, logits=out)
-            for i, state in capture.items():
-                aux.take(i, state)
-            if out is None:
-                aux.take(layers, x)
+            self._take_captures(aux, capture, x, out is not None)
         elif not self.takes(x, kv):
             x = model.run_layers(x, cos, sin, positions, kv)
         elif self.table.local_layers is not None:
@@ -433,21 +428,31 @@ class CpuStack:
         out = self._logits_buffer(x) if logits else None
         capture = None
         if aux is not None:
-            layers = self.table.shape["layers"]
             if 0 in aux.layers:  # (the call works on x in place)
                 aux.take(0, x.clone().view(1, width, hidden))
-            # (the last layer's output is x after the call, unless the call goes on to the final norm)
-            capture = {i: torch.empty_like(x) for i in aux.layers if 0 < i < layers + (out is not None)}
+            capture = self._capture_buffers(aux, x.view(1, width, hidden), out is not None)
         self.library.sequence_stack(x, cos[rows.start: rows.context], sin[rows.start: rows.context], self.table,
                                     rows, None if out is None else self.head, out, capture)
-        if aux is not None:
-            for i, state in (capture or {}).items():
-                aux.take(i, state.view(1, width, hidden))
-            if out is None:
-                aux.take(layers, x.view(1, width, hidden))
+        if aux is not None and capture is not None:
+            self._take_captures(aux, capture, x.view(1, width, hidden), out is not None)
         if out is None:
             return model.model.norm(x.view(1, width, hidden)), None
         return x.view(1, width, hidden), out.view(1, width, -1)
+
+    def _capture_buffers(self, aux: AuxCapture, x: torch.Tensor, head: bool) -> dict[int, torch.Tensor]:
+        """Buffers like ``x`` for the layer inputs ``aux`` wants that the C call copies out: every id
+        past the embeddings but the last layer's output, which is x itself after the call unless the
+        call goes on to the final norm (``head``)."""
+        layers = self.table.shape["layers"]
+        return {i: torch.empty_like(x) for i in aux.layers if 0 < i < layers + head}
+
+    def _take_captures(self, aux: AuxCapture, capture: dict[int, torch.Tensor], x: torch.Tensor, head: bool) -> None:
+        """Hand ``aux`` the buffers the call filled, and ``x`` (the call's output) as the last layer's
+        output where the call stopped before the final norm."""
+        for i, state in capture.items():
+            aux.take(i, state)
+        if not head:
+            aux.take(self.table.shape["layers"], x)
 
     def _logits_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
         """The logits buffer of a pass over ``x`` whose call ends with the LM head, or None without one."""
