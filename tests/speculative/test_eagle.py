@@ -369,6 +369,11 @@ def test_the_backlog_fed_to_the_head_is_bounded(tiny_llama: Path, tmp_path: Path
     assert torch.equal(fed_states, head.fc(states[92:100]))  # the newest eight, each with its own state
     with pytest.raises(ValueError, match="max_backlog"):
         EagleDrafter(head, lambda ids: ids, "cpu", max_nodes=4, max_depth=2, cost_hint=0.1, max_backlog=0)
+    with pytest.raises(ValueError, match="capture_window"):
+        EagleDrafter(head, lambda ids: ids, "cpu", max_nodes=4, max_depth=2, cost_hint=0.1, capture_window=0)
+    # A resting head asks for captures only in the window before a probe, never past what it feeds.
+    assert drafter.info.aux_window == 8
+    assert EagleDrafter(head, lambda ids: ids, "cpu", max_nodes=4, max_depth=2, cost_hint=0.1).info.aux_window == 16
 
 
 def test_a_head_resting_between_probes_captures_only_what_it_will_read(tiny_llama: Path, tmp_path: Path) -> None:

@@ -40,6 +40,11 @@ DEFAULT_TOP_K = 4  # candidates expanded per depth, and children proposed by eac
 # costs the head a pass over every row, so after a long stretch each probe of a tree paid for the
 # whole backlog, while the draft hardly reads that far back (docs/speculative.md has the figures).
 MAX_BACKLOG = 64
+# While the tree sizer rests on plain decoding, only the passes this many rounds before its next probe
+# capture the target's layer inputs: capturing costs a resting round a few percent of a decode step
+# (docs/speculative.md), and a probe drafting from its last 16 positions did as well as from its
+# whole backlog.
+CAPTURE_WINDOW = 16
 
 
 def default_head_dir(target: str | os.PathLike[str]) -> Path:
@@ -122,20 +127,20 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str,
                  max_nodes: int, max_depth: int, cost_hint: float, top_k: int = DEFAULT_TOP_K,
-                 max_backlog: int = MAX_BACKLOG) -> None:
+                 max_backlog: int = MAX_BACKLOG, capture_window: int = CAPTURE_WINDOW) -> None:
         if head.config.aux_layers is None:
             raise ValueError("the head's aux layers must be resolved against the target (load_eagle_head)")
         self.head = head
         self.embed = head.embed_tokens if head.embed_tokens is not None else embed
         self.device = torch.device(device)
         self.max_depth, self.top_k = max_depth, top_k
-        if max_backlog < 1:
-            raise ValueError(f"max_backlog={max_backlog} must be >= 1")
+        if max_backlog < 1 or capture_window < 1:
+            raise ValueError(f"max_backlog={max_backlog} and capture_window={capture_window} must be >= 1")
         self.max_backlog = max_backlog
         self.dtype = head.norm.weight.dtype  # (the projections may hold quantized blocks)
         self.target_ids = head.target_ids.tolist()
         self.info = DrafterInfo(tree=True, max_nodes=max_nodes, aux_layers=tuple(head.config.aux_layers),
-                                cost_hint=cost_hint, aux_window=max_backlog)
+                                cost_hint=cost_hint, aux_window=min(capture_window, max_backlog))
         self._seqs: dict[str, _Sequence] = {}
 
     # -- state from the runner -------------------------------------------------------------------
