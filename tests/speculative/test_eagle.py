@@ -95,7 +95,7 @@ def test_aux_states_change_no_bits_and_match_the_layers(tiny_llama: Path, quanti
     bit as they were, and the captured states are those the layers compute."""
     model, config = load_model(str(tiny_llama), "float32", "cpu", quantization=quantization)
     assert model.backend.cpu_stack is not None or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    layers = (1, 2, config.num_hidden_layers)
+    layers = (0, 1, config.num_hidden_layers)  # the embeddings, a layer's input, the last output
     ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
 
@@ -135,11 +135,25 @@ def test_aux_states_change_no_bits_and_match_the_layers(tiny_llama: Path, quanti
             del library.decoder_stack
     if stack is not None:
         # (the last layer's output is the call's own result)
-        assert len(calls) == 1 and sorted(calls[0]) == [i for i in layers if i < config.num_hidden_layers]
+        assert len(calls) == 1 and sorted(calls[0]) == [i for i in layers if 0 < i < config.num_hidden_layers]
         bad = {1: torch.empty(3)}
         x = torch.zeros(1, ids.shape[1], config.hidden_size)
-        with pytest.raises(ValueError, match="capture buffer 1 holds 3 values"):
+        with pytest.raises(ValueError, match=r"capture buffer 1 has shape \(3,\)"):
             library.decoder_stack(x, x, x, stack.table, None, None, bad)  # type: ignore[arg-type]
+        # Column blocks of one wider tensor are taken (rows evenly spaced); a buffer whose rows are
+        # not contiguous, or two whose rows lie differently far apart, are refused.
+        wide = torch.zeros(1, ids.shape[1], 2 * config.hidden_size)
+        for bad, why in (({1: wide[..., ::2]}, "rows must each be contiguous"),
+                         ({1: wide[..., : config.hidden_size], 2: torch.zeros_like(x)}, "as far apart")):
+            with pytest.raises(ValueError, match=why):
+                library.decoder_stack(x, x, x, stack.table, None, None, bad)  # type: ignore[arg-type]
+        # the states landed side by side in one tensor, as the pass filled them: no concatenation
+        assert captured.joined is not None and captured.result() is captured.joined
+        twice = AuxCapture((1, 1))  # an id twice: its state in two blocks, by concatenation
+        run(twice, stack=True)
+        hidden = config.hidden_size
+        assert twice.joined is None and torch.equal(twice.result()[..., :hidden], twice.result()[..., hidden:])
+        torch.testing.assert_close(twice.result()[..., :hidden], captured.result()[..., hidden: 2 * hidden])
     reference_aux = AuxCapture(layers)
     run(reference_aux, stack=False)
     assert captured.result().shape == (1, ids.shape[1], 3 * config.hidden_size)

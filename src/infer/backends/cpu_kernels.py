@@ -368,11 +368,10 @@ class CpuStack:
         if aux is not None and (self.table.local_layers is not None or not self.takes(x, kv)):
             x = model.run_layers(x, cos, sin, positions, kv, aux)
         elif aux is not None:
-            aux.take(0, x)
             out = self._logits_buffer(x) if logits else None
             capture = self._capture_buffers(aux, x, out is not None)
             x = self(x, cos, sin, kv, capture=capture, logits=out)
-            self._take_captures(aux, capture, x, out is not None)
+            self._take_captures(aux, x, out is not None)
         elif not self.takes(x, kv):
             x = model.run_layers(x, cos, sin, positions, kv)
         elif self.table.local_layers is not None:
@@ -426,33 +425,34 @@ class CpuStack:
                 ctypes.memmove(into + i * size, base + token * size, size)
         cos, sin = model.rope_tables.rows(model.inv_freq, rows.context, self.dtype)  # type: ignore[arg-type]
         out = self._logits_buffer(x) if logits else None
-        capture = None
-        if aux is not None:
-            if 0 in aux.layers:  # (the call works on x in place)
-                aux.take(0, x.clone().view(1, width, hidden))
-            capture = self._capture_buffers(aux, x.view(1, width, hidden), out is not None)
+        capture = None if aux is None else self._capture_buffers(aux, x.view(1, width, hidden), out is not None)
         self.library.sequence_stack(x, cos[rows.start: rows.context], sin[rows.start: rows.context], self.table,
                                     rows, None if out is None else self.head, out, capture)
-        if aux is not None and capture is not None:
-            self._take_captures(aux, capture, x.view(1, width, hidden), out is not None)
+        if aux is not None:
+            self._take_captures(aux, x.view(1, width, hidden), out is not None)
         if out is None:
             return model.model.norm(x.view(1, width, hidden)), None
         return x.view(1, width, hidden), out.view(1, width, -1)
 
     def _capture_buffers(self, aux: AuxCapture, x: torch.Tensor, head: bool) -> dict[int, torch.Tensor]:
-        """Buffers like ``x`` for the layer inputs ``aux`` wants that the C call copies out: every id
-        past the embeddings but the last layer's output, which is x itself after the call unless the
-        call goes on to the final norm (``head``)."""
+        """``aux``'s buffers (``AuxCapture.buffers``, column blocks of one tensor like ``x``) that the
+        C call fills: every id past the embeddings but the last layer's output, which is x itself
+        after the call unless the call goes on to the final norm (``head``). The embeddings (id 0)
+        are copied in here, before the call works on x in place."""
         layers = self.table.shape["layers"]
-        return {i: torch.empty_like(x) for i in aux.layers if 0 < i < layers + head}
+        blocks = aux.buffers(x)
+        if 0 in blocks:
+            blocks[0].copy_(x)
+        return {i: block for i, block in blocks.items() if 0 < i < layers + head}
 
-    def _take_captures(self, aux: AuxCapture, capture: dict[int, torch.Tensor], x: torch.Tensor, head: bool) -> None:
-        """Hand ``aux`` the buffers the call filled, and ``x`` (the call's output) as the last layer's
+    def _take_captures(self, aux: AuxCapture, x: torch.Tensor, head: bool) -> None:
+        """Hand ``aux`` its filled buffers, copying in ``x`` (the call's output) as the last layer's
         output where the call stopped before the final norm."""
-        for i, state in capture.items():
-            aux.take(i, state)
-        if not head:
-            aux.take(self.table.shape["layers"], x)
+        layers = self.table.shape["layers"]
+        for i, block in aux.blocks.items():
+            if i == layers and not head:
+                block.copy_(x)
+            aux.take(i, block)
 
     def _logits_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
         """The logits buffer of a pass over ``x`` whose call ends with the LM head, or None without one."""

@@ -62,7 +62,8 @@ class StackArgs(ctypes.Structure):
         ("local_read_start", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in ("local_mask", "local_cos", "local_sin", "capture")),
         ("final_norm", ctypes.c_void_p), ("final_eps", ctypes.c_float),
-        *((name, ctypes.c_void_p) for name in ("head", "head_bias", "logits")), ("causal", ctypes.c_int64)]
+        *((name, ctypes.c_void_p) for name in ("head", "head_bias", "logits")), ("causal", ctypes.c_int64),
+        ("capture_stride", ctypes.c_int64)]
 
 
 class QuantPart(ctypes.Structure):
@@ -415,9 +416,11 @@ class KernelLibrary:
         """Every decoder layer over ``x`` [B, T, hidden] (contiguous) in one C call: ``table`` holds
         each layer's tensors, ``kv`` says where the new keys and values go and which cached ones
         each token sees. ``local`` (a table with sliding-window layers) is their RoPE tables and
-        their view of the cache (its rows and window mask). ``capture`` {layer id: a contiguous
-        buffer of x's dtype and size}: the stream entering that layer is copied there during the
-        call (id ``layers``: the last layer's output). Returns the last layer's output (a new tensor);
+        their view of the cache (its rows and window mask). ``capture`` {layer id: a buffer of x's
+        dtype and shape}: the stream entering that layer is copied there during the call (id
+        ``layers``: the last layer's output); a buffer's rows may lie apart (a column block of a
+        wider buffer, every buffer's rows the same distance apart), so several layers' inputs can
+        land side by side in one tensor. Returns the last layer's output (a new tensor);
         with ``head`` (a float32 stack without Gemma's block), that output after the final norm, and
         every row's logits written to ``logits`` (float32 [rows, vocab], contiguous)."""
         dtype, shape = table.dtype, table.shape
@@ -449,7 +452,8 @@ class KernelLibrary:
         args = _stack_args(table, out, batch, width, cos.data_ptr(), sin.data_ptr(), write_rows.data_ptr(),
                            None if read_rows is None else read_rows.data_ptr(), kv.read_start or 0, kv.context_len)
         args.mask = None if mask is None else mask.data_ptr()
-        args.capture = None if capture_table is None else capture_table.data_ptr()
+        if capture_table is not None:
+            args.capture, args.capture_stride = ctypes.addressof(capture_table[0]), capture_table[1]
         if local is not None and local_view is not None and local_kv is not None and table.local_layers is not None:
             args.local_layers = table.local_layers.data_ptr()
             args.local_write_rows = local_view[0].data_ptr()
@@ -496,7 +500,8 @@ class KernelLibrary:
         args = _stack_args(table, x, 1, width, cos.data_ptr(), sin.data_ptr(), write_rows, read_rows,
                            rows.read_start or 0, rows.context)
         args.causal = 1
-        args.capture = None if capture_table is None else capture_table.data_ptr()
+        if capture_table is not None:
+            args.capture, args.capture_stride = ctypes.addressof(capture_table[0]), capture_table[1]
         self._run_stack(fn, args, table, head, logits)
 
     @staticmethod
@@ -524,20 +529,52 @@ class KernelLibrary:
             raise MemoryError("the C decoder stack could not allocate its scratch memory")
 
 
-def _capture_table(capture: dict[int, torch.Tensor] | None, layers: int, x: torch.Tensor) -> torch.Tensor | None:
-    """The C call's table of capture buffers (``decoder_stack``'s ``capture``), each checked against
-    ``x``: an address per layer id 0 .. ``layers`` (0 where none is wanted); None without any."""
+def _capture_table(capture: dict[int, torch.Tensor] | None, layers: int,
+                   x: torch.Tensor) -> tuple[ctypes.Array[ctypes.c_int64], int] | None:
+    """The C call's table of capture buffers (``decoder_stack``'s ``capture``): an address per layer
+    id 0 .. ``layers`` (0 where none is wanted), and the distance in elements between a buffer's
+    rows (``StackArgs.capture_stride``), each buffer checked against ``x``; None without any."""
     if not capture:
         return None
-    table = torch.zeros(layers + 1, dtype=torch.long)
+    table = (ctypes.c_int64 * (layers + 1))()
+    hidden = x.shape[-1]
+    stride = 0
     for index, buffer in capture.items():
         if not 0 <= index <= layers:
             raise ValueError(f"capture layer {index} is outside 0..{layers}")
-        _check(buffer, f"capture buffer {index}", x.dtype)
-        if buffer.numel() != x.numel():
-            raise ValueError(f"capture buffer {index} holds {buffer.numel()} values, x {x.numel()}")
+        what = f"capture buffer {index}"
+        _check(buffer, what, x.dtype, contiguous=False)
+        if buffer.numel() != x.numel() or buffer.shape[-1] != hidden:
+            raise ValueError(f"{what} has shape {tuple(buffer.shape)}, x {tuple(x.shape)}")
+        rows = _row_stride(buffer)
+        if rows is None or (stride and rows and rows != stride):
+            raise ValueError(f"{what}'s rows must each be contiguous and lie evenly spaced, as far apart as "
+                             "the other buffers' rows")
+        stride = stride or rows
+    for index, buffer in capture.items():
         table[index] = buffer.data_ptr()
-    return table
+    return table, stride or hidden
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The distance in elements between consecutive rows of ``t`` (rows: its last dimension) where
+    each row is contiguous and the rows lie evenly spaced without overlapping (a column block of a
+    wider row-major tensor), 0 for a single row, else None."""
+    if t.dim() == 0 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+        return None
+    rows = t.numel() // max(t.shape[-1], 1)
+    if rows <= 1:
+        return 0
+    stride, size = None, 1
+    for dim in range(t.dim() - 2, -1, -1):  # each dimension steps over the rows inside it
+        if t.shape[dim] == 1:
+            continue
+        if stride is None:
+            stride = t.stride(dim)
+        elif t.stride(dim) != stride * size:
+            return None
+        size *= t.shape[dim]
+    return stride if stride is not None and stride >= t.shape[-1] else None
 
 
 def _stack_args(table: StackTable, x: torch.Tensor, batch: int, width: int, cos: int, sin: int, write_rows: int,

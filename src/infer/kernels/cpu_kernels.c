@@ -260,7 +260,7 @@ typedef struct {
     int64_t local_read_start;
     const uint8_t *local_mask;
     const void *local_cos, *local_sin;
-    /* NULL, or [layers + 1] addresses of [rows, hidden] buffers (0: none): x entering layer l is copied
+    /* NULL, or [layers + 1] addresses of [rows, hidden] buffers (rows capture_stride apart; 0: none): x entering layer l is copied
      * to capture[l], the last layer's output to capture[layers] (an EAGLE-3 drafter's layer inputs,
      * taken in the same call: a copy, no arithmetic changes). */
     const int64_t *capture;
@@ -277,6 +277,9 @@ typedef struct {
      * 0 .. context - width + t, a chain of new tokens after the cached ones, the keys a causal mask
      * gives it (the same list, so the same bits); 0: as mask says. */
     int64_t causal;
+    /* Elements from one row's copy to the next in every capture buffer (0: hidden, rows back to
+     * back): several layers' inputs can then land side by side in one [rows, n * hidden] buffer. */
+    int64_t capture_stride;
 } StackArgs;
 
 /* One quantized matrix of a projection: infer.kernels.quant's C entry for its block type (all
@@ -316,7 +319,7 @@ const char *infer_kernels_layout(void) {
              FIELD(mask) FIELD(cos) FIELD(sin) FIELD(x) FIELD(threads) FIELD(quant_parts) FIELD(quant_index)
              FIELD(gemma) FIELD(local_layers) FIELD(local_write_rows) FIELD(local_read_rows) FIELD(local_read_start)
              FIELD(local_mask) FIELD(local_cos) FIELD(local_sin) FIELD(capture) FIELD(final_norm) FIELD(final_eps)
-             FIELD(head) FIELD(head_bias) FIELD(logits) FIELD(causal)
+             FIELD(head) FIELD(head_bias) FIELD(logits) FIELD(causal) FIELD(capture_stride)
              "part_size=%zu part_linear=%zu part_blocks=%zu part_offset=%zu part_rows=%zu part_in_features=%zu "
              "projections=qkv:%d,o:%d,gate_up:%d,down:%d/%d "
              "tensors=ln1:%d,qkv_w:%d,qkv_b:%d,q_norm:%d,k_norm:%d,o_w:%d,o_b:%d,ln2:%d,gate_up_w:%d,gate_up_b:%d,"
@@ -326,7 +329,7 @@ const char *infer_kernels_layout(void) {
              AT(write_rows), AT(read_rows), AT(read_start), AT(context), AT(mask), AT(cos), AT(sin), AT(x),
              AT(threads), AT(quant_parts), AT(quant_index), AT(gemma), AT(local_layers), AT(local_write_rows),
              AT(local_read_rows), AT(local_read_start), AT(local_mask), AT(local_cos), AT(local_sin), AT(capture), AT(final_norm), AT(final_eps), AT(head), AT(head_bias),
-             AT(logits), AT(causal), sizeof(QuantPart), offsetof(QuantPart, linear),
+             AT(logits), AT(causal), AT(capture_stride), sizeof(QuantPart), offsetof(QuantPart, linear),
              offsetof(QuantPart, blocks), offsetof(QuantPart, offset), offsetof(QuantPart, rows),
              offsetof(QuantPart, in_features), P_QKV, P_O, P_GATE_UP, P_DOWN, STACK_PROJECTIONS, T_LN1, T_QKV_W, T_QKV_B, T_Q_NORM, T_K_NORM, T_O_W, T_O_B, T_LN2, T_GATE_UP_W,
              T_GATE_UP_B, T_DOWN_W, T_DOWN_B, T_POST_ATTN_NORM, T_POST_FF_NORM, STACK_TENSORS, MAX_GROUP, MAX_HEAD_DIM, ATTN_SEGMENT,

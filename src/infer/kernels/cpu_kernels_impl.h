@@ -539,6 +539,17 @@ static int FN(project)(const StackArgs *a, int64_t layer, int proj, const ELEM *
     return covered == n ? 0 : -2;
 }
 
+/* x [rows, hidden] copied to the capture buffer at `address`, its rows a->capture_stride apart. */
+static void FN(capture_rows)(const StackArgs *a, int64_t address, const ELEM *x) {
+    const int64_t d = a->hidden, stride = a->capture_stride ? a->capture_stride : d;
+    ELEM *out = (ELEM *)address;
+    if (stride == d) {
+        memcpy(out, x, sizeof(ELEM) * (size_t)(a->rows * d));
+        return;
+    }
+    for (int64_t r = 0; r < a->rows; r++) memcpy(out + r * stride, x + r * d, sizeof(ELEM) * (size_t)d);
+}
+
 /* Every decoder layer over a->x, in place. Returns 0, -1 where memory ran out, -2 for a quantized
  * descriptor that does not fit (x is then partly updated: the caller discards it). */
 int FN(decoder_stack)(const StackArgs *a) {
@@ -564,7 +575,7 @@ int FN(decoder_stack)(const StackArgs *a) {
         int local = a->local_layers && a->local_layers[layer];
         const void *cos = local ? a->local_cos : a->cos, *sin = local ? a->local_sin : a->sin;
         const int64_t *write_rows = local ? a->local_write_rows : a->write_rows;
-        if (a->capture && a->capture[layer]) memcpy((void *)a->capture[layer], x, sizeof(ELEM) * (size_t)(m * d));
+        if (a->capture && a->capture[layer]) FN(capture_rows)(a, a->capture[layer], x);
         if (a->gemma)
             FN(gemma_rmsnorm)(x, (const ELEM *)t[T_LN1], normed, m, d, a->eps);
         else
@@ -626,8 +637,7 @@ int FN(decoder_stack)(const StackArgs *a) {
         if (a->gemma) FN(gemma_rmsnorm)(delta, (const ELEM *)t[T_POST_FF_NORM], delta, m, d, a->eps);
         FN(add_into)(x, delta, m * d);
     }
-    if (status == 0 && a->capture && a->capture[a->layers])
-        memcpy((void *)a->capture[a->layers], x, sizeof(ELEM) * (size_t)(m * d));
+    if (status == 0 && a->capture && a->capture[a->layers]) FN(capture_rows)(a, a->capture[a->layers], x);
     if (status == 0 && a->head) { /* the final norm (in place: a row is read before it is written), the LM head */
         const QuantPart *h = a->head;
         if (sizeof(ELEM) != sizeof(float) || a->gemma || h->in_features != d || h->offset != 0 || h->rows <= 0

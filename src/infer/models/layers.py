@@ -309,16 +309,34 @@ class AuxCapture:
 
     layers: tuple[int, ...]
     states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # ``buffers``' tensor and its column blocks: a pass that fills the blocks in place leaves the
+    # result already side by side (no concatenation).
+    joined: torch.Tensor | None = None
+    blocks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def take(self, index: int, x: torch.Tensor) -> None:
         if index in self.layers:
             self.states[index] = x
+
+    def buffers(self, like: torch.Tensor) -> dict[int, torch.Tensor]:
+        """One [..., len(layers) * hidden] tensor shaped like ``like`` [..., hidden], as a view per
+        layer id of its column block (``layers``' order), for a pass to fill and ``take`` (separate
+        tensors where an id repeats)."""
+        hidden = like.shape[-1]
+        if len(set(self.layers)) < len(self.layers):  # an id twice: its state goes in two blocks (result's cat)
+            self.joined, self.blocks = None, {i: torch.empty_like(like) for i in self.layers}
+            return self.blocks
+        self.joined = like.new_empty(*like.shape[:-1], len(self.layers) * hidden)
+        self.blocks = {i: self.joined[..., j * hidden: (j + 1) * hidden] for j, i in enumerate(self.layers)}
+        return self.blocks
 
     def result(self) -> torch.Tensor:
         """The captured states side by side, in ``layers``' order: [..., len(layers) * hidden]."""
         missing = [i for i in self.layers if i not in self.states]
         if missing:
             raise ValueError(f"the pass never reached layer input(s) {missing}")
+        if self.joined is not None and all(self.states[i] is self.blocks.get(i) for i in self.layers):
+            return self.joined
         return torch.cat([self.states[i] for i in self.layers], dim=-1)
 
 
