@@ -45,7 +45,7 @@ def test_default_policy_drafts_long_when_the_match_holds(tiny_llama: Path, plain
     m = out.metrics
     # A round drafted (and verification judged) 32 positions, and long runs were accepted.
     assert len(m.proposed_per_position) == MODEL_FREE_MAX_DRAFT, m.proposed_per_position
-    assert m.accepted_per_position[MODEL_FREE_MAX_DRAFT - 1] > 0  # a whole 32-token draft kept
+    assert m.accepted_per_position[3 * MODEL_FREE_MAX_DRAFT // 4 - 1] > 0  # 24 drafts of a round kept
 
 
 def test_defaults() -> None:
@@ -78,6 +78,53 @@ def test_goodput_backs_off_a_request_within_a_few_rounds() -> None:
     assert policy.chain_lengths([bad, good], per_row=1 / 15)[1] >= 24
     later = [policy.chain_lengths([bad, good], per_row=1 / 15)[0] for _ in range(8)]
     assert 2 in later  # a probe: its text may turn predictable
+
+
+def test_goodput_learns_acceptance_per_match_class() -> None:
+    """A drafter that classes its drafts (prompt lookup's matched length): acceptance is learned per
+    class over every request, so a request drafts long the round its match turns long, while its
+    short matches stay plain; a class never seen starts from the prior; release forgets the request."""
+    policy = BudgetController(32, adaptive=True, probe_every=1 << 20, first_probe=1 << 20)
+    per_row = 1 / 15
+    for i in range(40):  # earlier requests: one-token matches fail, four-token matches hold
+        request = fake(f"old{i}")
+        for cls, holds in ((1, False), (4, True)):
+            policy.budgets([request], [cls])  # (the round's class)
+            policy.update(request, 4, 4 if holds else 0)
+        policy.release(request)
+    assert policy.class_alpha[1] < 0.1 and policy.class_alpha[4] > 0.9
+    assert not any(isinstance(key, tuple) and str(key[0]).startswith("old") for key in policy.alpha)
+    new = fake("new")
+    lengths = []
+    for cls in (1, 1, 4, 1):
+        policy.budgets([new], [cls])
+        lengths.append(policy.chain_lengths([new], per_row)[0])
+    assert lengths[0] == lengths[1] == lengths[3] == 0 and lengths[2] >= 16, lengths
+    # the same policy without classes goes by the request's own (here: the prior's) acceptance
+    policy.budgets([new])
+    assert policy.request_alpha(new) == policy.recent_alpha
+    policy.budgets([new], [7])  # a class never seen: the prior
+    assert policy.request_alpha(new) == policy.prior_alpha
+
+
+@pytest.mark.parametrize("speculator", ["ngram", "suffix"])
+def test_model_free_drafters_class_a_round_by_its_matched_length(speculator: str) -> None:
+    from infer.speculative.ngram import NgramDrafter
+    from infer.speculative.suffix import LONG_MATCH, SuffixDrafter
+
+    drafter: Any = NgramDrafter() if speculator == "ngram" else SuffixDrafter(max_depth=8, scope="request")
+    longest = 4 if speculator == "ngram" else LONG_MATCH
+
+    def request(prompt: list[int], output: list[int]) -> Any:
+        return SimpleNamespace(request_id=str(prompt + output), prompt_token_ids=prompt, output_token_ids=output,
+                               cache_salt=None, is_finished=False, draft_room=64)
+
+    text = list(range(100, 120))
+    assert drafter.match_classes([request(text, [])]) == [0]  # nothing repeats: no match
+    cases = [request(text + [200, 105], []), request(text, [300, 110, 111, 112]), request(text + [7] + text, [])]
+    assert drafter.match_classes(cases) == [1, 3, longest]
+    proposal = drafter.propose(cases, [4, 4, 4], None)
+    assert proposal.tokens[1, 0].item() == 113  # the classed match is the one drafted from
 
 
 def test_goodput_respects_each_request_cap() -> None:

@@ -148,7 +148,8 @@ class SpeculativeRunner:
 
     def _round(self, requests: list[Request]) -> StepResult:
         since = PHASES.mark()
-        budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests), strict=True)]
+        classes = self.drafter.match_classes(requests)
+        budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests, classes), strict=True)]
         self._choose_capture()
         start = device_clock(self.device)
         proposal = self.drafter.propose(requests, budgets, self._hidden_of(requests)) if any(budgets) else None

@@ -19,7 +19,11 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   Theorem 3.8's ``1 + α + ... + α^n`` with ``α`` the request's per-draft acceptance: its accepted
   over judged drafts of its last rounds (older rounds weigh less, at most ``alpha_window`` drafts
   in all, starting from the drafter's recent acceptance), so a request whose text stops repeating
-  backs off within a round or two and one copying a passage drafts long. For a tree, whose extra
+  backs off within a round or two and one copying a passage drafts long. A drafter that classes
+  its drafts before a round (``Drafter.match_classes``: prompt lookup's matched length) gets ``α``
+  learned per request and class, starting from the class's recent acceptance over every request: a
+  draft after a one-token match is mostly wrong and one after a four-token match mostly right, so
+  a request drafts long the round its match turns long, not rounds later. For a tree, whose extra
   width a single ``α`` does not describe, it is measured: the mean tokens per request and round at
   each size on a ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times
   first, smallest first while the sizes keep paying more (two in a row below the best end the
@@ -44,6 +48,7 @@ chain early when the draft distribution turns flat.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 
 import torch
 
@@ -156,11 +161,15 @@ class BudgetController:
         # and at most alpha_window drafts in all: a request copying a passage for a while still
         # backs off within a round or two once its text stops repeating.
         self.ema = ema
-        self.alpha: dict[str, float] = {}
-        self._weight: dict[str, float] = {}  # judged drafts behind each α (decayed)
+        # α per request id, or per (request id, class) for a drafter that classes its drafts.
+        self.alpha: dict[Hashable, float] = {}
+        self._weight: dict[Hashable, float] = {}  # judged drafts behind each α (decayed)
         self.alpha_decay = alpha_decay
         self.alpha_window = alpha_window
+        self.prior_alpha = prior_alpha
         self.recent_alpha = prior_alpha
+        self.class_alpha: dict[int, float] = {}  # each class's recent acceptance over every request
+        self._round_class: dict[str, int] = {}  # each request's class in the round being decided
         # A chain's verification row in plain decode steps, until the fit measures one, and at least.
         self.prior_row_cost = prior_row_cost
         self.min_row_cost = min_row_cost
@@ -182,8 +191,11 @@ class BudgetController:
         self._last_cost = self.round_cost(1)  # the prior, until a round is costed
 
     # -- the decision ----------------------------------------------------------------------------
-    def budgets(self, requests: list[Request]) -> list[int]:
-        """Budget per request for the next round (the runner clamps it to each request's room)."""
+    def budgets(self, requests: list[Request], classes: list[int] | None = None) -> list[int]:
+        """Budget per request for the next round (the runner clamps it to each request's room);
+        ``classes``: each request's draft class this round (``Drafter.match_classes``), or None."""
+        self._round_class = {} if classes is None else {
+            r.request_id: c for r, c in zip(requests, classes, strict=True)}
         if not self.adaptive:
             return [self.max_budget] * len(requests)
         if self.tree:
@@ -223,7 +235,7 @@ class BudgetController:
         one-call drafter's cost does not grow with ``K`` (``per_step`` 0): only the longest is tried.
         No request drafts past its own ``draft_room`` (its ``max_draft_tokens``; 0 with speculation off)."""
         caps = [min(self.max_budget, r.draft_room) for r in requests]
-        alphas = [self.alpha.get(r.request_id, self.recent_alpha) for r in requests]
+        alphas = [self.request_alpha(r) for r in requests]
         batch = len(requests)
         best_rate, best = float(batch), [0] * batch  # plain decoding: B tokens per step
         # At the optimum every draft is worth at least its row at the optimum's rate (else dropping it
@@ -374,6 +386,20 @@ class BudgetController:
             self.tokens[arm] += self.tree_ema * (tokens - self.tokens[arm])
         self.counts[arm] += 1
 
+    def _alpha_key(self, request: Request) -> tuple[Hashable, float]:
+        """The key of the request's α this round (its id, or id and class) and the prior it starts
+        from (the drafter's recent acceptance, or the class's)."""
+        rid = request.request_id
+        cls = self._round_class.get(rid)
+        if cls is None:
+            return rid, self.recent_alpha
+        return (rid, cls), self.class_alpha.get(cls, self.prior_alpha)
+
+    def request_alpha(self, request: Request) -> float:
+        """The request's per-draft acceptance this round (of its class this round, where classed)."""
+        key, prior = self._alpha_key(request)
+        return self.alpha.get(key, prior)
+
     def update(self, request: Request, proposed: int, accepted: int) -> None:
         """Learn a chain request's α from one verified round."""
         if proposed == 0:
@@ -381,18 +407,26 @@ class BudgetController:
         # Per-token acceptance of this round: accepted drafts over drafts actually judged (the
         # first rejection ends a round, so later drafts were never tested).
         judged = accepted + (1 if accepted < proposed else 0)
-        rid = request.request_id
-        prev = self.alpha.get(rid, self.recent_alpha)
+        key, prior = self._alpha_key(request)
+        prev = self.alpha.get(key, prior)
         # The estimate so far counts as ``weight`` judged drafts (the prior: a round's worth).
-        weight = min(self.alpha_decay * self._weight.get(rid, 1.0), self.alpha_window)
-        self.alpha[rid] = (prev * weight + accepted) / (weight + judged)
-        self._weight[rid] = weight + judged
+        weight = min(self.alpha_decay * self._weight.get(key, 1.0), self.alpha_window)
+        self.alpha[key] = (prev * weight + accepted) / (weight + judged)
+        self._weight[key] = weight + judged
         observed = accepted / judged
-        self.recent_alpha = (1 - self.ema / 4) * self.recent_alpha + self.ema / 4 * observed
+        rate = self.ema / 4
+        self.recent_alpha = (1 - rate) * self.recent_alpha + rate * observed
+        cls = self._round_class.get(request.request_id)
+        if cls is not None:
+            self.class_alpha[cls] = (1 - rate) * self.class_alpha.get(cls, self.prior_alpha) + rate * observed
 
     def release(self, request: Request) -> None:
-        for state in (self.alpha, self._weight, self._plain_rounds, self._probe_wait):
-            state.pop(request.request_id, None)
+        rid = request.request_id
+        for state in (self.alpha, self._weight, self._plain_rounds, self._probe_wait, self._round_class):
+            state.pop(rid, None)
+        for cls in self.class_alpha:
+            self.alpha.pop((rid, cls), None)
+            self._weight.pop((rid, cls), None)
 
 
 def _gains(alpha: float, most: int, floor: float) -> list[tuple[int, float]]:

@@ -91,6 +91,13 @@ class Drafter(ABC):
     def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
         """Draft for every request (see the module docstring for the arguments)."""
 
+    def match_classes(self, requests: list[Request]) -> list[int] | None:
+        """Before a round, per request, a class of the draft it would make now (for prompt lookup:
+        how many tokens of context matched), for the budget to learn acceptance per class: a draft
+        after a long match is accepted far more often than one after a single token. None: the
+        drafter has no such classes (its acceptance is learned per request only)."""
+        return None
+
     def observe_states(self, request: Request, position: int, states: torch.Tensor) -> None:
         """The target's captured layer inputs ([n, aux]) of the request's tokens at ``position`` onward,
         now kept in its cache (only with ``info.aux_layers``)."""

@@ -67,19 +67,28 @@ class NgramIndex:
                 self._last_end[tuple(toks[end - n + 1 : end + 1])] = end
             toks.append(tok)
 
-    def propose(self, max_proposal: int = 5) -> list[int]:
-        """Draft up to ``max_proposal`` tokens following the latest copy of the longest suffix."""
-        _check_args(self.min_n, self.max_n, max_proposal)
+    def match(self) -> tuple[int, int]:
+        """``(n, end)``: the longest suffix length ``n`` with an earlier occurrence followed by a token,
+        and where its latest occurrence ends; ``(0, -1)`` without one."""
         toks = self._tokens
         for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
             end = self._last_end.get(tuple(toks[len(toks) - n :]))
             if end is not None:
-                draft = toks[end + 1 : end + 1 + max_proposal]
-                period = len(draft)  # < max_proposal only where the copy reached the sequence's end
-                for i in range(period, max_proposal):
-                    draft.append(draft[i - period])
-                return draft
-        return []
+                return n, end
+        return 0, -1
+
+    def propose(self, max_proposal: int = 5) -> list[int]:
+        """Draft up to ``max_proposal`` tokens following the latest copy of the longest suffix."""
+        _check_args(self.min_n, self.max_n, max_proposal)
+        n, end = self.match()
+        if not n:
+            return []
+        toks = self._tokens
+        draft = toks[end + 1 : end + 1 + max_proposal]
+        period = len(draft)  # < max_proposal only where the copy reached the sequence's end
+        for i in range(period, max_proposal):
+            draft.append(draft[i - period])
+        return draft
 
 
 class NgramDrafter(Drafter):
@@ -97,19 +106,23 @@ class NgramDrafter(Drafter):
         self.info = DrafterInfo()
         self._indexes: dict[str, NgramIndex] = {}
 
+    def _index(self, request: Request) -> NgramIndex:
+        """The request's index, with every token it has so far."""
+        index = self._indexes.get(request.request_id)
+        if index is None:
+            index = self._indexes[request.request_id] = NgramIndex(min_n=self.min_n, max_n=self.max_n)
+        # Only the tokens since the last round (all_token_ids would copy the whole sequence).
+        seen, prompt = len(index), request.prompt_token_ids
+        index.extend(prompt[seen:] + request.output_token_ids[max(0, seen - len(prompt)):])
+        return index
+
+    def match_classes(self, requests: list[Request]) -> list[int]:
+        """The matched suffix length per request (0: no match, no draft)."""
+        return [self._index(request).match()[0] for request in requests]
+
     def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
-        guesses: list[list[int]] = []
-        for request, limit in zip(requests, budgets, strict=True):
-            if limit <= 0:
-                guesses.append([])
-                continue
-            index = self._indexes.get(request.request_id)
-            if index is None:
-                index = self._indexes[request.request_id] = NgramIndex(min_n=self.min_n, max_n=self.max_n)
-            # Only the tokens since the last round (all_token_ids would copy the whole sequence).
-            seen, prompt = len(index), request.prompt_token_ids
-            index.extend(prompt[seen:] + request.output_token_ids[max(0, seen - len(prompt)):])
-            guesses.append(index.propose(limit))
+        guesses = [self._index(request).propose(limit) if limit > 0 else []
+                   for request, limit in zip(requests, budgets, strict=True)]
         return pad_proposals(guesses, self.device)
 
     def release(self, request: Request) -> None:

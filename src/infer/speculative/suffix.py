@@ -34,6 +34,9 @@ from infer.speculative.suffix_trie import DraftTree, SuffixStore, SuffixTrie
 
 # Whose earlier requests a request may draft from: those with the same cache_salt, or none.
 SCOPES = ("salt", "request")
+# Match lengths from this on share one class of drafts (``match_classes``): past it acceptance no
+# longer grows much with the length.
+LONG_MATCH = 8
 
 
 class SuffixDrafter(Drafter):
@@ -94,15 +97,9 @@ class SuffixDrafter(Drafter):
         trie promises more accepted tokens (its tokens must already be in both)."""
         if max_depth <= 0 or max_nodes <= 0:
             return DraftTree()
-        tail = request.output_token_ids[-self.max_match:]
-        if len(tail) < self.max_match:
-            tail = request.prompt_token_ids[len(tail) - self.max_match:] + tail
-        tries = [self._local[request.request_id]]
-        shared = self.store.trie(self._shared_key(request)) if self.scope == "salt" else None
-        if shared is not None:
-            tries.append(shared)
+        tail = self._tail(request)
         best = DraftTree()
-        for trie in tries:
+        for trie in self._tries(request):
             node, length = trie.match(tail, self.max_match)
             if length == 0:
                 continue
@@ -114,6 +111,30 @@ class SuffixDrafter(Drafter):
             self.drafted_rounds += 1
             self.drafted_nodes += len(best)
         return best
+
+    def _tail(self, request: Request) -> list[int]:
+        """The request's last ``max_match`` tokens (the context a draft continues)."""
+        tail = request.output_token_ids[-self.max_match:]
+        if len(tail) < self.max_match:
+            tail = request.prompt_token_ids[len(tail) - self.max_match:] + tail
+        return tail
+
+    def _tries(self, request: Request) -> list[SuffixTrie]:
+        """The tries the request drafts from: its own, and its tenant's where the scope shares."""
+        tries = [self._local[request.request_id]]
+        shared = self.store.trie(self._shared_key(request)) if self.scope == "salt" else None
+        if shared is not None:
+            tries.append(shared)
+        return tries
+
+    def match_classes(self, requests: list[Request]) -> list[int]:
+        """Per request, the longest context a trie matched (0: none, no draft), at most ``LONG_MATCH``."""
+        classes = []
+        for request in requests:
+            self._sync(request)
+            tail = self._tail(request)
+            classes.append(min(max(trie.match(tail, self.max_match)[1] for trie in self._tries(request)), LONG_MATCH))
+        return classes
 
     def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
         trees = []
