@@ -13,6 +13,7 @@ from infer.core.request import Request, StepOutput
 from infer.phases import PHASES
 from infer.sampling.grammar import unpack_bitmasks
 from infer.sampling.sampler import raw_logprobs, sample_with_logprobs
+from infer.sampling.transforms import argmax_only, greedy_tokens
 
 StepResult = list[tuple[Request, StepOutput]]
 
@@ -144,6 +145,16 @@ class ContinuousRunner:
                 logits: torch.Tensor | None = None) -> Sampled:
         """The next token of each request from its last ``hidden`` state, or from its ``logits`` where the
         pass gave them (``since``: when the pass that gave it began, for the phase times)."""
+        params = [r.params for r in requests]
+        if logits is not None and argmax_only(params) and all(p.logprobs is None for p in params):
+            # Greedy rows without logprobs (and so without a grammar): the argmax of the pass's logits,
+            # as sample_with_logprobs would take it, without gathering what sampling would need.
+            since = PHASES.add("model pass", since)
+            tokens = greedy_tokens(logits)
+            sampled = Sampled([(r, StepOutput(t, None)) for r, t in zip(requests, tokens.tolist(), strict=True)],
+                              hidden)
+            PHASES.add("sampling", since)
+            return sampled
         # Sampling's operators over the vocabulary run as the backend wants host work around passes
         # (Backend.host_policy): on two threads they would leave OpenMP's workers spinning on the
         # cores the next pass's kernel threads need.
@@ -152,7 +163,7 @@ class ContinuousRunner:
                 logits = self.runner.logits(hidden)
             since = PHASES.add("model pass", since)
             tokens, logprobs = sample_with_logprobs(
-                logits, [r.params for r in requests], [r.all_token_ids for r in requests],
+                logits, params, [r.all_token_ids for r in requests],
                 [r.random_source() for r in requests], grammar_masks(requests, logits.shape[-1], logits.device),
                 [r.output_token_ids for r in requests],
             )
