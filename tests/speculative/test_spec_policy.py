@@ -105,19 +105,30 @@ def test_goodput_learns_acceptance_per_match_class() -> None:
     assert policy.request_alpha(new) == policy.recent_alpha
     policy.budgets([new], [7])  # a class never seen: the prior
     assert policy.request_alpha(new) == policy.prior_alpha
+    # Class 0 (the drafter found nothing to draft from) drafts nothing, not even a probe, where the
+    # same request without classes probes within a few rounds.
+    eager = BudgetController(32, adaptive=True, probe_every=1, first_probe=1)
+    idle = fake("idle")
+    eager.alpha["idle"] = 0.0
+    assert not any(eager.budgets([idle], [0])[0] for _ in range(20))
+    assert any(eager.budgets([idle])[0] for _ in range(4))
 
 
-@pytest.mark.parametrize("speculator", ["ngram", "suffix"])
+@pytest.mark.parametrize("speculator", ["ngram", "suffix", "suffix-salt"])
 def test_model_free_drafters_class_a_round_by_its_matched_length(speculator: str) -> None:
+    """A round's class is the length of the context that matched (0: nothing to draft from), for
+    n-gram lookup and for suffix decoding over the request's own trie or its tenant's."""
     from infer.speculative.ngram import NgramDrafter
     from infer.speculative.suffix import LONG_MATCH, SuffixDrafter
 
-    drafter: Any = NgramDrafter() if speculator == "ngram" else SuffixDrafter(max_depth=8, scope="request")
+    drafter: Any = (NgramDrafter() if speculator == "ngram" else
+                    SuffixDrafter(max_depth=8, scope="salt" if speculator == "suffix-salt" else "request"))
     longest = 4 if speculator == "ngram" else LONG_MATCH
 
     def request(prompt: list[int], output: list[int]) -> Any:
         return SimpleNamespace(request_id=str(prompt + output), prompt_token_ids=prompt, output_token_ids=output,
-                               cache_salt=None, is_finished=False, draft_room=64)
+                               cache_salt=None, is_finished=False, draft_room=64,
+                               num_tokens=len(prompt) + len(output))
 
     text = list(range(100, 120))
     assert drafter.match_classes([request(text, [])]) == [0]  # nothing repeats: no match

@@ -169,6 +169,7 @@ class BudgetController:
         self.prior_alpha = prior_alpha
         self.recent_alpha = prior_alpha
         self.class_alpha: dict[int, float] = {}  # each class's recent acceptance over every request
+        self._class_rounds: dict[int, int] = {}  # rounds behind each (their mean until the EMA takes over)
         self._round_class: dict[str, int] = {}  # each request's class in the round being decided
         # A chain's verification row in plain decode steps, until the fit measures one, and at least.
         self.prior_row_cost = prior_row_cost
@@ -234,7 +235,9 @@ class BudgetController:
         further one), so the best ``m`` of them, over every ``K`` and ``m``, is the optimum. A
         one-call drafter's cost does not grow with ``K`` (``per_step`` 0): only the longest is tried.
         No request drafts past its own ``draft_room`` (its ``max_draft_tokens``; 0 with speculation off)."""
-        caps = [min(self.max_budget, r.draft_room) for r in requests]
+        # Class 0: the drafter found nothing to draft from (no match), so it drafts nothing, probe or not.
+        found = [self._round_class.get(r.request_id) != 0 for r in requests]
+        caps = [min(self.max_budget, r.draft_room) if f else 0 for r, f in zip(requests, found, strict=True)]
         alphas = [self.request_alpha(r) for r in requests]
         batch = len(requests)
         best_rate, best = float(batch), [0] * batch  # plain decoding: B tokens per step
@@ -258,16 +261,21 @@ class BudgetController:
                 rate = tokens / cost
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best = rate, list(counts)
-        return self._probe(requests, best, caps)
+        return self._probe(requests, best, caps, found)
 
-    def _probe(self, requests: list[Request], lengths: list[int], caps: list[int]) -> list[int]:
+    def _probe(self, requests: list[Request], lengths: list[int], caps: list[int],
+               found: list[bool] | None = None) -> list[int]:
         """Requests left at K = 0 for their probe wait draft two tokens, so one whose text turns
         predictable wins speculation back; each probe that does not doubles its wait. When one is
         due every request at 0 probes with it: a round that verifies anything pays the drafter's
-        call (or its steps) once, and eight requests probing in eight rounds would pay it eight times."""
+        call (or its steps) once, and eight requests probing in eight rounds would pay it eight times.
+        A request whose drafter found nothing this round (``found`` False) neither probes nor waits."""
         due = False
-        for request, k, cap in zip(requests, lengths, caps, strict=True):
+        found = found or [True] * len(requests)
+        for request, k, cap, here in zip(requests, lengths, caps, found, strict=True):
             rid = request.request_id
+            if not here:
+                continue
             if k or not cap:  # speculating (or not allowed to): probe promptly once it stops paying
                 self._plain_rounds[rid], self._probe_wait[rid] = 0, self.probe_every
                 continue
@@ -418,7 +426,12 @@ class BudgetController:
         self.recent_alpha = (1 - rate) * self.recent_alpha + rate * observed
         cls = self._round_class.get(request.request_id)
         if cls is not None:
-            self.class_alpha[cls] = (1 - rate) * self.class_alpha.get(cls, self.prior_alpha) + rate * observed
+            # The mean of the class's rounds (the prior counting as one) until there are enough for the
+            # EMA: a fresh drafter learns within a few rounds that one-token matches fail, instead of
+            # paying for a dozen more at the prior's acceptance.
+            seen = self._class_rounds[cls] = self._class_rounds.get(cls, 0) + 1
+            weight = max(rate, 1.0 / (seen + 1))
+            self.class_alpha[cls] = (1 - weight) * self.class_alpha.get(cls, self.prior_alpha) + weight * observed
 
     def release(self, request: Request) -> None:
         rid = request.request_id

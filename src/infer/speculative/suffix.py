@@ -63,6 +63,8 @@ class SuffixDrafter(Drafter):
         # A match of max_match tokens must still leave room below it for a max_depth-deep tree.
         self.store = SuffixStore(max_match + max_depth, max_tokens, max_requests)  # shared (scope "salt")
         self._local: dict[str, SuffixTrie] = {}  # each running request's own prompt and output
+        # This round's matches per request (match_classes), with the request's length when found.
+        self._matched: dict[str, tuple[int, SuffixTrie, int, int]] = {}
         # Drafting statistics over the drafter's life, warm-up requests included (``infer bench``).
         self.drafted_rounds = 0  # request-rounds that got a non-empty tree
         self.drafted_nodes = 0
@@ -97,10 +99,8 @@ class SuffixDrafter(Drafter):
         trie promises more accepted tokens (its tokens must already be in both)."""
         if max_depth <= 0 or max_nodes <= 0:
             return DraftTree()
-        tail = self._tail(request)
         best = DraftTree()
-        for trie in self._tries(request):
-            node, length = trie.match(tail, self.max_match)
+        for trie, node, length in self._matches(request):
             if length == 0:
                 continue
             budget = min(max_nodes, max(1, math.ceil(self.nodes_per_matched_token * length)))
@@ -127,13 +127,35 @@ class SuffixDrafter(Drafter):
             tries.append(shared)
         return tries
 
+    def _matches(self, request: Request) -> list[tuple[SuffixTrie, int, int]]:
+        """``(trie, node, length)``: the longest match of the request's context in each of its tries
+        (the one ``match_classes`` found at the request's current length is kept: the tries only
+        grow in between, so the node found then is still the match)."""
+        known = self._matched.get(request.request_id)
+        tail = self._tail(request)
+        return [known[1:] if known is not None and known[0] == request.num_tokens and known[1] is trie
+                else (trie, *trie.match(tail, self.max_match)) for trie in self._tries(request)]
+
     def match_classes(self, requests: list[Request]) -> list[int]:
-        """Per request, the longest context a trie matched (0: none, no draft), at most ``LONG_MATCH``."""
+        """Per request, the longest context matched (0: none, no draft), at most ``LONG_MATCH``, kept
+        for this round's ``propose``. With the tenant's trie (scope "salt") only that one is brought
+        up to date and matched: it holds the request's own tokens too, so no match in the request's
+        own trie is longer, and that trie is extended only when the request drafts."""
+        tries = []
+        for request in requests:  # every request's tokens first: later matches see them
+            if self.scope == "salt":
+                self._sync_shared(request)
+                tries.append(self.store.trie(self._shared_key(request)))
+            else:
+                self._sync(request)
+                tries.append(self._local[request.request_id])
+        self._matched = {}
         classes = []
-        for request in requests:
-            self._sync(request)
-            tail = self._tail(request)
-            classes.append(min(max(trie.match(tail, self.max_match)[1] for trie in self._tries(request)), LONG_MATCH))
+        for request, trie in zip(requests, tries, strict=True):
+            assert trie is not None  # (just extended)
+            node, length = trie.match(self._tail(request), self.max_match)
+            self._matched[request.request_id] = (request.num_tokens, trie, node, length)
+            classes.append(min(length, LONG_MATCH))
         return classes
 
     def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
@@ -154,6 +176,7 @@ class SuffixDrafter(Drafter):
 
     def release(self, request: Request) -> None:
         self._local.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
         if self.scope != "salt":
             return
         key = self._shared_key(request)
