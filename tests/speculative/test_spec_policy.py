@@ -138,6 +138,32 @@ def test_model_free_drafters_class_a_round_by_its_matched_length(speculator: str
     assert proposal.tokens[1, 0].item() == 113  # the classed match is the one drafted from
 
 
+def test_a_class_is_probed_over_every_request_not_per_request() -> None:
+    """Classed rounds left at K = 0 probe on their class's wait, shared by every request (its
+    acceptance is learned over all of them) and allowed to grow longer; unclassed ones each on
+    their own: three requests taking turns probe three times as often."""
+    def probes(classed: bool) -> int:
+        policy = BudgetController(32, adaptive=True, probe_every=2, max_probe_every=2, first_probe=2)
+        policy.class_alpha[1] = 0.0
+        count = 0
+        for i in range(12):
+            request = fake(f"r{i % 3}")
+            policy.alpha[request.request_id] = 0.0
+            count += policy.budgets([request], [1] if classed else None)[0] > 0
+        return count
+
+    assert probes(classed=True) == 2 and probes(classed=False) == 6
+
+
+def test_goodput_leaves_a_chain_near_break_even_plain() -> None:
+    """A round whose best drafts promise less than min_gain over plain decoding drafts nothing (a
+    one-token draft of α 0.25 with rows at a fifth of a step: 1.04x), one promising more drafts."""
+    for min_gain, alpha, expected in ((0.05, 0.25, 0), (0.0, 0.25, 1), (0.05, 0.3, 1)):
+        policy = BudgetController(8, adaptive=True, min_gain=min_gain, first_probe=1 << 20, probe_every=1 << 20)
+        policy.alpha["r"] = alpha
+        assert policy.chain_lengths([fake("r")], per_row=0.2) == [expected], (min_gain, alpha)
+
+
 def test_goodput_respects_each_request_cap() -> None:
     policy = BudgetController(32, adaptive=True, probe_every=2)
     off, capped, free = fake("off", draft_room=0), fake("capped", draft_room=3), fake("free")

@@ -28,7 +28,7 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   each size on a ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times
   first, smallest first while the sizes keep paying more (two in a row below the best end the
   climb: a weak head never pays for a 64-node tree), then a neighbour of the best every
-  ``probe_every`` rounds. A tree must promise ``min_gain`` more tokens per unit of time than plain
+  ``probe_every`` rounds. A tree (and a round of chains) must promise ``min_gain`` more tokens per unit of time than plain
   decoding to be played at all: near break-even the estimates' noise decides, and a tree that
   loses a little every round is what the default must never do. A chain request left at
   ``n = 0`` drafts two tokens after ``first_probe`` plain rounds (a new one: its α is only its
@@ -174,9 +174,10 @@ class BudgetController:
         # A chain's verification row in plain decode steps, until the fit measures one, and at least.
         self.prior_row_cost = prior_row_cost
         self.min_row_cost = min_row_cost
-        # Per request at K = 0: rounds since its last probe (or speculation), and the wait before the next.
-        self._plain_rounds: dict[str, int] = {}
-        self._probe_wait: dict[str, int] = {}
+        # Per request at K = 0 (per class, for classed rounds): rounds since its last probe (or
+        # speculation), and the wait before the next.
+        self._plain_rounds: dict[Hashable, int] = {}
+        self._probe_wait: dict[Hashable, int] = {}
         # Tree acceptance: tokens per request and round at each ladder size (unused for chains).
         self.sizes = size_ladder(max_budget) if tree else list(range(max_budget + 1))
         self.warmup_rounds = warmup_rounds
@@ -261,6 +262,11 @@ class BudgetController:
                 rate = tokens / cost
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best = rate, list(counts)
+        if best_rate < batch * (1.0 + self.min_gain):
+            # Near break-even the estimates' noise decides, and drafts that lose a little every round
+            # are what the default must never do: plain decoding (and the probes) until a round
+            # promises min_gain more.
+            best = [0] * batch
         return self._probe(requests, best, caps, found)
 
     def _probe(self, requests: list[Request], lengths: list[int], caps: list[int],
@@ -273,7 +279,7 @@ class BudgetController:
         due = False
         found = found or [True] * len(requests)
         for request, k, cap, here in zip(requests, lengths, caps, found, strict=True):
-            rid = request.request_id
+            rid = self._probe_key(request)
             if not here:
                 continue
             if k or not cap:  # speculating (or not allowed to): probe promptly once it stops paying
@@ -288,10 +294,11 @@ class BudgetController:
             if k == 0 and cap:
                 # Two drafts, so the draft model's single-token step gets timed too (the first step of
                 # a round also catches the draft cache up and is not a clean sample).
-                rid = request.request_id
+                rid = self._probe_key(request)
                 probed[b] = min(2, cap)
                 self._plain_rounds[rid] = 0
-                self._probe_wait[rid] = min(2 * self._probe_wait[rid], self.max_probe_every)
+                most = self.max_probe_every if isinstance(rid, str) else 4 * self.max_probe_every
+                self._probe_wait[rid] = min(2 * self._probe_wait[rid], most)
         return probed
 
     def tree_size(self, per_node: float, overhead: float = 0.0) -> int:
@@ -402,6 +409,13 @@ class BudgetController:
         if cls is None:
             return rid, self.recent_alpha
         return (rid, cls), self.class_alpha.get(cls, self.prior_alpha)
+
+    def _probe_key(self, request: Request) -> Hashable:
+        """Whose probe wait a request at K = 0 counts: its own, or, for a classed round, its class's
+        over every request (a class's acceptance is learned over every request, so one probe of
+        it serves them all, and it may wait longer between them)."""
+        cls = self._round_class.get(request.request_id)
+        return request.request_id if cls is None else ("class", cls)
 
     def request_alpha(self, request: Request) -> float:
         """The request's per-draft acceptance this round (of its class this round, where classed)."""
