@@ -28,16 +28,18 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   each size on a ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times
   first, smallest first while the sizes keep paying more (two in a row below the best end the
   climb: a weak head never pays for a 64-node tree), then a neighbour of the best every
-  ``probe_every`` rounds. A tree (and a round of chains) must promise ``min_gain`` more tokens per unit of time than plain
-  decoding to be played at all: near break-even the estimates' noise decides, and a tree that
-  loses a little every round is what the default must never do. A chain request left at
-  ``n = 0`` drafts two tokens after ``first_probe`` plain rounds (a new one: its α is only its
-  predecessors'), then after ``probe_every``, so one whose text turns predictable can win
-  speculation back. When one request is due, every request at 0 probes with it, because a round
-  that verifies anything pays the drafter's call (or its steps) once: eight requests probing in
-  eight rounds would pay it eight times. Each probe that does not win speculation back doubles the
-  request's wait (up to ``max_probe_every``), so where speculation never pays (a full batch on a
-  compute-bound CPU) it pays for ever fewer probes.
+  ``probe_every`` rounds. A tree (and a round of chains) must promise ``min_gain`` more tokens per
+  unit of time than plain decoding to be played at all: near break-even the estimates' noise
+  decides, and a round that loses a little every time is what the default must never do. A chain
+  request left at ``n = 0`` drafts two tokens after ``first_probe`` plain rounds (a new one: its α
+  is only its predecessors'), then after ``probe_every``, so one whose text turns predictable can
+  win speculation back. When one request is due, every request at 0 probes with it, because a
+  round that verifies anything pays the drafter's call (or its steps) once: eight requests probing
+  in eight rounds would pay it eight times. Each probe that does not win speculation back doubles
+  the request's wait (up to ``max_probe_every``), so where speculation never pays (a full batch on
+  a compute-bound CPU) it pays for ever fewer probes. A classed round waits on its class's probes
+  instead, shared by every request (up to four times ``max_probe_every``), and a round of class 0
+  (nothing matched) neither drafts nor probes.
 
 Every budget gives the same output (verification is exact), so this only changes the speed.
 
