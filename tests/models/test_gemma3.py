@@ -396,9 +396,9 @@ def _counting_stack(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls = [0]
     real = CpuStack.__call__
 
-    def counted(self: CpuStack, *args: Any) -> torch.Tensor:
+    def counted(self: CpuStack, *args: Any, **kwargs: Any) -> torch.Tensor:
         calls[0] += 1
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(CpuStack, "__call__", counted)
     return calls
