@@ -37,9 +37,8 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   round that verifies anything pays the drafter's call (or its steps) once: eight requests probing
   in eight rounds would pay it eight times. Each probe that does not win speculation back doubles
   the request's wait (up to ``max_probe_every``), so where speculation never pays (a full batch on
-  a compute-bound CPU) it pays for ever fewer probes. A classed round waits on its class's probes
-  instead, shared by every request (up to four times ``max_probe_every``), and a round of class 0
-  (nothing matched) neither drafts nor probes.
+  a compute-bound CPU) it pays for ever fewer probes. A round of class 0 (nothing matched) neither
+  drafts nor probes.
 
 Every budget gives the same output (verification is exact), so this only changes the speed.
 
@@ -176,10 +175,9 @@ class BudgetController:
         # A chain's verification row in plain decode steps, until the fit measures one, and at least.
         self.prior_row_cost = prior_row_cost
         self.min_row_cost = min_row_cost
-        # Per request at K = 0 (per class, for classed rounds): rounds since its last probe (or
-        # speculation), and the wait before the next.
-        self._plain_rounds: dict[Hashable, int] = {}
-        self._probe_wait: dict[Hashable, int] = {}
+        # Per request at K = 0: rounds since its last probe (or speculation), and the wait before the next.
+        self._plain_rounds: dict[str, int] = {}
+        self._probe_wait: dict[str, int] = {}
         # Tree acceptance: tokens per request and round at each ladder size (unused for chains).
         self.sizes = size_ladder(max_budget) if tree else list(range(max_budget + 1))
         self.warmup_rounds = warmup_rounds
@@ -281,7 +279,7 @@ class BudgetController:
         due = False
         found = found or [True] * len(requests)
         for request, k, cap, here in zip(requests, lengths, caps, found, strict=True):
-            rid = self._probe_key(request)
+            rid = request.request_id
             if not here:
                 continue
             if k or not cap:  # speculating (or not allowed to): probe promptly once it stops paying
@@ -296,11 +294,10 @@ class BudgetController:
             if k == 0 and cap:
                 # Two drafts, so the draft model's single-token step gets timed too (the first step of
                 # a round also catches the draft cache up and is not a clean sample).
-                rid = self._probe_key(request)
+                rid = request.request_id
                 probed[b] = min(2, cap)
                 self._plain_rounds[rid] = 0
-                most = self.max_probe_every if isinstance(rid, str) else 4 * self.max_probe_every
-                self._probe_wait[rid] = min(2 * self._probe_wait[rid], most)
+                self._probe_wait[rid] = min(2 * self._probe_wait[rid], self.max_probe_every)
         return probed
 
     def tree_size(self, per_node: float, overhead: float = 0.0) -> int:
@@ -411,13 +408,6 @@ class BudgetController:
         if cls is None:
             return rid, self.recent_alpha
         return (rid, cls), self.class_alpha.get(cls, self.prior_alpha)
-
-    def _probe_key(self, request: Request) -> Hashable:
-        """Whose probe wait a request at K = 0 counts: its own, or, for a classed round, its class's
-        over every request (a class's acceptance is learned over every request, so one probe of
-        it serves them all, and it may wait longer between them)."""
-        cls = self._round_class.get(request.request_id)
-        return request.request_id if cls is None else ("class", cls)
 
     def request_alpha(self, request: Request) -> float:
         """The request's per-draft acceptance this round (of its class this round, where classed)."""
