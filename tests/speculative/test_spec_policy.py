@@ -114,6 +114,32 @@ def test_goodput_learns_acceptance_per_match_class() -> None:
     assert any(eager.budgets([idle])[0] for _ in range(4))
 
 
+def test_goodput_learns_the_first_draft_apart_from_the_drafts_after_it() -> None:
+    """Copying: the first draft after a match is mostly wrong, but once it is right the copy goes on.
+    The policy learns the first draft's acceptance and the continuation's apart, so such a request
+    drafts long (a 30% first draft whose copies then hold is worth 1.8 tokens for a 12-row chain),
+    where one α for every draft (these rounds' accepted over judged drafts, about 0.77) would stop at
+    a short chain; and a request whose drafts after the first always fail drafts just the one."""
+    per_row = 0.05
+
+    def lengths(holds_after_first: bool) -> tuple[float, float, int]:
+        policy = BudgetController(32, adaptive=True, probe_every=1 << 20, first_probe=1 << 20)
+        request = fake("r")
+        for i in range(40):  # 3 of 10 rounds keep their first draft; then all 8, or none after it
+            kept = (8 if holds_after_first else 1) if i % 10 in (2, 5, 8) else 0
+            policy.update(request, 8, kept)
+        first, cont = policy.request_alphas(request)
+        return first, cont, policy.chain_lengths([request], per_row)[0]
+
+    first, cont, k = lengths(holds_after_first=True)
+    assert 0.15 < first < 0.5 and cont > 0.9 and k >= 12, (first, cont, k)
+    geometric = BudgetController(32, adaptive=True, probe_every=1 << 20, first_probe=1 << 20)
+    geometric.alpha["r"] = geometric.cont["r"] = 0.77  # the negative control: one α for every draft
+    assert geometric.chain_lengths([fake("r")], per_row)[0] < k
+    first, cont, k = lengths(holds_after_first=False)
+    assert 0.15 < first < 0.5 and cont < 0.1 and k == 1, (first, cont, k)
+
+
 @pytest.mark.parametrize("speculator", ["ngram", "suffix", "suffix-salt"])
 def test_model_free_drafters_class_a_round_by_its_matched_length(speculator: str) -> None:
     """A round's class is the length of the context that matched (0: nothing to draft from), for

@@ -16,12 +16,16 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   grown by the batch, ``(D + b·B) / (a + b·B)``, which tends to 1 as the batch fills: under load
   speculation stops paying.
 * **Acceptance** ``E_b(n)``, the tokens a round emits for request ``b``. For a chain it is
-  Theorem 3.8's ``1 + α + ... + α^n`` with ``α`` the request's per-draft acceptance: its accepted
-  over judged drafts of its last rounds (older rounds weigh less, at most ``alpha_window`` drafts
-  in all, starting from the drafter's recent acceptance), so a request whose text stops repeating
-  backs off within a round or two and one copying a passage drafts long. A drafter that classes
+  ``1 + α·(1 + γ + ... + γ^(n-1))``, Theorem 3.8's ``1 + α + ... + α^n`` with the first draft's
+  acceptance ``α`` apart from the continuation's ``γ`` (a draft's acceptance once the one before it
+  was accepted): model-free drafts copy, and the first draft after a match is often wrong where,
+  once it is right, the copy mostly goes on, which one α for every draft would call a short chain.
+  Each is the request's successes over trials of its last rounds (α one trial a round, γ the drafts
+  after an accepted first up to the first rejection; older rounds weigh less, at most
+  ``alpha_window`` trials in all, starting from the drafter's recent figures), so a request whose
+  text stops repeating backs off within a round or two and one copying a passage drafts long. A drafter that classes
   its drafts before a round (``Drafter.match_classes``: prompt lookup's matched length) gets ``α``
-  learned per request and class, starting from the class's recent acceptance over every request: a
+  (and γ) learned per request and class, starting from the class's recent figures over every request: a
   draft after a one-token match is mostly wrong and one after a four-token match mostly right, so
   a request drafts long the round its match turns long, not rounds later. For a tree, whose extra
   width a single ``α`` does not describe, it is measured: the mean tokens per request and round at
@@ -170,6 +174,14 @@ class BudgetController:
         self.prior_alpha = prior_alpha
         self.recent_alpha = prior_alpha
         self.class_alpha: dict[int, float] = {}  # each class's recent acceptance over every request
+        # Continuation: a draft's acceptance once the draft before it was accepted, learned like α (per
+        # request, or request and class) from the drafts after a round's first. Model-free drafts
+        # copy: the first draft after a match is often wrong, but once one is right the copy mostly
+        # goes on, which one α for every draft would call a short chain.
+        self.cont: dict[Hashable, float] = {}
+        self._cont_weight: dict[Hashable, float] = {}
+        self.class_cont: dict[int, float] = {}
+        self.recent_cont: float | None = None  # the drafter's, once a round has judged a second draft
         self._class_rounds: dict[int, int] = {}  # rounds behind each (their mean until the EMA takes over)
         self._round_class: dict[str, int] = {}  # each request's class in the round being decided
         # A chain's verification row in plain decode steps, until the fit measures one, and at least.
@@ -239,15 +251,15 @@ class BudgetController:
         # Class 0: the drafter found nothing to draft from (no match), so it drafts nothing, probe or not.
         found = [self._round_class.get(r.request_id) != 0 for r in requests]
         caps = [min(self.max_budget, r.draft_room) if f else 0 for r, f in zip(requests, found, strict=True)]
-        alphas = [self.request_alpha(r) for r in requests]
+        alphas = [self.request_alphas(r) for r in requests]
         batch = len(requests)
         best_rate, best = float(batch), [0] * batch  # plain decoding: B tokens per step
         # At the optimum every draft is worth at least its row at the optimum's rate (else dropping it
         # would raise the rate), a rate above plain decoding's B: lesser gains never enter it, and
         # skipping them keeps a 64-token budget's ranking short.
         floor = per_row * batch
-        ranked = sorted(((gain, j, b) for b, alpha in enumerate(alphas) for j, gain in _gains(alpha, caps[b], floor)),
-                        key=lambda g: -g[0])
+        ranked = sorted(((gain, j, b) for b, (first, cont) in enumerate(alphas)
+                         for j, gain in _gains(first, cont, caps[b], floor)), key=lambda g: -g[0])
         top = max(caps, default=0)
         for longest in (range(1, top + 1) if per_step > 0 else [top] if top else []):
             tokens, cost = float(batch), 1.0 + overhead + per_step * longest
@@ -410,26 +422,40 @@ class BudgetController:
         return (rid, cls), self.class_alpha.get(cls, self.prior_alpha)
 
     def request_alpha(self, request: Request) -> float:
-        """The request's per-draft acceptance this round (of its class this round, where classed)."""
+        """The request's first draft's acceptance this round (of its class this round, where classed)."""
         key, prior = self._alpha_key(request)
         return self.alpha.get(key, prior)
 
+    def request_alphas(self, request: Request) -> tuple[float, float]:
+        """``(first, continuation)``: the acceptance of the request's first draft this round, and of
+        each later draft once the one before it was accepted (its class's, or the drafter's, until
+        the request has its own; the first's until anything has judged a later draft)."""
+        key, prior = self._alpha_key(request)
+        first = self.alpha.get(key, prior)
+        cls = self._round_class.get(request.request_id)
+        fallback = self.class_cont.get(cls) if cls is not None else None
+        if fallback is None:
+            fallback = self.recent_cont if self.recent_cont is not None else first
+        return first, self.cont.get(key, fallback)
+
     def update(self, request: Request, proposed: int, accepted: int) -> None:
-        """Learn a chain request's α from one verified round."""
+        """Learn a chain request's acceptances from one verified round: the first draft's (one trial a
+        round) and the continuation's (the drafts after an accepted first, up to the first rejection;
+        later drafts were never tested)."""
         if proposed == 0:
             return
-        # Per-token acceptance of this round: accepted drafts over drafts actually judged (the
-        # first rejection ends a round, so later drafts were never tested).
-        judged = accepted + (1 if accepted < proposed else 0)
         key, prior = self._alpha_key(request)
-        prev = self.alpha.get(key, prior)
-        # The estimate so far counts as ``weight`` judged drafts (the prior: a round's worth).
-        weight = min(self.alpha_decay * self._weight.get(key, 1.0), self.alpha_window)
-        self.alpha[key] = (prev * weight + accepted) / (weight + judged)
-        self._weight[key] = weight + judged
-        observed = accepted / judged
+        first, cont = self.request_alphas(request)
+        observed = 1.0 if accepted else 0.0
+        self._learn(self.alpha, self._weight, key, self.alpha.get(key, prior), observed, 1)
+        trials = accepted - 1 + (1 if accepted < proposed else 0) if accepted else 0
+        if trials:
+            self._learn(self.cont, self._cont_weight, key, cont, accepted - 1, trials)
         rate = self.ema / 4
         self.recent_alpha = (1 - rate) * self.recent_alpha + rate * observed
+        if trials:
+            kept = (accepted - 1) / trials
+            self.recent_cont = kept if self.recent_cont is None else (1 - rate) * self.recent_cont + rate * kept
         cls = self._round_class.get(request.request_id)
         if cls is not None:
             # The mean of the class's rounds (the prior counting as one) until there are enough for the
@@ -438,24 +464,36 @@ class BudgetController:
             seen = self._class_rounds[cls] = self._class_rounds.get(cls, 0) + 1
             weight = max(rate, 1.0 / (seen + 1))
             self.class_alpha[cls] = (1 - weight) * self.class_alpha.get(cls, self.prior_alpha) + weight * observed
+            if trials:
+                self.class_cont[cls] = (1 - weight) * self.class_cont.get(cls, cont) + weight * (accepted - 1) / trials
+
+    def _learn(self, estimates: dict[Hashable, float], weights: dict[Hashable, float], key: Hashable,
+               prev: float, successes: float, trials: int) -> None:
+        """Successes over trials, the estimate so far counting as ``weight`` trials (the prior: one),
+        each round's weighing ``alpha_decay`` times less per round and at most ``alpha_window`` in all."""
+        weight = min(self.alpha_decay * weights.get(key, 1.0), self.alpha_window)
+        estimates[key] = (prev * weight + successes) / (weight + trials)
+        weights[key] = weight + trials
 
     def release(self, request: Request) -> None:
         rid = request.request_id
-        for state in (self.alpha, self._weight, self._plain_rounds, self._probe_wait, self._round_class):
+        for state in (self.alpha, self._weight, self.cont, self._cont_weight, self._plain_rounds, self._probe_wait,
+                      self._round_class):
             state.pop(rid, None)
         for cls in self.class_alpha:
-            self.alpha.pop((rid, cls), None)
-            self._weight.pop((rid, cls), None)
+            for estimates in (self.alpha, self._weight, self.cont, self._cont_weight):
+                estimates.pop((rid, cls), None)
 
 
-def _gains(alpha: float, most: int, floor: float) -> list[tuple[int, float]]:
-    """``(j, α^j)`` for a request's drafts j = 1..most, while α^j is at least ``floor``."""
-    out, gain = [], 1.0
+def _gains(first: float, cont: float, most: int, floor: float) -> list[tuple[int, float]]:
+    """``(j, first·cont^(j-1))`` for a request's drafts j = 1..most (the chance all of 1..j are
+    accepted), while at least ``floor``."""
+    out, gain = [], first
     for j in range(1, most + 1):
-        gain *= alpha
         if gain < floor:
             break
         out.append((j, gain))
+        gain *= cont
     return out
 
 
