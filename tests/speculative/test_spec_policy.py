@@ -14,7 +14,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.core.request import Request
 from infer.engine.config import MODEL_FREE_MAX_DRAFT, EngineConfig
-from infer.speculative.budget import BudgetController
+from infer.speculative.budget import BudgetController, PassTimes
 from infer.speculative.tree import verify_tree, verify_tree_greedy
 
 # The tiny model's greedy output settles into a short cycle: n-gram lookup then copies it.
@@ -138,6 +138,40 @@ def test_goodput_learns_the_first_draft_apart_from_the_drafts_after_it() -> None
     assert geometric.chain_lengths([fake("r")], per_row)[0] < k
     first, cont, k = lengths(holds_after_first=False)
     assert 0.15 < first < 0.5 and cont < 0.1 and k == 1, (first, cont, k)
+
+
+def test_pass_times_by_row_count_interpolate_between_measured_counts() -> None:
+    """A row count measured twice is its own mean; between measured counts a straight line; past
+    the last, the fit's slope; a count measured once is not yet trusted."""
+    times = PassTimes()
+    for rows, ms in ((1, 3.0), (5, 4.0), (21, 12.0), (33, 15.0)):
+        for _ in range(2):
+            times.observe(rows, ms * 1e-3)
+    times.observe(9, 1.0)  # once: an outlier must not price 9 rows
+    assert times.predict(5) == pytest.approx(4e-3)
+    assert times.predict(3) == pytest.approx(3.5e-3)
+    assert times.predict(9) == pytest.approx(6e-3)
+    slope = times.fit.coefficients()[1]
+    assert times.predict(41) == pytest.approx(15e-3 + 8 * slope)
+
+
+def test_goodput_prices_a_chain_by_the_passes_of_its_row_count() -> None:
+    """Passes whose rows cost little up to 8 and much past it (a kernel's few-row tiles, say): the
+    policy drafts a chain that fits the cheap rows, where one straight line through every pass (the
+    negative control) prices a short chain too high and stays plain."""
+    def chosen(by_row_count: bool) -> int:
+        policy = BudgetController(32, adaptive=True, probe_every=1 << 20, first_probe=1 << 20)
+        for _ in range(6):
+            for rows in (1, 3, 6, 9, 17, 33):
+                policy.observe_target(rows, 1e-3 * (1 + 0.04 * min(rows, 8) + 0.3 * max(rows - 8, 0)))
+            policy.observe_draft_step(1, 1e-6)
+        if not by_row_count:
+            policy.passes.predict = policy.target.predict  # type: ignore[method-assign]
+        policy.alpha["r"], policy.cont["r"] = 0.5, 0.8
+        return policy.budgets([fake("r")])[0]
+
+    assert 3 <= chosen(by_row_count=True) <= 7
+    assert chosen(by_row_count=False) == 0
 
 
 @pytest.mark.parametrize("speculator", ["ngram", "suffix", "suffix-salt"])

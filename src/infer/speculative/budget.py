@@ -8,7 +8,9 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
 * **Cost** ``T``, in plain decode steps, from the runner's timings: a target pass over ``m`` token
   rows takes about ``a + b·m`` (a least-squares fit that forgets; a verification pass is ragged, so
   ``m`` is the rows the requests drafted, ``Σ_b (1 + k_b)``), a draft call about ``D(B)`` for a
-  batch of ``B``. A drafter that runs one step per drafted token (a draft model) pays ``D`` per
+  batch of ``B``. A chain's rows are priced from the passes of each row count (``PassTimes``: the
+  cost of a row grows with the pass's rows, so the line alone prices short chains too high); the
+  line's ``per_row`` below stands for that where the formulas say it. A drafter that runs one step per drafted token (a draft model) pays ``D`` per
   step of its longest chain, one that drafts a round in one call (n-gram, Medusa) pays it once, so
   a chain round costs ``T = 1 + overhead·[any k_b > 0] + per_step·max_b k_b + per_row·Σ_b k_b``,
   ``per_row = b / (a + b·B)``: each request's chain is chosen for what its own rows cost. With
@@ -52,8 +54,9 @@ chain early when the draft distribution turns flat.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -128,6 +131,52 @@ class LinearFit:
         return a + b * x
 
 
+class PassTimes:
+    """A target pass's seconds by its rows: each row count's recent mean where measured (at least
+    ``min_samples`` passes), straight lines between measured counts, the fit's slope past the last.
+
+    One straight line over every pass misprices chains: a pass's cost per extra row grows with its
+    rows (a verification pass also pays rejection and bookkeeping once, and wider passes leave the
+    kernels' few-row tiles), so a line fitted through 1-row and 33-row passes prices a 4-row chain
+    too high and a 30-row one too low."""
+
+    def __init__(self, ema: float = 0.2, min_samples: int = 2) -> None:
+        self.ema = ema
+        self.min_samples = min_samples
+        self.fit = LinearFit()
+        self._mean: dict[int, float] = {}
+        self._count: dict[int, int] = {}
+        self._known: list[int] = []  # row counts with min_samples passes, ascending
+
+    @property
+    def ready(self) -> bool:
+        return self.fit.ready
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.fit.observe(rows, seconds)
+        n = self._count[rows] = self._count.get(rows, 0) + 1
+        prev = self._mean.get(rows, seconds)
+        self._mean[rows] = prev + max(self.ema, 1.0 / n) * (seconds - prev)
+        if n == self.min_samples:
+            bisect.insort(self._known, rows)
+
+    def predict(self, rows: int) -> float:
+        if self._count.get(rows, 0) >= self.min_samples:
+            return self._mean[rows]
+        known = self._known
+        if not known:
+            return self.fit.predict(rows)
+        i = bisect.bisect_left(known, rows)
+        if i == 0:  # below every measured count: the fit's line through the first
+            return max(self._mean[known[0]] - self.fit.coefficients()[1] * (known[0] - rows), 1e-9)
+        lo = known[i - 1]
+        if i == len(known):
+            return self._mean[lo] + self.fit.coefficients()[1] * (rows - lo)
+        hi = known[i]
+        t_lo, t_hi = self._mean[lo], self._mean[hi]
+        return max(t_lo, t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo))
+
+
 class BudgetController:
     """Each round's budget per request; learns from the runner's timings and verification results.
 
@@ -160,6 +209,7 @@ class BudgetController:
         # sampled less often once a chain settles on 0 (only probes draft), so that fit forgets
         # faster: one slow early sample must not keep drafting dear for long.
         self.target = LinearFit()
+        self.passes = PassTimes()  # the same passes by row count: a chain's rows are costed from it
         self.draft = LinearFit(decay=0.7)
         # Chain acceptance: per-request α, and where new requests start. α is the request's accepted
         # drafts over judged drafts, each round's counts weighing alpha_decay times less per round
@@ -218,8 +268,15 @@ class BudgetController:
         per_row, per_step, overhead = self.chain_cost(len(requests))
         # A chain of up to max_budget rows: its row cost is a prior until a pass is timed, and never
         # below min_row_cost, so an unmeasured (or noisy, flat) fit cannot make a 32-row pass look free.
-        per_row = max(per_row, self.min_row_cost) if self.target.ready else self.prior_row_cost
-        return self.chain_lengths(requests, per_row, overhead, per_step)
+        if not self.target.ready:
+            return self.chain_lengths(requests, self.prior_row_cost, overhead, per_step)
+        batch = len(requests)
+        plain = self.passes.predict(batch)
+
+        def rows_cost(rows: int) -> float:  # the pass's extra cost for `rows` drafted rows, in plain steps
+            return max(self.passes.predict(batch + rows) / plain - 1.0, self.min_row_cost * rows)
+
+        return self.chain_lengths(requests, max(per_row, self.min_row_cost), overhead, per_step, rows_cost)
 
     def chain_cost(self, batch_size: int) -> tuple[float, float, float]:
         """``(per_row, per_step, overhead)``: a round of this batch where request b drafts ``k_b``
@@ -240,14 +297,17 @@ class BudgetController:
         return per_step + per_row * batch_size, overhead
 
     def chain_lengths(self, requests: list[Request], per_row: float, overhead: float = 0.0,
-                      per_step: float = 0.0) -> list[int]:
+                      per_step: float = 0.0, rows_cost: Callable[[int], float] | None = None) -> list[int]:
         """Chain length per request, maximising ``Σ_b E_b(k_b) / T`` (``chain_cost``). The pass is
         ragged, so a request whose drafts are seldom accepted drafts less than its batch mates
         rather than making them pay for its rows: for each longest chain ``K``, the best rounds take
         the most valuable drafts first (request b's j-th draft adds ``α_b^j``, less for each
         further one), so the best ``m`` of them, over every ``K`` and ``m``, is the optimum. A
         one-call drafter's cost does not grow with ``K`` (``per_step`` 0): only the longest is tried.
-        No request drafts past its own ``draft_room`` (its ``max_draft_tokens``; 0 with speculation off)."""
+        No request drafts past its own ``draft_room`` (its ``max_draft_tokens``; 0 with speculation off).
+        ``rows_cost(m)``: the verification pass's extra plain steps for ``m`` drafted rows (measured
+        per row count, ``PassTimes``); without it ``per_row·m``. ``per_row`` is then the least a row
+        may cost: it bounds the drafts worth ranking."""
         # Class 0: the drafter found nothing to draft from (no match), so it drafts nothing, probe or not.
         found = [self._round_class.get(r.request_id) != 0 for r in requests]
         caps = [min(self.max_budget, r.draft_room) if f else 0 for r, f in zip(requests, found, strict=True)]
@@ -257,19 +317,23 @@ class BudgetController:
         # At the optimum every draft is worth at least its row at the optimum's rate (else dropping it
         # would raise the rate), a rate above plain decoding's B: lesser gains never enter it, and
         # skipping them keeps a 64-token budget's ranking short.
-        floor = per_row * batch
+        floor = (self.min_row_cost if rows_cost is not None else per_row) * batch
         ranked = sorted(((gain, j, b) for b, (first, cont) in enumerate(alphas)
                          for j, gain in _gains(first, cont, caps[b], floor)), key=lambda g: -g[0])
         top = max(caps, default=0)
         for longest in (range(1, top + 1) if per_step > 0 else [top] if top else []):
-            tokens, cost = float(batch), 1.0 + overhead + per_step * longest
+            fixed = 1.0 + overhead + per_step * longest
+            tokens, rows, cost = float(batch), 0, fixed
             counts = [0] * batch
             for gain, j, b in ranked:
                 if j > longest:
                     continue
-                if gain * cost <= tokens * per_row:  # a draft worth less than its row: so are the rest
+                # A draft worth less than a row at a straight line's price: so are the rest. (A
+                # measured price may fall between row counts: every draft is weighed then.)
+                if rows_cost is None and gain * cost <= tokens * per_row:
                     break
-                tokens, cost = tokens + gain, cost + per_row
+                rows += 1
+                tokens, cost = tokens + gain, fixed + (rows_cost(rows) if rows_cost is not None else per_row * rows)
                 counts[b] += 1
                 rate = tokens / cost
                 if rate > best_rate * (1 + 1e-9):
@@ -383,6 +447,7 @@ class BudgetController:
     def observe_target(self, num_tokens: int, seconds: float) -> None:
         """A target pass over ``num_tokens`` tokens (all requests together) took ``seconds``."""
         self.target.observe(num_tokens, seconds)
+        self.passes.observe(num_tokens, seconds)
 
     def observe_draft_step(self, batch_size: int, seconds: float) -> None:
         """One draft step (or call, for a drafter that drafts a round at once) for a batch."""
