@@ -36,10 +36,13 @@ def test_a_plain_step_splits_into_its_phases(tiny_llama: Path, clock: object) ->
     assert 0 < out.get("kernels", 0.0) <= out["model pass"]  # the C kernels' calls, inside the pass
 
 
-def test_a_speculative_round_splits_into_drafting_verification_and_rejection(tiny_llama: Path) -> None:
-    """n-gram drafts from a prompt that repeats itself: rounds that verify drafts."""
+@pytest.mark.parametrize("speculator", ["ngram", "suffix"])
+def test_a_speculative_round_splits_into_drafting_verification_and_rejection(tiny_llama: Path, speculator: str) -> None:
+    """n-gram (a chain) and suffix decoding (a tree, verified by the tree path) draft from a prompt
+    that repeats itself: rounds that verify drafts."""
     # A fixed draft length: every round drafts and verifies (goodput may skip a round's drafts).
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="ngram", spec_length_policy="fixed")
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator=speculator, spec_length_policy="fixed",
+              **({"suffix_scope": "request"} if speculator == "suffix" else {}))
     out = measure(llm, 24, time.perf_counter, prompt="a b c d e f g a b c d e f g a b c d e f g a b c d")
     for phase in ("scheduling", "drafting", "verify pass", "rejection", "KV truncation", "detokenization"):
         assert out[phase] > 0, phase

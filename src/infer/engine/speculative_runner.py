@@ -251,6 +251,7 @@ class SpeculativeRunner:
         tokens, parents = proposal.tokens[:, :width], proposal.parents[:, :width]
         slots: list[int] = [r.slot for r in requests]  # type: ignore[misc]
         starts = [pool.seq_len(s) for s in slots]
+        since = PHASES.mark()
         mask = self.tree_masks(parents, counts)  # [B, W+1, W+1] ancestor-or-self, row 0 = g
         depths = tree_depths(mask)
         # Node at depth d sits at RoPE position start + d, where it would be if its path were kept.
@@ -259,6 +260,7 @@ class SpeculativeRunner:
         ragged = runner.forward_ragged(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask,
                                        logits=True)
         self.last_pass_rows = ragged.rows
+        since = PHASES.add("verify pass", since)
         sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
         logits = ragged.logits  # [N, V]
         assert logits is not None
@@ -283,6 +285,7 @@ class SpeculativeRunner:
             if keep:
                 moves.append((slots[b], [src[k] for k in keep], [dst[k] for k in keep]))
         copy_positions(pool, moves)
+        PHASES.add("rejection", since)  # (and the accepted path's compaction)
         if self._hidden is not None:
             self._store_hidden(requests, ragged.rows_at(verdict.last_rows))
         self._observe_kept(requests, ragged, [[0] + [node + 1 for node in path] for path in verdict.paths])
