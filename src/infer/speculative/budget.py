@@ -10,8 +10,8 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   ``m`` is the rows the requests drafted, ``Σ_b (1 + k_b)``), a draft call about ``D(B)`` for a
   batch of ``B``. A chain's rows are priced from the passes of each row count (``PassTimes``: the
   cost of a row grows with the pass's rows, so the line alone prices short chains too high); the
-  line's ``per_row`` below stands for that where the formulas say it. A drafter that runs one step per drafted token (a draft model) pays ``D`` per
-  step of its longest chain, one that drafts a round in one call (n-gram, Medusa) pays it once, so
+  line's ``per_row`` below stands for that where the formulas say it. A drafter that runs one step
+  per drafted token (a draft model) pays ``D`` per step of its longest chain, one that drafts a round in one call (n-gram, Medusa) pays it once, so
   a chain round costs ``T = 1 + overhead·[any k_b > 0] + per_step·max_b k_b + per_row·Σ_b k_b``,
   ``per_row = b / (a + b·B)``: each request's chain is chosen for what its own rows cost. With
   every request at ``n``, a draft model's ``per_step + B·per_row`` is Leviathan et al.'s ``c``
@@ -25,10 +25,10 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   Each is the request's successes over trials of its last rounds (α one trial a round, γ the drafts
   after an accepted first up to the first rejection; older rounds weigh less, at most
   ``alpha_window`` trials in all, starting from the drafter's recent figures), so a request whose
-  text stops repeating backs off within a round or two and one copying a passage drafts long. A drafter that classes
-  its drafts before a round (``Drafter.match_classes``: prompt lookup's matched length) gets ``α``
-  (and γ) learned per request and class, starting from the class's recent figures over every request: a
-  draft after a one-token match is mostly wrong and one after a four-token match mostly right, so
+  text stops repeating backs off within a round or two and one copying a passage drafts long. A
+  drafter that classes its drafts before a round (``Drafter.match_classes``: prompt lookup's
+  matched length) gets ``α`` (and ``γ``) learned per request and class, starting from the class's
+  recent figures over every request: a draft after a one-token match is mostly wrong and one after a four-token match mostly right, so
   a request drafts long the round its match turns long, not rounds later. For a tree, whose extra
   width a single ``α`` does not describe, it is measured: the mean tokens per request and round at
   each size on a ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times
@@ -211,9 +211,9 @@ class BudgetController:
         self.target = LinearFit()
         self.passes = PassTimes()  # the same passes by row count: a chain's rows are costed from it
         self.draft = LinearFit(decay=0.7)
-        # Chain acceptance: per-request α, and where new requests start. α is the request's accepted
-        # drafts over judged drafts, each round's counts weighing alpha_decay times less per round
-        # and at most alpha_window drafts in all: a request copying a passage for a while still
+        # Chain acceptance: per-request α (the first draft's), and where new requests start. α is
+        # the request's accepted first drafts over rounds, each round weighing alpha_decay times less
+        # per round and at most alpha_window rounds in all: a request copying a passage for a while still
         # backs off within a round or two once its text stops repeating.
         self.ema = ema
         # α per request id, or per (request id, class) for a drafter that classes its drafts.
@@ -301,7 +301,7 @@ class BudgetController:
         """Chain length per request, maximising ``Σ_b E_b(k_b) / T`` (``chain_cost``). The pass is
         ragged, so a request whose drafts are seldom accepted drafts less than its batch mates
         rather than making them pay for its rows: for each longest chain ``K``, the best rounds take
-        the most valuable drafts first (request b's j-th draft adds ``α_b^j``, less for each
+        the most valuable drafts first (request b's j-th draft adds ``α_b·γ_b^(j-1)``, less for each
         further one), so the best ``m`` of them, over every ``K`` and ``m``, is the optimum. A
         one-call drafter's cost does not grow with ``K`` (``per_step`` 0): only the longest is tried.
         No request drafts past its own ``draft_room`` (its ``max_draft_tokens``; 0 with speculation off).
@@ -321,6 +321,7 @@ class BudgetController:
         ranked = sorted(((gain, j, b) for b, (first, cont) in enumerate(alphas)
                          for j, gain in _gains(first, cont, caps[b], floor)), key=lambda g: -g[0])
         top = max(caps, default=0)
+        extra = [0.0]  # the pass's extra cost for m drafted rows, priced once per decision
         for longest in (range(1, top + 1) if per_step > 0 else [top] if top else []):
             fixed = 1.0 + overhead + per_step * longest
             tokens, rows, cost = float(batch), 0, fixed
@@ -329,11 +330,14 @@ class BudgetController:
                 if j > longest:
                     continue
                 # A draft worth less than a row at a straight line's price: so are the rest. (A
-                # measured price may fall between row counts: every draft is weighed then.)
+                # measured price is not one line: the first row also pays the verification's fixed
+                # work, so every draft is weighed then.)
                 if rows_cost is None and gain * cost <= tokens * per_row:
                     break
                 rows += 1
-                tokens, cost = tokens + gain, fixed + (rows_cost(rows) if rows_cost is not None else per_row * rows)
+                if rows == len(extra):
+                    extra.append(rows_cost(rows) if rows_cost is not None else per_row * rows)
+                tokens, cost = tokens + gain, fixed + extra[rows]
                 counts[b] += 1
                 rate = tokens / cost
                 if rate > best_rate * (1 + 1e-9):
