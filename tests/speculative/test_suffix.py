@@ -162,6 +162,39 @@ def test_expand_keeps_the_most_probable_paths_parents_first() -> None:
         assert sorted(tree.scores, reverse=True) == pytest.approx(eligible[: len(tree)])
 
 
+def test_a_draft_past_the_windows_copies_the_paths_first_occurrence() -> None:
+    """A path that reaches the windows' depth goes on as a chain copied from where it first
+    occurred: the same tokens a trie deep enough to hold them drafts, at the same score, within the
+    node budget; the copy follows the first occurrence of a periodic text (the one with the most
+    text after it); and a path whose first sequence is gone copies nothing."""
+    rng = random.Random(5)
+    text = [rng.randrange(1000) for _ in range(60)]
+    context = text[:20]  # drafting at position 20: the text after it occurred once, earlier
+    shallow, deep = SuffixTrie(8), SuffixTrie(40)
+    for trie in (shallow, deep):
+        trie.extend("old", text)
+    node, length = shallow.match(context, 6)
+    deep_node, deep_length = deep.match(context, 6)
+    assert length == deep_length == 6
+    for max_nodes, max_depth in ((30, 30), (12, 30), (30, 9)):
+        copied = shallow.expand(node, max_nodes, max_depth, 0.1, node_depth=length)
+        held = deep.expand(deep_node, max_nodes, max_depth, 0.1, node_depth=deep_length)
+        assert copied.tokens == held.tokens == text[20: 20 + min(max_nodes, max_depth)]
+        assert copied.parents == held.parents and copied.scores == held.scores
+    # Without the match's length the shallow trie does not know its windows end: no copy.
+    assert len(shallow.expand(node, 30, 30, 0.1)) == 2
+    periodic = SuffixTrie(8)
+    cycle = [7, 8, 9, 10, 11]
+    periodic.extend("p", cycle * 6)
+    node, length = periodic.match(cycle * 6, 5)
+    assert periodic.expand(node, 20, 20, 0.1, node_depth=length).tokens == (cycle * 4)[:20]
+    # "new" repeats old's text; old is removed: the nodes stay (new holds them) but copy nothing.
+    shallow.extend("new", text)
+    shallow.remove("old")
+    node, length = shallow.match(context, 6)
+    assert shallow.expand(node, 30, 30, 0.1, node_depth=length).tokens == text[20: 22]
+
+
 def test_store_evicts_the_oldest_finished_sequences_and_never_a_running_one() -> None:
     store = SuffixStore(depth=4, max_tokens=25, max_sequences=3)
     store.extend("t", "running", list(range(10)))

@@ -37,6 +37,10 @@ SCOPES = ("salt", "request")
 # Match lengths from this on share one class of drafts (``match_classes``): past it acceptance no
 # longer grows much with the length.
 LONG_MATCH = 8
+# Tree levels the tries hold below a max_match-long match. Past them a draft goes on as a chain
+# copied from the path's latest occurrence (``SuffixTrie.expand``): every appended token costs a trie
+# node per level, and a draft that deep has long stopped branching.
+BRANCH_DEPTH = 8
 
 
 class SuffixDrafter(Drafter):
@@ -60,8 +64,8 @@ class SuffixDrafter(Drafter):
         self.nodes_per_matched_token = nodes_per_matched_token
         self.info = DrafterInfo(max_nodes=tree_size)  # budgets are depths (see the module docstring)
         self.scope = scope
-        # A match of max_match tokens must still leave room below it for a max_depth-deep tree.
-        self.store = SuffixStore(max_match + max_depth, max_tokens, max_requests)  # shared (scope "salt")
+        # A match of max_match tokens leaves BRANCH_DEPTH levels below it (deeper drafts are copied).
+        self.store = SuffixStore(max_match + min(max_depth, BRANCH_DEPTH), max_tokens, max_requests)  # scope "salt"
         self._local: dict[str, SuffixTrie] = {}  # each running request's own prompt and output
         # This round's matches per request (match_classes), with the request's length when found.
         self._matched: dict[str, tuple[int, SuffixTrie, int, int]] = {}
@@ -104,7 +108,7 @@ class SuffixDrafter(Drafter):
             if length == 0:
                 continue
             budget = min(max_nodes, max(1, math.ceil(self.nodes_per_matched_token * length)))
-            tree = trie.expand(node, budget, min(max_depth, self.max_depth), self.min_prob)
+            tree = trie.expand(node, budget, min(max_depth, self.max_depth), self.min_prob, node_depth=length)
             if sum(tree.scores) > sum(best.scores):
                 best = tree
         if best.tokens:

@@ -16,7 +16,13 @@ Costs, with D = ``depth``, n = stored tokens, L = one sequence's length:
   implies that all its shorter suffixes did);
 * :meth:`SuffixTrie.expand` (the best N-node draft tree): O(N log N) plus the children visited;
 * memory: at most n·D nodes, fewer when the sequences share substrings. Nodes live in flat arrays
-  (five 4-byte fields) plus one dict entry each, not in per-node objects.
+  (seven 4-byte fields) plus one dict entry each, not in per-node objects.
+
+Windows end at ``depth`` tokens, and every appended token costs a node per open window, so the
+depth is the cost of the trie. A draft may run deeper than the windows: each node remembers where
+its path first occurred (sequence and end position), and :meth:`SuffixTrie.expand` continues a path
+that reached the windows' depth by copying what followed that occurrence, as prompt lookup does
+(the first, not the latest: it has the most text after it, as the windows from it would have).
 
 :class:`SuffixStore` keeps one trie per isolation key (a tenant's ``cache_salt``) under one
 memory bound: when the stored tokens or sequences exceed it, the oldest finished sequences are
@@ -63,6 +69,12 @@ class SuffixTrie:
         self._parent = array("i", [_NONE])
         self._first_child = array("i", [_NONE])
         self._next_sibling = array("i", [_NONE])
+        # Where the node's path first occurred: its sequence's handle and the position after its end.
+        self._occ_seq = array("i", [_NONE])
+        self._occ_end = array("i", [0])
+        self._handles: dict[Hashable, int] = {}  # sequence id -> a small int the nodes can hold
+        self._by_handle: dict[int, list[int]] = {}
+        self._next_handle = 0
         self._edges: dict[int, int] = {}  # (parent << 32) | token -> child
         self._free: list[int] = []  # ids of deleted nodes, reused first
         self._sequences: dict[Hashable, list[int]] = {}
@@ -92,13 +104,19 @@ class SuffixTrie:
         """Append ``tokens`` to sequence ``seq_id`` (a new sequence if unknown) and count its new windows."""
         seq = self._sequences.setdefault(seq_id, [])
         open_nodes = self._open.setdefault(seq_id, [])
+        handle = self._handles.get(seq_id)
+        if handle is None:
+            handle = self._handles[seq_id] = self._next_handle
+            self._by_handle[handle] = seq
+            self._next_handle += 1
         count = self._count
         for token in tokens:
             if not 0 <= token < 1 << _TOKEN_BITS:
                 raise ValueError(f"token id {token} is out of range for the suffix trie")
             grown = []
+            end = len(seq) + 1
             for node in open_nodes + [ROOT]:
-                child = self._child_or_new(node, token)
+                child = self._child_or_new(node, token, handle, end)
                 count[child] += 1
                 grown.append(child)
             seq.append(token)
@@ -112,6 +130,8 @@ class SuffixTrie:
         self._open.pop(seq_id, None)
         if seq is None:
             return
+        # Nodes that still point at it (first seen there, kept by later sequences) copy nothing now.
+        self._by_handle.pop(self._handles.pop(seq_id), None)
         self.num_tokens -= len(seq)
         count = self._count
         for start in range(len(seq)):
@@ -149,18 +169,22 @@ class SuffixTrie:
                 hi = mid - 1
         return best, lo
 
-    def expand(self, node: int, max_nodes: int, max_depth: int, min_prob: float) -> DraftTree:
+    def expand(self, node: int, max_nodes: int, max_depth: int, min_prob: float, node_depth: int = 0) -> DraftTree:
         """The draft tree of at most ``max_nodes`` nodes and ``max_depth`` levels below ``node`` with
         the highest estimated path probabilities, none below ``min_prob``.
 
         Best-first: a path's score is the product of the continuation frequencies along it, which
         never grows with depth, so popping the best frontier node always yields parents before
-        their children and the kept nodes are the ``max_nodes`` most probable paths.
+        their children and the kept nodes are the ``max_nodes`` most probable paths. ``node_depth``:
+        the length of ``node``'s path (the match); a path that reaches the windows' ``depth`` goes
+        on as a chain copied from its first occurrence, at its score.
         """
         tree = DraftTree()
         if max_nodes <= 0 or max_depth <= 0:
             return tree
-        frontier: list[tuple[float, int, int, int, int]] = []  # (-score, tie, node, parent index, depth)
+        # (-score, tie, node, parent index, depth); node _NONE: a copied token (``copied``'s head)
+        frontier: list[tuple[float, int, int, int, int]] = []
+        copied: dict[int, list[int]] = {}  # tie -> the copied tokens still to place
         tie = 0
 
         def push_children(parent_node: int, score: float, index: int, depth: int) -> None:
@@ -173,15 +197,40 @@ class SuffixTrie:
                     tie += 1
                     heapq.heappush(frontier, (-child_score, tie, child, index, depth + 1))
 
+        def push_copy(tokens: list[int], score: float, index: int, depth: int) -> None:
+            nonlocal tie
+            if tokens and depth < max_depth:
+                tie += 1
+                copied[tie] = tokens
+                heapq.heappush(frontier, (-score, tie, _NONE, index, depth + 1))
+
         push_children(node, 1.0, -1, 0)
         while frontier and len(tree) < max_nodes:
-            neg_score, _, child, parent_index, depth = heapq.heappop(frontier)
-            tree.tokens.append(self._token[child])
+            neg_score, key, child, parent_index, depth = heapq.heappop(frontier)
+            if child == _NONE:
+                rest = copied.pop(key)
+                tree.tokens.append(rest[0])
+            else:
+                tree.tokens.append(self._token[child])
             tree.parents.append(parent_index)
             tree.scores.append(-neg_score)
-            if depth < max_depth:
+            if depth >= max_depth:
+                continue
+            if child == _NONE:
+                push_copy(rest[1:], -neg_score, len(tree) - 1, depth)
+            elif node_depth + depth >= self.depth:  # the windows end here: copy what followed
+                push_copy(self._continuation(child, max_depth - depth), -neg_score, len(tree) - 1, depth)
+            else:
                 push_children(child, -neg_score, len(tree) - 1, depth)
         return tree
+
+    def _continuation(self, node: int, length: int) -> list[int]:
+        """Up to ``length`` tokens that followed the first occurrence of ``node``'s path."""
+        seq = self._by_handle.get(self._occ_seq[node])
+        if seq is None:
+            return []
+        end = self._occ_end[node]
+        return seq[end: end + length]
 
     # -- nodes -----------------------------------------------------------------------------------
     def _walk(self, path: Iterable[int]) -> int:
@@ -208,7 +257,9 @@ class SuffixTrie:
             child = self._next_sibling[child]
         return kids
 
-    def _child_or_new(self, node: int, token: int) -> int:
+    def _child_or_new(self, node: int, token: int, handle: int, end: int) -> int:
+        """The child of ``node`` by ``token``, made (first occurring in sequence ``handle``, its path
+        ending before position ``end``) if new."""
         key = (node << _TOKEN_BITS) | token
         child = self._edges.get(key, _NONE)
         if child != _NONE:
@@ -217,6 +268,7 @@ class SuffixTrie:
             child = self._free.pop()
             self._count[child], self._token[child], self._parent[child] = 0, token, node
             self._first_child[child], self._next_sibling[child] = _NONE, self._first_child[node]
+            self._occ_seq[child], self._occ_end[child] = handle, end
         else:
             child = len(self._count)
             self._count.append(0)
@@ -224,6 +276,8 @@ class SuffixTrie:
             self._parent.append(node)
             self._first_child.append(_NONE)
             self._next_sibling.append(self._first_child[node])
+            self._occ_seq.append(handle)
+            self._occ_end.append(end)
         self._first_child[node] = child
         self._edges[key] = child
         return child
