@@ -11,9 +11,9 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   batch of ``B``. A chain's rows are priced from the passes of each row count (``PassTimes``: the
   cost of a row grows with the pass's rows, so the line alone prices short chains too high); the
   line's ``per_row`` below stands for that where the formulas say it. A drafter that runs one step
-  per drafted token (a draft model) pays ``D`` per step of its longest chain, one that drafts a round in one call (n-gram, Medusa) pays it once, so
-  a chain round costs ``T = 1 + overhead·[any k_b > 0] + per_step·max_b k_b + per_row·Σ_b k_b``,
-  ``per_row = b / (a + b·B)``: each request's chain is chosen for what its own rows cost. With
+  per drafted token (a draft model) pays ``D`` per step of its longest chain, one that drafts a
+  round in one call (n-gram, Medusa) pays it once, so a chain round costs
+  ``T = 1 + overhead·[any k_b > 0] + per_step·max_b k_b + per_row·Σ_b k_b``, ``per_row = b / (a + b·B)``: each request's chain is chosen for what its own rows cost. With
   every request at ``n``, a draft model's ``per_step + B·per_row`` is Leviathan et al.'s ``c``
   grown by the batch, ``(D + b·B) / (a + b·B)``, which tends to 1 as the batch fills: under load
   speculation stops paying.
@@ -28,8 +28,9 @@ expected tokens per unit of time of the round, ``sum_b E_b(n) / T(B, n)``:
   text stops repeating backs off within a round or two and one copying a passage drafts long. A
   drafter that classes its drafts before a round (``Drafter.match_classes``: prompt lookup's
   matched length) gets ``α`` (and ``γ``) learned per request and class, starting from the class's
-  recent figures over every request: a draft after a one-token match is mostly wrong and one after a four-token match mostly right, so
-  a request drafts long the round its match turns long, not rounds later. For a tree, whose extra
+  recent figures over every request: a draft after a one-token match is mostly wrong and one after
+  a four-token match mostly right, so a request drafts long the round its match turns long, not
+  rounds later. For a tree, whose extra
   width a single ``α`` does not describe, it is measured: the mean tokens per request and round at
   each size on a ladder 0, 1, 2, 3, 4, 6, 9, ... up to the whole tree, each tried a few times
   first, smallest first while the sizes keep paying more (two in a row below the best end the
@@ -148,10 +149,6 @@ class PassTimes:
         self._count: dict[int, int] = {}
         self._known: list[int] = []  # row counts with min_samples passes, ascending
 
-    @property
-    def ready(self) -> bool:
-        return self.fit.ready
-
     def observe(self, rows: int, seconds: float) -> None:
         self.fit.observe(rows, seconds)
         n = self._count[rows] = self._count.get(rows, 0) + 1
@@ -208,17 +205,18 @@ class BudgetController:
         # Cost: target passes by tokens in the pass; draft steps by batch size. Draft steps are
         # sampled less often once a chain settles on 0 (only probes draft), so that fit forgets
         # faster: one slow early sample must not keep drafting dear for long.
-        self.target = LinearFit()
-        self.passes = PassTimes()  # the same passes by row count: a chain's rows are costed from it
+        # (the line through every pass is the per-row-count table's own fit: one fit, fed once)
+        self.passes = PassTimes()  # the passes by row count: a chain's rows are costed from it
+        self.target = self.passes.fit
         self.draft = LinearFit(decay=0.7)
         # Chain acceptance: per-request α (the first draft's), and where new requests start. α is
         # the request's accepted first drafts over rounds, each round weighing alpha_decay times less
-        # per round and at most alpha_window rounds in all: a request copying a passage for a while still
-        # backs off within a round or two once its text stops repeating.
+        # per round and at most alpha_window rounds in all: a request copying a passage for a while
+        # still backs off within a round or two once its text stops repeating.
         self.ema = ema
         # α per request id, or per (request id, class) for a drafter that classes its drafts.
         self.alpha: dict[Hashable, float] = {}
-        self._weight: dict[Hashable, float] = {}  # judged drafts behind each α (decayed)
+        self._weight: dict[Hashable, float] = {}  # trials (rounds) behind each α (decayed)
         self.alpha_decay = alpha_decay
         self.alpha_window = alpha_window
         self.prior_alpha = prior_alpha
@@ -450,7 +448,6 @@ class BudgetController:
     # -- learning --------------------------------------------------------------------------------
     def observe_target(self, num_tokens: int, seconds: float) -> None:
         """A target pass over ``num_tokens`` tokens (all requests together) took ``seconds``."""
-        self.target.observe(num_tokens, seconds)
         self.passes.observe(num_tokens, seconds)
 
     def observe_draft_step(self, batch_size: int, seconds: float) -> None:
@@ -492,8 +489,7 @@ class BudgetController:
 
     def request_alpha(self, request: Request) -> float:
         """The request's first draft's acceptance this round (of its class this round, where classed)."""
-        key, prior = self._alpha_key(request)
-        return self.alpha.get(key, prior)
+        return self.request_alphas(request)[0]
 
     def request_alphas(self, request: Request) -> tuple[float, float]:
         """``(first, continuation)``: the acceptance of the request's first draft this round, and of
@@ -513,10 +509,10 @@ class BudgetController:
         later drafts were never tested)."""
         if proposed == 0:
             return
-        key, prior = self._alpha_key(request)
+        key, _ = self._alpha_key(request)
         first, cont = self.request_alphas(request)
         observed = 1.0 if accepted else 0.0
-        self._learn(self.alpha, self._weight, key, self.alpha.get(key, prior), observed, 1)
+        self._learn(self.alpha, self._weight, key, first, observed, 1)
         trials = accepted - 1 + (1 if accepted < proposed else 0) if accepted else 0
         if trials:
             self._learn(self.cont, self._cont_weight, key, cont, accepted - 1, trials)

@@ -38,7 +38,7 @@ SCOPES = ("salt", "request")
 # longer grows much with the length.
 LONG_MATCH = 8
 # Tree levels the tries hold below a max_match-long match. Past them a draft goes on as a chain
-# copied from the path's latest occurrence (``SuffixTrie.expand``): every appended token costs a trie
+# copied from the path's first occurrence (``SuffixTrie.expand``): every appended token costs a trie
 # node per level, and a draft that deep has long stopped branching.
 BRANCH_DEPTH = 8
 
