@@ -156,7 +156,9 @@ def test_responses_stream_text_and_a_call_whose_arguments_arrive_in_pieces(smol:
         pieces = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
         streamed = [item for item in stream.get_final_response().output if item.type == "function_call"]
     whole = [item for item in client.responses.create(**tool).output if item.type == "function_call"]
-    assert len(pieces) > 2 and "".join(pieces) == streamed[0].arguments
+    # More than one piece: a handler that falls behind the engine reads only the newest snapshot, so the
+    # count depends on timing (test_tool_stream fixes the chunking and counts them).
+    assert len(pieces) > 1 and "".join(pieces) == streamed[0].arguments
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in whole]
     assert json.loads(whole[0].arguments) == {"city": "Rome"}
 
@@ -220,7 +222,7 @@ def test_anthropic_tool_use_round_trip(smol: str) -> None:
         pieces = [e.delta.partial_json for e in stream
                   if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
         final = stream.get_final_message()
-    assert len(pieces) > 2 and json.loads("".join(pieces)) == {"city": "Paris"}
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == {"city": "Paris"}  # as many as timing allows
     assert final.stop_reason == "tool_use" and final.content[-1].input == {"city": "Paris"}
 
 

@@ -101,8 +101,10 @@ def test_required_and_named_tool_choice_give_calls_that_follow_the_schema(urls: 
                 assert arguments["city"] in ("Paris", "Rome") and 1 <= arguments["days"] <= 7
             else:
                 assert arguments == {"zone": arguments["zone"]} and arguments["zone"] in ("UTC", "CET")
-    # Streamed: each call's name once, then its arguments in several delta.tool_calls pieces that join
-    # to the non-streamed answer's calls exactly; then finish_reason tool_calls.
+    # Streamed: each call's name once, then its arguments in delta.tool_calls pieces that join to the
+    # non-streamed answer's calls exactly; then finish_reason tool_calls. How many pieces depends on
+    # timing (a handler that falls behind the engine reads only the newest snapshot), so that the
+    # arguments come piece by piece as tokens arrive is test_tool_stream's, where the chunking is fixed.
     request: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
                                "max_tokens": 80, "temperature": 0}
     whole = api.chat.completions.create(**request).choices[0].message.tool_calls
@@ -119,7 +121,6 @@ def test_required_and_named_tool_choice_give_calls_that_follow_the_schema(urls: 
             joined[tc.index][1].append(tc.function.arguments or "")
     assert whole and [(name, "".join(parts)) for name, parts in joined.values()] == [
         (c.function.name, c.function.arguments) for c in whole]
-    assert all(len([p for p in parts if p]) > 2 for _, parts in joined.values()), joined
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
