@@ -5,6 +5,7 @@ they stand in for, the checks in front of every pointer, and the fallbacks that 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import stat
 from pathlib import Path
@@ -710,6 +711,64 @@ def test_a_choice_that_slows_down_is_tried_against_the_other_at_once() -> None:
             assert first_one <= within and picks[within:].count(1) >= 190 - within, picks
         else:
             assert first_one > 100, first_one
+
+
+def stream_passes(chooser: cpu.PairedChooser, cost: dict[bool, float], passes: int, rng: random.Random) -> list[bool]:
+    """``passes`` passes of one kind, each taking ``cost[setting]`` times noise (a tenth either way,
+    and one pass in twenty three times as long: another process's time slice): the picks."""
+    picks = []
+    for _ in range(passes):
+        setting = chooser.pick("decode")
+        noise = rng.uniform(0.9, 1.1) * (3.0 if rng.random() < 0.05 else 1.0)
+        chooser.record("decode", setting, cost[bool(setting)] * noise)
+        picks.append(bool(setting))
+    return picks
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_stream_setting_follows_the_faster_by_paired_medians(faster: bool) -> None:
+    """Two settings 7% apart under noise larger than that: the two take turns, the lower median wins
+    and runs alone for a wait that grows while it stands; when the machine changes, the other wins
+    at the next comparison. Both parametrizations are each other's negative control: the choice
+    follows the costs, not a default."""
+    chooser = cpu.PairedChooser((True, False))
+    rng = random.Random(7)
+    cost = {faster: 0.93, not faster: 1.0}
+    picks = stream_passes(chooser, cost, 4000, rng)
+    assert picks[:4] == [True, False, True, False]  # turns from the first pass
+    assert chooser.winner["decode"] is faster
+    assert picks.count(faster) >= 0.95 * len(picks)
+    assert chooser.wait["decode"] > chooser.WAIT  # confirmed, so compared less often
+    cost = {faster: 1.0, not faster: 0.9}  # the machine changes
+    picks = stream_passes(chooser, cost, chooser.MAX_WAIT + 4 * chooser.TURNS, rng)
+    assert chooser.winner["decode"] is (not faster) and chooser.wait["decode"] == chooser.WAIT
+    switch = len(picks) - picks[::-1].index(faster)  # after the last pass with the old winner
+    assert switch <= chooser.MAX_WAIT + 2 * chooser.TURNS + 2
+
+
+def test_a_pass_measures_the_stream_setting_it_ran_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kernel_threads_only(kind, streams)`` sets the chosen stream setting before the pass and
+    records the pass's time for it; a try of the other thread count keeps the last setting and is
+    not measured for it (its time is the thread count's)."""
+    threads, streams = cpu.ThreadChooser(), cpu.PairedChooser((True, False))
+    monkeypatch.setattr(cpu, "THREADS", threads)
+    monkeypatch.setattr(cpu, "STREAMS", streams)
+    clock = [0.0]
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: clock[0])
+    torch.set_num_threads(2)  # the autouse fixture restores the test's thread count
+    applied: list[bool] = []
+    log: list[tuple[int, bool]] = []
+    for _ in range(400):
+        with cpu.kernel_threads_only("decode", applied.append):
+            used, setting = cpu._threads(), applied[-1] if applied else None
+            assert setting is not None
+            clock[0] += (1.0 if used == 2 else 3.0) * (0.9 if setting is False else 1.0)
+            log.append((used, setting))
+    tries = [i for i, (used, _) in enumerate(log) if used == 1]
+    assert tries and len(applied) == len(log) - len(tries)  # no setting applied on a thread try
+    assert streams.winner[("decode", 2)] is False and ("decode", 1) not in streams.times
+    settled = [s for used, s in log[50:] if used == 2]  # after the first comparison
+    assert settled.count(False) >= 0.9 * len(settled)
 
 
 def test_the_checks_hold_under_python_optimize() -> None:

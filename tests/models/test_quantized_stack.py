@@ -189,6 +189,40 @@ def test_exact_greedy_mode_keeps_the_quantized_stack(tmp_path: Path) -> None:
     assert [o.token_ids for o in spec.generate(prompts, params)] == ids
 
 
+def test_decode_steps_switch_the_weight_stream_setting_without_changing_a_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's 1-row passes on the quantized kernels take turns with and without software
+    prefetches (``kernels.cpu.STREAMS``, here comparing every few passes), and the greedy tokens
+    equal those of a run pinned to either setting."""
+    from infer import LLM, SamplingParams
+    from infer.kernels import cpu
+    from infer.kernels.quant import QuantKernels
+
+    applied: list[bool] = []
+    setter = QuantKernels.set_stream_prefetch
+
+    def recording(self: QuantKernels, on: bool) -> bool:
+        applied.append(on)
+        return setter(self, on)
+
+    monkeypatch.setattr(QuantKernels, "set_stream_prefetch", recording)
+    path = quantized_file("llama", "Q4_0", tmp_path)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    llm = LLM(str(path), device="cpu")
+    tokens = {}
+    for pinned in (None, True, False):
+        chooser = cpu.PairedChooser((True, False))
+        chooser.TURNS, chooser.WAIT = 2, 3
+        if pinned is not None:
+            chooser.settings = (pinned, pinned)
+        monkeypatch.setattr(cpu, "STREAMS", chooser)
+        applied.clear()
+        tokens[pinned] = llm.generate(["the cat sat on the mat"], params)[0].token_ids
+        assert set(applied) == ({True, False} if pinned is None else {pinned}), (pinned, applied)
+        assert chooser.comparisons  # the decode steps were measured for it
+    assert tokens[None] == tokens[True] == tokens[False]
+
+
 def test_the_c_stack_refuses_a_part_that_does_not_fit(tmp_path: Path) -> None:
     """Behind the Python checks the C stack checks each part against its projection too (inputs,
     columns): a part tampered with after the checks makes the pass raise instead of misreading."""

@@ -54,6 +54,7 @@ from infer.kernels.cpu import (
     host_work_single_threaded,
     kernel_threads_only,
 )
+from infer.kernels.quant import QuantKernels as QuantLibrary
 from infer.models.layers import Attention, AuxCapture, DecoderOnlyLM
 from infer.models.quantized import QuantLinear
 
@@ -226,10 +227,17 @@ class Backend:
         if not any(isinstance(m, (GemvLinear, QuantLinear)) for m in model.modules()):
             return lambda rows, kind: contextlib.nullcontext()
         model_id = id(model)
+        # A 1-row pass's quantized products stream their weights with or without software
+        # prefetches, whichever measures faster here (kernel_threads_only's ``streams``).
+        quantized = next((m.kernels for m in model.modules()
+                          if isinstance(m, QuantLinear) and isinstance(m.kernels, QuantLibrary)), None)
+        streams = None if quantized is None else quantized.set_stream_prefetch
 
         def policy(rows: int, kind: str) -> contextlib.AbstractContextManager[None]:
             # A kind of pass for the kernels' thread choice: this model's, of this many rows.
-            return kernel_threads_only((model_id, kind, rows)) if rows <= MAX_ROWS else contextlib.nullcontext()
+            if rows > MAX_ROWS:
+                return contextlib.nullcontext()
+            return kernel_threads_only((model_id, kind, rows), streams if rows == 1 else None)
 
         return policy
 

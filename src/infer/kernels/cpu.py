@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import statistics
 import time
 import weakref
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +197,66 @@ class ThreadChooser:
 THREADS = ThreadChooser()
 
 
+class PairedChooser:
+    """Which of two settings that give the same bits runs a kind of pass faster, measured the way the
+    project benchmarks a noisy machine: the two take turns pass by pass, and the one with the lower
+    median wins. The winner then runs alone for ``WAIT`` passes, a wait that doubles (to
+    ``MAX_WAIT``) each time a new comparison confirms it, and starts over when the other wins.
+
+    For a difference of a few percent, which one pass's noise can exceed, this is sounder than
+    ``ThreadChooser``'s single tries (those catch a 2x difference at once, where a try of the
+    losing count is what is expensive). Here a comparison costs at most half its passes at the
+    slower setting's few percent. The first pass of each setting in a comparison is not counted:
+    switching may leave the caches or the prefetcher's state to the other's."""
+
+    TURNS = 12  # counted passes of each setting per comparison
+    WAIT = 256  # passes on the winner before the next comparison; doubled while it stands
+    MAX_WAIT = 4096
+
+    def __init__(self, settings: tuple[Hashable, Hashable]) -> None:
+        self.settings = settings
+        self.winner: dict[Hashable, Hashable] = {}
+        self.wait: dict[Hashable, int] = {}
+        self.countdown: dict[Hashable, int] = {}  # passes on the winner before the next comparison
+        self.times: dict[Hashable, dict[Hashable, list[float]]] = {}  # a comparison under way: each one's passes
+        self.turn: dict[Hashable, int] = {}  # a comparison's passes so far
+        self.comparisons: dict[Hashable, int] = {}  # finished, for reports and tests
+
+    def pick(self, kind: Hashable) -> Hashable:
+        """The setting ``kind``'s next pass runs with (then ``record`` its time)."""
+        if self.countdown.get(kind, 0) > 0:
+            self.countdown[kind] -= 1
+            return self.winner[kind]
+        if kind not in self.times:
+            self.times[kind] = {setting: [] for setting in self.settings}
+            self.turn[kind] = 0
+        return self.settings[self.turn[kind] % 2]
+
+    def record(self, kind: Hashable, setting: Hashable, seconds: float) -> None:
+        times = self.times.get(kind)
+        if times is None:  # a pass on the winner
+            return
+        turn = self.turn[kind]
+        self.turn[kind] = turn + 1
+        if turn >= 2:  # each setting's first pass of the comparison is not counted
+            times[setting].append(seconds)
+        if min(len(t) for t in times.values()) < self.TURNS:
+            return
+        first, second = self.settings
+        best = first if statistics.median(times[first]) <= statistics.median(times[second]) else second
+        wait = 2 * self.wait[kind] if self.winner.get(kind) == best else self.WAIT
+        self.winner[kind], self.wait[kind] = best, min(wait, self.MAX_WAIT)
+        self.countdown[kind] = self.wait[kind]
+        self.comparisons[kind] = self.comparisons.get(kind, 0) + 1
+        del self.times[kind], self.turn[kind]
+
+
+# Whether a 1-row pass's weight streams prefetch in software (``QuantKernels.set_stream_prefetch``):
+# on the project's EPYC the hardware prefetcher alone was faster in one session and 5-15% slower in
+# another (docs/cpu.md), so it is measured where it runs.
+STREAMS = PairedChooser((True, False))
+
+
 # The thread count a pass left torch at (None: none lowered it), and the count asked for before.
 _left_at: list[int | None] = [None]
 _wanted: list[int] = [0]
@@ -213,7 +274,7 @@ def _asked_for(current: int) -> int:
 
 
 @contextlib.contextmanager
-def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
+def kernel_threads_only(kind: Hashable = None, streams: Callable[[bool], object] | None = None) -> Iterator[None]:
     """Run a small pass (a decode step, a verification) with PyTorch's operators on one thread and
     the kernels on torch's threads, or on one where that measured faster for this ``kind`` of pass
     (``ThreadChooser``: a shared machine). PyTorch's operators here work on rows of a few hundred
@@ -221,13 +282,21 @@ def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
     ``kind``, torch keeps the kind's settled count until the next one: where one thread won, the
     sampling and the prefill between passes run on one too (two threads lost there alike). A try of
     the other count leaves it alone: a 1B model's 512-token prefill after a one-thread try ran at
-    half speed."""
+    half speed.
+
+    ``streams`` (a 1-row pass on the quantized kernels: their ``set_stream_prefetch``): the pass
+    also runs with the weight-stream setting ``STREAMS`` picks for its kind and thread count, and
+    is measured for it, except on a try of the other thread count (which keeps the last setting)."""
     current = torch.get_num_threads()
     if _kernel_threads[0] is not None:
         yield
         return
     most = _asked_for(current)
     chosen = THREADS.pick(kind, most) if kind is not None else most
+    streaming = None
+    if streams is not None and kind is not None and chosen == THREADS.settled(kind, most):
+        streaming = STREAMS.pick((kind, chosen))
+        streams(bool(streaming))
     _kernel_threads[0] = chosen
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -236,7 +305,10 @@ def kernel_threads_only(kind: Hashable = None) -> Iterator[None]:
     finally:
         after = most
         if kind is not None:
-            THREADS.record(kind, chosen, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            THREADS.record(kind, chosen, seconds)
+            if streaming is not None:
+                STREAMS.record((kind, chosen), streaming, seconds)
             after = THREADS.settled(kind, most)
         if _host[0] is not None:  # inside host work: torch stays on one thread until it ends
             _host[0] = after

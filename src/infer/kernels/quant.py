@@ -157,9 +157,11 @@ class QuantKernels:
             repack.argtypes, repack.restype = [pointer, size, size, pointer], None
         lib.infer_quant_set_stream_prefetch.argtypes = [ctypes.c_int]
         lib.infer_quant_set_stream_prefetch.restype = ctypes.c_int
-        # A decode step's tiles each stream a run of weight groups: on AMD's cores the hardware
-        # prefetcher alone streams them faster than with the software prefetches, which paid on the
-        # Xeon they were tuned on (docs/cpu.md). The same bits either way.
+        # A decode step's tiles each stream a run of weight groups, with software prefetches or with
+        # the hardware prefetcher alone. The engine's passes measure which is faster where they run
+        # (kernels.cpu.STREAMS); this is the setting of calls outside them: on AMD's cores the
+        # hardware alone measured faster in one session and slower in another, and the prefetches paid
+        # on the Xeon they were tuned on (docs/cpu.md). The same bits either way.
         self.set_stream_prefetch(build.cpu_vendor() != "AuthenticAMD")
 
     def set_stream_prefetch(self, on: bool) -> bool:
