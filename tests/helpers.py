@@ -5,7 +5,8 @@
   enumerated with plain transformers forward passes and the engine's own sampling transform, and the
   pooled chi-square tests that compare engine samples with it.
 * Settings several drafters' end-to-end tests share: prompts, KV-cache backends, sampling configs.
-* ``wait_serving``: wait for an ``infer serve`` subprocess to come up.
+* ``wait_serving``: wait for an ``infer serve`` subprocess to come up; ``slow_steps``: slow an engine's
+  steps so a long request outlasts what a test does while it runs.
 """
 
 from __future__ import annotations
@@ -196,6 +197,19 @@ def patched_python(patch: str, directory: Path, env: dict[str, str] | None = Non
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), env.get("PYTHONPATH")) if p)
     return env
+
+
+def slow_steps(engine: Any, monkeypatch: Any, delay: float = 0.01) -> None:
+    """Make every ``engine.step`` sleep ``delay`` seconds first (undone with ``monkeypatch``): a tiny
+    model decodes hundreds of tokens in a fraction of a second, so without it a "long" request may
+    finish before a test has acted on it while it runs (queued behind it, disconnected, shut down)."""
+    step = engine.step
+
+    def slow_step() -> Any:
+        time.sleep(delay)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
 
 
 def wait_serving(proc: subprocess.Popen[str], port: int, timeout: float = 120.0) -> None:

@@ -86,9 +86,12 @@ def test_special_token_ids() -> None:
 def test_vocab_size_and_speed() -> None:
     texts = tokenizer_training_texts() + read_texts(stdlib_source_files()[:40], max_chars=200_000)
     assert sum(map(len, texts)) > 250_000
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tok = train_bpe_tokenizer(texts, 512)
-    assert time.perf_counter() - t0 < 3.0
+    # ~0.2 s. The smaller of wall and CPU time: CPU time is not inflated by other processes on a
+    # loaded machine, wall time not by the trainer's worker threads on many cores; a real slowdown
+    # inflates both.
+    assert min(time.perf_counter() - t0, time.process_time() - c0) < 3.0
     assert tok.get_vocab_size() == 512
     tok2 = train_bpe_tokenizer(texts, 300)
     assert tok2.get_vocab_size() == 300

@@ -168,7 +168,7 @@ def test_gbnf_conversion_is_linear_in_comment_lines() -> None:
     # About 8 when linear; llguidance's own converter, which keeps the comments before a rule by
     # appending to a string attribute, grows about 20x here (the negative control).
     assert growth(gbnf_to_lark, 5) < 13
-    assert growth(quadratic, 1) > 13
+    assert growth(quadratic, 3) > 13  # fastest of 3 too: one noisy run cannot sink the control
 
 
 def test_json_depth_ignores_brackets_in_strings() -> None:

@@ -146,7 +146,9 @@ def test_responses_stream_text_and_a_call_whose_arguments_arrive_in_pieces(smol:
                 deltas.append(event.delta)
         final = stream.get_final_response()
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"  # the SDK's final needs it
-    assert len(deltas) > 3 and "".join(deltas) == final.output_text == client.responses.create(**ask).output_text
+    # More than one delta, not a fixed count: a handler that falls behind the engine reads only the newest
+    # snapshot, so how many deltas arrive depends on timing.
+    assert len(deltas) > 1 and "".join(deltas) == final.output_text == client.responses.create(**ask).output_text
     assert final.usage is not None and final.usage.output_tokens > 0
     # A forced call: its arguments come in several function_call_arguments.delta events that join to
     # the non-streamed call's arguments.
@@ -191,7 +193,7 @@ def test_anthropic_messages_create_and_stream(smol: str) -> None:
     with client.messages.stream(**ask) as stream:
         pieces = list(stream.text_stream)
         final = stream.get_final_message()
-    assert len(pieces) > 3 and "".join(pieces) == text == final.content[0].text
+    assert len(pieces) > 1 and "".join(pieces) == text == final.content[0].text  # as many as timing allows
     assert final.stop_reason == message.stop_reason and final.usage.output_tokens == message.usage.output_tokens
     # A stop sequence ends the answer before it, and is named.
     stop = text.split()[2]

@@ -19,7 +19,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from helpers import wait_serving
+from helpers import slow_steps, wait_serving
 from infer import LLM, Engine, EngineConfig, SamplingParams
 from infer.server.app import create_app
 from infer.server.background import BackgroundServer
@@ -419,8 +419,9 @@ def test_api_key(serve: Any, tiny_llama: Path) -> None:
     assert httpx.get(f"{served.url}/metrics", timeout=10).status_code == 200
 
 
-def test_queue_full_is_429(serve: Any, tiny_llama: Path) -> None:
+def test_queue_full_is_429(serve: Any, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     served = serve(make_engine(tiny_llama, max_batch_size=1, max_queue=1))
+    slow_steps(served.engine, monkeypatch)  # A (~4.8 s now) must still run, and B wait, when C comes
     initial = served.free_kv()
     long = {"model": MODEL, "prompt": "hi", "max_tokens": 480, "ignore_eos": True, "stream": True}
 
@@ -452,9 +453,10 @@ def test_queue_full_is_429(serve: Any, tiny_llama: Path) -> None:
 
 # -- disconnects and failures free the KV cache ----------------------------------------------------
 @pytest.mark.parametrize("kind", ["plain", "draft"])
-def test_disconnect_mid_stream_aborts(servers: dict[str, Served], kind: str) -> None:
+def test_disconnect_mid_stream_aborts(servers: dict[str, Served], kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     served = servers[kind]
     served.wait_idle()
+    slow_steps(served.engine, monkeypatch, 0.02)  # the request must outlast the disconnect (>= 100 steps)
     initial = served.free_kv()
     aborted_before = served.metrics()['infer_requests_total{finish_reason="abort"}']
     events = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, stream=True,
@@ -472,13 +474,7 @@ def test_disconnect_while_waiting_for_whole_response(servers: dict[str, Served],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     served = servers["plain"]
     served.wait_idle()
-    step = served.engine.step
-
-    def slow_step() -> Any:  # the request must outlast the client's 0.2 s (the tiny model needs less)
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(served.engine, "step", slow_step)
+    slow_steps(served.engine, monkeypatch)  # the request must outlast the client's 0.2 s (the tiny model needs less)
     initial = served.free_kv()
     aborted_before = served.metrics()['infer_requests_total{finish_reason="abort"}']
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
@@ -587,10 +583,11 @@ def test_infer_serve_command(tiny_llama: Path) -> None:
     assert re.search(rf"serving 'cli-model' at http://127\.0\.0\.1:{port}/v1", stderr), stderr
 
 
-def test_shutdown_fails_unfinished_requests(tiny_llama: Path, tiny_draft: Path) -> None:
+def test_shutdown_fails_unfinished_requests(tiny_llama: Path, tiny_draft: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from infer.server.metrics import ServerMetrics
 
     engine = make_engine(tiny_llama, draft_model=str(tiny_draft), spec_length=2, spec_length_policy="fixed")
+    slow_steps(engine, monkeypatch)  # the request must still run when the service stops (>= 160 steps)
     initial = {name: pool.free_kv_tokens() for name, pool in kv_pools(engine)}
     service = EngineService(engine, ServerMetrics())
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from checkpoints import make_medusa_heads, make_tiny_checkpoint
-from helpers import patched_python, wait_serving
+from helpers import patched_python, slow_steps, wait_serving
 from infer import Engine, EngineConfig, SamplingParams
 from infer.cache import prefix as prefix_module
 from infer.cache.paged import PagedKVCachePool
@@ -742,8 +742,9 @@ def gauge(text: str, name: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-def test_gateway_metrics_follow_the_load(serve: Any, tiny_llama: Path) -> None:
+def test_gateway_metrics_follow_the_load(serve: Any, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     served = serve(make_engine(tiny_llama, max_batch_size=1))
+    slow_steps(served.engine, monkeypatch)  # the first request runs (~4.8 s) while the poll sees the second wait
 
     async def scenario() -> None:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
