@@ -264,6 +264,7 @@ def _run_step(args: argparse.Namespace) -> int:
     report = run_step_bench(args.model, args.dtype, args.backend, None if args.speculator == "none" else args.speculator,
                             args.max_tokens, args.repeats, args.cpu_time, args.threads, eagle_head=args.eagle_head)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
 

@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     for reason in report["refused"].values():  # type: ignore[attr-defined]
         print(f"not run: {reason}")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
 
 

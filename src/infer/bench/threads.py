@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  default / best fixed: {result['default_vs_best_fixed']:.2f}x")
     print(f"  greedy ids equal across modes: {result['greedy_ids_equal']}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
 
 
