@@ -357,8 +357,9 @@ static inline GI gi_mul(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v
 #define X8_RB_MAX (X8_RB_FEW > X8_RB ? X8_RB_FEW : X8_RB) /* the accumulators' row dimension */
 /* Whether a 1-row call's tiles, each reading its whole run of groups as one stream, prefetch
  * ahead in software (infer_quant_set_stream_prefetch; on by default). Where the hardware
- * prefetcher follows such a stream better alone (AMD's cores, measured: infer.kernels.quant picks
- * by vendor), the software prefetches only cost. The same bits either way. */
+ * prefetcher follows such a stream better alone, the software prefetches only cost; which one is
+ * faster changed on one machine from hour to hour, so the engine measures it (infer.kernels.cpu's
+ * STREAMS). The same bits either way. */
 static int x8_stream_prefetch = 1;
 #define X8_FEW_ROWS 16 /* the most rows a call may have for its type's X8_TYPE_RB_FEW tiles */
 /* Bytes ahead of the block in use to prefetch, every cache line of it, in each group's stream on
