@@ -404,7 +404,7 @@ def test_bench_step_splits_eagle_rounds(tiny_llama: Path, tmp_path: Path, capsys
 def test_bench_threads_runs_each_mode_interleaved(tiny_llama: Path, tmp_path: Path) -> None:
     from infer.bench.threads import main as threads_main
 
-    out = tmp_path / "threads.json"
+    out = tmp_path / "missing" / "threads.json"  # --json's folder is made
     threads_main(["--model", str(tiny_llama), "--modes", "default", "1", "--busy", "1", "--repeats", "2",
                   "--max-tokens", "6", "--json", str(out)])
     report = json.loads(out.read_text())

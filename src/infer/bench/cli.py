@@ -257,15 +257,13 @@ def _run_shapes(args: argparse.Namespace) -> int:
 
 
 def _run_step(args: argparse.Namespace) -> int:
-    import json
-
+    from infer.bench.report import write_json
     from infer.bench.step import run_step_bench
 
     report = run_step_bench(args.model, args.dtype, args.backend, None if args.speculator == "none" else args.speculator,
                             args.max_tokens, args.repeats, args.cpu_time, args.threads, eagle_head=args.eagle_head)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report)
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -169,8 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     for reason in report["refused"].values():  # type: ignore[attr-defined]
         print(f"not run: {reason}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        from infer.bench.report import write_json
+
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

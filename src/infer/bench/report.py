@@ -116,12 +116,17 @@ def _rounds_table(report: dict[str, Any]) -> str:
         + "\n".join(rows) + "\n"
 
 
+def write_json(path: str | Path, data: Any, indent: int = 2) -> None:
+    """``data`` as JSON at ``path``, its folder made first (a ``--json``/``--out`` a user names)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=indent))
+
+
 def write_json_and_table(report: dict[str, Any], table: str, out_dir: str | Path, name: str) -> list[Path]:
     """``out_dir/name.json`` (the report) and ``out_dir/name.md`` (its table): what every benchmark writes."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.json", out / f"{name}.md"]
-    paths[0].write_text(json.dumps(report, indent=2))
+    write_json(paths[0], report)
     paths[1].write_text(table)
     return paths
 

@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -155,8 +154,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  default / best fixed: {result['default_vs_best_fixed']:.2f}x")
     print(f"  greedy ids equal across modes: {result['greedy_ids_equal']}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        from infer.bench.report import write_json
+
+        write_json(args.json, result, indent=1)
 
 
 if __name__ == "__main__":
