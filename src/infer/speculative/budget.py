@@ -514,12 +514,11 @@ class BudgetController:
         observed = 1.0 if accepted else 0.0
         self._learn(self.alpha, self._weight, key, first, observed, 1)
         trials = accepted - 1 + (1 if accepted < proposed else 0) if accepted else 0
-        if trials:
-            self._learn(self.cont, self._cont_weight, key, cont, accepted - 1, trials)
+        kept = (accepted - 1) / trials if trials else None  # the continuation's rate this round
         rate = self.ema / 4
         self.recent_alpha = (1 - rate) * self.recent_alpha + rate * observed
-        if trials:
-            kept = (accepted - 1) / trials
+        if kept is not None:
+            self._learn(self.cont, self._cont_weight, key, cont, accepted - 1, trials)
             self.recent_cont = kept if self.recent_cont is None else (1 - rate) * self.recent_cont + rate * kept
         cls = self._round_class.get(request.request_id)
         if cls is not None:
@@ -529,8 +528,8 @@ class BudgetController:
             seen = self._class_rounds[cls] = self._class_rounds.get(cls, 0) + 1
             weight = max(rate, 1.0 / (seen + 1))
             self.class_alpha[cls] = (1 - weight) * self.class_alpha.get(cls, self.prior_alpha) + weight * observed
-            if trials:
-                self.class_cont[cls] = (1 - weight) * self.class_cont.get(cls, cont) + weight * (accepted - 1) / trials
+            if kept is not None:
+                self.class_cont[cls] = (1 - weight) * self.class_cont.get(cls, cont) + weight * kept
 
     def _learn(self, estimates: dict[Hashable, float], weights: dict[Hashable, float], key: Hashable,
                prev: float, successes: float, trials: int) -> None:
