@@ -252,8 +252,8 @@ class PairedChooser:
 
 
 # Whether a 1-row pass's weight streams prefetch in software (``QuantKernels.set_stream_prefetch``):
-# on the project's EPYC the hardware prefetcher alone was faster in one session and 5-15% slower in
-# another (docs/cpu.md), so it is measured where it runs.
+# which is faster changed on one machine from hour to hour (docs/cpu.md), so it is measured where
+# it runs.
 STREAMS = PairedChooser((True, False))
 
 
