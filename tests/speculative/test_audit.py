@@ -190,12 +190,11 @@ def test_audit_fails_broken_verifiers(small_target: Path, small_draft: Path, mon
     assert exit_code(report) == 1
 
 
-@pytest.mark.usefixtures("engine_modules_loaded")
-def wrong_greedy_row(real: Callable[..., VerificationResult]) -> Callable[..., VerificationResult]:
+def wrong_greedy_row(real: Callable[..., tuple[list[int], list[list[int]]]]) -> Callable[..., tuple[list[int], list[list[int]]]]:
     """The greedy path (drafts against the target's argmax tokens) checks t_i against argmax p_{i+1}."""
 
-    def verify(tokens: torch.Tensor, num: torch.Tensor, target_tokens: torch.Tensor) -> VerificationResult:
-        return real(tokens, num, target_tokens.roll(-1, dims=1))
+    def verify(tokens: list[list[int]], num: list[int], target_tokens: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+        return real(tokens, num, [row[1:] + row[:1] for row in target_tokens])
 
     return verify
 
@@ -207,6 +206,7 @@ def break_row_check(monkeypatch: pytest.MonkeyPatch) -> None:
     patch_verify(monkeypatch, wrong_greedy_row, "verify_greedy")
 
 
+@pytest.mark.usefixtures("engine_modules_loaded")
 def test_greedy_check_fails_a_broken_greedy_verifier(small_target: Path, small_draft: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     break_row_check(monkeypatch)
     check = audit(small_target, checks=("greedy",), draft_model=str(small_draft))["checks"]["greedy"]

@@ -127,12 +127,16 @@ def test_verify_greedy_matches_verify_drafts_on_greedy_rows() -> None:
     num_draft = torch.randint(0, k + 1, (batch,), generator=gen)
     expected = verify_drafts(drafts, num_draft, target_probs, None, torch.ones(batch, dtype=torch.bool),
                              [None] * batch)
-    got = verify_greedy(drafts, num_draft, argmax)
-    assert torch.equal(got.num_accepted, expected.num_accepted)
-    assert torch.equal(got.output_tokens, expected.output_tokens)
-    assert set(got.num_accepted.tolist()) == set(range(k + 1))  # every outcome was exercised
-    with pytest.raises(ValueError, match="target_tokens must be"):
-        verify_greedy(drafts, num_draft, argmax[:, :k])
+    # host lists, ragged: row b's drafts and its num_draft[b] + 1 argmax tokens only
+    counts = num_draft.tolist()
+    got = verify_greedy([drafts[b, :n].tolist() for b, n in enumerate(counts)], counts,
+                        [argmax[b, : n + 1].tolist() for b, n in enumerate(counts)])
+    assert got == expected.to_host()
+    assert set(got[0]) == set(range(k + 1))  # every outcome was exercised
+    with pytest.raises(ValueError, match="needs 2 draft tokens and 3 target tokens"):
+        verify_greedy([[1, 2]], [2], [[1, 2]])
+    with pytest.raises(ValueError, match="one row per request"):
+        verify_greedy([[1]], [1, 1], [[1, 2]])
 
 
 def test_greedy_rejects_likely_but_non_argmax_draft() -> None:

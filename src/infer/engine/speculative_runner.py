@@ -197,14 +197,21 @@ class SpeculativeRunner:
         """One batched target pass over [g, t_1..t_k] per request, ragged (each request's own rows),
         rejection sampling, rollback."""
         if proposal.parents is not None:
-            return self.verify_tree(requests, proposal, grammar)
+            if not (_all_chains(proposal) and argmax_only([r.params for r in requests])):
+                return self.verify_tree(requests, proposal, grammar)
+            # Trees that are all chains (suffix decoding's usual draft), greedy: the chain path's
+            # pass and comparison give the same tokens without the tree's mask, positions and
+            # compaction. (Only greedy: a sampled row's draws would differ between the two paths, so
+            # a seeded request's output would depend on its batch mates' trees.)
+            proposal = Proposal(proposal.tokens, proposal.num_tokens, proposal.probs, None, proposal.step_seconds)
         width = 1 + max(proposal.num_tokens)
         drafts = proposal.tokens[:, : width - 1]
         runner = self.target.runner
         # Ragged: request b's rows [g, t_1..t_kb] back to back, sum_b (1 + k_b) rows through the
         # model and the LM head; only the sampling step below sees them padded to [B, width].
         since = PHASES.mark()
-        ragged = runner.forward_ragged([r.slot for r in requests], self._runs(requests, drafts, proposal.num_tokens),  # type: ignore[misc]
+        draft_lists = drafts.tolist()
+        ragged = runner.forward_ragged([r.slot for r in requests], self._runs(requests, draft_lists, proposal.num_tokens),  # type: ignore[misc]
                                        logits=True)
         self.last_pass_rows = ragged.rows
         logits = ragged.logits  # [N, V]
@@ -213,13 +220,17 @@ class SpeculativeRunner:
         # Counts and greedy flags go to the verifiers as host lists, and the verdict comes back in one
         # read (``to_host``): rejection sampling waits for the device once per round.
         num_draft = proposal.num_tokens
-        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
+        sampling = None  # (built only where a distribution is: greedy rounds do without)
         if argmax_only([r.params for r in requests]):
-            # Greedy rows only compare drafts with the target's argmax: no distributions needed.
-            verdict = verify_greedy(drafts, num_draft, ragged.padded(greedy_tokens(logits)))
+            # Greedy rows only compare drafts with the target's argmax: no distributions needed, and
+            # the argmax tokens are read once, compared on the host.
+            argmax = greedy_tokens(logits).tolist()
+            runs = [argmax[a:b] for a, b in zip(ragged.offsets, ragged.offsets[1:], strict=False)]
+            accepted, emitted = verify_greedy(draft_lists, num_draft, runs)
             # no processor applies: logprobs come from the raw logits
             processed = ragged.padded(logits) if any(r.params.logprobs is not None for r in requests) else logits
         else:
+            sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
             allowed = None if grammar is None else grammar.allowed[:, :width]
             target_probs, processed = self._target_probs(requests, ragged.padded(logits), drafts, sampling,
                                                          allowed=allowed)
@@ -231,7 +242,7 @@ class SpeculativeRunner:
                 draft_probs = draft_probs / draft_probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
             verdict = verify_drafts(drafts, num_draft, target_probs, draft_probs, [r.params.greedy for r in requests],
                                     [r.random_source() for r in requests])
-        accepted, emitted = verdict.to_host()
+            accepted, emitted = verdict.to_host()
         PHASES.add("rejection", since)
         # Row i's logits (p_{i+1}) gave the final token after i accepted drafts.
         if self._hidden is not None:
@@ -257,11 +268,11 @@ class SpeculativeRunner:
         # Node at depth d sits at RoPE position start + d, where it would be if its path were kept.
         positions = torch.tensor(starts, device=self.device).unsqueeze(1) + depths
         # Ragged like a chain: request b's g and its counts[b] nodes, back to back.
-        ragged = runner.forward_ragged(slots, self._runs(requests, tokens, counts), positions=positions, tree_mask=mask,
+        ragged = runner.forward_ragged(slots, self._runs(requests, tokens.tolist(), counts), positions=positions, tree_mask=mask,
                                        logits=True)
         self.last_pass_rows = ragged.rows
         since = PHASES.add("verify pass", since)
-        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
+        sampling = None  # (built only where a distribution is: greedy rounds do without)
         logits = ragged.logits  # [N, V]
         assert logits is not None
         if argmax_only([r.params for r in requests]):
@@ -271,6 +282,7 @@ class SpeculativeRunner:
             # no processor applies: logprobs come from the raw logits
             processed = ragged.padded(logits) if any(r.params.logprobs is not None for r in requests) else logits
         else:
+            sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
             target_probs, processed = self._target_probs(requests, ragged.padded(logits), tokens, sampling, mask,
                                                          None if grammar is None else grammar.allowed[:, : width + 1])
             verdict = verify_tree(tokens, counts, parents, target_probs, sampling.greedy,
@@ -302,9 +314,8 @@ class SpeculativeRunner:
 
     # -- shared by chain and tree rounds ---------------------------------------------------------
     @staticmethod
-    def _runs(requests: list[Request], nodes: torch.Tensor, counts: list[int]) -> list[list[int]]:
+    def _runs(requests: list[Request], node_lists: list[list[int]], counts: list[int]) -> list[list[int]]:
         """Per request the pending token g followed by its drafted nodes."""
-        node_lists = nodes.tolist()
         return [[r.output_token_ids[-1]] + node_lists[b][: counts[b]] for b, r in enumerate(requests)]
 
     def _target_probs(self, requests: list[Request], logits: torch.Tensor, nodes: torch.Tensor,
@@ -339,7 +350,7 @@ class SpeculativeRunner:
         return probs.view(batch, rows, vocab), processed.view(batch, rows, vocab)
 
     @staticmethod
-    def _logprobs(requests: list[Request], processed: torch.Tensor, sampling: SamplingBatch, rows: list[list[int]],
+    def _logprobs(requests: list[Request], processed: torch.Tensor, sampling: SamplingBatch | None, rows: list[list[int]],
                   emitted: list[list[int]]) -> list[list[TokenLogprobs | None]] | None:
         """Each emitted token's logprobs from the verification row whose distribution produced it
         (``rows[b][i]`` for ``emitted[b][i]``): the target's processed distribution, as a plain
@@ -351,6 +362,8 @@ class SpeculativeRunner:
         device = processed.device
         index = torch.tensor([b for b, _, _ in picks], device=device)
         chosen = processed[index, torch.tensor([row for _, row, _ in picks], device=device)]
+        if sampling is None:
+            sampling = SamplingBatch.from_params([r.params for r in requests], device)
         found = iter(gather_logprobs(chosen, sampling.select(index), [t for _, _, t in picks],
                                      [requests[b].params.logprobs for b, _, _ in picks]))
         return [[next(found) for _ in emitted[b]] if b in want else [None] * len(emitted[b])
@@ -461,3 +474,11 @@ class SpeculativeRunner:
         rows = [self._hidden.get(r.request_id) for r in requests]
         known = next(row for row in rows if row is not None)
         return torch.stack([known.new_zeros(known.shape) if row is None else row for row in rows])
+
+
+def _all_chains(proposal: Proposal) -> bool:
+    """Every row's tree is a chain: node i's parent is node i - 1 (the root's child first)."""
+    assert proposal.parents is not None
+    rows = proposal.parents.tolist()
+    return all(all(parent == i - 1 for i, parent in enumerate(rows[b][:count]))
+               for b, count in enumerate(proposal.num_tokens))

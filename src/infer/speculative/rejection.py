@@ -285,26 +285,33 @@ def _result(drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tenso
     return VerificationResult(num_accepted=num_accepted, output_tokens=output)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, num_draft: torch.Tensor | Sequence[int],
-                  target_tokens: torch.Tensor) -> VerificationResult:
+def verify_greedy(draft_tokens: Sequence[Sequence[int]], num_draft: Sequence[int],
+                  target_tokens: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
     """``verify_drafts`` for a batch whose rows are all greedy, from the target's argmax tokens alone.
 
-    ``target_tokens`` [B, K+1] is the argmax of p_1..p_{K+1} (after any repetition penalty). A draft is
-    accepted while it equals the target's argmax, and the row then emits the argmax at its stop
-    position: what ``verify_drafts`` does for a greedy row, without forming any [B, K+1, V]
-    distribution or consuming randomness.
+    ``target_tokens[b]`` holds the argmax of p_1..p_{k+1} for row b's ``k = num_draft[b]`` drafts
+    (after any repetition penalty). A draft is accepted while it equals the target's argmax, and the
+    row then emits the argmax at its stop position: what ``verify_drafts`` does for a greedy row,
+    without forming any distribution or consuming randomness. Returns what
+    ``VerificationResult.to_host`` gives: each row's accepted count and emitted tokens.
+
+    Host lists, not tensors: the caller reads the argmax tokens once (the round's one wait for the
+    device) and the comparison is a few steps per draft, where the same on tensors took a dozen small
+    operators, each costing more than the whole comparison (a CPU round's verification paid them
+    every time).
     """
-    batch, k = draft_tokens.shape
-    if tuple(target_tokens.shape) != (batch, k + 1):
-        raise ValueError(f"target_tokens must be [B, K+1] = [{batch}, {k + 1}], got {tuple(target_tokens.shape)}")
-    device = target_tokens.device
-    if not isinstance(num_draft, torch.Tensor):  # host counts: copied without waiting for the device
-        num_draft = on_device([int(n) for n in num_draft], torch.long, device)
-    if tuple(num_draft.shape) != (batch,):
-        raise ValueError(f"num_draft must be [B] = [{batch}], got {tuple(num_draft.shape)}")
-    drafts = draft_tokens.to(device=device, dtype=torch.long)
-    num_draft = num_draft.to(device=device, dtype=torch.long)
-    in_range = torch.arange(k, device=device)[None, :] < num_draft[:, None]
-    ok = (target_tokens[:, :k] == drafts) & in_range
-    num_accepted = ok.long().cumprod(dim=1).sum(dim=1)
-    return _result(drafts, num_accepted, target_tokens.gather(1, num_accepted[:, None]).squeeze(1))
+    if not (len(draft_tokens) == len(num_draft) == len(target_tokens)):
+        raise ValueError(f"draft_tokens, num_draft and target_tokens must have one row per request, got "
+                         f"{len(draft_tokens)}, {len(num_draft)} and {len(target_tokens)}")
+    accepted: list[int] = []
+    emitted: list[list[int]] = []
+    for drafts, count, target in zip(draft_tokens, num_draft, target_tokens, strict=True):
+        if len(target) < count + 1 or len(drafts) < count:
+            raise ValueError(f"a row with {count} drafts needs {count} draft tokens and {count + 1} target tokens, "
+                             f"got {len(drafts)} and {len(target)}")
+        kept = 0
+        while kept < count and drafts[kept] == target[kept]:
+            kept += 1
+        accepted.append(kept)
+        emitted.append([*drafts[:kept], target[kept]])
+    return accepted, emitted
