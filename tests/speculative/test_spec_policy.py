@@ -251,6 +251,70 @@ def test_batch_mixing_speculation_on_and_off_is_exact(tiny_llama: Path, plain: l
     assert len(free.proposed_per_position) > 2
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_rounds_that_cannot_draft_skip_matching_and_the_budget(tiny_llama: Path, plain: list[int], drafter: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round where every request turned speculation off never asks the drafter for a match, and one
+    where the drafter matched nothing (class 0) never asks the budget: they cost a plain step. Rounds
+    with a match still ask both (the negative control), and every output is plain decoding's."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator=drafter, suffix_scope="request")
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    calls = {"match": 0, "nothing matched": 0, "budget": 0}
+    match, budgets = runner.drafter.match_classes, runner.budget.budgets
+
+    def counted_match(requests: list[Request]) -> list[int]:
+        classes = match(requests)
+        calls["match"] += 1
+        calls["nothing matched"] += not any(classes)
+        return classes
+
+    def counted_budgets(requests: list[Request], classes: list[int] | None = None) -> list[int]:
+        calls["budget"] += 1
+        return budgets(requests, classes)
+
+    monkeypatch.setattr(runner.drafter, "match_classes", counted_match)
+    monkeypatch.setattr(runner.budget, "budgets", counted_budgets)
+    off = llm.generate([PROMPT], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, speculate=False))[0]
+    assert off.token_ids == plain[:64] and calls == {"match": 0, "nothing matched": 0, "budget": 0}
+    # Distinct prompt tokens: the first rounds find no earlier copy of their last token.
+    fresh, params = list(range(10, 40)), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    out = llm.generate([fresh], params)[0]
+    assert out.token_ids == LLM(str(tiny_llama), dtype="float32", device="cpu").generate([fresh], params)[0].token_ids
+    assert calls["nothing matched"] > 0 and calls["match"] > calls["nothing matched"]
+    assert calls["budget"] == calls["match"] - calls["nothing matched"]
+
+
+def test_greedy_rounds_verify_chain_shaped_trees_on_the_chain_path(tiny_llama: Path, plain: list[int],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Suffix decoding's trees are mostly chains: a greedy round whose trees are all chains skips the
+    tree path (its mask, positions and compaction) with the same tokens; a sampled round keeps it."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", suffix_scope="request")
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    shapes = {"chains": 0, "trees": 0, "tree path": 0}
+    propose, verify_tree = runner.drafter.propose, runner.verify_tree
+
+    def watched_propose(*args: Any) -> Any:
+        proposal = propose(*args)
+        if any(proposal.num_tokens):
+            chains = all(proposal.parents[b, :n].tolist() == list(range(-1, n - 1))
+                         for b, n in enumerate(proposal.num_tokens))
+            shapes["chains" if chains else "trees"] += 1
+        return proposal
+
+    def watched_verify_tree(*args: Any) -> Any:
+        shapes["tree path"] += 1
+        return verify_tree(*args)
+
+    monkeypatch.setattr(runner.drafter, "propose", watched_propose)
+    monkeypatch.setattr(runner, "verify_tree", watched_verify_tree)
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids == plain
+    assert shapes["chains"] > 0 and shapes["tree path"] == shapes["trees"]
+    shapes.update(chains=0, trees=0)
+    shapes["tree path"] = 0
+    llm.generate([PROMPT], SamplingParams(max_tokens=64, temperature=0.8, seed=1, ignore_eos=True))
+    assert shapes["chains"] > 0 and shapes["tree path"] == shapes["chains"] + shapes["trees"]
+
+
 def test_sampling_params_validate_speculation_fields() -> None:
     with pytest.raises(ValueError, match="max_draft_tokens"):
         SamplingParams(max_draft_tokens=0)

@@ -148,14 +148,22 @@ class SpeculativeRunner:
 
     def _round(self, requests: list[Request]) -> StepResult:
         since = PHASES.mark()
-        classes = self.drafter.match_classes(requests)
+        times = self.round_times
+        times.rounds += 1
+        # Rounds that cannot draft skip the drafter's matching and the budget's decision (a few
+        # percent of a small model's decode step, paid by every round): every request turned
+        # speculation off, or the drafter found nothing to continue for any (class 0 neither drafts
+        # nor probes). A drafter catches up with the tokens it skipped when it next looks.
+        classes = self.drafter.match_classes(requests) if any(r.draft_room for r in requests) else []
+        if classes is not None and not any(classes):
+            self._choose_capture()
+            PHASES.add("drafting", since)
+            return self._plain(requests)
         budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests, classes), strict=True)]
         self._choose_capture()
         start = device_clock(self.device)
         proposal = self.drafter.propose(requests, budgets, self._hidden_of(requests)) if any(budgets) else None
         drafted = device_clock(self.device)
-        times = self.round_times
-        times.rounds += 1
         if any(budgets):
             times.drafter_calls += 1
             times.propose_seconds += drafted - start
@@ -170,15 +178,7 @@ class SpeculativeRunner:
                 for request, count in zip(requests, grammar.drafted, strict=True):
                     if count:
                         self.drafter.accepted(request, count, 0)
-            result = self._keep_hidden(self.target.decode(requests))
-            elapsed = device_clock(self.device) - drafted
-            times.plain_seconds += elapsed
-            self.budget.observe_target(batch, elapsed)
-            zeros = [0] * batch
-            self.budget.observe_round(requests, zeros, zeros, zeros)
-            for request in requests:
-                request.metrics.record_round(0, 0, 0)
-            return result
+            return self._plain(requests)
         # A drafter that runs one step per token reports its clean per-step time (None: no clean
         # sample this round); otherwise drafting is one call per round, timed here.
         draft_seconds = proposal.step_seconds if self.drafter.info.cost_per_token else drafted - start
@@ -191,6 +191,20 @@ class SpeculativeRunner:
         # Costed by the rows the pass computed: sum_b (1 + k_b), the pass being ragged (a CUDA graph
         # replay, padded to its bucket, only takes equal runs: the same count).
         self.budget.observe_target(self.last_pass_rows, elapsed)
+        return result
+
+    def _plain(self, requests: list[Request]) -> StepResult:
+        """A round without drafts: a plain decode step, timed for the budget's cost fit."""
+        start = device_clock(self.device)
+        result = self._keep_hidden(self.target.decode(requests))
+        elapsed = device_clock(self.device) - start
+        self.round_times.plain_seconds += elapsed
+        batch = len(requests)
+        self.budget.observe_target(batch, elapsed)
+        zeros = [0] * batch
+        self.budget.observe_round(requests, zeros, zeros, zeros)
+        for request in requests:
+            request.metrics.record_round(0, 0, 0)
         return result
 
     def verify(self, requests: list[Request], proposal: Proposal, grammar: GrammarRound | None = None) -> StepResult:
