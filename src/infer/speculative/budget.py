@@ -108,18 +108,26 @@ class LinearFit:
     def __init__(self, decay: float = 0.95) -> None:
         self.decay = decay
         self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self._coefficients: tuple[float, float] | None = None  # until the next observation
 
     def observe(self, x: float, y: float) -> None:
         d = self.decay
         self.n = d * self.n + 1
         self.sx, self.sy = d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+        self._coefficients = None
 
     @property
     def ready(self) -> bool:
         return self.n > 0
 
     def coefficients(self) -> tuple[float, float]:
+        # A round's decision prices every draft row from them: computed once per observation.
+        if self._coefficients is None:
+            self._coefficients = self._fit()
+        return self._coefficients
+
+    def _fit(self) -> tuple[float, float]:
         mean_x, mean_y = self.sx / self.n, self.sy / self.n
         var = self.sxx / self.n - mean_x**2
         slope = 0.0
