@@ -117,13 +117,13 @@ def test_a_speculative_round_runs_torch_on_one_thread_where_kernels_carry_the_pa
               speculator="ngram", spec_length=3, spec_length_policy="fixed")
     drafter = llm.engine.runner.drafter  # type: ignore[attr-defined]
     seen: list[int] = []
-    propose = drafter.propose
+    match = drafter.match_classes  # every round asks it (a round that matched nothing skips propose)
 
     def recording(*args: object) -> object:
         seen.append(torch.get_num_threads())
-        return propose(*args)
+        return match(*args)
 
-    monkeypatch.setattr(drafter, "propose", recording)
+    monkeypatch.setattr(drafter, "match_classes", recording)
     llm.generate(["abc abc abc abc"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert seen and set(seen) == ({1} if one_thread else {2})
 

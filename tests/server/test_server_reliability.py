@@ -91,17 +91,21 @@ def poison_sampling(engine: Engine, bad: Request, monkeypatch: pytest.MonkeyPatc
 
 
 def poison_drafting(engine: Engine, bad: Request, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drafter fails whenever the bad request is in its batch: in its proposals, and in the match
+    every round asks for first (a round that matched nothing never proposes)."""
     FAULTS.clear()
     drafter = engine.runner.drafter  # type: ignore[attr-defined]
-    real = drafter.propose
 
-    def propose(requests: list[Request], *args: Any) -> Any:
-        if any(r.request_id == bad.request_id for r in requests):
-            FAULTS.append(bad.request_id)
-            raise RuntimeError("injected drafter fault")
-        return real(requests, *args)
+    def poisoned(real: Any) -> Any:
+        def call(requests: list[Request], *args: Any) -> Any:
+            if any(r.request_id == bad.request_id for r in requests):
+                FAULTS.append(bad.request_id)
+                raise RuntimeError("injected drafter fault")
+            return real(requests, *args)
+        return call
 
-    monkeypatch.setattr(drafter, "propose", propose)
+    monkeypatch.setattr(drafter, "propose", poisoned(drafter.propose))
+    monkeypatch.setattr(drafter, "match_classes", poisoned(drafter.match_classes))
 
 
 FAULTS: list[str] = []  # the injected drafter faults raised in the running test

@@ -59,6 +59,8 @@ def test_a_round_drafting_5_and_0_computes_7_rows_not_12(tiny_llama: Path, stack
         observe(num_tokens, seconds)
 
     runner.drafter.propose = drafts  # type: ignore[attr-defined]
+    # Every round "matched", so the round asks for drafts (one that matched nothing is a plain step).
+    runner.drafter.match_classes = lambda requests: [1] * len(requests)  # type: ignore[attr-defined]
     runner.budget.observe_target = costed  # type: ignore[attr-defined]
     model.model.embed_tokens.register_forward_pre_hook(count_forward)  # every pass embeds its tokens, stack or not
     model.lm_head.register_forward_pre_hook(count_head)
