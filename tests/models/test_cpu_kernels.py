@@ -693,30 +693,6 @@ def test_a_slow_first_pass_does_not_decide_the_thread_count() -> None:
         assert picks[4:] == [want] * 26, (measure_first, picks)
 
 
-def test_a_new_row_count_takes_the_decode_steps_choice_until_it_tries_its_own() -> None:
-    """A verification pass of a row count met for the first time runs on the count the decode step
-    settled on (here one thread: a busy core), with no first passes on the other; after EXPLORE passes
-    of its own it measures both and follows its own figures (here two threads win for it). The
-    negative control: the same kind without ``like`` starts by running two threads, the slow count."""
-    chooser = cpu.ThreadChooser()
-    decode_passes(chooser, {2: 3.0, 1: 1.0}, 50)  # the decode step: one thread wins
-    assert chooser.settled("decode", 2) == 1
-    cost = {2: 1.0, 1: 2.0}  # the 6-row pass: two threads win for it
-    picks = []
-    for i in range(3 * chooser.EXPLORE):
-        threads = chooser.pick("verify", 2, like="decode")
-        if i < chooser.EXPLORE - 1:
-            assert chooser.settled("verify", 2) == 1  # torch keeps the borrowed count between passes too
-        chooser.record("verify", threads, cost[threads])
-        picks.append(threads)
-    assert picks[: chooser.EXPLORE - 1] == [1] * (chooser.EXPLORE - 1)  # the borrowed choice, no tries
-    assert picks[-chooser.EXPLORE:].count(2) >= chooser.EXPLORE - 1  # its own measurement, once tried
-    alone = cpu.ThreadChooser()
-    assert [alone.pick("verify", 2) for _ in range(2)] == [2, 2]  # without like: both counts measured first
-    unsettled = cpu.ThreadChooser()  # a like kind with no figures yet lends nothing
-    assert unsettled.pick("verify", 2, like="decode") == 2 and "verify" not in unsettled.borrowed
-
-
 def test_a_choice_that_slows_down_is_tried_against_the_other_at_once() -> None:
     """Quiet for 600 passes (the wait between tries has grown to hundreds), then another process
     takes a core: two threads slow down, though not past one thread's figure of the quiet machine,

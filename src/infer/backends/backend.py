@@ -234,13 +234,10 @@ class Backend:
         streams = None if quantized is None else quantized.set_stream_prefetch
 
         def policy(rows: int, kind: str) -> contextlib.AbstractContextManager[None]:
-            # A kind of pass for the kernels' thread choice: this model's, of this many rows; a
-            # multi-row pass takes the 1-row pass's choice until it has run enough to try its own.
+            # A kind of pass for the kernels' thread choice: this model's, of this many rows.
             if rows > MAX_ROWS:
                 return contextlib.nullcontext()
-            if rows == 1:
-                return kernel_threads_only((model_id, kind, rows), streams)
-            return kernel_threads_only((model_id, kind, rows), like=(model_id, kind, 1))
+            return kernel_threads_only((model_id, kind, rows), streams if rows == 1 else None)
 
         return policy
 

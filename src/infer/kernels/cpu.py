@@ -139,27 +139,10 @@ class ThreadChooser:
         self.best: dict[Hashable, int] = {}
         self.warmed: set[tuple[Hashable, int]] = set()  # (kind, count)s past their unmeasured first pass
         self.reference: dict[Hashable, float] = {}  # the chosen count's time when last chosen or confirmed
-        self.borrowed: set[Hashable] = set()  # kinds running on another kind's choice (pick's ``like``)
 
-    def pick(self, kind: Hashable, most: int, like: Hashable = None) -> int:
-        """The count the next pass of ``kind`` runs on. ``like``: a kind whose settled choice this one
-        takes until it has run EXPLORE passes of its own (a verification pass of a row count met for
-        the first time takes the decode step's choice): measuring both counts first would run each new
-        row count's first passes on one thread, and most row counts are rare."""
+    def pick(self, kind: Hashable, most: int) -> int:
         if most <= 1:
             return 1
-        if like is not None and kind not in self.best and kind not in self.countdown \
-                and all((like, t) in self.seconds for t in (most, 1)):
-            self.best[kind] = self.settled(like, most)
-            self.countdown[kind] = self.interval[kind] = self.EXPLORE
-            self.borrowed.add(kind)
-        if kind in self.borrowed:
-            self.countdown[kind] -= 1
-            if self.countdown[kind] > 0:
-                return self.best[kind]
-            # Its own passes now: measure the count it has not run, then choose as any kind does.
-            self.borrowed.discard(kind)
-            del self.best[kind]
         for threads in (most, 1):  # each measured before either is trusted
             if (kind, threads) not in self.seconds:
                 return threads
@@ -199,8 +182,6 @@ class ThreadChooser:
     def settled(self, kind: Hashable, most: int) -> int:
         """The count ``kind``'s passes run on outside their tries of the other: the faster measured
         one, or every thread until both counts are measured."""
-        if kind in self.borrowed:
-            return self.best[kind]
         every, one = self.seconds.get((kind, most)), self.seconds.get((kind, 1))
         if every is None or one is None:
             return most
@@ -293,8 +274,7 @@ def _asked_for(current: int) -> int:
 
 
 @contextlib.contextmanager
-def kernel_threads_only(kind: Hashable = None, streams: Callable[[bool], object] | None = None,
-                        like: Hashable = None) -> Iterator[None]:
+def kernel_threads_only(kind: Hashable = None, streams: Callable[[bool], object] | None = None) -> Iterator[None]:
     """Run a small pass (a decode step, a verification) with PyTorch's operators on one thread and
     the kernels on torch's threads, or on one where that measured faster for this ``kind`` of pass
     (``ThreadChooser``: a shared machine). PyTorch's operators here work on rows of a few hundred
@@ -306,14 +286,13 @@ def kernel_threads_only(kind: Hashable = None, streams: Callable[[bool], object]
 
     ``streams`` (a 1-row pass on the quantized kernels: their ``set_stream_prefetch``): the pass
     also runs with the weight-stream setting ``STREAMS`` picks for its kind and thread count, and
-    is measured for it, except on a try of the other thread count (which keeps the last setting).
-    ``like``: the kind whose choice a new ``kind`` takes at first (``ThreadChooser.pick``)."""
+    is measured for it, except on a try of the other thread count (which keeps the last setting)."""
     current = torch.get_num_threads()
     if _kernel_threads[0] is not None:
         yield
         return
     most = _asked_for(current)
-    chosen = THREADS.pick(kind, most, like) if kind is not None else most
+    chosen = THREADS.pick(kind, most) if kind is not None else most
     streaming = None
     if streams is not None and kind is not None and chosen == THREADS.settled(kind, most):
         streaming = STREAMS.pick((kind, chosen))
