@@ -284,10 +284,11 @@ def test_rounds_that_cannot_draft_skip_matching_and_the_budget(tiny_llama: Path,
     assert calls["budget"] == calls["match"] - calls["nothing matched"]
 
 
-def test_greedy_rounds_verify_chain_shaped_trees_on_the_chain_path(tiny_llama: Path, plain: list[int],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Suffix decoding's trees are mostly chains: a greedy round whose trees are all chains skips the
-    tree path (its mask, positions and compaction) with the same tokens; a sampled round keeps it."""
+def test_chain_shaped_trees_are_verified_on_the_chain_path(tiny_llama: Path, plain: list[int],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Suffix decoding's trees are mostly chains: a round whose trees are all chains skips the tree
+    path (its mask, positions and compaction), greedy or sampled, and gives the same tokens: plain
+    decoding's when greedy, and when sampled with a seed the keyed draws' (plain sampling's)."""
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", suffix_scope="request")
     runner = llm.engine.runner  # type: ignore[attr-defined]
     shapes = {"chains": 0, "trees": 0, "tree path": 0}
@@ -311,8 +312,10 @@ def test_greedy_rounds_verify_chain_shaped_trees_on_the_chain_path(tiny_llama: P
     assert shapes["chains"] > 0 and shapes["tree path"] == shapes["trees"]
     shapes.update(chains=0, trees=0)
     shapes["tree path"] = 0
-    llm.generate([PROMPT], SamplingParams(max_tokens=64, temperature=0.8, seed=1, ignore_eos=True))
-    assert shapes["chains"] > 0 and shapes["tree path"] == shapes["chains"] + shapes["trees"]
+    sampled = SamplingParams(max_tokens=64, temperature=0.8, seed=1, ignore_eos=True)
+    out = llm.generate([PROMPT], sampled)[0].token_ids
+    assert out == LLM(str(tiny_llama), dtype="float32", device="cpu").generate([PROMPT], sampled)[0].token_ids
+    assert shapes["chains"] > 0 and shapes["tree path"] == shapes["trees"]
 
 
 def test_sampling_params_validate_speculation_fields() -> None:

@@ -211,12 +211,12 @@ class SpeculativeRunner:
         """One batched target pass over [g, t_1..t_k] per request, ragged (each request's own rows),
         rejection sampling, rollback."""
         if proposal.parents is not None:
-            if not (_all_chains(proposal) and argmax_only([r.params for r in requests])):
+            if not _all_chains(proposal):
                 return self.verify_tree(requests, proposal, grammar)
-            # Trees that are all chains (suffix decoding's usual draft), greedy: the chain path's
-            # pass and comparison give the same tokens without the tree's mask, positions and
-            # compaction. (Only greedy: a sampled row's draws would differ between the two paths, so
-            # a seeded request's output would depend on its batch mates' trees.)
+            # Trees that are all chains (suffix decoding's usual draft): the chain path verifies them
+            # without the tree's mask, positions and compaction. A tree of one child per node is a
+            # chain to the tree verifier too, so both paths accept with the same probabilities, and
+            # a seeded request's keyed draws give the same tokens on either.
             proposal = Proposal(proposal.tokens, proposal.num_tokens, proposal.probs, None, proposal.step_seconds)
         width = 1 + max(proposal.num_tokens)
         drafts = proposal.tokens[:, : width - 1]
