@@ -33,6 +33,11 @@ class RaggedPass:
         out[_packed_index(lengths, width, x.device)] = x
         return out.view(len(lengths), width, *x.shape[1:])
 
+    def split(self, values: Sequence[int]) -> list[list[int]]:
+        """A host list with one value per packed row (e.g. the argmax tokens, read once) as each run's
+        own list: what ``padded`` does for a tensor, without the padding."""
+        return [list(values[a:b]) for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
+
     def rows_at(self, rows: Sequence[int]) -> torch.Tensor:
         """``hidden`` at row ``rows[b]`` of each run b: [B, hidden]."""
         index = [start + row for start, row in zip(self.offsets, rows, strict=False)]

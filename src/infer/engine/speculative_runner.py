@@ -238,9 +238,7 @@ class SpeculativeRunner:
         if argmax_only([r.params for r in requests]):
             # Greedy rows only compare drafts with the target's argmax: no distributions needed, and
             # the argmax tokens are read once, compared on the host.
-            argmax = greedy_tokens(logits).tolist()
-            runs = [argmax[a:b] for a, b in zip(ragged.offsets, ragged.offsets[1:], strict=False)]
-            accepted, emitted = verify_greedy(draft_lists, num_draft, runs)
+            accepted, emitted = verify_greedy(draft_lists, num_draft, ragged.split(greedy_tokens(logits).tolist()))
             # no processor applies: logprobs come from the raw logits
             processed = ragged.padded(logits) if any(r.params.logprobs is not None for r in requests) else logits
         else:
@@ -282,7 +280,8 @@ class SpeculativeRunner:
         # Node at depth d sits at RoPE position start + d, where it would be if its path were kept.
         positions = torch.tensor(starts, device=self.device).unsqueeze(1) + depths
         # Ragged like a chain: request b's g and its counts[b] nodes, back to back.
-        ragged = runner.forward_ragged(slots, self._runs(requests, tokens.tolist(), counts), positions=positions, tree_mask=mask,
+        node_lists = tokens.tolist()
+        ragged = runner.forward_ragged(slots, self._runs(requests, node_lists, counts), positions=positions, tree_mask=mask,
                                        logits=True)
         self.last_pass_rows = ragged.rows
         since = PHASES.add("verify pass", since)
@@ -291,8 +290,7 @@ class SpeculativeRunner:
         assert logits is not None
         if argmax_only([r.params for r in requests]):
             # Greedy rows only compare nodes with the target's argmax: no [B, W+1, V] distributions.
-            verdict = verify_tree_greedy(tokens.tolist(), counts, parents.tolist(),
-                                         ragged.padded(greedy_tokens(logits)).tolist())
+            verdict = verify_tree_greedy(node_lists, counts, parents.tolist(), ragged.split(greedy_tokens(logits).tolist()))
             # no processor applies: logprobs come from the raw logits
             processed = ragged.padded(logits) if any(r.params.logprobs is not None for r in requests) else logits
         else:
