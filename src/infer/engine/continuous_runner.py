@@ -82,13 +82,16 @@ class ContinuousRunner:
         slots = [c.request.slot for c in chunks]
         runs = [c.request.prompt_token_ids[c.request.num_computed_tokens:][: c.num_tokens] for c in chunks]
         since = PHASES.mark()
-        hidden = self.runner.forward(slots, runs)  # type: ignore[arg-type]
-        aux = self.runner.last_aux
-        states = [] if aux is None else [(c.request, c.request.num_computed_tokens, aux[b, : len(run)])
-                                         for b, (c, run) in enumerate(zip(chunks, runs, strict=True))]
+        # Packed (ragged): the scheduler shares a step's budget among prompts, so a long prompt's chunk
+        # and a short prompt go together; padded, the short one would cost as many rows as the long.
+        done_pass = self.runner.forward_ragged(slots, runs)  # type: ignore[arg-type]
+        hidden, at = done_pass.hidden, done_pass.offsets
+        aux = done_pass.aux
+        states = [] if aux is None else [(c.request, c.request.num_computed_tokens, aux[at[b]: at[b + 1]])
+                                         for b, c in enumerate(chunks)]
         for b, (chunk, run) in enumerate(zip(chunks, runs, strict=True)):
             if chunk.request.params.prompt_logprobs is not None:
-                self._prompt_logprobs(chunk.request, hidden[b, : len(run)])
+                self._prompt_logprobs(chunk.request, hidden[at[b]: at[b + 1]])
             chunk.request.num_computed_tokens += len(run)
         done = [i for i, c in enumerate(chunks) if not c.request.is_prefilling]
         if not done:
@@ -98,7 +101,7 @@ class ContinuousRunner:
                 request = chunks[i].request
                 self.prefix_cache.insert(request.slot, request.prompt_token_ids,  # type: ignore[arg-type]
                                          request.cache_salt)
-        last = self.runner.last_hidden(hidden, [len(r) for r in runs])[done]
+        last = done_pass.rows_at([len(r) - 1 for r in runs])[done]
         sampled = self._sample([chunks[i].request for i in done], last, since)
         sampled.states = states
         return sampled

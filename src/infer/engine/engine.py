@@ -21,7 +21,7 @@ from infer.core.model_runner import ModelRunner
 from infer.core.request import Request
 from infer.engine.config import EAGLE_MAX_TREE, EngineConfig
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepResult
-from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler
+from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler, attention_span
 from infer.loader import (
     Tokenizer,
     choose_dtype,
@@ -236,9 +236,13 @@ class Engine(PromptEncoding):
             width = 1 + (config.speculative.spec_length_limit if config.speculative is not None else 1)
             say("torch.compile: compiling the kinds of pass requests run (once per process; cached on disk)")
             target.runner.warm_up(width)
+        mc = self.model_config
         self.scheduler = Scheduler(self.runner, max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                    chunked_prefill=config.chunked_prefill,
-                                   max_prefill_tokens=config.max_prefill_tokens, prefix_cache=prefix_cache)
+                                   max_prefill_tokens=config.max_prefill_tokens, prefix_cache=prefix_cache,
+                                   attention_span=attention_span(
+                                       mc.hidden_size, mc.intermediate_size, mc.num_attention_heads,
+                                       mc.num_key_value_heads, mc.head_dim))
         self._ids = itertools.count()
         self.lock = threading.RLock()
         self.grammars = GrammarCompiler(self.tokenizer.backend, self.tokenizer.eos_token_ids,

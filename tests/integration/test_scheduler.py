@@ -1,0 +1,145 @@
+"""The scheduler's prefill budget: shared fairly among prompts, never exceeded, nothing lost."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from infer.core.request import Request
+from infer.engine.continuous_runner import PrefillChunk
+from infer.engine.scheduler import Scheduler, attention_span, prefill_shares
+from infer.sampling.params import SamplingParams
+
+SPAN = attention_span(576, 1536, 9, 3, 64)  # SmolLM2-135M's shape
+
+
+class NoText:
+    def flush(self) -> None:
+        pass
+
+
+class FakeRunner:
+    """Admits everything; the test applies each step's chunks itself."""
+
+    def step(self, prefill: list[PrefillChunk], decode: list[Request]) -> list:
+        return []
+
+    def release(self, request: Request) -> None:
+        pass
+
+    def rollback(self, request: Request, num_computed_tokens: int) -> None:
+        pass
+
+    def free_kv_tokens(self) -> int:
+        return 1 << 30
+
+    def kv_pools(self) -> dict:
+        return {}
+
+    def can_admit(self, request: Request, running: list[Request]) -> bool:
+        return True
+
+
+def make_request(name: str, prompt_tokens: int) -> Request:
+    return Request(name, list(range(prompt_tokens)), SamplingParams(max_tokens=4), NoText(),  # type: ignore[arg-type]
+                   [], 1 << 20, torch.device("cpu"))
+
+
+def make_scheduler(span: float | None, budget: int = 512, chunked: bool = True) -> Scheduler:
+    return Scheduler(FakeRunner(), max_batch_size=16, max_queue=64, chunked_prefill=chunked,
+                     max_prefill_tokens=budget, attention_span=span)
+
+
+def run_step(scheduler: Scheduler) -> dict[str, int]:
+    """One schedule; its prefill chunks applied as the runner would. Returns tokens per request."""
+    batch = scheduler.schedule()
+    taken = {}
+    for chunk in batch.prefill:
+        assert chunk.num_tokens > 0
+        assert chunk.request.num_computed_tokens + chunk.num_tokens <= len(chunk.request.prompt_token_ids)
+        chunk.request.num_computed_tokens += chunk.num_tokens
+        taken[chunk.request.request_id] = chunk.num_tokens
+    for request in batch.decode:  # one decode step each, then finished, to keep the test short
+        request.finish("length")
+    return taken
+
+
+@pytest.mark.parametrize("span", [None, SPAN])
+def test_short_request_behind_a_long_prompt_is_prefilled_in_the_next_step(span: float | None) -> None:
+    scheduler = make_scheduler(span)
+    long = make_request("long", 6400)
+    scheduler.add(long)
+    first = run_step(scheduler)
+    assert first == {"long": 512}
+    scheduler.add(make_request("short", 37))
+    second = run_step(scheduler)
+    assert second.get("short") == 37, second  # its whole prompt, so its first token comes from this step
+    assert second["long"] > 0  # the long prompt keeps going
+    assert sum(second.values()) <= 512
+    assert list(second) == ["long", "short"]  # chunks in admission order
+
+
+@pytest.mark.parametrize("span", [None, SPAN])
+def test_long_prompt_progresses_every_step_while_short_ones_keep_arriving(span: float | None) -> None:
+    rng = random.Random(0)
+    scheduler = make_scheduler(span)
+    long = make_request("long", 6000)
+    scheduler.add(long)
+    requests = [long]
+    steps = 0
+    while scheduler.has_unfinished():
+        short = None
+        if long.is_prefilling and steps % 2 == 1:
+            short = make_request(f"short{steps}", rng.randint(1, 200))
+            scheduler.add(short)
+            requests.append(short)
+        before = long.is_prefilling
+        taken = run_step(scheduler)
+        assert sum(taken.values()) <= 512
+        if short is not None:
+            assert not short.is_prefilling, taken  # a newcomer's whole prompt in its first step
+        if before:
+            assert taken.get("long", 0) > 0, taken  # never starved
+        steps += 1
+        assert steps < 200
+    for request in requests:  # nothing lost: every prompt token computed exactly once
+        assert request.num_computed_tokens == len(request.prompt_token_ids)
+
+
+def test_without_chunked_prefill_every_prompt_goes_whole() -> None:
+    scheduler = make_scheduler(SPAN, chunked=False)
+    scheduler.add(make_request("long", 6000))
+    scheduler.add(make_request("short", 37))
+    assert run_step(scheduler) == {"long": 6000, "short": 37}
+
+
+def test_shares_never_exceed_the_budget_and_every_prompt_moves() -> None:
+    rng = random.Random(1)
+    for _ in range(2000):
+        n = rng.randint(1, 12)
+        budget = rng.randint(1, 1024)
+        remaining = [rng.choice([0, rng.randint(1, 50), rng.randint(1, 8000)]) for _ in range(n)]
+        contexts = [rng.randint(0, 30000) for _ in range(n)]
+        span = rng.choice([None, SPAN, 100.0])
+        take = prefill_shares(remaining, contexts, budget, span)
+        assert sum(take) <= budget
+        assert all(0 <= t <= r for t, r in zip(take, remaining, strict=True))
+        waiting = [i for i in range(n) if remaining[i] > 0]
+        if len(waiting) <= budget:
+            assert all(take[i] > 0 for i in waiting)  # no prompt waits a step behind the others
+        if span is None and sum(remaining) <= budget:
+            assert take == remaining
+
+
+def test_equal_shares_and_leftovers_redistributed() -> None:
+    assert prefill_shares([6000, 6000], [0, 0], 512) == [256, 256]
+    assert prefill_shares([6000, 100, 6000], [0, 0, 0], 512) == [206, 100, 206]
+    assert prefill_shares([6000], [0], 512) == [512]
+
+
+def test_a_chunk_deep_into_a_long_prompt_is_charged_for_its_keys() -> None:
+    deep = prefill_shares([5000], [5000], 512, SPAN)[0]
+    assert deep == int(512 / (1 + 5000 / SPAN))
+    assert prefill_shares([5000], [0], 512, SPAN) == [512]
