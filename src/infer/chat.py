@@ -3,7 +3,8 @@
 Each turn renders the whole conversation with the model's chat template and streams the reply.
 ``/reset`` starts over, ``/exit`` or Ctrl-D leaves, and Ctrl-C stops the reply being written
 (the partial reply stays in the conversation) without leaving. After each reply one line on
-stderr gives its speed and, with speculation, the acceptance.
+stderr gives its speed and, with speculation, the acceptance. With piped input (stdin not a
+terminal) each message is echoed after the prompt, so the transcript reads question, then answer.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
-from infer.cli import TextStreamer, load_llm, metrics_summary
+from infer.cli import TextStreamer, load_llm, metrics_summary, model_sampling
 from infer.engine.options import add_engine_args
-from infer.sampling.options import add_sampling_args, sampling_params
+from infer.sampling.options import add_sampling_args
 
 if TYPE_CHECKING:
     from infer.engine.llm import LLM, RequestOutput
@@ -67,13 +68,17 @@ def ctrl_c_sets(event: threading.Event) -> Iterator[None]:
 
 
 def chat_loop(session: ChatSession, read: Any = input, out: TextIO | None = None,
-              err: TextIO | None = None) -> int:
-    """Read messages until /exit or end of input; ``read(prompt)`` is ``input`` in a terminal."""
+              err: TextIO | None = None, echo: bool = False) -> int:
+    """Read messages until /exit or end of input; ``read(prompt)`` is ``input`` in a terminal.
+    ``echo`` writes each line read after the prompt (piped input, which no terminal shows)."""
     out = out or sys.stdout
     err = err or sys.stderr
     while True:
         try:
             line = read("> ")
+            if echo:
+                out.write(line + "\n")
+                out.flush()
         except EOFError:
             out.write("\n")
             return 0
@@ -110,12 +115,12 @@ def add_subparser(sub: Any) -> None:
                        description=f"Chat with a model using its chat template. {COMMANDS}.")
     add_engine_args(p)
     p.add_argument("--system", default=None, help="system message at the start of the conversation")
-    add_sampling_args(p, max_tokens=512, temperature=0.7)
+    add_sampling_args(p, from_model=True, max_tokens=512)
     p.set_defaults(func=_run_chat)
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    params = sampling_params(args)
+    params, how = model_sampling(args)
 
     def progress(msg: str) -> None:
         print(f"[infer] {msg}", file=sys.stderr, flush=True)
@@ -127,5 +132,6 @@ def _run_chat(args: argparse.Namespace) -> int:
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401 (line editing and history for input())
+    print(f"[infer] {how}", file=sys.stderr, flush=True)
     print(f"[infer] chatting with {args.model}: {COMMANDS}", file=sys.stderr, flush=True)
-    return chat_loop(ChatSession(llm, params, args.system))
+    return chat_loop(ChatSession(llm, params, args.system), echo=not sys.stdin.isatty())

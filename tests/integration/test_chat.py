@@ -122,6 +122,8 @@ def test_python_m_infer_chat_with_piped_stdin_and_a_speculator(tiny_llama: Path,
     assert proc.returncode == 0, proc.stderr
     first = llm.chat([{"role": "user", "content": "hello"}], PARAMS).text
     assert first in proc.stdout  # greedy n-gram speculation gives the plain greedy answer
+    assert "> hello\n" in proc.stdout and "> and more\n" in proc.stdout  # piped input is echoed
+    assert proc.stdout.index("> hello\n") < proc.stdout.index(first)
     assert proc.stderr.count("acceptance=") == 2 and "tokens/target pass=" in proc.stderr
 
 

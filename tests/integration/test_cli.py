@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.cli import build_parser, main
+from infer.cli import HelpFormatter, build_parser, main, model_sampling
 from infer.engine.config import EngineConfig
 from infer.engine.options import engine_options
 
@@ -195,3 +198,61 @@ def test_structured_output_flags(tiny_llama: Path, llm: LLM, tmp_path: Path, cap
 def test_invalid_grammar_flag_exits_2_naming_it(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(generate_args(tiny_llama, "--regex", "((")) == 2
     assert "structured_output.regex is invalid" in capsys.readouterr().err
+
+
+def test_generate_and_chat_default_to_the_models_suggested_sampling_else_greedy(
+        tiny_llama: Path, llm: LLM, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The tiny model's generation_config.json does not sample: greedy, for both commands.
+    plain = ["generate", "--model", str(tiny_llama), "--prompt", PROMPT, "--dtype", "float32", "--device", "cpu",
+             "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]
+    assert main([*plain, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == llm.generate(PROMPT, greedy())[0].token_ids
+    for command in (["generate", "--prompt", "x"], ["chat"]):
+        params, how = model_sampling(build_parser().parse_args([*command, "--model", str(tiny_llama)]))
+        assert params.greedy and "suggests none: its generation_config.json does not sample" in how
+    # A folder whose generation_config.json samples: its keys, the rest SamplingParams' own; a flag wins.
+    sampled = tmp_path / "sampled"
+    shutil.copytree(tiny_llama, sampled)
+    config = json.loads((sampled / "generation_config.json").read_text())
+    config.update(do_sample=True, temperature=0.6, top_p=0.9, top_k=20)
+    (sampled / "generation_config.json").write_text(json.dumps(config))
+    params, how = model_sampling(build_parser().parse_args(["chat", "--model", str(sampled)]))
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.6, 0.9, 20, 0.0)
+    assert "temperature=0.6, top_k=20, top_p=0.9 from its generation_config.json" in how
+    params, how = model_sampling(build_parser().parse_args(["generate", "--prompt", "x", "--model", str(sampled),
+                                                            "--temperature", "0"]))
+    assert params.greedy and params.top_p == 0.9 and how.startswith("sampling: greedy (top_k=20, top_p=0.9")
+    # A GGUF file's general.sampling.* keys (llama.cpp's), read from its metadata.
+    path = tmp_path / "sampled.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_key_value("general.sampling.temp", 0.8, gguf.GGUFValueType.FLOAT32)
+    writer.add_key_value("general.sampling.min_p", 0.05, gguf.GGUFValueType.FLOAT32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    params, how = model_sampling(build_parser().parse_args(["chat", "--model", str(path)]))
+    assert (params.temperature, round(params.min_p, 6), params.top_p) == (pytest.approx(0.8), 0.05, 1.0)
+    assert "from its GGUF general.sampling.* keys" in how
+
+
+def test_help_shows_every_default_and_no_rest_literals(capsys: pytest.CaptureFixture[str]) -> None:
+    def parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+        found = [parser]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    found += parsers(child)
+        return found
+
+    for parser in parsers(build_parser()):
+        text = parser.format_help()
+        assert "``" not in text, parser.prog
+        formatter = parser._get_formatter()
+        assert isinstance(formatter, HelpFormatter), parser.prog
+        for action in parser._actions:
+            if action.option_strings and action.default is not argparse.SUPPRESS and not action.required:
+                shown = formatter._format_action(action)
+                assert "default" in shown.lower(), (parser.prog, action.option_strings, shown)
+    help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()  # type: ignore[union-attr]
+    assert "--temperature TEMPERATURE" in help_text and "else 0: greedy)" in help_text.replace("\n", " ")
