@@ -9,10 +9,12 @@ fields ``structured_outputs`` / ``guided_json`` / ``guided_regex`` / ``guided_gr
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infer.sampling.params import MAX_LOGPROBS, SamplingParams, short_repr
 from infer.server.errors import APIError, bad_request, from_sampling_error
@@ -44,12 +46,109 @@ class RequestLimits:
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # JSON may carry a lone surrogate ("\ud800"): Python keeps it, UTF-8 cannot encode it. Echoed
+        # (metadata, tools, ...) it made a 500 after the work was done, and a stored response that
+        # answered 500 on every read; elsewhere it failed deep inside. So every string of every body,
+        # ignored fields and keys too, is checked once here. An APIError rather than a ValueError, so
+        # the 400 names the field: pydantic passes other exceptions through to the app's handlers.
+        # (A nested body model checks its part again: a C-speed scan, as cheap as parsing it.)
+        found = lone_surrogate(data)
+        if found is not None:
+            raise bad_request(found[1], param=found[0])
+        return data
+
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
 DEFAULT_LIMITS = RequestLimits()
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any) -> tuple[str, str] | None:
+    """The top-level field and a message naming where ``value`` (parsed JSON) holds a string with a
+    lone surrogate (in a key or a value), or None when every string is valid Unicode.
+
+    Scans run at C speed (``json.dumps`` and a regex): one over the whole value in the common case,
+    and to locate a surrogate, a descent that halves each list (or a dict's items) until one element
+    is left, so a megabyte of small items costs a few dozen scans, not a Python step per item."""
+    try:
+        if not _has_surrogate(value):
+            return None
+    except (TypeError, ValueError, RecursionError):  # not plain JSON data, or deeper than json.dumps goes
+        return _walk(value)
+    item, path = value, ()
+    while True:
+        if isinstance(item, str):
+            bad = _SURROGATE.search(item)
+            return None if bad is None else _located(path, f"a lone surrogate U+{ord(bad.group()):04X} at "
+                                                             f"character {bad.start()}")
+        if isinstance(item, dict):
+            pairs = list(item.items())
+            key, item = pairs[_first_with_surrogate(pairs)]
+            bad = _SURROGATE.search(key) if isinstance(key, str) else None
+            if bad is not None:
+                return _located(path + (key,), f"its key has a lone surrogate U+{ord(bad.group()):04X}")
+            path += (key,)
+        elif isinstance(item, (list, tuple)) and item:
+            index = _first_with_surrogate(item)
+            item, path = item[index], path + (index,)
+        else:
+            return None
+
+
+def _has_surrogate(value: Any) -> bool:
+    return _SURROGATE.search(json.dumps(value, ensure_ascii=False)) is not None
+
+
+def _first_with_surrogate(items: Any) -> int:
+    """The index of the first of ``items`` (a list that holds a lone surrogate) that holds one."""
+    low, high = 0, len(items)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _has_surrogate(items[low:middle]):
+            high = middle
+        else:
+            low = middle
+    return low
+
+
+def _walk(value: Any) -> tuple[str, str] | None:
+    """``lone_surrogate`` for values ``json.dumps`` cannot take: every string visited in turn."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    while stack:  # iterative: a body may nest as deep as the JSON parser allows
+        item, path = stack.pop()
+        if isinstance(item, str):
+            bad = _SURROGATE.search(item)
+            if bad is not None:
+                return _located(path, f"a lone surrogate U+{ord(bad.group()):04X} at character {bad.start()}")
+        elif isinstance(item, dict):
+            for key in item:
+                bad = _SURROGATE.search(key) if isinstance(key, str) else None
+                if bad is not None:
+                    return _located(path + (key,), f"its key has a lone surrogate U+{ord(bad.group()):04X}")
+            stack.extend((child, path + (key,)) for key, child in reversed(item.items()))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((child, path + (i,)) for i, child in reversed(list(enumerate(item))))
+    return None
+
+
+def _located(path: tuple[str | int, ...], problem: str) -> tuple[str, str]:
+    def part(step: str | int) -> str:
+        if isinstance(step, int):
+            return f"[{step}]"
+        return f".{step}" if step.isascii() and step.isidentifier() else f"[{ascii(step)[:40]}]"
+
+    where = "".join(part(step) for step in path).lstrip(".") or "body"
+    if len(where) > 200:  # a path hundreds of levels deep: its ends say where
+        where = f"{where[:100]}…{where[-100:]}"
+    top = path[0] if path else "body"
+    field = top if isinstance(top, str) and _SURROGATE.search(top) is None else ascii(top)[:40]
+    return field, f"{where}: the text is not valid Unicode: {problem}"
 
 
 class SpeculationOptions(BaseModel):
