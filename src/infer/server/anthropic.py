@@ -5,7 +5,8 @@ chat-completions machinery.
 blocks, ``tools`` (``input_schema``), ``tool_choice`` (auto, any, tool, none), ``stop_sequences``,
 ``max_tokens`` and the sampling fields become a chat request; its answer becomes a ``message`` with
 text and ``tool_use`` blocks and Anthropic's ``stop_reason`` (end_turn, max_tokens, stop_sequence,
-tool_use), or with ``stream: true`` Anthropic's events (``message_start``, ``content_block_start``,
+tool_use; a forced tool call whose grammar failed mid-answer is an error, see ``GRAMMAR_ERROR``),
+or with ``stream: true`` Anthropic's events (``message_start``, ``content_block_start``,
 ``content_block_delta`` with ``text_delta`` / ``input_json_delta``, ``content_block_stop``,
 ``message_delta``, ``message_stop``). Errors on these paths, those of the API key and size checks
 included, come in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
@@ -26,13 +27,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer.sampling.params import short_repr
 from infer.server.bridge import ChatHandler, chat_request, chunks, documented, run_chat
-from infer.server.errors import bad_request
-from infer.server.protocol import _Body, check_model
+from infer.server.errors import APIError, bad_request
+from infer.server.protocol import SpeculationOptions, _Body, check_model
 from infer.server.tools import prompt_messages
 
 PATH = "/v1/messages"
 _PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "tools"}
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# A forced tool call (the only grammar on this route) whose grammar could not go on mid-answer
+# (finish_reason grammar_error): the input is cut off and matches no schema. Anthropic has no stop
+# reason that says so (end_turn would pass it off as a finished call; refusal and pause_turn mean
+# other things), so it is an invalid_request_error: a 400 whole, an `error` event in a stream.
+GRAMMAR_ERROR = ("the forced tool call could not follow its input_schema to the end: the grammar engine hit one "
+                 "of its limits mid-answer (simplify the tool's input_schema)")
 # HTTP status -> Anthropic's error type.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -64,6 +71,7 @@ class MessagesRequest(_Body):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     seed: int | None = Field(default=None, description="extension")
+    speculation: SpeculationOptions | None = Field(default=None, description="extension: see /v1/chat/completions")
 
 
 class CountTokensRequest(_Body):
@@ -85,6 +93,9 @@ def install(app: FastAPI, chat: ChatHandler, model_name: str, engine: Any, auth:
         answer = await run_chat(chat, request, http, _PARAMS)
         message_id = f"msg_{uuid.uuid4().hex}"
         if isinstance(answer, dict):
+            if answer["choices"][0]["finish_reason"] == "grammar_error":
+                # Not a refusal: the request ran (its finish reason is counted in /metrics).
+                raise APIError(400, GRAMMAR_ERROR, param="tools", code="grammar_error", refused=False)
             return JSONResponse(_message(message_id, model_name, answer))
         if isinstance(answer, StreamingResponse):
             answer.body_iterator = _events(message_id, model_name, chunks(answer.body_iterator))
@@ -125,6 +136,8 @@ def _chat_body(body: MessagesRequest) -> dict[str, Any]:
         value = getattr(body, name)
         if value is not None:
             out[name] = value
+    if body.speculation is not None:
+        out["speculation"] = body.speculation.model_dump()
     if body.stop_sequences:
         out["stop"] = body.stop_sequences
     if body.tools:
@@ -289,6 +302,9 @@ async def _events(message_id: str, model: str, source: AsyncIterator[dict[str, A
             if piece:
                 yield _sse("content_block_delta", {"index": blocks, "delta": {"type": "input_json_delta",
                                                                               "partial_json": piece}})
+        if choice.get("finish_reason") == "grammar_error":
+            yield _sse("error", {"error": {"type": "invalid_request_error", "message": GRAMMAR_ERROR}})
+            return
         if choice.get("finish_reason") is not None:
             stop = _stop(choice)
 

@@ -117,6 +117,7 @@ def build_app(config: EngineConfig, served_model_name: str, api_key: str | None,
 def create_app(engine: Engine | EngineProcess, served_model_name: str, api_key: str | None, *,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, request_limits: RequestLimits | None = None,
                max_stored_responses: int = responses.DEFAULT_MAX_STORED_RESPONSES,
+               max_stored_response_bytes: int = responses.DEFAULT_MAX_STORED_RESPONSE_BYTES,
                metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None = None) -> FastAPI:
     """An app serving ``engine`` as ``served_model_name``; ``api_key`` guards /v1/* when set.
 
@@ -125,7 +126,8 @@ def create_app(engine: Engine | EngineProcess, served_model_name: str, api_key: 
     running then end with an error. ``app.state.service.begin_drain`` starts a graceful shutdown.
     ``metrics_exposition`` replaces what /metrics answers (a Ray Serve replica answers with every
     replica's metrics, not only its own). ``max_stored_responses``: how many /v1/responses answers
-    are kept for ``previous_response_id``.
+    are kept for ``previous_response_id``; ``max_stored_response_bytes``: how many bytes of JSON they
+    may take in all.
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: pass None to serve without a key")
@@ -214,7 +216,7 @@ def create_app(engine: Engine | EngineProcess, served_model_name: str, api_key: 
 
     # The other dialects translate to and from the chat route (their own modules); the Anthropic
     # one's error-shape middleware goes outermost, so the API key and size refusals get it too.
-    responses.install(app, api.chat, served_model_name, max_stored_responses, auth)
+    responses.install(app, api.chat, served_model_name, max_stored_responses, auth, max_stored_response_bytes)
     tokenize.install(app, engine, served_model_name, auth)
     anthropic.install(app, api.chat, served_model_name, engine, auth)
 

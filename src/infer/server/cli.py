@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # app.DEFAULT_MAX_REQUEST_BYTES (not imported: keeps `infer --help` fast)
 DEFAULT_MAX_STORED_RESPONSES = 1024  # responses.DEFAULT_MAX_STORED_RESPONSES (likewise)
+DEFAULT_MAX_STORED_RESPONSE_BYTES = 256 << 20  # responses.DEFAULT_MAX_STORED_RESPONSE_BYTES (likewise)
 # connections.HTTPLimits' defaults, for the same reason (a test checks they agree)
 HTTP_LIMIT_DEFAULTS = {"max_header_bytes": 32 * 1024, "max_headers": 100, "read_timeout_s": 30.0,
                        "keep_alive_timeout_s": 5.0, "max_connections": 1024}
@@ -43,6 +44,9 @@ def add_subparser(subparsers: Any) -> None:
     p.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
                    help="/v1/responses answers kept in memory for previous_response_id and GET /v1/responses/{id}, "
                         "oldest dropped first; 0 stores none (default: %(default)s)")
+    p.add_argument("--max-stored-response-bytes", type=int, default=DEFAULT_MAX_STORED_RESPONSE_BYTES,
+                   help="the bytes those stored responses may take in all (each one's JSON and its conversation's), "
+                        "oldest dropped first; a response larger than this is not stored (default: %(default)s)")
     limits = p.add_argument_group("connection limits (one-process server; Ray Serve's proxy has its own)")
     limits.add_argument("--max-header-bytes", type=int, default=HTTP_LIMIT_DEFAULTS["max_header_bytes"],
                         help="a request line plus headers larger than this gets HTTP 431 and the connection closed "
@@ -187,8 +191,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return fail(str(err))
     if args.max_request_bytes < 1 or args.shutdown_timeout < 0:
         return fail("--max-request-bytes must be >= 1 and --shutdown-timeout >= 0")
-    if args.max_stored_responses < 0:
-        return fail("--max-stored-responses must be >= 0")
+    if args.max_stored_responses < 0 or args.max_stored_response_bytes < 0:
+        return fail("--max-stored-responses and --max-stored-response-bytes must be >= 0")
     if args.api_key is None and not is_loopback(args.host):
         say(f"WARNING: serving on {args.host} WITHOUT an API key: anyone who can reach this port can use the "
             "model. Set INFER_API_KEY (or --api-key) to require one.")
@@ -231,7 +235,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     # The model loads here, on the main thread, as before (Ctrl-C interrupts it).
     with BackgroundServer(loading_app(), sock=sock, limits=limits, log_level=args.log_level, graceful_shutdown_s=1):
         app = build_app(engine_config(args), name, args.api_key, say=say, max_request_bytes=args.max_request_bytes,
-                        request_limits=request_limits_from(args), max_stored_responses=args.max_stored_responses)
+                        request_limits=request_limits_from(args), max_stored_responses=args.max_stored_responses,
+                        max_stored_response_bytes=args.max_stored_response_bytes)
     host = f"[{args.host}]" if ":" in args.host else args.host
     port = sock.getsockname()[1]
     ready = f"serving {name!r} at http://{host}:{port}/v1" + (" (API key required)" if args.api_key else "")

@@ -215,7 +215,8 @@ def infer_deployment(args: argparse.Namespace, scale: ScaleOut, hub: Any) -> Any
         publisher = MetricsPublisher(hub, replica)
         app = build_app(engine_config(args), args.served_model_name, args.api_key, say=say,
                         max_request_bytes=args.max_request_bytes, metrics_exposition=publisher.exposition,
-                        request_limits=request_limits_from(args), max_stored_responses=args.max_stored_responses)
+                        request_limits=request_limits_from(args), max_stored_responses=args.max_stored_responses,
+                        max_stored_response_bytes=args.max_stored_response_bytes)
         publisher.start(app.state.metrics)
         return app
 

@@ -8,10 +8,12 @@ SDK parses (``response.created``, ``response.output_item.added``, ``response.out
 ``response.function_call_arguments.delta``, ``response.completed``, ...).
 
 With ``store`` (OpenAI's default: true) the response and the conversation that led to it are kept
-in a bounded in-memory store, oldest first out, so a later request can continue it with
-``previous_response_id`` (an id not, or no longer, stored is a 404 naming it) and
-``GET /v1/responses/{id}`` reads it back. The store is this process's: it is lost on restart and
-not shared between replicas.
+in an in-memory store bounded by count and by bytes (their JSON), oldest first out, so a later
+request can continue it with ``previous_response_id`` (an id not, or no longer, stored is a 404
+naming it) and ``GET /v1/responses/{id}`` reads it back. The store is this process's: it is lost
+on restart and not shared between replicas. What a response echoes is bounded too: ``metadata`` as
+OpenAI bounds it, and ``tools``, ``tool_choice`` and ``text.format`` without keys this route does
+not know.
 """
 
 from __future__ import annotations
@@ -26,15 +28,29 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from infer.sampling.params import short_repr
 from infer.server.bridge import ChatHandler, chat_request, chunks, documented, run_chat
 from infer.server.errors import APIError, bad_request
-from infer.server.protocol import _Body, check_model
+from infer.server.protocol import SpeculationOptions, _Body, check_model
 
-# The stored responses an `infer serve` keeps for previous_response_id (oldest dropped first).
+# The stored responses an `infer serve` keeps for previous_response_id (oldest dropped first), and
+# the bytes they may take in all (each response's JSON and its conversation's).
 DEFAULT_MAX_STORED_RESPONSES = 1024
+DEFAULT_MAX_STORED_RESPONSE_BYTES = 256 << 20
+# OpenAI's bounds on metadata: at most 16 pairs, keys of at most 64 characters, string values of at most 512.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+# The keys of the objects a response echoes that this route knows (OpenAI's, for what it supports).
+# Any other is a 400 rather than kept: these objects are stored and echoed whole, so an unknown key
+# would be unbounded storage that does nothing, and OpenAI refuses unknown parameters too; a
+# misspelt "strict" or "parameters" would otherwise be silently ignored.
+_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+_TOOL_CHOICE_KEYS = frozenset({"type", "name"})
+_FORMAT_KEYS = {"text": frozenset({"type"}), "json_object": frozenset({"type"}),
+                "json_schema": frozenset({"type", "name", "description", "schema", "strict"})}
+GRAMMAR_ERROR = ("the output could not follow its format to the end: the grammar engine hit one of its limits "
+                 "mid-answer; the output so far is kept, and does not match the format")
 # Chat request field -> the Responses field a client set, for the `param` of an error.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
            "response_format": "text.format"}
@@ -68,49 +84,108 @@ class ResponsesRequest(_Body):
     seed: int | None = Field(default=None, description="extension")
     stop: str | list[str] | None = Field(default=None, description="extension")
     cache_salt: str | None = Field(default=None, min_length=1, description="extension: see /v1/chat/completions")
+    speculation: SpeculationOptions | None = Field(default=None, description="extension: see /v1/chat/completions")
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"{len(value)} pairs; at most {MAX_METADATA_PAIRS}")
+        for key, item in value.items():
+            if len(key) > MAX_METADATA_KEY:
+                raise ValueError(f"key {short_repr(key, 40)} is longer than {MAX_METADATA_KEY} characters")
+            if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
+                shown = f"a {type(item).__name__}" if not isinstance(item, str) else f"{len(item)} characters"
+                raise ValueError(f"the value of {short_repr(key, 40)} must be a string of at most "
+                                 f"{MAX_METADATA_VALUE} characters (got {shown})")
+        return value
+
+
+def _json(value: Any) -> bytes:
+    # As Starlette's JSONResponse renders, so a stored response reads back as it was answered.
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
 @dataclass
 class _Stored:
-    response: dict[str, Any]
-    conversation: list[dict[str, Any]]  # chat messages: the inputs (without instructions) and the answer
+    """A stored response and its conversation (chat messages: the inputs, without instructions, and
+    the answer), kept as their JSON: what the store's byte budget counts is what it holds, and a
+    response read back is an independent copy."""
+
+    raw_response: bytes
+    raw_conversation: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.raw_response) + len(self.raw_conversation)
+
+    @property
+    def response(self) -> dict[str, Any]:
+        return json.loads(self.raw_response)  # type: ignore[no-any-return]
+
+    @property
+    def conversation(self) -> list[dict[str, Any]]:
+        return json.loads(self.raw_conversation)  # type: ignore[no-any-return]
 
 
 class ResponseStore:
-    """The last ``capacity`` stored responses by id (least recently stored or read dropped first)."""
+    """At most ``capacity`` stored responses by id, of at most ``max_bytes`` in all (least recently
+    stored or read dropped first)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES) -> None:
         if capacity < 0:
             raise ValueError(f"max_stored_responses={capacity} must be >= 0")
+        if max_bytes < 0:
+            raise ValueError(f"max_stored_response_bytes={max_bytes} must be >= 0")
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0  # the JSON of everything stored
         self._items: OrderedDict[str, _Stored] = OrderedDict()
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
+        """Store ``response``, dropping the oldest until both caps hold; False (nothing stored, nothing
+        dropped) when the store keeps none or this one alone is larger than the whole byte budget."""
         if self.capacity == 0:
-            return
-        self._items[response["id"]] = _Stored(response, conversation)
-        self._items.move_to_end(response["id"])
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+            return False
+        stored = _Stored(_json(response), _json(conversation))
+        if stored.size > self.max_bytes:
+            return False
+        self._remove(response["id"])
+        self._items[response["id"]] = stored
+        self.bytes += stored.size
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            self._remove(next(iter(self._items)))
+        return True
 
     def get(self, response_id: str, param: str | None = None) -> _Stored:
         stored = self._items.get(response_id)
         if stored is None:
             raise APIError(404, f"no stored response with id {short_repr(response_id)} (never stored, or dropped: "
-                                f"the server keeps the last {self.capacity})", param=param, code="not_found")
+                                f"the server keeps the last {self.capacity}, {self.max_bytes} bytes in all)",
+                           param=param, code="not_found")
         self._items.move_to_end(response_id)
         return stored
 
     def delete(self, response_id: str) -> None:
         self.get(response_id, "response_id")
-        del self._items[response_id]
+        self._remove(response_id)
+
+    def _remove(self, response_id: str) -> None:
+        stored = self._items.pop(response_id, None)
+        if stored is not None:
+            self.bytes -= stored.size
 
 
 def install(app: FastAPI, chat: ChatHandler, model_name: str, max_stored: int = DEFAULT_MAX_STORED_RESPONSES,
-            auth: bool = False) -> None:
+            auth: bool = False, max_stored_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES) -> None:
     """Add /v1/responses (and GET/DELETE /v1/responses/{id}) to ``app``; ``chat`` is the chat
     route's handler; ``auth``: the app requires an API key (documented as a 401)."""
-    store = ResponseStore(max_stored)
+    store = ResponseStore(max_stored, max_stored_bytes)
     app.state.responses = store
 
     @app.post("/v1/responses", response_model=None, tags=["responses"],
@@ -125,8 +200,8 @@ def install(app: FastAPI, chat: ChatHandler, model_name: str, max_stored: int = 
         shell = _shell(body, model_name)
         if isinstance(answer, dict):
             response = _complete(shell, answer)
-            if body.store:
-                store.put(response, conversation + [_assistant(response["output"])])
+            if body.store and not store.put(response, conversation + [_assistant(response["output"])]):
+                response["store"] = False  # too large for the store (or it keeps none): say so
             return JSONResponse(response)
         if isinstance(answer, StreamingResponse):
             answer.body_iterator = _events(shell, chunks(answer.body_iterator), store if body.store else None, conversation)
@@ -134,8 +209,8 @@ def install(app: FastAPI, chat: ChatHandler, model_name: str, max_stored: int = 
 
     @app.get("/v1/responses/{response_id}", response_model=None, tags=["responses"],
              responses=documented((401, 404), auth))
-    async def retrieve(response_id: str) -> dict[str, Any]:
-        return store.get(response_id, "response_id").response
+    async def retrieve(response_id: str) -> Response:
+        return Response(store.get(response_id, "response_id").raw_response, media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}", response_model=None, tags=["responses"],
                 responses=documented((401, 404), auth))
@@ -165,6 +240,8 @@ def _chat_body(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> di
         value = getattr(body, name)
         if value is not None:
             out[name] = value
+    if body.speculation is not None:
+        out["speculation"] = body.speculation.model_dump()
     if body.tools:
         out["tools"] = [_tool(t) for t in body.tools]
     if body.tool_choice is not None:
@@ -175,11 +252,19 @@ def _chat_body(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> di
     return out
 
 
+def _known_keys(given: dict[str, Any], known: frozenset[str], where: str, param: str) -> None:
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise bad_request(f"{where} has unknown keys {short_repr(unknown, 80)} (it takes {', '.join(sorted(known))})",
+                          param=param, code="unknown_parameter")
+
+
 def _tool(tool: dict[str, Any]) -> dict[str, Any]:
     if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
         raise bad_request(f"tool of type {short_repr(tool.get('type'))} is not supported: only function tools "
                           "({\"type\": \"function\", \"name\": ..., \"parameters\": ...})", param="tools",
                           code="unsupported_parameter")
+    _known_keys(tool, _TOOL_KEYS, "a function tool", "tools")
     fn = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
     if tool.get("description") is not None:
         fn["description"] = tool["description"]
@@ -190,6 +275,7 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
     if isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        _known_keys(choice, _TOOL_CHOICE_KEYS, "tool_choice", "tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
     raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
                       param="tool_choice")
@@ -197,6 +283,8 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
 
 def _format(fmt: Any) -> dict[str, Any]:
     kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in _FORMAT_KEYS:
+        _known_keys(fmt, _FORMAT_KEYS[kind], f"text.format {kind}", "text.format")
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
@@ -301,9 +389,14 @@ def _call_item(call: dict[str, Any], arguments: str, status: str = "completed") 
 
 def _finish(response: dict[str, Any], finish_reason: str | None, usage: dict[str, Any] | None,
             speculative: dict[str, Any] | None) -> dict[str, Any]:
+    """The response's status from the chat answer's finish reason: ``length`` is incomplete
+    (max_output_tokens), ``grammar_error`` failed (the output does not match its format, so it is
+    not a completed answer, and no other reason a client parses says so) with the text so far."""
     cut = finish_reason == "length"
-    response["status"] = "incomplete" if cut else "completed"
+    response["status"] = "incomplete" if cut else "failed" if finish_reason == "grammar_error" else "completed"
     response["incomplete_details"] = {"reason": "max_output_tokens"} if cut else None
+    if finish_reason == "grammar_error":
+        response["error"] = {"code": "grammar_error", "message": GRAMMAR_ERROR}
     response["usage"] = None if usage is None else _usage(usage)
     if speculative is not None:
         response["speculative"] = speculative  # extension, as on the chat route
@@ -390,10 +483,9 @@ async def _events(shell: dict[str, Any], source: AsyncIterator[dict[str, Any]], 
         if not chunk.get("choices"):  # the usage chunk: the last
             response = _finish({**shell, "output": output}, finish_reason, chunk.get("usage"),
                                chunk.get("speculative"))
-            if store is not None:
-                store.put(response, conversation + [_assistant(output)])
-            yield emit("response.incomplete" if response["status"] == "incomplete" else "response.completed",
-                       response=response)
+            if store is not None and not store.put(response, conversation + [_assistant(output)]):
+                response["store"] = False  # too large for the store (or it keeps none): say so
+            yield emit(f"response.{response['status']}", response=response)
             return
         choice = chunk["choices"][0]
         delta = choice.get("delta") or {}
