@@ -19,7 +19,10 @@ from infer.kernels import build, quant
 from infer.kernels.build import KernelUnavailable
 from infer.kernels.quant import QUANT_TYPES, QuantKernels, QuantWeight
 
-X86_VARIANTS = [v.name for v in build.QUANT_VARIANTS if v.machine in ("x86_64", None)]
+# Every x86 variant, the emulated tile ones included (the tile path's code on every machine); the
+# real AMX one only where the CPU has it (test_quant_tiles.py checks it compiles everywhere).
+X86_VARIANTS = [v.name for v in build.QUANT_VARIANTS if v.machine in ("x86_64", None)
+                and (v.name != "avx512-amx" or not build.missing_cpu_flags(v))]
 TYPES = list(QUANT_TYPES)
 # gguf-py quantizes these; the K types it only dequantizes (their test data: random_blocks)
 GGUF_QUANTIZES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")
@@ -39,14 +42,23 @@ def qk(request: pytest.FixtureRequest) -> QuantKernels:
 
 
 def test_every_x86_variant_runs_on_an_avx512_vnni_cpu() -> None:
-    """The project's x86 test machines have AVX-512 VNNI: there all three x86 variants run (AVX2 and
-    portable are built for fewer instructions than the CPU has), so none goes untested."""
+    """The project's x86 test machines have AVX-512 VNNI: there every x86 variant but AMX runs (AVX2 and
+    portable are built for fewer instructions than the CPU has, the emulated tile variants need no
+    AMX), so none goes untested; AMX where the CPU has it. The default is AVX-512 VNNI, or AMX where
+    the CPU has it and the OS grants tile state."""
     if "avx512_vnni" not in build.cpu_flags():
         pytest.skip("no AVX-512 VNNI on this CPU")
     runnable = [v.name for v in build.QUANT_VARIANTS if not build.missing_cpu_flags(v)]
-    assert runnable == ["avx512-vnni", "avx2", "portable"]
+    has_amx = {"amx_tile", "amx_int8"} <= build.cpu_flags()
+    assert runnable == [*(["avx512-amx"] if has_amx else []), "avx512-vnni", "avx2", "portable", "avx512-amx-emu",
+                        "portable-amx-emu"]
     best = quant.quant_kernels()
-    assert best is not None and best.variant.name == "avx512-vnni" and quant.quant_unavailable_reason() == ""
+    assert best is not None and quant.quant_unavailable_reason() == ""
+    if has_amx and not quant.quant_selection_note():
+        assert best.variant.name == "avx512-amx"
+    else:  # no AMX, or the OS refused it (the note says so)
+        assert best.variant.name == "avx512-vnni"
+        assert has_amx or quant.quant_selection_note() == ""
 
 
 def _weight(qtype: str, rows: int, in_features: int, seed: int, from_gguf: bool) -> torch.Tensor:

@@ -71,17 +71,28 @@ VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 
 # The quantized matrix-vector kernels (quant_kernels.c, infer.kernels.quant), best first. Each
 # holds every GGUF block type; only the int8 dot product and the nibble unpacking differ per ISA.
-QUANT_SOURCES = (_HERE / "quant_kernels.c", _HERE / "quant_x8.h", _HERE / "quant_x8_impl.h", _HERE / "thread_pool.h")
+QUANT_SOURCES = (_HERE / "quant_kernels.c", _HERE / "quant_x8.h", _HERE / "quant_x8_impl.h", _HERE / "quant_tiles.h",
+                 _HERE / "thread_pool.h")
 _QUANT_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
+_VNNI_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")
+_VNNI_CPU = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c")
+# The tile variants (quant_tiles.h): AMX for the 32-value types' calls of 2 rows or more, AVX-512
+# VNNI for the rest; it also needs the OS to grant tile state, asked at load (quant.py). The
+# emulated ones run the same tile code through C, on any CPU of their vectors: never chosen by
+# default (quant.EMULATED), forced by name for the tests.
 QUANT_VARIANTS = (
-    Variant("avx512-vnni", "AVX-512 VNNI quantized kernels", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-            "-mavx2", "-mfma", "-mf16c"), ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"),
-            _QUANT_DTYPES, QUANT_SOURCES),
+    Variant("avx512-amx", "AMX tile and AVX-512 VNNI quantized kernels", (*_VNNI_FLAGS, "-mamx-tile", "-mamx-int8"),
+            (*_VNNI_CPU, "amx_tile", "amx_int8"), _QUANT_DTYPES, QUANT_SOURCES),
+    Variant("avx512-vnni", "AVX-512 VNNI quantized kernels", _VNNI_FLAGS, _VNNI_CPU, _QUANT_DTYPES, QUANT_SOURCES),
     Variant("avx2", "AVX2 quantized kernels", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"),
             _QUANT_DTYPES, QUANT_SOURCES),
     Variant("neon-dotprod", "ARM NEON dot-product quantized kernels", ("-march=armv8.2-a+dotprod",), ("asimddp",),
             _QUANT_DTYPES, QUANT_SOURCES, machine="aarch64"),
     Variant("portable", "portable C quantized kernels", (), (), _QUANT_DTYPES, QUANT_SOURCES, machine=None),
+    Variant("avx512-amx-emu", "emulated AMX tile (C) and AVX-512 VNNI quantized kernels",
+            (*_VNNI_FLAGS, "-DX8_TILES_EMU"), _VNNI_CPU, _QUANT_DTYPES, QUANT_SOURCES),
+    Variant("portable-amx-emu", "emulated AMX tile and portable C quantized kernels", ("-DX8_TILES_EMU",), (),
+            _QUANT_DTYPES, QUANT_SOURCES, machine=None),
 )
 
 

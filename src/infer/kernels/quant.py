@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,12 @@ QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
     QuantType("Q6_K", 14, 256, 210, 1680),
 )}
 X8_ROWS = 8  # weight rows per x8 group
+# The variants whose 32-value types' calls of 2 rows or more run on matrix tiles (quant_tiles.h):
+# AMX's, and the C emulation of it that runs the same tile code anywhere (the tests' way to check the
+# tile path where there is no AMX). The emulated ones are never the default, only forced by name.
+EMULATED = ("avx512-amx-emu", "portable-amx-emu")
+TILE_VARIANTS = ("avx512-amx", *EMULATED)
+TILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")  # the K types stay on the vectors (quant_kernels.c says why)
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,15 @@ class QuantKernels:
             repack.argtypes, repack.restype = [pointer, size, size, pointer], None
         lib.infer_quant_set_stream_prefetch.argtypes = [ctypes.c_int]
         lib.infer_quant_set_stream_prefetch.restype = ctypes.c_int
+        self.tiles: str | None = None  # "amx" or "emu": how this library's tile primitives run
+        if variant.name in TILE_VARIANTS:
+            lib.infer_quant_tiles.argtypes, lib.infer_quant_tiles.restype = [], ctypes.c_char_p
+            lib.infer_quant_tile_permission.argtypes, lib.infer_quant_tile_permission.restype = [], ctypes.c_int
+            lib.infer_quant_tile_products.argtypes, lib.infer_quant_tile_products.restype = [], ctypes.c_int64
+            lib.infer_quant_tile_selftest.argtypes = [pointer, ctypes.c_int, ctypes.c_int, size, pointer, ctypes.c_int,
+                                                      ctypes.c_int, pointer]
+            lib.infer_quant_tile_selftest.restype = ctypes.c_int
+            self.tiles = (lib.infer_quant_tiles() or b"").decode()
         # A decode step's tiles each stream a run of weight groups, with software prefetches or with
         # the hardware prefetcher alone. The engine's passes measure which is faster where they run
         # (kernels.cpu.STREAMS); this is the setting of calls outside them: on AMD's cores the
@@ -171,6 +187,34 @@ class QuantKernels:
 
     def __repr__(self) -> str:
         return f"QuantKernels({self.variant.name})"
+
+    def request_tiles(self) -> int:
+        """Asks the OS for tile state (once per process; AMX needs it, the emulation does not) and turns
+        the tile path on where granted: 0, or the errno of the refusal."""
+        if self.tiles is None:
+            raise ValueError(f"the {self.variant.name} quantized kernels have no tiles")
+        return int(self.lib.infer_quant_tile_permission())
+
+    def tile_products(self) -> int:
+        """How many products have run on tiles in this process (0 for a library without them)."""
+        return 0 if self.tiles is None else int(self.lib.infer_quant_tile_products())
+
+    def tile_dot(self, a: np.ndarray, b: np.ndarray, c: np.ndarray, op: str = "su") -> int:
+        """One tile product through this library's tile primitives (the tests' check of them): ``c``
+        (int32 [m, n], updated in place) += ``a`` (int8 or uint8 [m, K]: A, rows of K bytes) times
+        ``b`` (uint8 or int8 [K / 4, 4n]: B in VNNI layout), with A's and B's bytes read as signed
+        or unsigned as ``op`` says ("su": tdpbsud, "ss": tdpbssd, "us": tdpbusd). Returns the C
+        function's code: 0 done, 1 shapes no tile holds, 2 the tiles are not usable here."""
+        if self.tiles is None:
+            raise ValueError(f"the {self.variant.name} quantized kernels have no tiles")
+        ops = {"su": 0, "ss": 1, "us": 2}
+        m, kbytes = a.shape
+        n = c.shape[1]
+        if a.dtype.itemsize != 1 or b.dtype.itemsize != 1 or c.dtype != np.int32 or b.shape != (kbytes // 4, 4 * n) \
+                or c.shape[0] != m or not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous):
+            raise ValueError("tile_dot takes contiguous bytes a [m, K], b [K / 4, 4n] and int32 c [m, n]")
+        return int(self.lib.infer_quant_tile_selftest(a.ctypes.data, m, kbytes, kbytes, b.ctypes.data, n, ops[op],
+                                                      c.ctypes.data))
 
     def _function(self, name: str, weight: QuantWeight) -> Any:
         """This library's ``<name>_x8_<type>`` for ``weight`` (checked first)."""
@@ -490,6 +534,14 @@ def _load(name: str) -> QuantKernels:
         kernels = QuantKernels(variant, build.load(variant))
     except KernelUnavailable as err:
         raise KernelUnavailable(f"{name}: {err}") from None
+    if kernels.tiles is not None:
+        # AMX's register file is process state Linux hands out only on request; a VM or kernel
+        # that does not enable it refuses, and the tiles would fault: the variant is refused.
+        refusal = kernels.request_tiles()
+        if refusal:
+            raise KernelUnavailable(f"{name}: the CPU has AMX but the OS does not grant this process tile state "
+                                    f"(arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): "
+                                    f"{os.strerror(refusal) if refusal > 0 else 'failed'})")
     failure = _probe(kernels)
     if failure is not None:
         raise KernelUnavailable(f"{name}: probe failed: {failure}")
@@ -497,21 +549,31 @@ def _load(name: str) -> QuantKernels:
 
 
 @functools.cache
-def _best() -> tuple[QuantKernels | None, str]:
-    refused = []
+def _best() -> tuple[QuantKernels | None, str, str]:
+    """The default choice, why nothing runs ("" where something does), and why better variants
+    whose CPU flags this CPU has were refused (their build, the OS's tile permission, a probe)."""
+    refused: list[str] = []
+    notes: list[str] = []
     for variant in build.QUANT_VARIANTS:
+        if variant.name in EMULATED:
+            continue
+        has_flags = not build.missing_cpu_flags(variant)
         try:
-            return _load(variant.name), ""
+            return _load(variant.name), "", "; ".join(notes)
         except KernelUnavailable as err:
             refused.append(str(err))
+            if has_flags:
+                notes.append(str(err))
         except Exception as err:  # anything else a build can raise must still not break a model load
             refused.append(f"{variant.name}: {type(err).__name__}: {err}")
-    return None, "; ".join(refused)
+            if has_flags:
+                notes.append(refused[-1])
+    return None, "; ".join(refused), ""
 
 
 def quant_kernels(variant: str | None = None) -> QuantKernels | None:
-    """The quantized kernels: by default the best variant this CPU runs (None where none does;
-    ``quant_unavailable_reason()`` says why). A named variant is that one or an error:
+    """The quantized kernels: by default the best variant this CPU runs, never an emulated one
+    (None where none does; ``quant_unavailable_reason()`` says why). A named variant is that one or an error:
     ValueError for an unknown name, KernelUnavailable naming why it cannot run here."""
     if variant is None:
         return _best()[0]
@@ -526,12 +588,19 @@ def quant_unavailable_reason() -> str:
     return _best()[1]
 
 
+def quant_selection_note() -> str:
+    """Why the default choice is not a better variant whose CPU flags this CPU has, one line per
+    such variant joined by '; ' ("" where none was refused): the CPU has AMX but the OS does not
+    grant tile state, say. The startup line adds it to the kernels it names."""
+    return _best()[2]
+
+
 def reset() -> None:
     """Forget the choice (tests that fake another CPU or compiler call this; ``infer.kernels.reset`` does)."""
     _load.cache_clear()
     _best.cache_clear()
 
 
-__all__ = ["ACTIVATION_BLOCK", "QUANT_TYPES", "QuantKernels", "QuantType", "QuantWeight", "decode_weight",
-           "dequantize_reference", "quant_kernels", "quant_unavailable_reason", "reference_linear",
-           "reference_linear_x8", "reset"]
+__all__ = ["ACTIVATION_BLOCK", "EMULATED", "QUANT_TYPES", "TILE_TYPES", "TILE_VARIANTS", "QuantKernels", "QuantType",
+           "QuantWeight", "decode_weight", "dequantize_reference", "quant_kernels", "quant_selection_note",
+           "quant_unavailable_reason", "reference_linear", "reference_linear_x8", "reset"]

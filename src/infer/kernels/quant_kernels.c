@@ -18,17 +18,36 @@
  */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX2__) && \
     defined(__FMA__) && defined(__F16C__)
-#define QISA "avx512-vnni"
+#define QISA_VECTORS "avx512-vnni"
 #define Q_X86 1
 #define Q_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define QISA "avx2"
+#define QISA_VECTORS "avx2"
 #define Q_X86 1
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
-#define QISA "neon-dotprod"
+#define QISA_VECTORS "neon-dotprod"
 #define Q_NEON 1
 #else
-#define QISA "portable"
+#define QISA_VECTORS "portable"
+#endif
+/* Matrix tiles (quant_tiles.h) for the 32-value types' calls of 2 rows or more: AMX's where the
+ * build has its instructions (on AVX-512 VNNI, which keeps the 1-row calls and the K types), or
+ * the C emulation of them where the build asks for it (-DX8_TILES_EMU: the same tile code on any
+ * CPU, for the tests). */
+#if defined(Q_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(X8_TILES_EMU)
+#define X8_TILES 1
+#define X8_TILES_AMX 1
+#define QISA "avx512-amx"
+#elif defined(X8_TILES_EMU)
+#define X8_TILES 1
+#if defined(Q_VNNI)
+#define QISA "avx512-amx-emu"
+#else
+#define QISA QISA_VECTORS "-amx-emu"
+#endif
+#else
+#define X8_TILES 0
+#define QISA QISA_VECTORS
 #endif
 
 #include <stdint.h>
@@ -75,6 +94,25 @@ static inline uint32_t read_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
 /* ---------------------------------------------------------------------------------------------
  * The x8 layout (quant_x8.h): its per-ISA vectors and the activations' quantization. */
 #include "quant_x8.h"
+#if X8_TILES
+#include "quant_tiles.h"
+/* Whether the 32-value types' calls of 2 rows or more take the tiles: the emulation always; AMX
+ * once the OS has granted this process tile state (infer_quant_tile_permission), so a caller that
+ * never asked gets the vectors' path, the same bits, rather than a fault. */
+#if defined(X8_TILES_AMX)
+static int x8_tiles_on = 0;
+#else
+static int x8_tiles_on = 1;
+#endif
+static int64_t x8_tile_products = 0; /* products run on tiles (the tests check the path is taken) */
+/* Activation rows whose accumulators a tile job keeps (in memory: 16 A tiles' rows x 2 vectors of
+ * 16 floats, 8 KB) while it takes the blocks in order: the weights of a block are unpacked once
+ * for all of them. */
+#ifndef X8_TILE_SPAN
+#define X8_TILE_SPAN 64
+#endif
+_Static_assert(X8_TILE_SPAN % XT_ROWS == 0 && X8_NZ_MAX >= 2, "whole A tiles; two two-group vectors per tile");
+#endif
 
 /* The 32-value block b's activation values at 4-byte unit u (values 4u .. 4u + 3) of row r. */
 static inline GX x8_x(const X8Act *a, int64_t r, int64_t b, int u) { return gx_load(a->q + r * a->k + b * QK + 4 * u); }
@@ -131,6 +169,21 @@ static inline __attribute__((always_inline)) void x8_scale_sums(const uint8_t *c
         for (int r = 0; r < R; r++) acc[r][z] = gf_fma_i(acc[r][z], isum[r][z], gf_mul(dw, gf_set1(x8_dx(a, r0 + r, b))));
     }
 }
+/* The tile path's B operand (quant_tiles.h) of one 32-value block of the two groups at g0 and g1:
+ * 8 rows of 64 bytes at dst, row kk = the 16 weight rows' values 4kk .. 4kk + 3 (unsigned bytes;
+ * rows 0-3 the low nibbles, 4-7 the high ones, as x8_nibble_dots pairs them with the activations). */
+static inline __attribute__((always_inline)) void x8_nibble_units(const uint8_t *g0, const uint8_t *g1, int qs, int fifth,
+                                                                  uint8_t *dst) {
+    for (int u = 0; u < 4; u++) {
+        GW w = gw_load(g0 + qs + 32 * u, g1 + qs + 32 * u), lo = gw_lo(w), hi = gw_hi(w);
+        if (fifth >= 0) {
+            GW h = gw_load(g0 + fifth, g1 + fifth);
+            lo = gw_or(lo, gw_field(h, u, 1)), hi = gw_or(hi, gw_field(h, 4 + u, 1));
+        }
+        gw_store(dst + 64 * u, lo);
+        gw_store(dst + 64 * (4 + u), hi);
+    }
+}
 /* Rows' nibble-byte values (the layout above) of x8 block `blk`, row j: out[l] = scale * (q - offset) + min */
 static inline void x8_nibble_values(const uint8_t *blk, int j, int qs, int fifth, float scale, int offset, int has_min,
                                     float min, float *out) {
@@ -150,14 +203,23 @@ static void x8_repack_q4_0(const uint8_t *const *rows, uint8_t *dst) {
     x8_gather16(rows, 0, dst);
     x8_interleave(rows, 2, 4, dst + 16);
 }
+static inline int32_t x8_start_q4_0(const X8Act *a, int64_t r, int64_t b) { return -8 * x8_xsum(a, r, b); }
+static inline __attribute__((always_inline)) void x8_units_q4_0(const uint8_t *g0, const uint8_t *g1, uint8_t *dst) {
+    x8_nibble_units(g0, g1, 16, -1, dst);
+}
+static inline __attribute__((always_inline)) void x8_epilogue_q4_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                   int64_t b, GI isum[X8_RB_MAX][X8_NZ_MAX],
+                                                                   GF acc[X8_RB_MAX][X8_NZ_MAX], const int R, const int NZ) {
+    x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
+}
 static inline __attribute__((always_inline)) void x8_block_q4_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                 int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
     GI isum[X8_RB_MAX][X8_NZ_MAX];
     for (int r = 0; r < R; r++)
-        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(-8 * x8_xsum(a, r0 + r, b));
+        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(x8_start_q4_0(a, r0 + r, b));
     x8_nibble_dots(gp, 16, -1, a, r0, b, isum, R, NZ);
-    x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
+    x8_epilogue_q4_0(gp, a, r0, b, isum, acc, R, NZ);
 }
 static void x8_dequant_q4_0(const uint8_t *blk, int j, float *out) {
     x8_nibble_values(blk, j, 16, -1, fp16_to_f32(read_u16(blk + 2 * j)), 8, 0, 0.0f, out);
@@ -170,18 +232,27 @@ static void x8_repack_q4_1(const uint8_t *const *rows, uint8_t *dst) {
     x8_gather16(rows, 2, dst + 16);
     x8_interleave(rows, 4, 4, dst + 32);
 }
-static inline __attribute__((always_inline)) void x8_block_q4_1(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
-                                                                const int NZ) {
-    GI isum[X8_RB_MAX][X8_NZ_MAX];
-    for (int r = 0; r < R; r++)
-        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(0);
-    x8_nibble_dots(gp, 32, -1, a, r0, b, isum, R, NZ);
+static inline int32_t x8_start_q4_1(const X8Act *a, int64_t r, int64_t b) { (void)a, (void)r, (void)b; return 0; }
+static inline __attribute__((always_inline)) void x8_units_q4_1(const uint8_t *g0, const uint8_t *g1, uint8_t *dst) {
+    x8_nibble_units(g0, g1, 32, -1, dst);
+}
+static inline __attribute__((always_inline)) void x8_epilogue_q4_1(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                   int64_t b, GI isum[X8_RB_MAX][X8_NZ_MAX],
+                                                                   GF acc[X8_RB_MAX][X8_NZ_MAX], const int R, const int NZ) {
     x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
     for (int z = 0; z < NZ; z++) {
         GF mw = gf_fp16(gp[2 * z] + 16, gp[2 * z + 1] + 16);
         for (int r = 0; r < R; r++) acc[r][z] = gf_fma(acc[r][z], mw, gf_set1(x8_sx(a, r0 + r, b)));
     }
+}
+static inline __attribute__((always_inline)) void x8_block_q4_1(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
+                                                                const int NZ) {
+    GI isum[X8_RB_MAX][X8_NZ_MAX];
+    for (int r = 0; r < R; r++)
+        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(x8_start_q4_1(a, r0 + r, b));
+    x8_nibble_dots(gp, 32, -1, a, r0, b, isum, R, NZ);
+    x8_epilogue_q4_1(gp, a, r0, b, isum, acc, R, NZ);
 }
 static void x8_dequant_q4_1(const uint8_t *blk, int j, float *out) {
     x8_nibble_values(blk, j, 32, -1, fp16_to_f32(read_u16(blk + 2 * j)), 0, 1, fp16_to_f32(read_u16(blk + 16 + 2 * j)),
@@ -204,14 +275,23 @@ static void x8_repack_q5_0(const uint8_t *const *rows, uint8_t *dst) {
         }
     x8_interleave(rows, 6, 4, dst + 48);
 }
+static inline int32_t x8_start_q5_0(const X8Act *a, int64_t r, int64_t b) { return -16 * x8_xsum(a, r, b); }
+static inline __attribute__((always_inline)) void x8_units_q5_0(const uint8_t *g0, const uint8_t *g1, uint8_t *dst) {
+    x8_nibble_units(g0, g1, 48, 16, dst);
+}
+static inline __attribute__((always_inline)) void x8_epilogue_q5_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                   int64_t b, GI isum[X8_RB_MAX][X8_NZ_MAX],
+                                                                   GF acc[X8_RB_MAX][X8_NZ_MAX], const int R, const int NZ) {
+    x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
+}
 static inline __attribute__((always_inline)) void x8_block_q5_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                 int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
     GI isum[X8_RB_MAX][X8_NZ_MAX];
     for (int r = 0; r < R; r++)
-        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(-16 * x8_xsum(a, r0 + r, b));
+        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(x8_start_q5_0(a, r0 + r, b));
     x8_nibble_dots(gp, 48, 16, a, r0, b, isum, R, NZ);
-    x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
+    x8_epilogue_q5_0(gp, a, r0, b, isum, acc, R, NZ);
 }
 static void x8_dequant_q5_0(const uint8_t *blk, int j, float *out) {
     x8_nibble_values(blk, j, 48, 16, fp16_to_f32(read_u16(blk + 2 * j)), 16, 0, 0.0f, out);
@@ -223,12 +303,22 @@ static void x8_repack_q8_0(const uint8_t *const *rows, uint8_t *dst) {
     x8_gather16(rows, 0, dst);
     x8_interleave(rows, 2, 8, dst + 16);
 }
+static inline int32_t x8_start_q8_0(const X8Act *a, int64_t r, int64_t b) { (void)a, (void)r, (void)b; return 0; }
+/* the signed bytes as stored (the tiles' signed-by-signed product; no X8_S8_OFFSET there) */
+static inline __attribute__((always_inline)) void x8_units_q8_0(const uint8_t *g0, const uint8_t *g1, uint8_t *dst) {
+    for (int u = 0; u < 8; u++) gw_store(dst + 64 * u, gw_load(g0 + 16 + 32 * u, g1 + 16 + 32 * u));
+}
+static inline __attribute__((always_inline)) void x8_epilogue_q8_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                   int64_t b, GI isum[X8_RB_MAX][X8_NZ_MAX],
+                                                                   GF acc[X8_RB_MAX][X8_NZ_MAX], const int R, const int NZ) {
+    x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
+}
 static inline __attribute__((always_inline)) void x8_block_q8_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                 int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
     GI isum[X8_RB_MAX][X8_NZ_MAX];
     for (int r = 0; r < R; r++)
-        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(-X8_S8_OFFSET * x8_xsum(a, r0 + r, b));
+        for (int z = 0; z < NZ; z++) isum[r][z] = gi_set1(x8_start_q8_0(a, r0 + r, b) - X8_S8_OFFSET * x8_xsum(a, r0 + r, b));
     for (int u = 0; u < 8; u++) {
         GW wv[X8_NZ_MAX];
         for (int z = 0; z < NZ; z++) wv[z] = gw_s8(gw_load(gp[2 * z] + 16 + 32 * u, gp[2 * z + 1] + 16 + 32 * u));
@@ -237,7 +327,7 @@ static inline __attribute__((always_inline)) void x8_block_q8_0(const uint8_t *c
             for (int z = 0; z < NZ; z++) isum[r][z] = gi_dot_s8(isum[r][z], wv[z], xv);
         }
     }
-    x8_scale_sums(gp, 0, a, r0, b, isum, acc, R, NZ);
+    x8_epilogue_q8_0(gp, a, r0, b, isum, acc, R, NZ);
 }
 static void x8_dequant_q8_0(const uint8_t *blk, int j, float *out) {
     const float d = fp16_to_f32(read_u16(blk + 2 * j));
@@ -449,42 +539,57 @@ static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
 /* Registration: one include per type, and its name:x8 block bytes in X8_TYPES (Python mirrors
  * both in quant.QUANT_TYPES). */
 #define X8T q8_0
+#define X8_TYPE_TILES 1
+#define X8_TYPE_TILE_SIGNED 1
 #define X8_TYPE_RB_FEW X8_RB_FEW
 #define X8_ELEMS 32
 #define X8_FILE_BYTES 34
 #define X8_GROUP_BYTES 272
 #include "quant_x8_impl.h"
 #define X8T q4_0
+#define X8_TYPE_TILES 1
+#define X8_TYPE_TILE_SIGNED 0
 #define X8_TYPE_RB_FEW X8_RB_FEW
 #define X8_ELEMS 32
 #define X8_FILE_BYTES 18
 #define X8_GROUP_BYTES 144
 #include "quant_x8_impl.h"
 #define X8T q4_1
+#define X8_TYPE_TILES 1
+#define X8_TYPE_TILE_SIGNED 0
 #define X8_TYPE_RB_FEW X8_RB_FEW
 #define X8_ELEMS 32
 #define X8_FILE_BYTES 20
 #define X8_GROUP_BYTES 160
 #include "quant_x8_impl.h"
 #define X8T q5_0
+#define X8_TYPE_TILES 1
+#define X8_TYPE_TILE_SIGNED 0
 #define X8_TYPE_RB_FEW X8_RB_FEW
 #define X8_ELEMS 32
 #define X8_FILE_BYTES 22
 #define X8_GROUP_BYTES 176
 #include "quant_x8_impl.h"
+/* The K types stay on the vectors in a tile build (X8_TYPE_TILES 0): their tile path needs its own
+ * B operand per 32-value chunk (Q4_K/Q5_K: nibble planes shared by two chunks, Q5_K's fifth-bit
+ * planes) and Q6_K's sums per 16 values (two scales a chunk: 16-byte A and B tiles, or a tile per
+ * half); not written yet, so their calls of any size keep today's VNNI code and bits. */
 #define X8T q4_k
+#define X8_TYPE_TILES 0
 #define X8_TYPE_RB_FEW X8_RB
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 144
 #define X8_GROUP_BYTES 1152
 #include "quant_x8_impl.h"
 #define X8T q5_k
+#define X8_TYPE_TILES 0
 #define X8_TYPE_RB_FEW X8_RB
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 176
 #define X8_GROUP_BYTES 1408
 #include "quant_x8_impl.h"
 #define X8T q6_k
+#define X8_TYPE_TILES 0
 #define X8_TYPE_RB_FEW X8_RB
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 210
@@ -499,6 +604,47 @@ int infer_quant_set_stream_prefetch(int on) {
     x8_stream_prefetch = on != 0;
     return before;
 }
+
+#if X8_TILES
+/* Asks the OS for tile state once per process (AMX: arch_prctl; the emulation needs none) and
+ * turns the tile path on where granted. Returns 0, or the errno of the refusal. */
+int infer_quant_tile_permission(void) {
+    const int err = xt_request_permission();
+    if (err == 0) x8_tiles_on = 1;
+    return err;
+}
+
+/* "amx" or "emu": the implementation of the tile primitives in this build. */
+const char *infer_quant_tiles(void) { return XT_IMPL; }
+
+/* How many products have run on tiles in this process. */
+int64_t infer_quant_tile_products(void) { return __atomic_load_n(&x8_tile_products, __ATOMIC_RELAXED); }
+
+/* One tile product through the primitives, for the tests: C (m x n int32, row pitch 4n bytes)
+ * += A (m rows of kbytes bytes at a, row pitch a_stride) times B (kbytes / 4 rows of 4n bytes at
+ * b, VNNI layout, row pitch 4n), op 0: A signed, B unsigned (dpbsud); 1: both signed (dpbssd);
+ * 2: A unsigned, B signed (dpbusd). Returns 0, 1 for shapes no tile holds, 2 where the tiles are
+ * not usable (AMX without the OS's permission). Tiles 5-7; the kernels configure theirs per job. */
+int infer_quant_tile_selftest(const void *a, int m, int kbytes, int64_t a_stride, const void *b, int n, int op,
+                              int32_t *c) {
+    if (m < 1 || m > 16 || kbytes < 4 || kbytes > 64 || kbytes % 4 || n < 1 || n > 16 || op < 0 || op > 2) return 1;
+    if (!x8_tiles_on) return 2;
+    XtConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    xt_set(&cfg, 5, m, kbytes);
+    xt_set(&cfg, 6, kbytes / 4, 4 * n);
+    xt_set(&cfg, 7, m, 4 * n);
+    xt_config(&cfg);
+    xt_load(5, a, a_stride);
+    xt_load(6, b, 4 * n);
+    xt_load(7, c, 4 * n);
+    if (op == 0) xt_dot_su(7, 5, 6);
+    else if (op == 1) xt_dot_ss(7, 5, 6);
+    else xt_dot_us(7, 5, 6);
+    xt_store(7, c, 4 * n);
+    return 0;
+}
+#endif
 
 /* What Python checks at load: the ISA this build holds, the types and their block sizes, the
  * activation block. A mismatch refuses the library instead of misreading the weights. */

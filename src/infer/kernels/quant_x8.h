@@ -46,6 +46,10 @@
  *                         (m < 256 >> s)
  *   gi_i8(a, b)           8 int8 at a and 8 at b as int32
  *   gi_add(a, b), gi_mul(a, b): lane-wise int32 sum, product (low 32 bits)
+ * For the tile path (quant_tiles.h), which hands the unpacked weights to tile loads and takes the
+ * tiles' integer sums back from memory:
+ *   gw_store(p, w)        the 64 bytes at p (lanes in order: the first group's 32, then the second's)
+ *   gi_load(p)            16 int32 at p
  */
 
 /* Units of unsigned weight values <= wmax in one gp_dot_u run: each int16 pair sum of a unit is at
@@ -99,6 +103,8 @@ static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) {
 static inline GI gi_i8(const uint8_t *a, const uint8_t *b) { return _mm512_cvtepi8_epi32(x8_two8(a, b)); }
 static inline GI gi_add(GI a, GI b) { return _mm512_add_epi32(a, b); }
 static inline GI gi_mul(GI a, GI b) { return _mm512_mullo_epi32(a, b); }
+static inline void gw_store(uint8_t *p, GW w) { _mm512_storeu_si512((void *)p, w); }
+static inline GI gi_load(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
 /* Activation rows per tile and two-group vectors per tile: R x NZ accumulators and as many
  * integer sums, plus the unpacked weights, in 32 registers (2048x8192 and 8192x2048 Q4_0 and
  * Q8_0, 512 rows, 2 threads: 4 x 2 gave 1000-1230 GOP/s, 6 x 2 and 2 x 3 5-20% less, 8 x 1 25% less). */
@@ -179,6 +185,8 @@ static inline GF gf_bits(const uint8_t *a, const uint8_t *b, int s, int m) { ret
 static inline GI gi_i8(const uint8_t *a, const uint8_t *b) { return (GI){x8_i8_256(a), x8_i8_256(b)}; }
 static inline GI gi_add(GI a, GI b) { return (GI){_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)}; }
 static inline GI gi_mul(GI a, GI b) { return (GI){_mm256_mullo_epi32(a.a, b.a), _mm256_mullo_epi32(a.b, b.b)}; }
+static inline void gw_store(uint8_t *p, GW w) { _mm256_storeu_si256((__m256i *)p, w.a), _mm256_storeu_si256((__m256i *)(p + 32), w.b); }
+static inline GI gi_load(const int32_t *p) { return (GI){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 8))}; }
 /* 16 ymm registers: one two-group vector (two ymm) by 4 rows spills some accumulators and still
  * beat 2 rows (2048x8192 Q4_0, 512 rows, 1 thread: 210 GOP/s vs 182; Q8_0 even) */
 #ifndef X8_RB
@@ -275,6 +283,10 @@ static inline GI gi_mul(GI a, GI b) {
     for (int i = 0; i < 4; i++) a.v[i] = vmulq_s32(a.v[i], b.v[i]);
     return a;
 }
+static inline void gw_store(uint8_t *p, GW w) {
+    for (int i = 0; i < 4; i++) vst1q_u8(p + 16 * i, w.v[i]);
+}
+static inline GI gi_load(const int32_t *p) { return (GI){{vld1q_s32(p), vld1q_s32(p + 4), vld1q_s32(p + 8), vld1q_s32(p + 12)}}; }
 /* 32 registers: 2 rows x one two-group vector, four registers each: 8 of integer sums and 8 of
  * accumulators, the rest for the unpacked weights */
 #ifndef X8_RB
@@ -341,6 +353,8 @@ static inline GI gi_i8(const uint8_t *a, const uint8_t *b) {
 }
 static inline GI gi_add(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] += b.v[l]; return a; }
 static inline GI gi_mul(GI a, GI b) { for (int l = 0; l < 16; l++) a.v[l] *= b.v[l]; return a; }
+static inline void gw_store(uint8_t *p, GW w) { memcpy(p, w.b, 64); }
+static inline GI gi_load(const int32_t *p) { GI v; memcpy(v.v, p, sizeof v.v); return v; }
 #ifndef X8_RB
 #define X8_RB 2
 #endif

@@ -9,6 +9,14 @@
  *                                of the 2 * NZ groups at gp[] times activation rows r0 .. r0 + R - 1
  *                                to acc[r][z], in the float sequence quant_x8.h defines
  *   x8_dequant_<t>(block, j, out) row j (0..7) of an x8 block as X8_ELEMS floats, as gguf-py does
+ * and X8_TYPE_TILES: 1 where the type also runs on matrix tiles in a tile build (X8_TILES,
+ * quant_tiles.h), with X8_TYPE_TILE_SIGNED (its weight bytes signed) and, written once and shared
+ * with x8_block_<t>:
+ *   x8_start_<t>(a, r, b)        the integer its values' offset adds to block b's sum of row r
+ *                                (Q4_0: -8 * xsum)
+ *   x8_units_<t>(g0, g1, dst)    one block of the groups at g0 and g1 as the tile's B operand:
+ *                                8 rows of 64 bytes (quant_kernels.c's x8_nibble_units)
+ *   x8_epilogue_<t>(gp, a, r0, b, isum, acc, R, NZ)   the block's float sequence on its exact sums
  * The functions here are named <name>_x8_<t>; the defines are undone at the end.
  */
 #define X8CAT_(a, b) a##_x8_##b
@@ -126,6 +134,100 @@ static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker)
     }
 }
 
+#if X8_TILES && X8_TYPE_TILES
+/* The tile path (quant_tiles.h): block b of the 4 groups at gp[] (one run, two B tiles) times
+ * activation rows r0 .. r0 + rn - 1, added to acc[r - r0][z] in the type's float sequence. The
+ * weights are unpacked once per block for all rn rows (A tiles of XT_ROWS); each C tile is zeroed
+ * per block, so the sums it gives are the block's exact integer dot products, the same integers
+ * x8_block_<t> makes with vectors, fed to the same epilogue: the same bits. */
+static inline __attribute__((always_inline)) void X8FN(tile_block)(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                   int64_t rn, int64_t b, GF (*acc)[X8_NZ_MAX]) {
+    uint8_t units[2][8 * 64] __attribute__((aligned(64)));
+    int32_t sums[2][XT_ROWS * 16] __attribute__((aligned(64)));
+    X8TYPEFN(x8_units)(gp[0], gp[1], units[0]);
+    X8TYPEFN(x8_units)(gp[2], gp[3], units[1]);
+    xt_load(XT_B0, units[0], 64);
+    xt_load(XT_B1, units[1], 64);
+    for (int64_t t0 = 0; t0 < rn; t0 += XT_ROWS) {
+        /* rows past the call's last are the zero rows quant_linear pads the activations with */
+        xt_load(XT_A, a->q + (r0 + t0) * a->k + b * QK, a->k);
+        xt_zero(XT_C0);
+        xt_zero(XT_C1);
+#if X8_TYPE_TILE_SIGNED
+        xt_dot_ss(XT_C0, XT_A, XT_B0);
+        xt_dot_ss(XT_C1, XT_A, XT_B1);
+#else
+        xt_dot_su(XT_C0, XT_A, XT_B0);
+        xt_dot_su(XT_C1, XT_A, XT_B1);
+#endif
+        xt_store(XT_C0, sums[0], 64);
+        xt_store(XT_C1, sums[1], 64);
+        const int tr = rn - t0 < XT_ROWS ? (int)(rn - t0) : XT_ROWS;
+        GI isum[XT_ROWS][X8_NZ_MAX];
+        for (int r = 0; r < tr; r++) {
+            const GI start = gi_set1(X8TYPEFN(x8_start)(a, r0 + t0 + r, b));
+            for (int z = 0; z < 2; z++) isum[r][z] = gi_add(gi_load(sums[z] + 16 * r), start);
+        }
+        X8TYPEFN(x8_epilogue)(gp, a, r0 + t0, b, isum, acc + t0, tr, 2);
+    }
+}
+
+/* Tiles begin .. end - 1 of a tile product: each a run's 4 groups (two B tiles) by every row of
+ * the call, X8_TILE_SPAN rows of accumulators at a time. */
+static void X8FN(quant_tile_rows)(void *ctx, int64_t begin, int64_t end, int worker) {
+    const X8Linear *job = ctx;
+    const uint8_t *w = job->w;
+    const int64_t n = job->n, m = job->m, blocks = job->blocks, groups = job->groups;
+    const X8Act act = *job->act;
+    const float *bias = job->bias;
+    float *y = job->y;
+    (void)worker;
+    xt_config_x8(); /* each thread's own tile configuration (it may be a pool thread's first tile job) */
+    for (int64_t t = begin; t < end; t++) {
+        const uint8_t *gbase[4];
+        int64_t gindex[4];
+        for (int i = 0; i < 4; i++) {
+            const int64_t g = t * 4 + i;
+            gindex[i] = g < groups ? g : -1;
+            gbase[i] = w + x8_group_at(g < groups ? g : groups - 1, blocks) * X8_GROUP_BYTES;
+        }
+        const int64_t stride = x8_run_groups(t * 4, groups) * X8_GROUP_BYTES;
+        const int64_t ahead = X8_AHEAD >= X8_GROUP_BYTES ? X8_AHEAD / X8_GROUP_BYTES * stride : X8_AHEAD;
+        (void)ahead;
+        for (int64_t r0 = 0; r0 < m; r0 += X8_TILE_SPAN) {
+            const int64_t rn = m - r0 < X8_TILE_SPAN ? m - r0 : X8_TILE_SPAN;
+            GF acc[X8_TILE_SPAN][X8_NZ_MAX];
+            for (int64_t r = 0; r < rn; r++)
+                for (int z = 0; z < 2; z++) acc[r][z] = gf_zero();
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint8_t *gp[4];
+                for (int i = 0; i < 4; i++) {
+                    gp[i] = gbase[i] + b * stride;
+#if X8_AHEAD > 0
+                    if (r0 == 0)
+                        for (int line = 0; line < X8_GROUP_BYTES; line += 64) __builtin_prefetch(gp[i] + ahead + line);
+#endif
+                }
+                X8FN(tile_block)(gp, &act, r0, rn, b, acc);
+            }
+            for (int64_t r = 0; r < rn; r++)
+                for (int z = 0; z < 2; z++) {
+                    float lanes[16];
+                    gf_store(lanes, acc[r][z]);
+                    for (int half = 0; half < 2; half++) {
+                        const int64_t g = gindex[2 * z + half];
+                        if (g < 0) continue;
+                        for (int64_t j = 0; j < 8 && g * 8 + j < n; j++) {
+                            const float v = lanes[8 * half + j];
+                            y[(r0 + r) * n + g * 8 + j] = bias ? v + bias[g * 8 + j] : v;
+                        }
+                    }
+                }
+        }
+    }
+}
+#endif
+
 /* y[m, n] = x[m, k] @ W^T (+ bias[n]) with W in the x8 layout (quant_repack_x8_<t>'s out), on
  * `threads` threads of the pool (thread_pool.h; the tiles are its items, claimed in runs of
  * consecutive tiles); y[r, j] is quant_x8.h's float sequence, the same bits whatever m, the tiling,
@@ -134,7 +236,15 @@ static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker)
 int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, const float *bias, float *y,
                        int threads) {
     const int64_t blocks = k / X8_ELEMS, xblocks = k / QK, groups = (n + 7) / 8;
-    int8_t *xq = malloc((size_t)(m * k) + 1);
+#if X8_TILES && X8_TYPE_TILES
+    /* 2 rows or more on tiles (1 row stays on the vectors: a decode step is bound by memory, not
+     * arithmetic); the activations padded with zero rows to whole A tiles, which the tiles read */
+    const int on_tiles = m >= 2 && x8_tiles_on;
+    const int64_t padded = on_tiles ? (m + XT_ROWS - 1) / XT_ROWS * XT_ROWS : m;
+#else
+    const int64_t padded = m;
+#endif
+    int8_t *xq = malloc((size_t)(padded * k) + 1);
     float *dx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1), *sx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1);
     int32_t *xsum = malloc(2 * sizeof(int32_t) * (size_t)(m * xblocks) + 1);
     if (!xq || !dx || !sx || !xsum) {
@@ -143,6 +253,16 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
     }
     quantize_rows(x, m, k, xq, dx, xsum, sx, xsum + m * xblocks, threads);
     const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum + m * xblocks};
+#if X8_TILES && X8_TYPE_TILES
+    if (on_tiles) {
+        memset(xq + m * k, 0, (size_t)((padded - m) * k));
+        X8Linear job = {w, n, m, blocks, groups, &act, bias, y, 0, 2, XT_ROWS};
+        __atomic_fetch_add(&x8_tile_products, 1, __ATOMIC_RELAXED);
+        pool_run(X8FN(quant_tile_rows), &job, (groups + 3) / 4, 0, threads);
+        free(xq), free(dx), free(sx), free(xsum);
+        return 0;
+    }
+#endif
     /* One activation row: X8_NZ_DECODE two-group vectors per tile, always (a balance rule that took
      * the row tiles' smaller ones for some weights read their runs in interleaved halves, and with
      * the pool's per-thread runs left a decode step's small products no faster on two threads than
@@ -181,3 +301,7 @@ void X8FN(quant_dequantize_rows)(const uint8_t *w, int64_t n, int64_t k, const i
 #undef X8_FILE_BYTES
 #undef X8_GROUP_BYTES
 #undef X8_TYPE_RB_FEW
+#undef X8_TYPE_TILES
+#ifdef X8_TYPE_TILE_SIGNED
+#undef X8_TYPE_TILE_SIGNED
+#endif

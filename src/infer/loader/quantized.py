@@ -61,6 +61,7 @@ class QuantChoice:
     quantization: str
     kernels: QuantKernels | None
     reason: str = ""  # why ``kernels`` is None
+    note: str = ""  # why better variants this CPU has the flags for were refused (the OS's AMX permission...)
 
     @property
     def keeps_blocks(self) -> bool:
@@ -91,7 +92,7 @@ def choose_quant_kernels(quantization: str, device: torch.device, backend: str) 
                 raise ValueError(f"backend {backend!r} cannot run quantized weights on this machine: {err}") from None
         kernels = quant.quant_kernels()
         if kernels is not None:
-            return QuantChoice(quantization, kernels)
+            return QuantChoice(quantization, kernels, note=quant.quant_selection_note())
         reason = quant.quant_unavailable_reason()
         if backend.startswith("cpu-kernels"):
             raise ValueError(f"backend {backend!r} cannot run quantized weights on this machine: {reason}")
@@ -241,7 +242,8 @@ class QuantReport:
         if self.types:
             kinds = ", ".join(f"{t} x{n}" for t, n in sorted(self.types.items()))
             variant = getattr(getattr(self.choice.kernels, "variant", None), "description", "quantized kernels")
-            text = (f"weights {self.quantized_bytes / mib:.1f} MiB quantized ({kinds}, on {variant}) + "
+            refused = f"; {self.choice.note}" if self.choice.note else ""
+            text = (f"weights {self.quantized_bytes / mib:.1f} MiB quantized ({kinds}, on {variant}{refused}) + "
                     f"{self.float_bytes / mib:.1f} MiB float")
         else:
             text = f"weights {self.float_bytes / mib:.1f} MiB float"
