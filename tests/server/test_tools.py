@@ -78,8 +78,9 @@ def test_forced_schema() -> None:
 
 @pytest.fixture(scope="module")
 def urls(tiny_llama: Path) -> Iterator[dict[str, str]]:
-    with served_models(tiny_llama, {"plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3, "spec_length_policy": "fixed"}},
-                       max_batch_size=4, served_name=MODEL) as found:
+    kinds = {"plain": {}, "ngram": {"speculator": "ngram", "spec_length": 3, "spec_length_policy": "fixed"},
+             "suffix": {"speculator": "suffix", "spec_length": 3, "spec_length_policy": "fixed"}}
+    with served_models(tiny_llama, kinds, max_batch_size=4, served_name=MODEL) as found:
         yield found
 
 
@@ -141,7 +142,8 @@ def test_tool_history_reaches_the_prompt(urls: dict[str, str]) -> None:
 
 def test_a_whole_call_that_ends_at_max_tokens_is_a_tool_call(urls: dict[str, str]) -> None:
     """A forced call whose JSON ends on the last token max_tokens allows (no room for EOS) is still
-    a tool call; one cut short is text with finish_reason length."""
+    a tool call; one cut inside its arguments is a call with them as far as they go (not JSON) and
+    finish_reason length, as OpenAI answers."""
     api = OpenAI(base_url=f"{urls['plain']}/v1", api_key="x", max_retries=0, timeout=60)
     request: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": [TIME], "tool_choice": "required",
                                "temperature": 0}
@@ -153,5 +155,121 @@ def test_a_whole_call_that_ends_at_max_tokens_is_a_tool_call(urls: dict[str, str
     calls = exact.choices[0].message.tool_calls
     assert calls and [(c.function.name, c.function.arguments) for c in calls] == [
         (c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls or []]
-    cut = api.chat.completions.create(**request, max_tokens=whole - 1)
-    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    arguments = (full.choices[0].message.tool_calls or [])[0].function.arguments
+    cut = next(answer.choices[0] for n in range(whole - 1, 0, -1)
+               if (answer := api.chat.completions.create(**request, max_tokens=n)).choices[0].finish_reason == "length")
+    assert cut.message.tool_calls and cut.message.tool_calls[0].function.name == "time"
+    assert arguments.startswith(cut.message.tool_calls[0].function.arguments) != arguments
+
+
+def joined(chunks: list[Any]) -> tuple[str, list[tuple[str, str]], str | None]:
+    """A streamed chat answer's content, calls (name, arguments joined) and finish_reason."""
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id and tc.function and tc.function.name
+                    calls[tc.index] = [tc.function.name, ""]
+                calls[tc.index][1] += (tc.function.arguments if tc.function else None) or ""
+            reason = choice.finish_reason or reason
+    return content, [(name, arguments) for name, arguments in calls.values()], reason
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram", "suffix"])
+def test_a_forced_call_cut_at_every_max_tokens_streams_what_it_answers(urls: dict[str, str], kind: str) -> None:
+    """Issue 54: a forced call (several, with required) cut by every max_tokens from 1 token to whole,
+    on every drafter (which changes how many tokens a step brings): the streamed pieces join to the
+    non-streamed calls, each call as far as the full answer's goes, finish_reason tool_calls only
+    when every call's arguments are whole."""
+    api = OpenAI(base_url=f"{urls[kind]}/v1", api_key="x", max_retries=0, timeout=60)
+    request: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                               "temperature": 0}
+    full = api.chat.completions.create(**request, max_tokens=100)
+    assert full.choices[0].finish_reason == "tool_calls" and full.usage is not None
+    final = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls or []]
+    reasons = set()
+    for max_tokens in range(1, full.usage.completion_tokens + 1):
+        choice = api.chat.completions.create(**request, max_tokens=max_tokens).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        streamed = joined(list(api.chat.completions.create(**request, max_tokens=max_tokens, stream=True)))
+        assert streamed == ((choice.message.content or "") if not calls else choice.message.content or "", calls,
+                            choice.finish_reason), max_tokens
+        for (name, arguments), (final_name, final_arguments) in zip(calls, final, strict=False):
+            assert name == final_name and final_arguments.startswith(arguments), max_tokens
+        whole = bool(calls) and all(arguments == final[i][1] for i, (_, arguments) in enumerate(calls))
+        assert choice.finish_reason == ("tool_calls" if whole else "length"), (max_tokens, choice)
+        reasons.add(choice.finish_reason)
+    assert reasons == {"length", "tool_calls"}
+
+
+def responses_events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    text = httpx.post(f"{url}/v1/responses", timeout=60, json={**body, "stream": True}).text
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_a_response_cut_inside_a_call_is_one_a_continuation_can_use(urls: dict[str, str]) -> None:
+    """Issue 54: /v1/responses cut by max_output_tokens inside a call's arguments answers the call as
+    far as it goes with status incomplete (streamed and not, alike); a continuation from it by
+    previous_response_id, or with its output sent back as input, is answered (it was a 400)."""
+    url = urls["plain"]
+    tool = {"type": "function", "name": WEATHER["function"]["name"], "parameters": WEATHER["function"]["parameters"]}
+    body: dict[str, Any] = {"model": MODEL, "input": "Weather in Paris?", "tools": [tool], "tool_choice": "required",
+                            "temperature": 0}
+    full = httpx.post(f"{url}/v1/responses", timeout=60, json={**body, "max_output_tokens": 80}).json()
+    call = next(item for item in full["output"] if item["type"] == "function_call")
+    assert call["status"] == "completed" and json.loads(call["arguments"])
+    for n in range(full["usage"]["output_tokens"] - 2, 0, -1):
+        cut = httpx.post(f"{url}/v1/responses", timeout=60, json={**body, "max_output_tokens": n}).json()
+        calls = [item for item in cut["output"] if item["type"] == "function_call"]
+        if calls and calls[0]["arguments"] and calls[0]["arguments"] != call["arguments"]:
+            break
+    else:
+        pytest.fail("no cut inside the call's arguments")
+    assert cut["status"] == "incomplete" and calls[0]["status"] == "incomplete"
+    assert call["arguments"].startswith(calls[0]["arguments"])
+    events = responses_events(url, {**body, "max_output_tokens": n})
+    done = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete"
+    assert [(i["type"], i.get("status"), i.get("arguments")) for i in done["output"]] == [
+        (i["type"], i.get("status"), i.get("arguments")) for i in cut["output"]]
+    for previous in (cut["id"], done["id"]):
+        follow = httpx.post(f"{url}/v1/responses", timeout=60, json={
+            "model": MODEL, "previous_response_id": previous, "input": "Go on.", "max_output_tokens": 4})
+        assert follow.status_code == 200, follow.text
+    replayed = httpx.post(f"{url}/v1/responses", timeout=60, json={
+        "model": MODEL, "input": [{"role": "user", "content": "Weather in Paris?"}, *cut["output"],
+                                  {"role": "user", "content": "Go on."}], "max_output_tokens": 4})
+    assert replayed.status_code == 200, replayed.text
+
+
+def test_a_message_cut_inside_a_tool_use_has_its_input_as_far_as_it_goes(urls: dict[str, str]) -> None:
+    """Issue 54: /v1/messages cut by max_tokens inside a tool_use's input: stop_reason max_tokens and
+    the input settled so far (it was {} in the SDK's streamed message, a 500 whole), the same
+    whole and through the anthropic SDK's stream."""
+    from anthropic import Anthropic
+
+    client = Anthropic(base_url=urls["plain"], api_key="x", max_retries=0, timeout=60)
+    tool = {"name": "weather", "input_schema": WEATHER["function"]["parameters"]}
+    request: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": [tool], "tool_choice": {"type": "any"},
+                               "extra_body": {"temperature": 0}}
+    full = client.messages.create(**request, max_tokens=80)
+    assert full.stop_reason == "tool_use"
+    want = full.content[-1].input  # type: ignore[union-attr]
+    seen = set()
+    for n in range(full.usage.output_tokens - 1, 0, -1):
+        whole = client.messages.create(**request, max_tokens=n)
+        with client.messages.stream(**request, max_tokens=n) as stream:
+            streamed = stream.get_final_message()
+        def blocks(message: Any) -> list[dict[str, Any]]:
+            return [b.model_dump(exclude={"id"}) for b in message.content]
+
+        assert blocks(streamed) == blocks(whole) and streamed.stop_reason == whole.stop_reason, n
+        uses = [b for b in whole.content if b.type == "tool_use"]
+        if uses:
+            given = uses[0].input  # type: ignore[union-attr]
+            assert all(want[k] == v for k, v in given.items()), n
+            assert whole.stop_reason == ("tool_use" if given == want else "max_tokens"), n
+            seen.add(len(given))
+    assert len(seen) > 1, seen  # cuts with some of the input and with less

@@ -29,7 +29,7 @@ from infer.sampling.params import short_repr
 from infer.server.bridge import ChatHandler, chat_request, chunks, documented, run_chat
 from infer.server.errors import APIError, bad_request
 from infer.server.protocol import SpeculationOptions, _Body, check_model
-from infer.server.tools import prompt_messages
+from infer.server.tools import arguments_object, prompt_messages
 
 PATH = "/v1/messages"
 _PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "tools"}
@@ -231,8 +231,10 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    # A call cut short by max_tokens (stop_reason max_tokens) has arguments that are not JSON: its
+    # input is what they settle, as the SDK reads the same call streamed.
     return {"type": "tool_use", "id": f"toolu_{call['id'].removeprefix('call_')}", "name": call["function"]["name"],
-            "input": json.loads(call["function"]["arguments"] or "{}")}
+            "input": arguments_object(call["function"]["arguments"])}
 
 
 def _stop(choice: dict[str, Any]) -> tuple[str, str | None]:

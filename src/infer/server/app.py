@@ -54,6 +54,7 @@ from infer.server.protocol import (
 )
 from infer.server.tool_stream import ToolCallStream
 from infer.server.tools import ToolCall, parse_calls, prompt_messages
+from infer.server.tools import finish_reason as calls_finish_reason
 
 # Finish reasons answered as a choice (200); any other ends the request with an error. "grammar_error":
 # the request's grammar could not go on (a limit of the grammar engine's hit mid-way); the text so far.
@@ -533,8 +534,9 @@ class _Stream:
 
     def _tool_calls(self, final: Progress) -> tuple[str | None, list[ToolCall]] | None:
         """The answer's content and tool calls, when tools are on and it made calls. An answer cut at
-        max_tokens counts too when its calls are whole (a forced call's JSON can end on the last token
-        allowed, with no room left for EOS); a cut-off call does not parse and stays text."""
+        max_tokens keeps the calls it ended inside (tools.parse_calls): whole ones (a forced call's
+        JSON can end on the last token allowed, with no room left for EOS) and one cut short, as the
+        stream announced them."""
         if self.tools is None or final.finish_reason not in ANSWERED:
             return None
         content, calls = parse_calls(final.text, self.tools.template, self.tools.functions)
@@ -604,7 +606,8 @@ class _Stream:
             generated = None if self.prompt_only else self._logprobs(final)
             choice["text"] = (self.echo or "") + ("" if self.prompt_only else final.text)
             choice["logprobs"] = _joined(echoed, generated)
-        choice["finish_reason"] = "tool_calls" if self.chat and self._tool_calls(final) else final.finish_reason
+        calls = self._tool_calls(final) if self.chat else None
+        choice["finish_reason"] = calls_finish_reason(calls[1], final.finish_reason) if calls else final.finish_reason
         choice["stop_reason"] = final.stop_string  # extension (as vLLM): the stop string that ended it
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                                "created": self.created, "model": self.model, "choices": [choice],
@@ -644,7 +647,8 @@ class _Stream:
                     yield self._chunk({"tool_calls": deltas}, None)
                 if not progress.finished:
                     continue
-                yield self._chunk({}, "tool_calls" if parsed else progress.finish_reason, None, progress.stop_string)
+                reason = calls_finish_reason(parsed[1], progress.finish_reason) if parsed else progress.finish_reason
+                yield self._chunk({}, reason, None, progress.stop_string)
                 if self.include_usage and last:
                     yield self._usage_chunk(progress)
                 if last:

@@ -309,6 +309,10 @@ def _messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise bad_request(f"input message role {short_repr(role)} is not one of user, system, developer, "
                                   "assistant", param="input")
             out.append({"role": role, "content": _text(item.get("content"))})
+        elif kind == "function_call" and item.get("status") == "incomplete":
+            # A call cut short, replayed from an output: text, as a stored one continues (_assistant).
+            text = _cut_call_text(_field(item, "name"), _field(item, "arguments"))
+            out.append({"role": "assistant", "content": text})
         elif kind == "function_call":
             call = {"id": _field(item, "call_id"), "type": "function",
                     "function": {"name": _field(item, "name"), "arguments": _field(item, "arguments")}}
@@ -410,17 +414,35 @@ def _complete(shell: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     if message.get("content"):
         output.append(_message_item(message["content"]))
     for call in message.get("tool_calls") or []:
-        output.append(_call_item(call, call["function"]["arguments"]))
+        output.append(_call_item(call, call["function"]["arguments"], _call_status(call["function"]["arguments"])))
     response = {**shell, "output": output}
     return _finish(response, choice["finish_reason"], answer.get("usage"), answer.get("speculative"))
 
 
+def _call_status(arguments: str) -> str:
+    """A call cut short by max_output_tokens is incomplete: its arguments, as far as they were
+    generated, are not JSON (server/tools.py)."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return "incomplete"
+    return "completed"
+
+
+def _cut_call_text(name: str, arguments: str) -> str:
+    # An incomplete call as the text it was written as: no template renders arguments that are not JSON.
+    return f'{{"name": {json.dumps(name)}, "arguments": {arguments}'
+
+
 def _assistant(output: list[dict[str, Any]]) -> dict[str, Any]:
-    """A response's output as the chat message that continues its conversation."""
+    """A response's output as the chat message that continues its conversation (an incomplete
+    call, cut short, as text: a continuation renders it as the model wrote it)."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    text += "".join(_cut_call_text(item["name"], item["arguments"]) for item in output
+                    if item["type"] == "function_call" and item["status"] == "incomplete")
     calls = [{"id": item["call_id"], "type": "function",
               "function": {"name": item["name"], "arguments": item["arguments"]}}
-             for item in output if item["type"] == "function_call"]
+             for item in output if item["type"] == "function_call" and item["status"] != "incomplete"]
     return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
 
 
@@ -465,7 +487,7 @@ async def _events(shell: dict[str, Any], source: AsyncIterator[dict[str, Any]], 
         if open_call is None:
             return []
         item, open_call = open_call, None
-        item["status"] = "completed"
+        item["status"] = _call_status(item["arguments"])
         index = output.index(item)
         return [emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                      name=item["name"], arguments=item["arguments"]),

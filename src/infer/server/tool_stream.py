@@ -9,176 +9,23 @@ literal once it is whole). At the end the finished answer is parsed as the non-s
 parses it and only what is missing is sent. A call is announced once its function's name is whole
 and known; text that may still turn out to be a call (a JSON answer, a ``<tool_call>`` block whose
 call is not yet known) is held back until that is settled, at the latest when the answer is done.
-An answer whose call breaks off or turns out malformed (cut by ``max_tokens``, invalid JSON) may
-have announced it already: the non-streamed answer has no call there, only text.
+Both read calls with one partial-JSON parser (server/partial_json.py), so an answer cut short by
+``max_tokens`` anywhere is parsed to the calls its stream has announced, the one cut inside its
+arguments as far as it goes. Only an answer that turns out malformed after a call was announced
+(invalid JSON, text after a JSON call) has no call when parsed, only text.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from infer.sampling.grammar import json_depth
-from infer.server.tools import MAX_JSON_DEPTH, ToolCall
-
-_OPEN, _CLOSE, _PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
-_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
-_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")  # what json.loads accepts
-_WS = " \t\n\r"
-
-
-class _Invalid(Exception):
-    """The text is not (a prefix of) JSON."""
-
-
-@dataclass
-class _Node:
-    """A JSON value parsed from a prefix: ``kind`` obj/arr/str/atom, ``complete`` once it is closed."""
-
-    kind: str
-    complete: bool = False
-    text: str = ""  # str: the characters decoded so far; atom: its raw text
-    members: list[tuple[_Node, _Node | None]] = field(default_factory=list)  # obj: (key, value) pairs
-    items: list[_Node] = field(default_factory=list)  # arr
-
-    def member(self, name: str) -> _Node | None:
-        found = None
-        for key, value in self.members:
-            if key.complete and key.text == name:
-                found = value
-        return found
-
-
-def _parse(text: str, i: int) -> tuple[_Node | None, int]:
-    """The value starting at ``text[i]`` (None when nothing of it is there yet) and where it ends."""
-    while i < len(text) and text[i] in _WS:
-        i += 1
-    if i == len(text):
-        return None, i
-    c = text[i]
-    if c == '"':
-        return _string(text, i)
-    if c == "{":
-        return _container(text, i + 1, _Node("obj"), "}")
-    if c == "[":
-        return _container(text, i + 1, _Node("arr"), "]")
-    for literal in _LITERALS:
-        if text.startswith(literal, i):
-            return _Node("atom", True, literal), i + len(literal)
-        if literal.startswith(text[i:i + len(literal)]) and i + len(literal) > len(text):
-            return _Node("atom"), len(text)  # a literal still being written
-    j = i
-    while j < len(text) and text[j] in "0123456789+-.eE":
-        j += 1
-    if j == len(text):  # a number that may go on
-        return _Node("atom"), j
-    if not _NUMBER.fullmatch(text, i, j):
-        raise _Invalid
-    return _Node("atom", True, text[i:j]), j
-
-
-def _string(text: str, i: int) -> tuple[_Node, int]:
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == '"':
-            return _Node("str", True, json.loads(text[i:j + 1])), j + 1
-        if c == "\\":
-            j += 2
-        elif c < " ":
-            raise _Invalid  # json.loads refuses control characters in strings
-        else:
-            j += 1
-    # Unfinished: the characters decoded so far (an escape sequence only once it is whole).
-    body = text[i + 1:]
-    for cut in range(0, 7):
-        try:
-            return _Node("str", False, json.loads('"' + body[:len(body) - cut] + '"')), len(text)
-        except json.JSONDecodeError:
-            continue
-    raise _Invalid
-
-
-def _container(text: str, i: int, node: _Node, close: str) -> tuple[_Node, int]:
-    first = True
-    while True:
-        while i < len(text) and text[i] in _WS:
-            i += 1
-        if i == len(text):
-            return node, i
-        if text[i] == close and first:
-            node.complete = True
-            return node, i + 1
-        if not first:
-            if text[i] == close:
-                node.complete = True
-                return node, i + 1
-            if text[i] != ",":
-                raise _Invalid
-            i += 1
-        first = False
-        if node.kind == "arr":
-            value, i = _parse(text, i)
-            if value is None:
-                return node, i
-            node.items.append(value)
-            if not value.complete:
-                return node, i
-            continue
-        while i < len(text) and text[i] in _WS:
-            i += 1
-        if i == len(text):
-            return node, i
-        if text[i] != '"':
-            raise _Invalid
-        key, i = _string(text, i)
-        if not key.complete:
-            node.members.append((key, None))
-            return node, i
-        while i < len(text) and text[i] in _WS:
-            i += 1
-        if i == len(text):
-            node.members.append((key, None))
-            return node, i
-        if text[i] != ":":
-            raise _Invalid
-        value, i = _parse(text, i + 1)
-        node.members.append((key, value))
-        if value is None or not value.complete:
-            return node, i
-
-
-def _canonical(node: _Node) -> str:
-    """The prefix of ``json.dumps`` of the finished value that ``node`` (a parsed prefix) settles."""
-    if node.kind == "str":
-        return json.dumps(node.text)[: None if node.complete else -1]
-    if node.kind == "atom":
-        return json.dumps(json.loads(node.text)) if node.complete else ""
-    if node.kind == "arr":
-        inner = ", ".join(_canonical(item) for item in node.items)
-        return "[" + inner + ("]" if node.complete else "")
-    parts = []
-    for key, value in node.members:
-        if not key.complete or value is None:
-            parts.append(_canonical(key))
-        else:
-            parts.append(f"{_canonical(key)}: {_canonical(value)}")
-    return "{" + ", ".join(parts) + ("}" if node.complete else "")
-
-
-def _value(text: str) -> _Node | None:
-    """The JSON value ``text`` begins (None: nothing yet); _Invalid if it is not JSON or goes on after it,
-    or nests deeper than a call's JSON may (the parser recurses once per level)."""
-    if json_depth(text) > MAX_JSON_DEPTH:
-        raise _Invalid
-    node, end = _parse(text, 0)
-    if node is not None and node.complete and text[end:].strip(_WS):
-        raise _Invalid
-    return node
+from infer.server.partial_json import WS as _WS
+from infer.server.tools import PYTHON_TAG as _PYTHON_TAG
+from infer.server.tools import QWEN_CLOSE as _CLOSE
+from infer.server.tools import QWEN_OPEN as _OPEN
+from infer.server.tools import ToolCall, calls_in, open_block
 
 
 @dataclass
@@ -206,7 +53,7 @@ class ToolCallStream:
         content, calls = parsed
         if not calls:
             return self._diff(text, [])
-        return self._diff(content or "", [(c.name, json.dumps(c.arguments)) for c in calls])
+        return self._diff(content or "", _sent(calls))
 
     def _diff(self, content: str, calls: list[tuple[str, str]]) -> tuple[str, list[dict[str, Any]]]:
         new_content = ""
@@ -237,12 +84,10 @@ class ToolCallStream:
         if not body:
             return "", []
         if body[0] in "{[":
-            try:
-                node = _value(body)
-            except _Invalid:
-                pass  # not a JSON call: text, perhaps with <tool_call> blocks
-            else:
-                return "", self._calls(node)
+            calls = calls_in(body, self.known)
+            if calls is not None:
+                return "", _sent(calls)
+            # not a JSON call: text, perhaps with <tool_call> blocks
         return self._qwen_view(text)
 
     def _qwen_view(self, text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -257,8 +102,8 @@ class ToolCallStream:
             parts.append(text[pos:start])
             end = text.find(_CLOSE, start)
             inner = text[start + len(_OPEN): len(text) if end == -1 else end]
-            with contextlib.suppress(_Invalid):  # not a call: the block is left out all the same
-                calls += self._calls(_value(inner.strip(_WS) if end != -1 else inner.lstrip(_WS)))
+            # Not a call (None): the block is left out all the same.
+            calls += _sent(calls_in(inner.strip(_WS) if end != -1 else open_block(inner), self.known) or [])
             if end == -1:
                 pos = len(text)
                 break
@@ -274,21 +119,6 @@ class ToolCallStream:
         parts.append(tail)
         return "".join(parts).rstrip(_WS), calls
 
-    def _calls(self, node: _Node | None) -> list[tuple[str, str]]:
-        """The known calls ``node`` (a call object or a list of them) settles, in order, up to the
-        first whose name is not yet whole."""
-        if node is None:
-            return []
-        items = node.items if node.kind == "arr" else [node]
-        out = []
-        for item in items:
-            name = item.member("name") if item.kind == "obj" else None
-            if name is None or name.kind != "str" or not name.complete:
-                break
-            if name.text not in self.known:
-                if item.complete:
-                    continue
-                break
-            arguments = item.member("arguments") or item.member("parameters")
-            out.append((name.text, _canonical(arguments) if arguments is not None and arguments.kind == "obj" else ""))
-        return out
+
+def _sent(calls: list[ToolCall]) -> list[tuple[str, str]]:
+    return [(c.name, c.arguments_json) for c in calls]

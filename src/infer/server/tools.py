@@ -13,6 +13,12 @@
   ``{"name": ..., "parameters": ...}``, optionally after ``<|python_tag|>``, or ``"arguments"``; an
   object or a list of them) as the fallback. Which is tried first follows the template (one that
   writes ``<tool_call>`` is Qwen's).
+* An answer that ends inside a call (cut by ``max_tokens``) keeps it: a call whose arguments object
+  is whole is a whole call, though its wrapper (``}``, ``]``, ``</tool_call>``) is missing; one cut
+  inside its arguments is a cut call (``ToolCall.cut``: its arguments as far as they go, not JSON,
+  as OpenAI returns such a call with ``finish_reason: "length"``). The calls are read with the
+  partial-JSON parser the stream reads them with (server/partial_json.py), so a streamed answer's
+  pieces join to exactly these calls wherever the answer was cut.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from infer.sampling.grammar import json_depth
+from infer.server import partial_json
 from infer.server.errors import bad_request
 
 _QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+QWEN_OPEN, QWEN_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 MAX_JSON_DEPTH = 64  # tool call arguments, in a request or in the model's answer
 
 
@@ -43,12 +51,21 @@ def loads_bounded(text: str) -> Any:
 
 @dataclass
 class ToolCall:
+    """A call of a known function. ``cut``: the answer ended inside its arguments, which are then
+    ``cut`` (their ``json.dumps`` text as far as it was generated, not JSON) and ``arguments`` the
+    members settled so far (as a partial-JSON reader gives them)."""
+
     name: str
     arguments: dict[str, Any]
+    cut: str | None = None
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments) if self.cut is None else self.cut
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                               "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+                               "function": {"name": self.name, "arguments": self.arguments_json}}
         if index is not None:
             out["index"] = index
         return out
@@ -157,26 +174,104 @@ def _template_call(call: Any) -> dict[str, Any]:
 
 
 def parse_calls(text: str, template: str | None, known: dict[str, dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
-    """The answer's content outside tool calls (None when empty) and the calls of known functions."""
-    parsers = [_qwen, _json] if "<tool_call>" in (template or "") else [_json, _qwen]
+    """The answer's content outside tool calls (None when empty) and the calls of known functions,
+    a call the answer ends inside included (see the module docstring)."""
+    parsers = [_qwen, _json] if QWEN_OPEN in (template or "") else [_json, _qwen]
     for parse in parsers:
-        content, calls = parse(text)
-        calls = [c for c in calls if c.name in known]
+        content, calls = parse(text, known)
         if calls:
-            return (content.strip() or None) if content is not None else None, calls
+            # Only trailing whitespace goes: what came before a call was streamed as it came.
+            return (content.rstrip(partial_json.WS) or None) if content is not None else None, calls
     return text, []
 
 
-def _qwen(text: str) -> tuple[str | None, list[ToolCall]]:
+def finish_reason(calls: list[ToolCall], reason: str | None) -> str | None:
+    """The answer's finish_reason: ``tool_calls`` when it made calls and all are whole, else the
+    engine's (``length`` for a call cut short by max_tokens, as OpenAI answers)."""
+    return "tool_calls" if calls and all(c.cut is None for c in calls) else reason
+
+
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """A call's arguments string as an object; a cut call's (not JSON) as far as they go, as a
+    partial-JSON reader gives them (the anthropic SDK's, reading a streamed tool input: the same
+    object streamed and not); {} for none."""
+    return partial_json.partial_object(arguments, MAX_JSON_DEPTH)
+
+
+def calls_in(body: str, known: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
+    """The known calls that ``body``, the start of a JSON call (an object or a list of them), settles
+    so far, in order; None when it is not the start of JSON."""
+    try:
+        return _node_calls(partial_json.value(body, MAX_JSON_DEPTH), known)
+    except ValueError:  # not JSON, or a number json.loads refuses (over 4300 digits)
+        return None
+
+
+def open_block(inner: str) -> str:
+    """The JSON of a ``<tool_call>`` block not closed (yet): what follows the tag, without the
+    whitespace before it or the start of a closing tag after it (``</tool_ca`` that may become one,
+    so it is never read as the JSON's own characters)."""
+    for k in range(min(len(inner), len(QWEN_CLOSE) - 1), 0, -1):
+        if QWEN_CLOSE.startswith(inner[-k:]):
+            inner = inner[:-k]
+            break
+    return inner.lstrip(partial_json.WS)
+
+
+def _node_calls(node: partial_json.Node | None, known: dict[str, dict[str, Any]]) -> list[ToolCall]:
+    """The known calls a parsed call object or list settles, up to the first whose name is not yet
+    whole (an unknown function's call is skipped once it is whole)."""
+    if node is None:
+        return []
     calls = []
-    for block in _QWEN_CALL.findall(text):
-        calls += _calls_of(_loads(block))
+    for item in node.items if node.kind == "arr" else [node]:
+        name = item.member("name") if item.kind == "obj" else None
+        if name is None or name.kind != "str" or not name.complete:
+            break
+        if name.text not in known:
+            if item.complete:
+                continue
+            break
+        arguments = item.member("arguments") or item.member("parameters")
+        if arguments is not None and arguments.kind == "obj":
+            written = partial_json.canonical(arguments)
+            calls.append(ToolCall(name.text, json.loads(written)) if arguments.complete else
+                         ToolCall(name.text, partial_json.partial_value(arguments), cut=written))
+        elif arguments is None and item.complete:
+            calls.append(ToolCall(name.text, {}))
+        else:
+            # Arguments as a JSON string (read once whole), or not yet begun.
+            loaded = _loads(arguments.text) if arguments is not None and arguments.kind == "str" and \
+                arguments.complete else None
+            calls.append(ToolCall(name.text, loaded) if isinstance(loaded, dict) else ToolCall(name.text, {}, cut=""))
+    return calls
+
+
+def _qwen(text: str, known: dict[str, dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
+    calls, end = [], 0
+    for match in _QWEN_CALL.finditer(text):
+        calls += [c for c in _calls_of(_loads(match.group(1))) if c.name in known]
+        end = match.end()
+    # A block still open at the end: the answer was cut inside it.
+    start = text.find(QWEN_OPEN, end)
+    cut = calls_in(open_block(text[start + len(QWEN_OPEN):]), known) if start != -1 else None
+    if cut:
+        return _QWEN_CALL.sub("", text[:start]), calls + cut
     return _QWEN_CALL.sub("", text), calls
 
 
-def _json(text: str) -> tuple[str | None, list[ToolCall]]:
-    body = text.strip().removeprefix("<|python_tag|>").strip()
-    return None, _calls_of(_loads(body))
+def _json(text: str, known: dict[str, dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    calls = [c for c in _calls_of(_loads(body)) if c.name in known]
+    if calls:
+        return None, calls
+    # Cut short inside its JSON: the calls settled so far (whitespace at the end may be a string's).
+    body = text.lstrip().removeprefix(PYTHON_TAG).lstrip()
+    try:
+        node = partial_json.value(body, MAX_JSON_DEPTH) if body[:1] in ("{", "[") else None
+        return None, [] if node is None or node.complete else _node_calls(node, known)
+    except ValueError:  # not JSON, or a number json.loads refuses (over 4300 digits)
+        return None, []
 
 
 def _loads(text: str) -> Any:
