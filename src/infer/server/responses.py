@@ -111,8 +111,8 @@ def _json(value: Any) -> bytes:
 @dataclass
 class _Stored:
     """A stored response and its conversation (chat messages: the inputs, without instructions, and
-    the answer), kept as their JSON: what the store's byte budget counts is what it holds, and a
-    response read back is an independent copy."""
+    the answer), kept as their JSON: what the store's byte budget counts is what it holds, and what
+    GET answers is the response as it was answered."""
 
     raw_response: bytes
     raw_conversation: bytes
@@ -120,10 +120,6 @@ class _Stored:
     @property
     def size(self) -> int:
         return len(self.raw_response) + len(self.raw_conversation)
-
-    @property
-    def response(self) -> dict[str, Any]:
-        return json.loads(self.raw_response)  # type: ignore[no-any-return]
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
@@ -438,8 +434,8 @@ def _assistant(output: list[dict[str, Any]]) -> dict[str, Any]:
     """A response's output as the chat message that continues its conversation (an incomplete
     call, cut short, as text: a continuation renders it as the model wrote it)."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-    text += "".join(_cut_call_text(item["name"], item["arguments"]) for item in output
-                    if item["type"] == "function_call" and item["status"] == "incomplete")
+    text = "\n".join([text] * bool(text) + [_cut_call_text(item["name"], item["arguments"]) for item in output
+                                             if item["type"] == "function_call" and item["status"] == "incomplete"])
     calls = [{"id": item["call_id"], "type": "function",
               "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call" and item["status"] != "incomplete"]
