@@ -434,8 +434,9 @@ def _assistant(output: list[dict[str, Any]]) -> dict[str, Any]:
     """A response's output as the chat message that continues its conversation (an incomplete
     call, cut short, as text: a continuation renders it as the model wrote it)."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-    text = "\n".join([text] * bool(text) + [_cut_call_text(item["name"], item["arguments"]) for item in output
-                                             if item["type"] == "function_call" and item["status"] == "incomplete"])
+    cut = [_cut_call_text(item["name"], item["arguments"]) for item in output
+           if item["type"] == "function_call" and item["status"] == "incomplete"]
+    text = "\n".join(([text] if text else []) + cut)
     calls = [{"id": item["call_id"], "type": "function",
               "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call" and item["status"] != "incomplete"]
