@@ -83,7 +83,8 @@ def lone_surrogate(value: Any) -> tuple[str, str] | None:
             return None
     except (TypeError, ValueError, RecursionError):  # not plain JSON data, or deeper than json.dumps goes
         return _walk(value)
-    item, path = value, ()
+    item = value
+    path: tuple[str | int, ...] = ()
     while True:
         if isinstance(item, str):
             bad = _SURROGATE.search(item)
