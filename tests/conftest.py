@@ -164,4 +164,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # The test files that take longest (real models, compiled graphs, statistical audits, live servers).
 LONGEST_FILES = {"test_exact_greedy_real.py", "test_exact_greedy_stack.py", "test_audit.py", "test_compiled.py",
                  "test_exactness.py", "test_gemma3_gguf.py", "test_server_reliability.py", "test_grammar.py",
-                 "test_ray_serve.py", "test_seeded.py"}
+                 "test_ray_serve.py", "test_seeded.py", "test_docs_examples.py"}
