@@ -91,8 +91,8 @@ SHAPES = [  # out_features (n), in_features (k), rows (m): partial weight tiles 
 
 @pytest.mark.parametrize("qtype", list(QUANT_TYPES))
 def test_tile_products_are_the_reference_and_the_vectors_bit_for_bit(tiles: QuantKernels, qtype: str) -> None:
-    """Every type, the 32-value ones on tiles (each call of 2 rows or more: the products counter
-    moves) and the K types on the vectors, with the bits of reference_linear_x8 and of the vector
+    """Every type on tiles (each call of 2 rows or more: the products counter moves; the K types one
+    tile product per 32-value chunk, Q6_K two of 16 values), with the bits of reference_linear_x8 and of the vector
     variant, for weight rows not a multiple of 16 or 32, 2 to 70 activation rows, several blocks, a
     bias, an all-zero activation block, on 1 and 2 threads; 1-row calls stay off the tiles."""
     vectors = _vector_variant()

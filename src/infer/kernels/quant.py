@@ -65,12 +65,12 @@ QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
     QuantType("Q6_K", 14, 256, 210, 1680),
 )}
 X8_ROWS = 8  # weight rows per x8 group
-# The variants whose 32-value types' calls of 2 rows or more run on matrix tiles (quant_tiles.h):
+# The variants whose calls of 2 rows or more run on matrix tiles (quant_tiles.h):
 # AMX's, and the C emulation of it that runs the same tile code anywhere (the tests' way to check the
 # tile path where there is no AMX). The emulated ones are never the default, only forced by name.
 EMULATED = ("avx512-amx-emu", "portable-amx-emu")
 TILE_VARIANTS = ("avx512-amx", *EMULATED)
-TILE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")  # the K types stay on the vectors (quant_kernels.c says why)
+TILE_TYPES = tuple(QUANT_TYPES)  # every type: the K types one tile product per 32-value chunk (Q6_K: per half)
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@
 #else
 #define QISA_VECTORS "portable"
 #endif
-/* Matrix tiles (quant_tiles.h) for the 32-value types' calls of 2 rows or more: AMX's where the
- * build has its instructions (on AVX-512 VNNI, which keeps the 1-row calls and the K types), or
+/* Matrix tiles (quant_tiles.h) for every type's calls of 2 rows or more: AMX's where the
+ * build has its instructions (on AVX-512 VNNI, which keeps the 1-row calls), or
  * the C emulation of them where the build asks for it (-DX8_TILES_EMU: the same tile code on any
  * CPU, for the tests). */
 #if defined(Q_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(X8_TILES_EMU)
@@ -96,7 +96,7 @@ static inline uint32_t read_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
 #include "quant_x8.h"
 #if X8_TILES
 #include "quant_tiles.h"
-/* Whether the 32-value types' calls of 2 rows or more take the tiles: the emulation always; AMX
+/* Whether calls of 2 rows or more take the tiles: the emulation always; AMX
  * once the OS has granted this process tile state (infer_quant_tile_permission), so a caller that
  * never asked gets the vectors' path, the same bits, rather than a fault. */
 #if defined(X8_TILES_AMX)
@@ -204,7 +204,8 @@ static void x8_repack_q4_0(const uint8_t *const *rows, uint8_t *dst) {
     x8_interleave(rows, 2, 4, dst + 16);
 }
 static inline int32_t x8_start_q4_0(const X8Act *a, int64_t r, int64_t b) { return -8 * x8_xsum(a, r, b); }
-static inline __attribute__((always_inline)) void x8_units_q4_0(const uint8_t *g0, const uint8_t *g1, uint8_t *dst) {
+static inline __attribute__((always_inline)) void x8_units_q4_0(const uint8_t *g0, const uint8_t *g1, int c, uint8_t *dst) {
+    (void)c;
     x8_nibble_units(g0, g1, 16, -1, dst);
 }
 static inline __attribute__((always_inline)) void x8_epilogue_q4_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
@@ -233,7 +234,8 @@ static void x8_repack_q4_1(const uint8_t *const *rows, uint8_t *dst) {
     x8_interleave(rows, 4, 4, dst + 32);
 }
 static inline int32_t x8_start_q4_1(const X8Act *a, int64_t r, int64_t b) { (void)a, (void)r, (void)b; return 0; }
-static inline __attribute__((always_inline)) void x8_units_q4_1(const uint8_t *g0, const uint8_t *g1, uint8_t *dst) {
+static inline __attribute__((always_inline)) void x8_units_q4_1(const uint8_t *g0, const uint8_t *g1, int c, uint8_t *dst) {
+    (void)c;
     x8_nibble_units(g0, g1, 32, -1, dst);
 }
 static inline __attribute__((always_inline)) void x8_epilogue_q4_1(const uint8_t *const *gp, const X8Act *a, int64_t r0,
@@ -276,7 +278,8 @@ static void x8_repack_q5_0(const uint8_t *const *rows, uint8_t *dst) {
     x8_interleave(rows, 6, 4, dst + 48);
 }
 static inline int32_t x8_start_q5_0(const X8Act *a, int64_t r, int64_t b) { return -16 * x8_xsum(a, r, b); }
-static inline __attribute__((always_inline)) void x8_units_q5_0(const uint8_t *g0, const uint8_t *g1, uint8_t *dst) {
+static inline __attribute__((always_inline)) void x8_units_q5_0(const uint8_t *g0, const uint8_t *g1, int c, uint8_t *dst) {
+    (void)c;
     x8_nibble_units(g0, g1, 48, 16, dst);
 }
 static inline __attribute__((always_inline)) void x8_epilogue_q5_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
@@ -305,7 +308,8 @@ static void x8_repack_q8_0(const uint8_t *const *rows, uint8_t *dst) {
 }
 static inline int32_t x8_start_q8_0(const X8Act *a, int64_t r, int64_t b) { (void)a, (void)r, (void)b; return 0; }
 /* the signed bytes as stored (the tiles' signed-by-signed product; no X8_S8_OFFSET there) */
-static inline __attribute__((always_inline)) void x8_units_q8_0(const uint8_t *g0, const uint8_t *g1, uint8_t *dst) {
+static inline __attribute__((always_inline)) void x8_units_q8_0(const uint8_t *g0, const uint8_t *g1, int c, uint8_t *dst) {
+    (void)c;
     for (int u = 0; u < 8; u++) gw_store(dst + 64 * u, gw_load(g0 + 16 + 32 * u, g1 + 16 + 32 * u));
 }
 static inline __attribute__((always_inline)) void x8_epilogue_q8_0(const uint8_t *const *gp, const X8Act *a, int64_t r0,
@@ -387,6 +391,25 @@ static void x8_repack_k45(const uint8_t *const *rows, uint8_t *dst, int fifth) {
 }
 static void x8_repack_q4_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 0); }
 static void x8_repack_q5_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 1); }
+/* Chunk c = 2p + h's float sequence on its exact sums (h ? i1 : i0; d, negmin: the block's float16
+ * d and -dmin) */
+static inline __attribute__((always_inline)) void x8_epilogue_k45(const uint8_t *const *gp, const GF *d, const GF *negmin,
+                                                                  const X8Act *a, int64_t r0, int64_t b, int p, int h,
+                                                                  GI i0[X8_RB_MAX][X8_NZ_MAX], GI i1[X8_RB_MAX][X8_NZ_MAX],
+                                                                  GF acc[X8_RB_MAX][X8_NZ_MAX], const int R, const int NZ) {
+    const int c = 2 * p + h;
+    for (int z = 0; z < NZ; z++) {
+        const uint8_t *s0 = gp[2 * z] + 32 + 8 * c, *s1 = gp[2 * z + 1] + 32 + 8 * c;
+        const GF dsc = gf_mul(d[z], gf_bits(s0, s1, 0, 63));
+        const GF m = gf_fma(gf_bits(gp[2 * z] + 96 + 8 * p, gp[2 * z + 1] + 96 + 8 * p, 4 * h, 15),
+                            gf_bits(s0, s1, 6, 3), gf_set1(16.0f)); /* low + 16 * high, exact */
+        const GF mn = gf_mul(negmin[z], m);
+        for (int r = 0; r < R; r++) {
+            acc[r][z] = gf_fma_i(acc[r][z], h ? i1[r][z] : i0[r][z], gf_mul(dsc, gf_set1(x8_dx(a, r0 + r, 8 * b + c))));
+            acc[r][z] = gf_fma(acc[r][z], mn, gf_set1(x8_sx(a, r0 + r, 8 * b + c)));
+        }
+    }
+}
 static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                const int NZ, const int fifth) {
@@ -421,20 +444,7 @@ static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *co
             for (int r = 0; r < R; r++)
                 for (int z = 0; z < NZ; z++) i0[r][z] = gi_end(i0[r][z], run0[r][z]), i1[r][z] = gi_end(i1[r][z], run1[r][z]);
         }
-        for (int h = 0; h < 2; h++) {
-            const int c = 2 * p + h;
-            for (int z = 0; z < NZ; z++) {
-                const uint8_t *s0 = gp[2 * z] + 32 + 8 * c, *s1 = gp[2 * z + 1] + 32 + 8 * c;
-                const GF dsc = gf_mul(d[z], gf_bits(s0, s1, 0, 63));
-                const GF m = gf_fma(gf_bits(gp[2 * z] + 96 + 8 * p, gp[2 * z + 1] + 96 + 8 * p, 4 * h, 15),
-                                    gf_bits(s0, s1, 6, 3), gf_set1(16.0f)); /* low + 16 * high, exact */
-                const GF mn = gf_mul(negmin[z], m);
-                for (int r = 0; r < R; r++) {
-                    acc[r][z] = gf_fma_i(acc[r][z], h ? i1[r][z] : i0[r][z], gf_mul(dsc, gf_set1(x8_dx(a, r0 + r, 8 * b + c))));
-                    acc[r][z] = gf_fma(acc[r][z], mn, gf_set1(x8_sx(a, r0 + r, 8 * b + c)));
-                }
-            }
-        }
+        for (int h = 0; h < 2; h++) x8_epilogue_k45(gp, d, negmin, a, r0, b, p, h, i0, i1, acc, R, NZ);
     }
 }
 static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
@@ -447,6 +457,47 @@ static inline __attribute__((always_inline)) void x8_block_q5_k(const uint8_t *c
                                                                 const int NZ) {
     x8_block_k45(gp, a, r0, b, acc, R, NZ, 1);
 }
+#if X8_TILES
+/* Chunk c (values 0..31 of it; chunks 2p and 2p + 1 share the nibble units (p, w)) as the tile's B
+ * operand: row w = the low (c even) or high nibbles of unit (p, w), with Q5_K's fifth bits. */
+static inline __attribute__((always_inline)) void x8_units_k45(const uint8_t *g0, const uint8_t *g1, int c, uint8_t *dst,
+                                                               const int fifth) {
+    const int p = c >> 1, h = c & 1;
+    for (int w = 0; w < 8; w++) {
+        const GW v = gw_load(g0 + 128 + 32 * (8 * p + w), g1 + 128 + 32 * (8 * p + w));
+        GW u = h ? gw_hi(v) : gw_lo(v);
+        if (fifth) {
+            const int at = 1152 + 32 * (2 * p + (w >> 2));
+            u = gw_or(u, gw_field(gw_load(g0 + at, g1 + at), 4 * h + (w & 3), 1));
+        }
+        gw_store(dst + 64 * w, u);
+    }
+}
+static inline __attribute__((always_inline)) void x8_units_q4_k(const uint8_t *g0, const uint8_t *g1, int c, uint8_t *dst) {
+    x8_units_k45(g0, g1, c, dst, 0);
+}
+static inline __attribute__((always_inline)) void x8_units_q5_k(const uint8_t *g0, const uint8_t *g1, int c, uint8_t *dst) {
+    x8_units_k45(g0, g1, c, dst, 1);
+}
+/* The tiles' sums of chunk c (raw[0]: the unsigned values' exact dot products) to the epilogue */
+static inline __attribute__((always_inline)) void x8_tile_chunk_k45(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                    int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
+                                                                    GF acc[][X8_NZ_MAX], const int R) {
+    GF d[2], negmin[2];
+    for (int z = 0; z < 2; z++) d[z] = gf_fp16(gp[2 * z], gp[2 * z + 1]), negmin[z] = gf_fp16(gp[2 * z] + 16, gp[2 * z + 1] + 16);
+    x8_epilogue_k45(gp, d, negmin, a, r0, b, c >> 1, c & 1, raw[0], raw[0], acc, R, 2);
+}
+static inline __attribute__((always_inline)) void x8_tile_chunk_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                     int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
+                                                                     GF acc[][X8_NZ_MAX], const int R) {
+    x8_tile_chunk_k45(gp, a, r0, b, c, raw, acc, R);
+}
+static inline __attribute__((always_inline)) void x8_tile_chunk_q5_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                     int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
+                                                                     GF acc[][X8_NZ_MAX], const int R) {
+    x8_tile_chunk_k45(gp, a, r0, b, c, raw, acc, R);
+}
+#endif
 static void x8_dequant_k45(const uint8_t *blk, int j, float *out, int fifth) {
     const float d = fp16_to_f32(read_u16(blk + 2 * j)), negmin = fp16_to_f32(read_u16(blk + 16 + 2 * j));
     for (int c = 0; c < 8; c++) {
@@ -487,6 +538,25 @@ static void x8_repack_q6_k(const uint8_t *const *rows, uint8_t *dst) {
         }
     }
 }
+/* Chunk c's half sums (each started at -32 * its activation sum) times their int8 scales, then its
+ * float sequence (activation block xb) */
+static inline __attribute__((always_inline)) void x8_epilogue_q6_k(const uint8_t *const *gp, const GF *d, const X8Act *a,
+                                                                   int64_t r0, int64_t xb, int c,
+                                                                   GI half0[X8_RB_MAX][X8_NZ_MAX],
+                                                                   GI half1[X8_RB_MAX][X8_NZ_MAX],
+                                                                   GF acc[X8_RB_MAX][X8_NZ_MAX], const int R, const int NZ) {
+    for (int z = 0; z < NZ; z++) {
+        const GI sc0 = gi_i8(gp[2 * z] + 16 + 16 * c, gp[2 * z + 1] + 16 + 16 * c);
+        const GI sc1 = gi_i8(gp[2 * z] + 24 + 16 * c, gp[2 * z + 1] + 24 + 16 * c);
+        for (int r = 0; r < R; r++)
+            acc[r][z] = gf_fma_i(acc[r][z], gi_add(gi_mul(half0[r][z], sc0), gi_mul(half1[r][z], sc1)),
+                                 gf_mul(d[z], gf_set1(x8_dx(a, r0 + r, xb))));
+    }
+}
+static inline int32_t x8_start_q6_k(const X8Act *a, int64_t r, int64_t xb, int t) {
+    const int32_t s16 = a->sum16[r * a->xblocks + xb];
+    return -32 * (t ? x8_xsum(a, r, xb) - s16 : s16);
+}
 static inline __attribute__((always_inline)) void x8_block_q6_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                 int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                 const int NZ) {
@@ -495,10 +565,9 @@ static inline __attribute__((always_inline)) void x8_block_q6_k(const uint8_t *c
     for (int c = 0; c < 8; c++) {
         const int64_t xb = 8 * b + c;
         GI half[2][X8_RB_MAX][X8_NZ_MAX];
-        for (int r = 0; r < R; r++) {
-            const int32_t s16 = a->sum16[(r0 + r) * a->xblocks + xb];
-            for (int z = 0; z < NZ; z++) half[0][r][z] = gi_set1(-32 * s16), half[1][r][z] = gi_set1(-32 * (x8_xsum(a, r0 + r, xb) - s16));
-        }
+        for (int r = 0; r < R; r++)
+            for (int z = 0; z < NZ; z++)
+                half[0][r][z] = gi_set1(x8_start_q6_k(a, r0 + r, xb, 0)), half[1][r][z] = gi_set1(x8_start_q6_k(a, r0 + r, xb, 1));
         for (int t = 0; t < 2; t++) {
             GW top[X8_NZ_MAX];
             for (int z = 0; z < NZ; z++) top[z] = gw_load(gp[2 * z] + 1168 + 32 * (2 * c + t), gp[2 * z + 1] + 1168 + 32 * (2 * c + t));
@@ -517,15 +586,37 @@ static inline __attribute__((always_inline)) void x8_block_q6_k(const uint8_t *c
                 }
             }
         }
-        for (int z = 0; z < NZ; z++) {
-            const GI sc0 = gi_i8(gp[2 * z] + 16 + 16 * c, gp[2 * z + 1] + 16 + 16 * c);
-            const GI sc1 = gi_i8(gp[2 * z] + 24 + 16 * c, gp[2 * z + 1] + 24 + 16 * c);
-            for (int r = 0; r < R; r++)
-                acc[r][z] = gf_fma_i(acc[r][z], gi_add(gi_mul(half[0][r][z], sc0), gi_mul(half[1][r][z], sc1)),
-                                     gf_mul(d[z], gf_set1(x8_dx(a, r0 + r, xb))));
+        x8_epilogue_q6_k(gp, d, a, r0, xb, c, half[0], half[1], acc, R, NZ);
+    }
+}
+#if X8_TILES
+/* Chunk c as the tile's B operand: row w = the 6-bit values 4w .. 4w + 3 (unsigned); rows 0-3 are
+ * the first half (values 0-15), 4-7 the second: each half a B tile of its own (K = 16), since the
+ * halves have their own scales. */
+static inline __attribute__((always_inline)) void x8_units_q6_k(const uint8_t *g0, const uint8_t *g1, int c, uint8_t *dst) {
+    for (int t = 0; t < 2; t++) {
+        const GW top = gw_load(g0 + 1168 + 32 * (2 * c + t), g1 + 1168 + 32 * (2 * c + t));
+        for (int s = 0; s < 4; s++) {
+            const int w = 4 * t + s;
+            const GW v = gw_load(g0 + 144 + 32 * (8 * (c >> 1) + w), g1 + 144 + 32 * (8 * (c >> 1) + w));
+            gw_store(dst + 64 * w, gw_or(c & 1 ? gw_hi(v) : gw_lo(v), gw_field(top, 2 * s, 3)));
         }
     }
 }
+/* The tiles' two half sums of chunk c, started as the vectors start them, to the shared epilogue */
+static inline __attribute__((always_inline)) void x8_tile_chunk_q6_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
+                                                                     int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
+                                                                     GF acc[][X8_NZ_MAX], const int R) {
+    const int64_t xb = 8 * b + c;
+    GF d[2];
+    for (int z = 0; z < 2; z++) d[z] = gf_fp16(gp[2 * z], gp[2 * z + 1]);
+    for (int r = 0; r < R; r++) {
+        const GI s0 = gi_set1(x8_start_q6_k(a, r0 + r, xb, 0)), s1 = gi_set1(x8_start_q6_k(a, r0 + r, xb, 1));
+        for (int z = 0; z < 2; z++) raw[0][r][z] = gi_add(raw[0][r][z], s0), raw[1][r][z] = gi_add(raw[1][r][z], s1);
+    }
+    x8_epilogue_q6_k(gp, d, a, r0, xb, c, raw[0], raw[1], acc, R, 2);
+}
+#endif
 static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
     const float d = fp16_to_f32(read_u16(blk + 2 * j));
     for (int c = 0; c < 8; c++)
@@ -570,26 +661,28 @@ static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
 #define X8_FILE_BYTES 22
 #define X8_GROUP_BYTES 176
 #include "quant_x8_impl.h"
-/* The K types stay on the vectors in a tile build (X8_TYPE_TILES 0): their tile path needs its own
- * B operand per 32-value chunk (Q4_K/Q5_K: nibble planes shared by two chunks, Q5_K's fifth-bit
- * planes) and Q6_K's sums per 16 values (two scales a chunk: 16-byte A and B tiles, or a tile per
- * half); not written yet, so their calls of any size keep today's VNNI code and bits. */
+/* The K types on tiles: one tile product per 32-value chunk (Q6_K: two of 16 values, one per
+ * half-chunk scale), each chunk's sums to the chunk's shared epilogue. */
 #define X8T q4_k
-#define X8_TYPE_TILES 0
+#define X8_TYPE_TILES 1
+#define X8_TYPE_TILE_SIGNED 0
 #define X8_TYPE_RB_FEW X8_RB
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 144
 #define X8_GROUP_BYTES 1152
 #include "quant_x8_impl.h"
 #define X8T q5_k
-#define X8_TYPE_TILES 0
+#define X8_TYPE_TILES 1
+#define X8_TYPE_TILE_SIGNED 0
 #define X8_TYPE_RB_FEW X8_RB
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 176
 #define X8_GROUP_BYTES 1408
 #include "quant_x8_impl.h"
 #define X8T q6_k
-#define X8_TYPE_TILES 0
+#define X8_TYPE_TILES 1
+#define X8_TYPE_TILE_SIGNED 0
+#define X8_TYPE_TILE_K 16
 #define X8_TYPE_RB_FEW X8_RB
 #define X8_ELEMS 256
 #define X8_FILE_BYTES 210

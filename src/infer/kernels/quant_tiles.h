@@ -22,14 +22,15 @@
  * bytes != C's) is a fault on the hardware; the emulation aborts, so a layout mistake cannot pass
  * the tests on a machine without AMX.
  *
- * How the kernels use them: quant_x8_impl.h's tile path (the 32-value types, calls of 2 rows or
- * more). A = 16 activation rows' 32 int8 values of one block, loaded in place (row stride = the
- * activations' row pitch); B = one block of two x8 groups (16 weight rows), unpacked to bytes with
- * quant_x8.h's vector primitives and stored to a small buffer: the x8 layout's 4-byte units of 8 rows
- * are already VNNI layout for one group, and gw_load(a, b) puts two groups side by side, so each
- * stored register is one 64-byte B row; C = 16 x 16 int32, zeroed per block so each block's integer
- * sum is exact and separate, then stored and fed to the type's float epilogue (quant_x8.h's
- * contract, in its order): the same bits as every other variant.
+ * How the kernels use them: quant_x8_impl.h's tile path (every type, calls of 2 rows or more).
+ * A = 16 activation rows' 32 int8 values of one 32-value chunk, loaded in place (row stride = the
+ * activations' row pitch); B = that chunk of two x8 groups (16 weight rows), unpacked to bytes with
+ * quant_x8.h's vector primitives and stored to a small buffer: the x8 layout's 4-byte units of 8
+ * rows are already VNNI layout for one group, and gw_load(a, b) puts two groups side by side, so
+ * each stored register is one 64-byte B row; C = 16 x 16 int32, zeroed per chunk so each chunk's
+ * integer sum is exact and separate, then stored and fed to the type's float epilogue (quant_x8.h's
+ * contract, in its order): the same bits as every other variant. Q6_K's chunks have a scale per
+ * 16 values: its A and B tiles are 16 bytes deep, two products a chunk.
  */
 #include <stdlib.h>
 
@@ -118,21 +119,26 @@ static inline void xt_dot(int c, int a, int b, int a_signed, int b_signed) {
 static int xt_request_permission(void) { return 0; }
 #endif
 
-/* The x8 tile path's tiles: one A tile (16 activation rows x one 32-value block), B and C for
- * each of the two two-group vectors of a tile of 4 groups (one run: quant_x8.h). */
+/* The x8 tile path's tiles: one A tile (16 activation rows x one 32-value chunk, or Q6_K's
+ * 16-value half), B and C for each of the two two-group vectors of a tile of 4 groups (one run:
+ * quant_x8.h), and Q6_K's second half's B tiles. */
 #define XT_A 0
 #define XT_B0 1
 #define XT_B1 2
 #define XT_C0 3
 #define XT_C1 4
+#define XT_B0H 5
+#define XT_B1H 6
 #define XT_ROWS 16 /* activation rows per A tile */
-static inline void xt_config_x8(void) {
+/* depth: bytes of each row of A (32: a chunk; 16: Q6_K's half chunks) */
+static inline void xt_config_x8(int depth) {
     XtConfig cfg;
     memset(&cfg, 0, sizeof cfg);
-    xt_set(&cfg, XT_A, XT_ROWS, 32);
-    xt_set(&cfg, XT_B0, 8, 64);
-    xt_set(&cfg, XT_B1, 8, 64);
+    xt_set(&cfg, XT_A, XT_ROWS, depth);
+    xt_set(&cfg, XT_B0, depth / 4, 64);
+    xt_set(&cfg, XT_B1, depth / 4, 64);
     xt_set(&cfg, XT_C0, XT_ROWS, 64);
     xt_set(&cfg, XT_C1, XT_ROWS, 64);
+    if (depth == 16) xt_set(&cfg, XT_B0H, 4, 64), xt_set(&cfg, XT_B1H, 4, 64);
     xt_config(&cfg);
 }

@@ -135,40 +135,76 @@ static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker)
 }
 
 #if X8_TILES && X8_TYPE_TILES
-/* The tile path (quant_tiles.h): block b of the 4 groups at gp[] (one run, two B tiles) times
- * activation rows r0 .. r0 + rn - 1, added to acc[r - r0][z] in the type's float sequence. The
- * weights are unpacked once per block for all rn rows (A tiles of XT_ROWS); each C tile is zeroed
- * per block, so the sums it gives are the block's exact integer dot products, the same integers
- * x8_block_<t> makes with vectors, fed to the same epilogue: the same bits. */
+#ifndef X8_TYPE_TILE_K
+#define X8_TYPE_TILE_K 32 /* bytes of one tile product's depth: a 32-value chunk (Q6_K: 16, a half) */
+#endif
+#if X8_ELEMS == QK
+/* A 32-value type's sums: its start value added in int32, then its epilogue (both shared with
+ * x8_block_<t>). The K types define theirs beside their code. */
+static inline __attribute__((always_inline)) void X8TYPEFN(x8_tile_chunk)(const uint8_t *const *gp, const X8Act *a,
+                                                                          int64_t r0, int64_t b, int c,
+                                                                          GI raw[2][XT_ROWS][X8_NZ_MAX],
+                                                                          GF acc[][X8_NZ_MAX], const int R) {
+    (void)c;
+    for (int r = 0; r < R; r++) {
+        const GI start = gi_set1(X8TYPEFN(x8_start)(a, r0 + r, b));
+        for (int z = 0; z < 2; z++) raw[0][r][z] = gi_add(raw[0][r][z], start);
+    }
+    X8TYPEFN(x8_epilogue)(gp, a, r0, b, raw[0], acc, R, 2);
+}
+#endif
+
+/* The tile path (quant_tiles.h): block b of the 4 groups at gp[] (one run: two two-group vectors)
+ * times activation rows r0 .. r0 + rn - 1, added to acc[r - r0][z] in the type's float sequence.
+ * Per 32-value chunk, in order: the weights unpacked once for all rn rows (a B tile per two-group
+ * vector; Q6_K: one per half); per A tile of XT_ROWS rows, the C tiles zeroed, so what they give is
+ * the chunk's exact integer dot products, the integers x8_block_<t> makes with vectors, fed to the
+ * same epilogue: the same bits. */
 static inline __attribute__((always_inline)) void X8FN(tile_block)(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                    int64_t rn, int64_t b, GF (*acc)[X8_NZ_MAX]) {
     uint8_t units[2][8 * 64] __attribute__((aligned(64)));
-    int32_t sums[2][XT_ROWS * 16] __attribute__((aligned(64)));
-    X8TYPEFN(x8_units)(gp[0], gp[1], units[0]);
-    X8TYPEFN(x8_units)(gp[2], gp[3], units[1]);
-    xt_load(XT_B0, units[0], 64);
-    xt_load(XT_B1, units[1], 64);
-    for (int64_t t0 = 0; t0 < rn; t0 += XT_ROWS) {
-        /* rows past the call's last are the zero rows quant_linear pads the activations with */
-        xt_load(XT_A, a->q + (r0 + t0) * a->k + b * QK, a->k);
-        xt_zero(XT_C0);
-        xt_zero(XT_C1);
-#if X8_TYPE_TILE_SIGNED
-        xt_dot_ss(XT_C0, XT_A, XT_B0);
-        xt_dot_ss(XT_C1, XT_A, XT_B1);
-#else
-        xt_dot_su(XT_C0, XT_A, XT_B0);
-        xt_dot_su(XT_C1, XT_A, XT_B1);
+    int32_t sums[2][2][XT_ROWS * 16] __attribute__((aligned(64))); /* [half][two-group vector] */
+    for (int c = 0; c < X8_ELEMS / QK; c++) {
+        const int64_t xb = b * (X8_ELEMS / QK) + c;
+        X8TYPEFN(x8_units)(gp[0], gp[1], c, units[0]);
+        X8TYPEFN(x8_units)(gp[2], gp[3], c, units[1]);
+        xt_load(XT_B0, units[0], 64);
+        xt_load(XT_B1, units[1], 64);
+#if X8_TYPE_TILE_K == 16
+        xt_load(XT_B0H, units[0] + 256, 64);
+        xt_load(XT_B1H, units[1] + 256, 64);
 #endif
-        xt_store(XT_C0, sums[0], 64);
-        xt_store(XT_C1, sums[1], 64);
-        const int tr = rn - t0 < XT_ROWS ? (int)(rn - t0) : XT_ROWS;
-        GI isum[XT_ROWS][X8_NZ_MAX];
-        for (int r = 0; r < tr; r++) {
-            const GI start = gi_set1(X8TYPEFN(x8_start)(a, r0 + t0 + r, b));
-            for (int z = 0; z < 2; z++) isum[r][z] = gi_add(gi_load(sums[z] + 16 * r), start);
+        for (int64_t t0 = 0; t0 < rn; t0 += XT_ROWS) {
+            /* rows past the call's last are the zero rows quant_linear pads the activations with */
+            const int8_t *x = a->q + (r0 + t0) * a->k + xb * QK;
+            xt_load(XT_A, x, a->k);
+            xt_zero(XT_C0);
+            xt_zero(XT_C1);
+#if X8_TYPE_TILE_SIGNED
+            xt_dot_ss(XT_C0, XT_A, XT_B0);
+            xt_dot_ss(XT_C1, XT_A, XT_B1);
+#else
+            xt_dot_su(XT_C0, XT_A, XT_B0);
+            xt_dot_su(XT_C1, XT_A, XT_B1);
+#endif
+            xt_store(XT_C0, sums[0][0], 64);
+            xt_store(XT_C1, sums[0][1], 64);
+#if X8_TYPE_TILE_K == 16
+            xt_load(XT_A, x + 16, a->k);
+            xt_zero(XT_C0);
+            xt_zero(XT_C1);
+            xt_dot_su(XT_C0, XT_A, XT_B0H);
+            xt_dot_su(XT_C1, XT_A, XT_B1H);
+            xt_store(XT_C0, sums[1][0], 64);
+            xt_store(XT_C1, sums[1][1], 64);
+#endif
+            const int tr = rn - t0 < XT_ROWS ? (int)(rn - t0) : XT_ROWS;
+            GI raw[2][XT_ROWS][X8_NZ_MAX];
+            for (int r = 0; r < tr; r++)
+                for (int h = 0; h < 32 / X8_TYPE_TILE_K; h++)
+                    for (int z = 0; z < 2; z++) raw[h][r][z] = gi_load(sums[h][z] + 16 * r);
+            X8TYPEFN(x8_tile_chunk)(gp, a, r0 + t0, b, c, raw, acc + t0, tr);
         }
-        X8TYPEFN(x8_epilogue)(gp, a, r0 + t0, b, isum, acc + t0, tr, 2);
     }
 }
 
@@ -182,7 +218,7 @@ static void X8FN(quant_tile_rows)(void *ctx, int64_t begin, int64_t end, int wor
     const float *bias = job->bias;
     float *y = job->y;
     (void)worker;
-    xt_config_x8(); /* each thread's own tile configuration (it may be a pool thread's first tile job) */
+    xt_config_x8(X8_TYPE_TILE_K); /* each thread's own tile configuration (a pool thread's first tile job...) */
     for (int64_t t = begin; t < end; t++) {
         const uint8_t *gbase[4];
         int64_t gindex[4];
@@ -304,4 +340,7 @@ void X8FN(quant_dequantize_rows)(const uint8_t *w, int64_t n, int64_t k, const i
 #undef X8_TYPE_TILES
 #ifdef X8_TYPE_TILE_SIGNED
 #undef X8_TYPE_TILE_SIGNED
+#endif
+#ifdef X8_TYPE_TILE_K
+#undef X8_TYPE_TILE_K
 #endif
