@@ -22,7 +22,9 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # Variants every machine of its kind runs (x86-64 CI machines all have AVX2); the best one is the default.
-FORCED = ("cpu-kernels:avx2", "cpu-kernels:portable") if X86 else ("cpu-kernels:portable",)
+# portable-amx-emu: the quantized kernels' tile path (AMX's, emulated in C) inside a model, on any CPU.
+FORCED = (("cpu-kernels:avx2", "cpu-kernels:portable") if X86 else ("cpu-kernels:portable",)) + \
+    ("cpu-kernels:portable-amx-emu",)
 FOREIGN = "cpu-kernels:neon-dotprod" if X86 else "cpu-kernels:avx2"
 
 
@@ -37,9 +39,12 @@ def test_a_forced_variant_runs_the_quantized_model_and_speculation_stays_exact(b
     linears = [m for m in plain_llm.engine.model.modules() if isinstance(m, QuantLinear)]
     assert linears and all(m.kernels.variant.name == variant for m in linears)
     assert variant in plain_llm.engine.model.weights_summary.lower().replace(" ", "-")  # the startup line says which
+    tile_products = linears[0].kernels.tile_products()
     plain = [o.token_ids for o in plain_llm.generate(DRAFTER_PROMPTS, params)]
     outputs = LLM(str(target), **common, speculator="ngram", spec_length=4, spec_length_policy="fixed").generate(DRAFTER_PROMPTS, params)
     assert [o.token_ids for o in outputs] == plain
+    if linears[0].kernels.tiles is not None:  # prefill and the verification passes took the tiles
+        assert linears[0].kernels.tile_products() > tile_products
 
 
 def test_a_forced_float_variant_is_the_one_in_use() -> None:

@@ -89,10 +89,10 @@ QUANT_VARIANTS = (
     Variant("neon-dotprod", "ARM NEON dot-product quantized kernels", ("-march=armv8.2-a+dotprod",), ("asimddp",),
             _QUANT_DTYPES, QUANT_SOURCES, machine="aarch64"),
     Variant("portable", "portable C quantized kernels", (), (), _QUANT_DTYPES, QUANT_SOURCES, machine=None),
-    Variant("avx512-amx-emu", "emulated AMX tile (C) and AVX-512 VNNI quantized kernels",
+    Variant("avx512-amx-emu", "AMX tiles emulated in C (avx512-amx-emu), AVX-512 VNNI quantized kernels",
             (*_VNNI_FLAGS, "-DX8_TILES_EMU"), _VNNI_CPU, _QUANT_DTYPES, QUANT_SOURCES),
-    Variant("portable-amx-emu", "emulated AMX tile and portable C quantized kernels", ("-DX8_TILES_EMU",), (),
-            _QUANT_DTYPES, QUANT_SOURCES, machine=None),
+    Variant("portable-amx-emu", "AMX tiles emulated in C (portable-amx-emu), portable C quantized kernels",
+            ("-DX8_TILES_EMU",), (), _QUANT_DTYPES, QUANT_SOURCES, machine=None),
 )
 
 

@@ -735,6 +735,7 @@ int infer_quant_tile_selftest(const void *a, int m, int kbytes, int64_t a_stride
     else if (op == 1) xt_dot_ss(7, 5, 6);
     else xt_dot_us(7, 5, 6);
     xt_store(7, c, 4 * n);
+    xt_release();
     return 0;
 }
 #endif

@@ -18,6 +18,7 @@
  *                       bytes per row; the rest of the tile zero); xt_store(T, p, stride) the reverse
  *   xt_zero(T)
  *   xt_config(cfg): the shapes of every tile (XtConfig: palette 1), for this thread; zeroes every tile.
+ *   xt_release(): this thread's tiles and configuration back to their initial state (unconfigured).
  * An operation whose shapes do not fit together (A's rows != C's, B's rows != A's bytes / 4, B's
  * bytes != C's) is a fault on the hardware; the emulation aborts, so a layout mistake cannot pass
  * the tests on a machine without AMX.
@@ -60,6 +61,9 @@ static inline void xt_set(XtConfig *c, int t, int rows, int colsb) {
 #define xt_dot_su(c, a, b) _tile_dpbsud(c, a, b)
 #define xt_dot_ss(c, a, b) _tile_dpbssd(c, a, b)
 #define xt_dot_us(c, a, b) _tile_dpbusd(c, a, b)
+/* the tiles back to their initial state at the end of a job: a core holding tile data in use
+ * saves and restores it on every context switch, and Intel asks software to release it when done */
+#define xt_release() _tile_release()
 /* Linux gives a process tile state only on request (the register file is 8 KB): once per process,
  * for every thread. 0 where granted, else the errno (the OS or the VM does not enable it). */
 static int xt_request_permission(void) {
@@ -116,6 +120,7 @@ static inline void xt_dot(int c, int a, int b, int a_signed, int b_signed) {
 #define xt_dot_su(c, a, b) xt_dot(c, a, b, 1, 0)
 #define xt_dot_ss(c, a, b) xt_dot(c, a, b, 1, 1)
 #define xt_dot_us(c, a, b) xt_dot(c, a, b, 0, 1)
+static inline void xt_release(void) { memset(&xt_state, 0, sizeof xt_state); }
 static int xt_request_permission(void) { return 0; }
 #endif
 

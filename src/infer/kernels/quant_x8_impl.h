@@ -261,6 +261,7 @@ static void X8FN(quant_tile_rows)(void *ctx, int64_t begin, int64_t end, int wor
                 }
         }
     }
+    xt_release();
 }
 #endif
 
