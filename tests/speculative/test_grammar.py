@@ -23,7 +23,7 @@ import torch
 
 import infer.engine.speculative_runner as speculative_runner
 import infer.speculative.tree as tree_module
-from checkpoints import load_hf_model, make_medusa_heads
+from checkpoints import load_hf_model, make_eagle3_head, make_medusa_heads
 from helpers import (
     P_CONTROL,
     PENALTY_CONFIG,
@@ -36,7 +36,7 @@ from helpers import (
 )
 from infer import LLM, SamplingParams
 from infer.data.tokenizer import SPECIAL_TOKENS, save_tokenizer
-from infer.sampling.grammar import GrammarCompiler, StructuredOutput, unpack_bitmasks
+from infer.sampling.grammar import GrammarCompiler, GrammarMatcher, StructuredOutput, unpack_bitmasks
 from infer.sampling.transforms import SamplingBatch, probs_from_logits, token_counts
 
 A, B, C, D, E = range(5, 10)
@@ -215,6 +215,66 @@ def test_greedy_constrained_equals_plain_with_every_drafter(tiny_llama: Path, ti
     for out in outputs:
         if out.finish_reason == "stop":
             assert set(json.loads(out.text)) == {"id", "ok", "tag"}
+
+
+# A grammar past llguidance's lexer limits a few tokens in, on the tiny tokenizer: "a " repeats until
+# "b " opens a nested repetition whose lexer runs out of fuel (plain decoding: "grammar_error" after
+# "b c" here). The first is the issue's reproduction. Drafts walk into that failure: the n-gram
+# drafter from the prompt, suffix decoding from the first run's answers (the second run), a draft
+# model, Medusa and EAGLE from their heads.
+FAILING_REGEXES = ["(((a{100}){100}){100})|7", "((a )|(b (((c{50}){50}){50})))+"]
+FAILING_PROMPTS = ["a a a a b c", "b b b b", "a a b c c a a "]
+MAX_FAILING = 12
+
+
+@pytest.fixture(scope="module")
+def plain_failing(tiny_llama: Path) -> dict[str, list[tuple[str | None, list[int]]]]:
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    runs = {}
+    for regex in FAILING_REGEXES:
+        outputs = llm.generate(FAILING_PROMPTS, SamplingParams(max_tokens=MAX_FAILING, temperature=0.0,
+                                                               structured_output={"regex": regex}))
+        runs[regex] = [(o.finish_reason, o.token_ids) for o in outputs]
+        # The grammar does fail mid-answer, or the test would test nothing.
+        assert any(reason == "grammar_error" and ids for reason, ids in runs[regex]), runs[regex]
+    return runs
+
+
+@pytest.mark.parametrize("drafter", ["draft", "ngram", "suffix", "medusa", "eagle"])
+def test_a_grammar_failing_mid_answer_ends_as_plain_decoding_does(
+        tiny_llama: Path, tiny_draft: Path, plain_failing: dict[str, list[tuple[str | None, list[int]]]],
+        drafter: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 54: a drafted token the grammar allows but llguidance's lexer cannot take (or after
+    which it cannot compute a mask) failed the request with an engine error, or ended it where plain
+    decoding goes on (the drafts' walk had spent the shared lexer). Every drafter, every time: plain
+    decoding's tokens and finish reason ("grammar_error" where its grammar fails)."""
+    fixed: dict[str, Any] = {"spec_length": 4, "spec_length_policy": "fixed"}
+    root = tmp_path_factory.mktemp(f"failing_{drafter}")
+    options: dict[str, Any] = {
+        "draft": {"draft_model": str(tiny_draft), **fixed},
+        "ngram": {"speculator": "ngram", **fixed},
+        "suffix": {"speculator": "suffix", **fixed},
+        "medusa": {"speculator": "medusa", "medusa_tree_size": 8,
+                   "medusa_heads": str(make_medusa_heads(tiny_llama, root / "medusa", tree_size=8))},
+        "eagle": {"speculator": "eagle", "eagle_tree_size": 8, "spec_length": 2, "spec_length_policy": "fixed",
+                  "eagle_head": str(make_eagle3_head(tiny_llama, root / "eagle", std=0.3))},
+    }[drafter]
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", **options)
+    walked = []
+    real = GrammarMatcher.draft_bitmasks
+
+    def counted(self: GrammarMatcher, tokens: Any, parents: Any) -> Any:
+        walked.append(len(tokens))
+        return real(self, tokens, parents)
+
+    monkeypatch.setattr(GrammarMatcher, "draft_bitmasks", counted)
+    for regex in FAILING_REGEXES:
+        params = SamplingParams(max_tokens=MAX_FAILING, temperature=0.0, structured_output={"regex": regex})
+        for _ in range(2):
+            outputs = llm.generate(FAILING_PROMPTS, params)
+            assert [(o.finish_reason, o.token_ids) for o in outputs] == plain_failing[regex], \
+                [o.error for o in outputs]
+    assert sum(walked) > 0  # drafts went through the grammar
 
 
 def test_plain_constrained_output_is_valid_json(tiny_llama: Path, plain_constrained: list[list[int]]) -> None:

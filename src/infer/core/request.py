@@ -205,13 +205,16 @@ class Request:
             self.metrics.first_token_time = time.perf_counter()
         self.output_token_ids.append(token_id)
         self.metrics.generated_tokens = len(self.output_token_ids)
-        if self.grammar is not None:
-            self.grammar.consume(token_id)
+        # The grammar's verdict on this token, as plain decoding reaches it after every token: a
+        # refusal, or no mask after it, ends the request here (and a round's later tokens with it).
+        grammar_error = None if self.grammar is None else self.grammar.consume(token_id)
         stop_hit = self.detokenizer.append(token_id, self.params.stop)
         if token_id in self.stop_token_ids or token_id in self.eos_token_ids or stop_hit:
             self.finish("stop")
         elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_seq_len:
             self.finish("length")
+        elif grammar_error is not None:
+            self.finish("grammar_error", grammar_error)
         return self.is_finished
 
     def finish(self, reason: str, error: str | None = None) -> None:

@@ -15,6 +15,7 @@ dropped before verification) and for the allowed-token mask at every verified po
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import queue
 import re
@@ -212,7 +213,8 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher; ValueError naming the field (and the limit) when the grammar or schema is
         invalid, too large, or cannot start. Blocks while a compiler thread works on it."""
-        return GrammarMatcher(self._compiled(spec), (int(self.ll_tokenizer.vocab_size) + 31) // 32, self.eos_token_ids)
+        return GrammarMatcher(self._compiled(spec), (int(self.ll_tokenizer.vocab_size) + 31) // 32, self.eos_token_ids,
+                              functools.partial(self._compiled, spec, True))
 
     def check(self, spec: StructuredOutput) -> None:
         """ValueError as ``matcher`` would raise; the compiled grammar is kept for the next
@@ -223,9 +225,12 @@ class GrammarCompiler:
             self._ready[key] = compiled
             _trim(self._ready)
 
-    def _compiled(self, spec: StructuredOutput) -> Any:
+    def _compiled(self, spec: StructuredOutput, fresh: bool = False) -> Any:
+        """A compiled matcher of ``spec`` whose first mask was computed (``fresh``: never one kept by
+        ``check``, and no further than that: a request's walker, see ``GrammarMatcher``)."""
         tokenizer = self.ll_tokenizer  # built outside the compile timeout: it is the server's cost, once
-        future = _compile_threads(self.limits.compile_stack_bytes).submit(self._compile, spec, tokenizer)
+        job = self._recompile if fresh else self._compile
+        future = _compile_threads(self.limits.compile_stack_bytes).submit(job, spec, tokenizer)
         try:
             return future.result(timeout=self.limits.compile_timeout_s)
         except concurrent.futures.TimeoutError:
@@ -267,6 +272,9 @@ class GrammarCompiler:
                 self._walked[key] = True
                 _trim(self._walked)
         return ll
+
+    def _recompile(self, spec: StructuredOutput, tokenizer: Any) -> Any:
+        return self._probe(spec, tokenizer, self._grammar(spec)[1], 1)
 
     def _probe(self, spec: StructuredOutput, tokenizer: Any, text: str, steps: int) -> Any:
         """A compiled matcher of ``text`` after computing ``steps`` masks, each step taking the lowest
@@ -571,26 +579,62 @@ class GrammarError(RuntimeError):
 
 
 class GrammarMatcher:
-    """One request's grammar state: the allowed-token mask now and along drafted paths."""
+    """One request's grammar state: the allowed-token mask now and along drafted paths.
 
-    def __init__(self, matcher: Any, words: int, eos_token_ids: Sequence[int]) -> None:
+    llguidance builds its lexer lazily, within a budget of work ("fuel") that each mask computation
+    resets; copies of a matcher share one lexer, and a matcher whose lexer ran out of fuel is in an
+    error state it never leaves. What a lexer can still do therefore depends on everything done with
+    it before. Plain decoding computes the mask at each position, then consumes the sampled token: a
+    token the mask allows can still be refused (its consumption ran out of fuel), or the next mask
+    can fail, and the request then ends with "grammar_error".
+
+    So that a request fails where plain decoding fails and nowhere else, whatever was drafted, the
+    request's matcher does exactly what plain decoding does, on a lexer of its own: ``consume``
+    takes each emitted token, then computes the mask after it (the next sampling's mask); a refusal
+    or a failed mask is returned, and ``Request.append_token`` ends the request with "grammar_error"
+    there, after the refused token, as plain decoding does. Speculative walks (``draft_bitmasks``)
+    run on a second matcher, compiled separately (its own lexer), that follows the emitted tokens:
+    where a drafted path fails on it, only the drafts are lost.
+    """
+
+    def __init__(self, matcher: Any, words: int, eos_token_ids: Sequence[int],
+                 recompile: Callable[[], Any] | None = None) -> None:
+        """``recompile``: a new compiled matcher of the same grammar, its first mask computed, with a
+        lexer of its own (the walker's); without it nothing drafted is walked, so none is kept."""
         self._m = matcher
         self.words = words  # bitmask width: 32 tokens per int32
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._recompile = recompile
+        self._tokens: list[int] = []  # every token consumed, replayed onto a new walker
+        self._error: str | None = None  # why the grammar cannot go on after the tokens consumed
+        self._mask: torch.Tensor | None = None  # the mask after the last token consumed
+        self._walker: Any = None
+        self._walkers = 0  # walkers built; bounded, as a walker that keeps failing costs a replay each time
 
-    def consume(self, token: int) -> None:
-        """The request emitted ``token``. A refusal puts the matcher in its error state, which the
-        next mask reports (inside the engine step, so only this request fails)."""
-        self._m.consume_token(token)
-
-    def _fill(self, out: torch.Tensor) -> None:
-        _fill(self._m, out)
+    def consume(self, token: int) -> str | None:
+        """The request emitted ``token``: None, or why the grammar cannot go on after it (the
+        matcher refused it, or cannot compute the next mask); never raises."""
+        self._tokens.append(token)
+        if self._walker is not None and not self._walker.consume_token(token):
+            self._walker = None  # its lexer failed: a new one is built for the next walk
+        if self._error is None:
+            mask = torch.empty(self.words, dtype=torch.int32)
+            if self._m.consume_token(token) and _fill_unless_error(self._m, mask):
+                self._mask = mask
+            else:
+                self._error = f"the grammar cannot go on: {_clean(self._m.get_error())}"
+        return self._error
 
     def bitmask(self) -> torch.Tensor:
-        """[words] int32: bit t of the mask set = token t allowed next."""
-        out = torch.empty(self.words, dtype=torch.int32)
-        self._fill(out)
-        return out
+        """[words] int32: bit t of the mask set = token t allowed next. GrammarError when the grammar
+        cannot go on."""
+        if self._error is not None:
+            raise GrammarError(self._error)
+        if self._mask is None:
+            mask = torch.empty(self.words, dtype=torch.int32)
+            _fill(self._m, mask)
+            self._mask = mask
+        return self._mask.clone()
 
     def draft_bitmasks(self, tokens: Sequence[int], parents: Sequence[int] | None) -> tuple[list[bool], torch.Tensor]:
         """Which drafted nodes the grammar allows, and the mask at each verification row.
@@ -598,14 +642,22 @@ class GrammarMatcher:
         ``tokens`` are the nodes of a chain (``parents`` None: node i's parent is i - 1) or of a tree
         (``parents[i]``, -1 for the root). A node is kept when its token is allowed after its path
         and its parent is kept. Returns ``keep`` [N] and bitmasks [N + 1, words]: row 0 after the
-        emitted tokens, row i + 1 after node i's path (all ones for a dropped node, which the caller
-        removes). The matcher's state is unchanged on return.
+        emitted tokens (``bitmask``, GrammarError as plain decoding's mask), row i + 1 after node i's
+        path (all ones for a dropped node, which the caller removes). The matcher's state is
+        unchanged on return.
+
+        The walk runs on the walker (see the class). A node whose token the walker cannot consume,
+        or after which it cannot compute a mask (a limit of llguidance's hit), is dropped, the walk
+        stops there (the nodes not yet visited are dropped too) and the walker is discarded; the
+        rows walked before are masks of states the grammar reached without error, which do not
+        depend on the lexer's history. The target may still emit the dropped token from its parent's
+        row, and the request's matcher then decides, as in plain decoding.
 
         The walk consumes each kept node's token and rolls it back when it leaves the node, except
         an EOS token: llguidance does not always record EOS in its rollback history (consumed once
         the grammar is complete, it is a no-op; ended by a lexeme, it is scanned away), so a
         rollback after it would undo an earlier token instead. EOS and everything drafted below
-        it (``ignore_eos``) are walked on a copy of the matcher, which is then dropped.
+        it (``ignore_eos``) are walked on a copy of the walker, which is then dropped.
         """
         count = len(tokens)
         parents = list(range(-1, count - 1)) if parents is None else list(parents)
@@ -614,10 +666,15 @@ class GrammarMatcher:
             kids[parents[i] + 1].append(i)
         keep = [False] * count
         masks = torch.full((count + 1, self.words), -1, dtype=torch.int32)
-        # (pass row, how many of its children were visited, the matcher in that row's state, whether
-        # leaving the row rolls the main matcher back one token)
-        stack: list[tuple[int, int, Any, bool]] = [(0, 0, self._m, False)]
-        self._fill(masks[0])
+        masks[0] = self.bitmask()
+        walker = self._walker_now() if count else None
+        # The walker's own mask at the emitted state starts its budget for the first drafted tokens.
+        if walker is None or not _fill_unless_error(walker, torch.empty(self.words, dtype=torch.int32)):
+            self._walker = None
+            return keep, masks
+        # (pass row, how many of its children were visited, the walker in that row's state, whether
+        # leaving the row rolls the walker back one token)
+        stack: list[tuple[int, int, Any, bool]] = [(0, 0, walker, False)]
         try:
             while stack:
                 row, visited, matcher, undo = stack[-1]
@@ -632,10 +689,11 @@ class GrammarMatcher:
                 if not _allowed(masks[row], token):
                     continue
                 child, undo = (matcher.deep_copy(), False) if token in self.eos_token_ids else (matcher, True)
-                if not child.consume_token(token):
-                    raise RuntimeError(f"grammar matcher refused allowed token {token}: {child.get_error()}")
+                if not child.consume_token(token) or not _fill_unless_error(child, masks[node + 1]):
+                    masks[node + 1] = -1
+                    self._walker = None  # its lexer failed: the rest is not walked, nor rolled back
+                    return keep, masks
                 keep[node] = True
-                _fill(child, masks[node + 1])
                 stack.append((node + 1, 0, child, undo))
         except BaseException:
             for _, _, matcher, undo in reversed(stack):
@@ -644,12 +702,43 @@ class GrammarMatcher:
             raise
         return keep, masks
 
+    def _walker_now(self) -> Any:
+        """The walker in the emitted state (built, and the tokens replayed, when there is none), or
+        None when walking is off for this request (no ``recompile``, or its walkers kept failing)."""
+        if self._walker is not None:
+            return self._walker
+        if self._recompile is None or self._walkers >= _WALKERS:
+            return None
+        self._walkers += 1
+        try:
+            walker = self._recompile()
+        except ValueError:  # e.g. past the compile timeout on a loaded machine: no drafts, no failure
+            self._walkers = _WALKERS
+            return None
+        scratch = torch.empty(self.words, dtype=torch.int32)
+        for token in self._tokens:  # as plain decoding took them, so its lexer fails only where that did
+            if not walker.consume_token(token) or not _fill_unless_error(walker, scratch):
+                return None
+        self._walker = walker
+        return walker
+
+
+_WALKERS = 3  # walkers one request may build; past that, its drafts are dropped (plain decoding's rounds)
+
 
 def _fill(matcher: Any, out: torch.Tensor) -> None:
-    """Write ``matcher``'s allowed-token bitmask into ``out`` [words] int32."""
-    if matcher.is_error():
+    """Write ``matcher``'s allowed-token bitmask into ``out`` [words] int32; GrammarError when the
+    matcher is in its error state, or enters it computing the mask (the mask is then not one)."""
+    if not _fill_unless_error(matcher, out):
         raise GrammarError(f"the grammar cannot go on: {_clean(matcher.get_error())}")
+
+
+def _fill_unless_error(matcher: Any, out: torch.Tensor) -> bool:
+    """``_fill``, False instead of GrammarError."""
+    if matcher.is_error():
+        return False
     matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+    return not matcher.is_error()
 
 
 def _allowed(bitmask: torch.Tensor, token: int) -> bool:
