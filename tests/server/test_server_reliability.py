@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -164,6 +165,25 @@ def test_a_lone_failing_request_is_not_retried(tiny_llama: Path) -> None:
     engine.runner.step = counted  # type: ignore[method-assign]
     engine.run_until_done()
     assert request.finish_reason == "error" and calls["n"] == 1
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_engine_failure_is_logged_with_the_request_id(tiny_llama: Path, batched: bool,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A request the engine fails (alone, or found alone after its batch failed) is logged at the
+    default level (warnings and above) with its id and the traceback: the client only sees an error."""
+    engine = make_engine(tiny_llama, max_batch_size=2)
+    request = engine.add_request(PROMPT, SamplingParams(max_tokens=8, temperature=1.0), request_id="req-poisoned")
+    other = engine.add_request(PROMPT, SamplingParams(max_tokens=8, temperature=0.0)) if batched else None
+    engine.step()
+    request.params.repetition_penalty = float("nan")
+    with caplog.at_level(logging.WARNING, logger="infer.engine"):
+        engine.run_until_done()
+    assert request.finish_reason == "error"
+    assert other is None or other.finish_reason == "length"
+    failed = [r for r in caplog.records if r.levelno >= logging.WARNING and "req-poisoned" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None, caplog.text
+    assert "Traceback" in caplog.text, caplog.text
 
 
 # -- in-process servers ----------------------------------------------------------------------------

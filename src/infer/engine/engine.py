@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from infer.models.config import ModelConfig
 from infer.phases import PHASES
 from infer.sampling.grammar import GrammarCompiler, GrammarError
 from infer.sampling.params import SamplingParams, short_repr
+
+log = logging.getLogger("infer.engine")
 
 
 @dataclass
@@ -376,8 +379,9 @@ class Engine(PromptEncoding):
         for request in requests:
             self._restore(request, saved[request.request_id])
         if len(units) == 1:
-            requests[0].finish(*_failure(error))
+            _fail(requests[0], error)
             return [], requests
+        log.debug("a batched step failed; stepping its %d requests alone", len(units), exc_info=error)
         outputs: StepResult = []
         failed: list[Request] = []
         for (prefill, decode), request in zip(units, requests, strict=True):
@@ -385,7 +389,7 @@ class Engine(PromptEncoding):
                 outputs += self.runner.step(prefill, decode)
             except Exception as err:
                 self._restore(request, saved[request.request_id])
-                request.finish(*_failure(err))
+                _fail(request, err)
                 failed.append(request)
         return outputs, failed
 
@@ -438,6 +442,17 @@ class Engine(PromptEncoding):
 # Medusa's tree comes with its heads (loaded after the pools): a bound on it for sizing sliding-window
 # KV blocks (a larger tree's pass would find them short and fail with CacheFullError).
 _MAX_TREE_PASS = 256
+
+
+def _fail(request: Request, err: Exception) -> None:
+    """End ``request`` for ``err`` and log it with its id: with the traceback (at the default level)
+    when the engine failed, only at info level when the request's own grammar could not go on."""
+    reason, error = _failure(err)
+    if reason == "grammar_error":
+        log.info("request %s: %s", request.request_id, error)
+    else:
+        log.error("request %s failed in the engine", request.request_id, exc_info=err)
+    request.finish(reason, error)
 
 
 def _failure(err: Exception) -> tuple[str, str]:
