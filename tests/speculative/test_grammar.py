@@ -346,6 +346,37 @@ def test_gbnf_and_lark_grammars_mean_what_the_regex_does() -> None:
         assert masks[0] == masks[1] == masks[2] == (allowed_after(prefix) if len(prefix) < 4 else {1}), prefix
 
 
+def allowed_first_bytes(compiler: GrammarCompiler, regex: str, prefix: bytes = b"") -> set[int]:
+    """The first bytes of the tokens ``regex`` allows after ``prefix`` (one token per byte)."""
+    ll = compiler.ll_tokenizer
+    matcher = compiler.matcher(StructuredOutput(regex=regex))
+    for byte in prefix:
+        matcher.consume(ll.greedy_tokenize(chr(byte))[0])
+    allowed = unpack_bitmasks(matcher.bitmask(), compiler.vocab_size, "cpu").nonzero().flatten().tolist()
+    return {data[0] for data in (ll.decode_bytes([t]) for t in allowed) if data}
+
+
+def test_regex_digit_and_word_classes_are_ascii() -> None:
+    """Issue 54: a regex's \\d took every Unicode digit (U+1FBF8 came out of \\d{3}-\\d{4}); it means [0-9]
+    as in a JSON Schema pattern, \\w [0-9A-Za-z_], in and outside classes; \\\\d stays a backslash, then d."""
+    from checkpoints import shared_tokenizer
+    from infer.data.tokenizer import EOS_ID
+
+    tokenizer = shared_tokenizer()
+    compiler = GrammarCompiler(tokenizer, [EOS_ID], tokenizer.get_vocab_size())
+    digits = set(b"0123456789")
+    assert allowed_first_bytes(compiler, r"\d{3}-\d{4}") == digits
+    assert allowed_first_bytes(compiler, r"\d{3}-\d{4}", b"123") == {ord("-")}
+    assert allowed_first_bytes(compiler, r"\d{3}-\d{4}", b"123-") == digits
+    assert allowed_first_bytes(compiler, r"[\d-]x") == digits | {ord("-")}
+    assert allowed_first_bytes(compiler, r"\w") == set(b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")
+    not_digits = allowed_first_bytes(compiler, r"\D")
+    assert not not_digits & digits and ord("a") in not_digits and 0xC3 in not_digits  # "é" is no digit
+    assert not allowed_first_bytes(compiler, r"[x\D]") & digits
+    assert allowed_first_bytes(compiler, r"\\d") == {ord("\\")}
+    assert allowed_first_bytes(compiler, r"\\d", b"\\") == {ord("d")}
+
+
 # ----------------------------------------------------------------------------- EOS inside drafts
 
 EOS = 1  # the letters tokenizer's EOS (SPECIAL_TOKENS[1])

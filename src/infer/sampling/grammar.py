@@ -192,7 +192,7 @@ class GrammarCompiler:
             size = len(spec.regex.encode("utf-8", "surrogatepass"))
             if size > limits.max_regex_bytes:
                 raise limits.exceeded("regex", "max_regex_bytes", f"is {size} bytes")
-            return ("regex", spec.regex), str(matcher.grammar_from_regex(spec.regex))
+            return ("regex", spec.regex), str(matcher.grammar_from_regex(ascii_classes(spec.regex)))
         assert spec.grammar is not None
         grammar = spec.grammar
         size = len(grammar.encode("utf-8", "surrogatepass"))
@@ -485,6 +485,50 @@ def _check_refs(targets: dict[tuple[str | int, ...], Any],
             walked.append(found[0])
             value = found[1]
         reaches.update(walked)
+
+
+# \d and \w as JSON Schema's (ECMA-262) regexes mean them, which llguidance gives a schema's
+# `pattern` but not a bare regex (there they are Unicode's: \d takes U+1FBF8 and every other digit).
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(regex: str) -> str:
+    r"""``regex`` with ``\d``, ``\D``, ``\w`` and ``\W`` as their ASCII classes, in and outside
+    character classes (a negated one inside a class becomes a nested class, which llguidance reads as
+    a union); other escapes (``\\d`` is a backslash, then d) and ``\s`` are left as they are."""
+    out: list[str] = []
+    depth = 0  # character classes open (llguidance's syntax nests them)
+    i = 0
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\" and i + 1 < len(regex):
+            escaped = regex[i + 1]
+            ascii_class = _ASCII_CLASSES.get(escaped.lower())
+            if ascii_class is None:
+                out.append(regex[i:i + 2])
+            elif escaped.islower():
+                out.append(ascii_class if depth else f"[{ascii_class}]")
+            else:
+                out.append(f"[^{ascii_class}]")
+            i += 2
+            continue
+        if char == "[":
+            depth += 1
+            out.append(char)
+            i += 1
+            # A "]" first in a class (after an optional "^") is a literal.
+            if regex.startswith("^", i):
+                out.append("^")
+                i += 1
+            if regex.startswith("]", i):
+                out.append("]")
+                i += 1
+            continue
+        if char == "]" and depth:
+            depth -= 1
+        out.append(char)
+        i += 1
+    return "".join(out)
 
 
 def json_depth(text: str) -> int:
