@@ -81,6 +81,38 @@ def test_each_limit_refuses_past_it_and_admits_under_it(tokenizer: Any, limit: s
         c.matcher(StructuredOutput(**over))
 
 
+def nested_containers(count: int, kind: str) -> dict[str, Any]:
+    """A schema of ``count`` objects (each the only property of the one outside) or arrays nested."""
+    schema: dict[str, Any] = {"type": kind}
+    for _ in range(count - 1):
+        schema = ({"type": "object", "properties": {"a": schema}, "required": ["a"]} if kind == "object"
+                  else {"type": "array", "items": schema})
+    return schema
+
+
+@pytest.mark.parametrize("kind", ["object", "array"])
+@pytest.mark.parametrize("as_text", [False, True])
+def test_max_depth_counts_nested_objects_and_arrays(tokenizer: Any, kind: str, as_text: bool) -> None:
+    """Issue 54: --grammar-max-depth 64 admitted only 31 nested objects (the schema's "properties"
+    maps counted as levels). N nested objects or arrays are admitted at N, refused at N + 1."""
+    c = compiler(tokenizer)
+    limit = c.limits.max_depth
+    admitted, refused = nested_containers(limit, kind), nested_containers(limit + 1, kind)
+    c.matcher(StructuredOutput(json=json.dumps(admitted) if as_text else admitted))
+    with pytest.raises(ValueError, match=r"structured_output\.json is nested too deeply .*grammar_max_depth"):
+        c.matcher(StructuredOutput(json=json.dumps(refused) if as_text else refused))
+
+
+def test_a_property_named_like_a_keyword_is_a_schema_still(tokenizer: Any) -> None:
+    """Under "properties", a name such as "properties" names a schema: its level counts."""
+    inner: dict[str, Any] = {"type": "integer"}
+    for _ in range(4):
+        inner = {"type": "object", "properties": {"properties": inner}}
+    compiler(tokenizer, max_depth=5).matcher(StructuredOutput(json=inner))
+    with pytest.raises(ValueError, match="grammar_max_depth"):
+        compiler(tokenizer, max_depth=4).matcher(StructuredOutput(json=inner))
+
+
 def test_a_slow_compile_is_refused_naming_the_timeout(tokenizer: Any) -> None:
     c = compiler(tokenizer, compile_timeout_s=1e-9)
     with pytest.raises(ValueError, match="grammar_compile_timeout_s"):

@@ -100,7 +100,10 @@ class GrammarLimits:
 
     max_bytes: int = 128 * 1024  # a grammar, or a JSON Schema as compact JSON
     max_rules: int = 4096  # rule definitions in a Lark or GBNF grammar
-    max_depth: int = 64  # nesting of a JSON Schema's objects and arrays
+    # Nested schemas of a JSON Schema: N nested objects or arrays are N. llguidance reads a schema of at
+    # most 128 levels of brackets, and a level takes up to _RAW_DEPTH of them (an object's schema and its
+    # "properties", keywords' lists): the default is what it always reads.
+    max_depth: int = 32
     max_ref_chain: int = 256  # JSON Schema $refs followed one inside another
     max_regex_bytes: int = 4096  # a regex (guided_regex, or a schema's pattern)
     max_enum: int = 2048  # values of one JSON Schema enum
@@ -372,6 +375,9 @@ def _compile_threads(stack_bytes: int) -> _CompileThreads:
 
 # -- limits of a JSON Schema ----------------------------------------------------------------------
 _ANNOTATIONS = {"$ref", "description", "title", "$comment", "default", "examples", "$schema", "$id"}
+# Keywords whose value maps names to schemas: the map is no level of nesting of its own.
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+_RAW_DEPTH = 4  # brackets of a schema allowed per level of max_depth (keywords' lists and maps between)
 
 
 def check_schema(schema: dict[str, Any] | str, limits: GrammarLimits) -> dict[str, Any]:
@@ -382,23 +388,30 @@ def check_schema(schema: dict[str, Any] | str, limits: GrammarLimits) -> dict[st
         size = len(schema.encode("utf-8", "surrogatepass"))
         if size > limits.max_bytes:
             raise limits.exceeded("json", "max_bytes", f"is {size} bytes")
-        if json_depth(schema) > limits.max_depth:
+        if json_depth(schema) > _RAW_DEPTH * limits.max_depth:
             raise limits.exceeded("json", "max_depth", "is nested too deeply")
         schema = json.loads(schema)
     if not isinstance(schema, dict):
         raise ValueError("SamplingParams.structured_output.json must be a JSON Schema object")
     targets: dict[tuple[str | int, ...], Any] = {(): schema}  # where $refs point, by path
     refs: list[tuple[tuple[str | int, ...], tuple[str | int, ...]]] = []  # (the $ref's object, its target)
-    stack: list[tuple[Any, tuple[str | int, ...]]] = [(schema, ())]
+    # (node, its path, the schemas nested down to it, whether it is a map of names to schemas)
+    stack: list[tuple[Any, tuple[str | int, ...], int, bool]] = [(schema, (), 0, False)]
     while stack:
-        node, path = stack.pop()
-        if len(path) >= limits.max_depth:
+        node, path, depth, names = stack.pop()
+        # max_depth counts nested schemas (N nested objects or arrays are N), not the schema's own
+        # brackets: an object nests its properties' schemas two levels down ("properties", then the
+        # name). Every bracket is bounded too, at a multiple, for llguidance's recursive compiler.
+        if isinstance(node, dict) and not names:
+            depth += 1
+        if depth > limits.max_depth or len(path) >= _RAW_DEPTH * limits.max_depth:
             raise limits.exceeded("json", "max_depth", "is nested too deeply")
         items: Any = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
             if isinstance(value, (dict, list)):
-                stack.append((value, (*path, key)))
-        if not isinstance(node, dict):
+                stack.append((value, (*path, key), depth,
+                              not names and key in _SCHEMA_MAPS and isinstance(node, dict) and isinstance(value, dict)))
+        if not isinstance(node, dict) or names:
             continue
         enum = node.get("enum")
         if isinstance(enum, list) and len(enum) > limits.max_enum:
