@@ -221,6 +221,44 @@ static __attribute__((noinline)) void FN(score_block)(const FN(AttnShape) *sh, c
     }
 }
 
+/* score_block over a whole block copied next to each other (row t at base + t * staged) with CT
+ * chunks known when compiled: the same products, sums and order as score_block, without its LANES
+ * row pointers (which did not fit in registers: reloaded on every load) or a loop over the chunks. */
+static inline __attribute__((always_inline)) void FN(score_staged_ct)(const FN(AttnShape) *sh, const ELEM *base,
+                                                                      int64_t staged, const float *query, float *score,
+                                                                      float *top, const int CT) {
+    const int64_t groups = sh->groups, stride = sh->stride;
+    const FVEC scale = fvec_set1(sh->scale);
+    for (int64_t j = 0; j < groups; j++) {
+        FVEC acc[LANES];
+        for (int t = 0; t < LANES; t++) acc[t] = fvec_zero();
+        for (int c = 0; c < CT; c++) {
+            const FVEC q = fvec_load(query + (j * CT + c) * LANES);
+            const LMASK m = sh->mask[c];
+            for (int t = 0; t < LANES; t++) acc[t] = fvec_fma(q, FN(widen)(base + t * staged + LANES * c, m), acc[t]);
+        }
+        FVEC s = fvec_mul(fvec_sums(acc), scale);
+        fvec_store(score + j * stride, s);
+        const float peak = fvec_hmax(s);
+        top[j] = peak > top[j] ? peak : top[j];
+    }
+}
+
+/* The scores of a staged whole block (see score_staged_ct) for every head of a query. */
+static __attribute__((noinline)) void FN(score_staged)(const FN(AttnShape) *sh, const ELEM *base, int64_t staged,
+                                                       const float *query, float *score, float *top) {
+    switch (sh->chunks) {
+    case 2: FN(score_staged_ct)(sh, base, staged, query, score, top, 2); return;
+    case 4: FN(score_staged_ct)(sh, base, staged, query, score, top, 4); return;
+    case 8: FN(score_staged_ct)(sh, base, staged, query, score, top, 8); return;
+    default: {
+        const ELEM *row[LANES];
+        for (int t = 0; t < LANES; t++) row[t] = base + t * staged;
+        FN(score_block)(sh, row, query, score, top);
+    }
+    }
+}
+
 /* One block of values (rows vrow[0 .. bn - 1]) into a query's weighted sums: sum[j] += w[j][t] * v_t
  * for every head j, the keys in order; heads two at a time, chunks four at a time, in registers. */
 static __attribute__((noinline)) void FN(value_block)(const FN(AttnShape) *sh, const ELEM *const *vrow, int64_t bn, const float *w, float *sum) {
@@ -275,6 +313,7 @@ static inline void FN(block_rows)(const ELEM *base, const int64_t *key, int64_t 
 /* One thread's scratch for attention items (see attention_items), allocated on its first chunk. */
 typedef struct {
     float *score, *query, *sum;
+    float *part; /* a job whose items hold every segment (AttnJob.inner): the item's partial results */
     int64_t *key;
     ELEM *stage;
     int ready, ok;
@@ -293,6 +332,7 @@ typedef struct {
     _Atomic int64_t *done;    /* segments > 1: per row group and KV head, its segments finished */
     FN(AttnScratch) *scratch; /* one per worker */
     _Atomic int failed;
+    int inner;                /* segments > 1: an item takes every segment of its rows in turn (see attention) */
 } FN(AttnJob);
 
 /* A head's output row o[0 .. hd - 1] = sum / total (zeros where no key was visible). */
@@ -304,9 +344,11 @@ static inline void FN(attn_out)(const float *sum, float total, int64_t chunks, i
     }
 }
 
-/* Rows r0 .. r0 + nr - 1, the heads of KV head g: their segments' partial results merged in segment
- * order (each scaled by exp(its peak - the largest peak)) into their output rows. */
-static void FN(merge_segments)(const FN(AttnJob) *job, int64_t r0, int64_t nr, int64_t g) {
+/* Rows r0 .. r0 + nr - 1, the heads of KV head g: their segments' partial results (row rr's head j
+ * at part + rr * row_stride + j * segments * part_stride, one after another) merged in segment order
+ * (each scaled by exp(its peak - the largest peak)) into their output rows. */
+static void FN(merge_segments)(const FN(AttnJob) *job, int64_t r0, int64_t nr, int64_t g, const float *part,
+                               int64_t row_stride) {
     const StackArgs *a = job->a;
     const int64_t heads = a->heads, groups = heads / a->kv_heads, hd = a->head_dim;
     const int64_t chunks = (hd + LANES - 1) / LANES, segs = job->segments, ps = job->part_stride;
@@ -314,7 +356,7 @@ static void FN(merge_segments)(const FN(AttnJob) *job, int64_t r0, int64_t nr, i
     for (int64_t rr = 0; rr < nr; rr++)
         for (int64_t j = 0; j < groups; j++) {
             const int64_t h = g * groups + j;
-            const float *p = job->part + ((r0 + rr) * heads + h) * segs * ps;
+            const float *p = part + rr * row_stride + j * segs * ps; /* row rr's head h: its segments' results */
             float peak = -INFINITY, total = 0.0f;
             for (int64_t s = 0; s < segs; s++)
                 if (p[s * ps + 1] > 0.0f && p[s * ps] > peak) peak = p[s * ps];
@@ -358,8 +400,9 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
         s->query = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
         s->sum = aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * width));
         s->key = malloc(sizeof(int64_t) * (size_t)(ATTN_ROWS * klen));
-        s->stage = stages ? aligned_alloc(64, (sizeof(ELEM) * (size_t)(LANES * staged) + 63) / 64 * 64) : NULL;
-        s->ok = s->score && s->query && s->sum && s->key && (s->stage || !stages);
+        s->part = job->inner ? aligned_alloc(64, sizeof(float) * (size_t)(ATTN_ROWS * groups * segs * ps)) : NULL;
+        s->stage = aligned_alloc(64, (sizeof(ELEM) * (size_t)(LANES * staged) + 63) / 64 * 64);
+        s->ok = s->score && s->query && s->sum && s->key && s->stage && (s->part || !job->inner);
         s->ready = 1;
     }
     if (!s->ok) {
@@ -373,94 +416,102 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
     for (int64_t c = 0; c < chunks; c++) mask_of[c] = lanes(hd - LANES * c);
     const FN(AttnShape) sh = {groups, chunks, hd, stride, a->scale, mask_of};
     for (int64_t p = begin; p < end; p++) {
-        /* KV head g of segment seg of row group q / kvh: a thread's consecutive items read every
-         * head of the same keys, whose rows lie side by side in the cache */
-        const int64_t g = p % kvh, seg = p / kvh % segs, q = p / kvh / segs * kvh + g;
+        /* KV head g of row group q / kvh, its segments first .. last - 1 (all of them in an inner job):
+         * a thread's consecutive items read every head of the same keys, whose rows lie side by side */
+        const int64_t g = p % kvh, q = job->inner ? p : p / kvh / segs * kvh + g;
+        const int64_t first = job->inner ? 0 : p / kvh % segs, last = job->inner ? segs : first + 1;
         const int64_t b = q / kvh / per_seq, r0 = b * a->width + q / kvh % per_seq * ATTN_ROWS;
         const int64_t nr = b * a->width + a->width - r0 < ATTN_ROWS ? b * a->width + a->width - r0 : ATTN_ROWS;
-        const int64_t s0 = seg * ATTN_SEGMENT, s1 = segs > 1 ? s0 + ATTN_SEGMENT : L; /* list indices */
-        const int64_t s2 = s1 + KEYS_AHEAD; /* the list goes on to here for fetching: the next segment's keys */
-        int64_t n[ATTN_ROWS], nf[ATTN_ROWS], shared = ATTN_SEGMENT + L;
-        float top[ATTN_ROWS][MAX_GROUP], total[ATTN_ROWS][MAX_GROUP];
-        for (int64_t rr = 0; rr < nr; rr++) {
-            const uint8_t *visible = mask ? mask + (r0 + rr) * L : NULL;
-            int64_t *keys = key + rr * klen, count = 0;
-            const int64_t seen = a->causal ? L - a->width + (r0 + rr - b * a->width) + 1 : L; /* (see StackArgs) */
-            /* positions before the first hidden one are their own list indices, the same in every row */
-            const uint8_t *gap = visible && seen > 0 ? memchr(visible, 0, (size_t)seen) : NULL;
-            const int64_t lead = gap ? gap - visible : seen;
-            for (int64_t l = s0; l < lead && l < s2; l++) keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
-            for (int64_t l = lead + 1, index = lead; l < seen && index < s2; l++) /* the rest, after the gap */
-                if (visible[l]) {
-                    if (index >= s0) keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
-                    index++;
+        for (int64_t seg = first; seg < last; seg++) {
+            const int64_t s0 = seg * ATTN_SEGMENT, s1 = segs > 1 ? s0 + ATTN_SEGMENT : L; /* list indices */
+            const int64_t s2 = s1 + KEYS_AHEAD; /* the list goes on to here for fetching: the next segment's keys */
+            int64_t n[ATTN_ROWS], nf[ATTN_ROWS], shared = ATTN_SEGMENT + L;
+            float top[ATTN_ROWS][MAX_GROUP], total[ATTN_ROWS][MAX_GROUP];
+            for (int64_t rr = 0; rr < nr; rr++) {
+                const uint8_t *visible = mask ? mask + (r0 + rr) * L : NULL;
+                int64_t *keys = key + rr * klen, count = 0;
+                const int64_t seen = a->causal ? L - a->width + (r0 + rr - b * a->width) + 1 : L; /* (see StackArgs) */
+                /* positions before the first hidden one are their own list indices, the same in every row */
+                const uint8_t *gap = visible && seen > 0 ? memchr(visible, 0, (size_t)seen) : NULL;
+                const int64_t lead = gap ? gap - visible : seen;
+                for (int64_t l = s0; l < lead && l < s2; l++) keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
+                for (int64_t l = lead + 1, index = lead; l < seen && index < s2; l++) /* the rest, after the gap */
+                    if (visible[l]) {
+                        if (index >= s0) keys[count++] = read_rows ? read_rows[b * L + l] : read_start + l;
+                        index++;
+                    }
+                nf[rr] = count;
+                n[rr] = count < s1 - s0 ? count : s1 - s0;
+                const int64_t common_here = (lead < s1 ? lead : s1) - s0;
+                shared = common_here < shared ? common_here : shared;
+                for (int64_t j = 0; j < groups; j++) {
+                    const ELEM *qh = qk + ((r0 + rr) * (heads + kvh) + g * groups + j) * hd;
+                    for (int64_t c = 0; c < chunks; c++)
+                        fvec_store(query + rr * width + (j * chunks + c) * LANES, FN(widen)(qh + LANES * c, mask_of[c]));
+                    top[rr][j] = -INFINITY;
                 }
-            nf[rr] = count;
-            n[rr] = count < s1 - s0 ? count : s1 - s0;
-            const int64_t common_here = (lead < s1 ? lead : s1) - s0;
-            shared = common_here < shared ? common_here : shared;
-            for (int64_t j = 0; j < groups; j++) {
-                const ELEM *qh = qk + ((r0 + rr) * (heads + kvh) + g * groups + j) * hd;
-                for (int64_t c = 0; c < chunks; c++)
-                    fvec_store(query + rr * width + (j * chunks + c) * LANES, FN(widen)(qh + LANES * c, mask_of[c]));
-                top[rr][j] = -INFINITY;
             }
-        }
-        /* blocks that are the same keys in every row's list */
-        const int64_t common = shared > 0 ? shared / LANES * LANES : 0;
-        const ELEM *row[LANES];
-        /* the first keys' rows, then the values' of the whole segment (theirs arrive during the scores) */
-        FN(fetch_rows)(ks, key, 0, nf[0] < KEYS_AHEAD ? nf[0] : KEYS_AHEAD, kvh, g, hd);
-        for (int64_t rr = 0; rr < nr; rr++)
-            if (rr == 0 || n[rr] > common) FN(fetch_rows)(vs, key + rr * klen, rr ? common : 0, n[rr], kvh, g, hd);
-        for (int64_t i0 = 0; i0 < common; i0 += LANES) {
-            FN(block_rows)(ks, key, common, nf[0], i0, kvh, g, hd, row, stage, staged);
+            /* blocks that are the same keys in every row's list */
+            const int64_t common = shared > 0 ? shared / LANES * LANES : 0;
+            const ELEM *row[LANES];
+            /* the first keys' rows, then the values' of the whole segment (theirs arrive during the scores) */
+            FN(fetch_rows)(ks, key, 0, nf[0] < KEYS_AHEAD ? nf[0] : KEYS_AHEAD, kvh, g, hd);
             for (int64_t rr = 0; rr < nr; rr++)
-                FN(score_block)(&sh, row, query + rr * width, score + rr * stride * groups + i0, top[rr]);
-        }
-        for (int64_t rr = 0; rr < nr; rr++)
-            for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
-                FN(block_rows)(ks, key + rr * klen, n[rr], nf[rr], i0, kvh, g, hd, row, stage, staged);
-                FN(score_block)(&sh, row, query + rr * width, score + rr * stride * groups + i0, top[rr]);
+                if (rr == 0 || n[rr] > common) FN(fetch_rows)(vs, key + rr * klen, rr ? common : 0, n[rr], kvh, g, hd);
+            for (int64_t i0 = 0; i0 < common; i0 += LANES) {
+                /* a common block is read by every row of the item: copied next to each other once, its
+                 * rows are one base and stride to the scores (the same values, so the same sums) */
+                FN(block_rows)(ks, key, common, nf[0], i0, kvh, g, hd, row, stage, staged);
+                for (int64_t rr = 0; rr < nr; rr++)
+                    FN(score_staged)(&sh, stage, staged, query + rr * width, score + rr * stride * groups + i0, top[rr]);
             }
-        for (int64_t rr = 0; rr < nr; rr++) {
-            const int64_t padded = (n[rr] + LANES - 1) / LANES * LANES;
-            for (int64_t j = 0; j < groups; j++) {
-                float *w = score + (rr * groups + j) * stride, peak = top[rr][j];
-#pragma omp simd
-                for (int64_t i = 0; i < n[rr]; i++) w[i] = expf(w[i] - peak);
-                for (int64_t i = n[rr]; i < padded; i++) w[i] = 0.0f;
-                FVEC tot = fvec_zero();
-                for (int64_t i = 0; i < padded; i += LANES) tot = tot + fvec_load(w + i);
-                total[rr][j] = fvec_sum(tot);
-            }
-            for (int64_t e = 0; e < width; e += LANES) fvec_store(sum + rr * width + e, fvec_zero());
-        }
-        for (int64_t i0 = 0; i0 < common; i0 += LANES) {
-            FN(block_rows)(vs, key, common, nf[0], i0, kvh, g, hd, row, stage, staged);
             for (int64_t rr = 0; rr < nr; rr++)
-                FN(value_block)(&sh, row, LANES, score + rr * stride * groups + i0, sum + rr * width);
-        }
-        for (int64_t rr = 0; rr < nr; rr++) {
-            for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
-                FN(block_rows)(vs, key + rr * klen, n[rr], nf[rr], i0, kvh, g, hd, row, stage, staged);
-                FN(value_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, score + rr * stride * groups + i0,
-                                sum + rr * width);
-            }
-            for (int64_t j = 0; j < groups; j++) {
-                const float *sj = sum + rr * width + j * chunks * LANES;
-                if (segs == 1) {
-                    FN(attn_out)(sj, total[rr][j], chunks, hd, out + ((r0 + rr) * heads + g * groups + j) * hd);
-                    continue;
+                for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
+                    FN(block_rows)(ks, key + rr * klen, n[rr], nf[rr], i0, kvh, g, hd, row, stages ? stage : NULL, staged);
+                    FN(score_block)(&sh, row, query + rr * width, score + rr * stride * groups + i0, top[rr]);
                 }
-                float *pp = job->part + (((r0 + rr) * heads + g * groups + j) * segs + seg) * ps;
-                pp[0] = top[rr][j];
-                pp[1] = total[rr][j];
-                for (int64_t c = 0; c < chunks; c++) fvec_store(pp + LANES + c * LANES, fvec_load(sj + c * LANES));
+            for (int64_t rr = 0; rr < nr; rr++) {
+                const int64_t padded = (n[rr] + LANES - 1) / LANES * LANES;
+                for (int64_t j = 0; j < groups; j++) {
+                    float *w = score + (rr * groups + j) * stride, peak = top[rr][j];
+    #pragma omp simd
+                    for (int64_t i = 0; i < n[rr]; i++) w[i] = expf(w[i] - peak);
+                    for (int64_t i = n[rr]; i < padded; i++) w[i] = 0.0f;
+                    FVEC tot = fvec_zero();
+                    for (int64_t i = 0; i < padded; i += LANES) tot = tot + fvec_load(w + i);
+                    total[rr][j] = fvec_sum(tot);
+                }
+                for (int64_t e = 0; e < width; e += LANES) fvec_store(sum + rr * width + e, fvec_zero());
+            }
+            for (int64_t i0 = 0; i0 < common; i0 += LANES) {
+                FN(block_rows)(vs, key, common, nf[0], i0, kvh, g, hd, row, stages ? stage : NULL, staged);
+                for (int64_t rr = 0; rr < nr; rr++)
+                    FN(value_block)(&sh, row, LANES, score + rr * stride * groups + i0, sum + rr * width);
+            }
+            for (int64_t rr = 0; rr < nr; rr++) {
+                for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
+                    FN(block_rows)(vs, key + rr * klen, n[rr], nf[rr], i0, kvh, g, hd, row, stages ? stage : NULL, staged);
+                    FN(value_block)(&sh, row, n[rr] - i0 < LANES ? n[rr] - i0 : LANES, score + rr * stride * groups + i0,
+                                    sum + rr * width);
+                }
+                for (int64_t j = 0; j < groups; j++) {
+                    const float *sj = sum + rr * width + j * chunks * LANES;
+                    if (segs == 1) {
+                        FN(attn_out)(sj, total[rr][j], chunks, hd, out + ((r0 + rr) * heads + g * groups + j) * hd);
+                        continue;
+                    }
+                    float *pp = job->inner ? s->part + ((rr * groups + j) * segs + seg) * ps
+                                      : job->part + (((r0 + rr) * heads + g * groups + j) * segs + seg) * ps;
+                    pp[0] = top[rr][j];
+                    pp[1] = total[rr][j];
+                    for (int64_t c = 0; c < chunks; c++) fvec_store(pp + LANES + c * LANES, fvec_load(sj + c * LANES));
+                }
             }
         }
         /* the item's last segment to finish merges them (the counter orders the partial results' stores) */
-        if (segs > 1 && atomic_fetch_add(&job->done[q], 1) == segs - 1) FN(merge_segments)(job, r0, nr, g);
+        if (segs > 1 && job->inner) FN(merge_segments)(job, r0, nr, g, s->part, groups * segs * ps);
+        else if (segs > 1 && atomic_fetch_add(&job->done[q], 1) == segs - 1)
+            FN(merge_segments)(job, r0, nr, g, job->part + (r0 * heads + g * groups) * segs * ps, heads * segs * ps);
     }
 }
 
@@ -483,18 +534,26 @@ static int FN(attention)(const StackArgs *a, const int64_t *read_rows, int64_t r
     FN(AttnJob) job = {a, read_rows, read_start, mask, qk, ks, vs, out, segs, ps, NULL, NULL,
                        calloc((size_t)threads, sizeof(FN(AttnScratch))), 0};
     int failed = !job.scratch;
-    if (segs > 1 && !failed) {
+    /* Where the pass has items enough for every thread (a prefill chunk: a row group per ATTN_ROWS
+     * query rows), an item takes its rows' segments in turn, each computed as a segment item would,
+     * and merges them itself: the same bits, without a pass-sized buffer of partial results (fresh
+     * pages at every call: tens of MB for a 512-token chunk after a few thousand tokens) and a
+     * counter shared between the threads per item. Segment items are for passes of a few rows
+     * (decode steps, verifications), where they are what keeps every thread busy. */
+    job.inner = segs > 1 && items >= 8 * threads;
+    if (segs > 1 && !job.inner && !failed) {
         job.part = aligned_alloc(64, (sizeof(float) * (size_t)(a->rows * a->heads * segs * ps) + 63) / 64 * 64);
         job.done = calloc((size_t)items, sizeof(_Atomic int64_t));
         failed = !job.part || !job.done;
     }
-    if (!failed) pool_run(FN(attention_items), &job, items * segs, 1, threads);
+    if (!failed) pool_run(FN(attention_items), &job, job.inner ? items : items * segs, 1, threads);
     for (int t = 0; job.scratch && t < threads; t++) {
         free(job.scratch[t].score);
         free(job.scratch[t].query);
         free(job.scratch[t].sum);
         free(job.scratch[t].key);
         free(job.scratch[t].stage);
+        free(job.scratch[t].part);
     }
     free(job.scratch);
     free(job.part);
