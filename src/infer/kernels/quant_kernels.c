@@ -391,25 +391,22 @@ static void x8_repack_k45(const uint8_t *const *rows, uint8_t *dst, int fifth) {
 }
 static void x8_repack_q4_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 0); }
 static void x8_repack_q5_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 1); }
-/* Chunk c = 2p + h's float sequence on its exact sums (h ? i1 : i0; d, negmin: the block's float16
- * d and -dmin) */
-static inline __attribute__((always_inline)) void x8_epilogue_k45(const uint8_t *const *gp, const GF *d, const GF *negmin,
-                                                                  const X8Act *a, int64_t r0, int64_t b, int p, int h,
-                                                                  GI i0[X8_RB_MAX][X8_NZ_MAX], GI i1[X8_RB_MAX][X8_NZ_MAX],
-                                                                  GF acc[X8_RB_MAX][X8_NZ_MAX], const int R, const int NZ) {
-    const int c = 2 * p + h;
-    for (int z = 0; z < NZ; z++) {
-        const uint8_t *s0 = gp[2 * z] + 32 + 8 * c, *s1 = gp[2 * z + 1] + 32 + 8 * c;
-        const GF dsc = gf_mul(d[z], gf_bits(s0, s1, 0, 63));
-        const GF m = gf_fma(gf_bits(gp[2 * z] + 96 + 8 * p, gp[2 * z + 1] + 96 + 8 * p, 4 * h, 15),
-                            gf_bits(s0, s1, 6, 3), gf_set1(16.0f)); /* low + 16 * high, exact */
-        const GF mn = gf_mul(negmin[z], m);
-        for (int r = 0; r < R; r++) {
-            acc[r][z] = gf_fma_i(acc[r][z], h ? i1[r][z] : i0[r][z], gf_mul(dsc, gf_set1(x8_dx(a, r0 + r, 8 * b + c))));
-            acc[r][z] = gf_fma(acc[r][z], mn, gf_set1(x8_sx(a, r0 + r, 8 * b + c)));
-        }
+/* Chunk c = 2p + h's float sequence on its exact sums (h ? i1 : i0 [row][vector]; d, negmin: the
+ * block's float16 d and -dmin). A macro, as Q6_K's below: the vector path's code stays what it was. */
+#define X8_EPILOGUE_K45(gp, d, negmin, a, r0, b, p, h, i0, i1, acc, R, NZ)                                          \
+    for (int z = 0; z < (NZ); z++) {                                                                                \
+        const int c_ = 2 * (p) + (h);                                                                               \
+        const uint8_t *s0 = (gp)[2 * z] + 32 + 8 * c_, *s1 = (gp)[2 * z + 1] + 32 + 8 * c_;                         \
+        const GF dsc = gf_mul((d)[z], gf_bits(s0, s1, 0, 63));                                                      \
+        const GF m = gf_fma(gf_bits((gp)[2 * z] + 96 + 8 * (p), (gp)[2 * z + 1] + 96 + 8 * (p), 4 * (h), 15),       \
+                            gf_bits(s0, s1, 6, 3), gf_set1(16.0f)); /* low + 16 * high, exact */                    \
+        const GF mn = gf_mul((negmin)[z], m);                                                                       \
+        for (int r = 0; r < (R); r++) {                                                                             \
+            (acc)[r][z] = gf_fma_i((acc)[r][z], (h) ? (i1)[r][z] : (i0)[r][z],                                      \
+                                   gf_mul(dsc, gf_set1(x8_dx((a), (r0) + r, 8 * (b) + c_))));                       \
+            (acc)[r][z] = gf_fma((acc)[r][z], mn, gf_set1(x8_sx((a), (r0) + r, 8 * (b) + c_)));                     \
+        }                                                                                                           \
     }
-}
 static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                int64_t b, GF acc[X8_RB_MAX][X8_NZ_MAX], const int R,
                                                                const int NZ, const int fifth) {
@@ -444,7 +441,9 @@ static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *co
             for (int r = 0; r < R; r++)
                 for (int z = 0; z < NZ; z++) i0[r][z] = gi_end(i0[r][z], run0[r][z]), i1[r][z] = gi_end(i1[r][z], run1[r][z]);
         }
-        for (int h = 0; h < 2; h++) x8_epilogue_k45(gp, d, negmin, a, r0, b, p, h, i0, i1, acc, R, NZ);
+        for (int h = 0; h < 2; h++) {
+            X8_EPILOGUE_K45(gp, d, negmin, a, r0, b, p, h, i0, i1, acc, R, NZ)
+        }
     }
 }
 static inline __attribute__((always_inline)) void x8_block_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
@@ -485,7 +484,7 @@ static inline __attribute__((always_inline)) void x8_tile_chunk_k45(const uint8_
                                                                     GF acc[][X8_NZ_MAX], const int R) {
     GF d[2], negmin[2];
     for (int z = 0; z < 2; z++) d[z] = gf_fp16(gp[2 * z], gp[2 * z + 1]), negmin[z] = gf_fp16(gp[2 * z] + 16, gp[2 * z + 1] + 16);
-    x8_epilogue_k45(gp, d, negmin, a, r0, b, c >> 1, c & 1, raw[0], raw[0], acc, R, 2);
+    X8_EPILOGUE_K45(gp, d, negmin, a, r0, b, c >> 1, c & 1, raw[0], raw[0], acc, R, 2)
 }
 static inline __attribute__((always_inline)) void x8_tile_chunk_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                      int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
@@ -538,21 +537,18 @@ static void x8_repack_q6_k(const uint8_t *const *rows, uint8_t *dst) {
         }
     }
 }
-/* Chunk c's half sums (each started at -32 * its activation sum) times their int8 scales, then its
- * float sequence (activation block xb) */
-static inline __attribute__((always_inline)) void x8_epilogue_q6_k(const uint8_t *const *gp, const GF *d, const X8Act *a,
-                                                                   int64_t r0, int64_t xb, int c,
-                                                                   GI half0[X8_RB_MAX][X8_NZ_MAX],
-                                                                   GI half1[X8_RB_MAX][X8_NZ_MAX],
-                                                                   GF acc[X8_RB_MAX][X8_NZ_MAX], const int R, const int NZ) {
-    for (int z = 0; z < NZ; z++) {
-        const GI sc0 = gi_i8(gp[2 * z] + 16 + 16 * c, gp[2 * z + 1] + 16 + 16 * c);
-        const GI sc1 = gi_i8(gp[2 * z] + 24 + 16 * c, gp[2 * z + 1] + 24 + 16 * c);
-        for (int r = 0; r < R; r++)
-            acc[r][z] = gf_fma_i(acc[r][z], gi_add(gi_mul(half0[r][z], sc0), gi_mul(half1[r][z], sc1)),
-                                 gf_mul(d[z], gf_set1(x8_dx(a, r0 + r, xb))));
+/* Chunk c's half sums (each started at -32 * its activation sum: half0, half1 [row][vector]) times
+ * their int8 scales, then its float sequence (activation block xb; d: the block's float16 d). A
+ * macro, not a function: the vector path's code is then exactly what it was before the tile path
+ * shared it (as an inline function it was scheduled differently, and measured a few percent slower). */
+#define X8_EPILOGUE_Q6_K(gp, d, a, r0, xb, c, half0, half1, acc, R, NZ)                                       \
+    for (int z = 0; z < (NZ); z++) {                                                                           \
+        const GI sc0 = gi_i8((gp)[2 * z] + 16 + 16 * (c), (gp)[2 * z + 1] + 16 + 16 * (c));                     \
+        const GI sc1 = gi_i8((gp)[2 * z] + 24 + 16 * (c), (gp)[2 * z + 1] + 24 + 16 * (c));                     \
+        for (int r = 0; r < (R); r++)                                                                          \
+            (acc)[r][z] = gf_fma_i((acc)[r][z], gi_add(gi_mul((half0)[r][z], sc0), gi_mul((half1)[r][z], sc1)), \
+                                   gf_mul((d)[z], gf_set1(x8_dx((a), (r0) + r, (xb)))));                        \
     }
-}
 static inline int32_t x8_start_q6_k(const X8Act *a, int64_t r, int64_t xb, int t) {
     const int32_t s16 = a->sum16[r * a->xblocks + xb];
     return -32 * (t ? x8_xsum(a, r, xb) - s16 : s16);
@@ -565,9 +561,10 @@ static inline __attribute__((always_inline)) void x8_block_q6_k(const uint8_t *c
     for (int c = 0; c < 8; c++) {
         const int64_t xb = 8 * b + c;
         GI half[2][X8_RB_MAX][X8_NZ_MAX];
-        for (int r = 0; r < R; r++)
-            for (int z = 0; z < NZ; z++)
-                half[0][r][z] = gi_set1(x8_start_q6_k(a, r0 + r, xb, 0)), half[1][r][z] = gi_set1(x8_start_q6_k(a, r0 + r, xb, 1));
+        for (int r = 0; r < R; r++) {
+            const int32_t s0 = x8_start_q6_k(a, r0 + r, xb, 0), s1 = x8_start_q6_k(a, r0 + r, xb, 1);
+            for (int z = 0; z < NZ; z++) half[0][r][z] = gi_set1(s0), half[1][r][z] = gi_set1(s1);
+        }
         for (int t = 0; t < 2; t++) {
             GW top[X8_NZ_MAX];
             for (int z = 0; z < NZ; z++) top[z] = gw_load(gp[2 * z] + 1168 + 32 * (2 * c + t), gp[2 * z + 1] + 1168 + 32 * (2 * c + t));
@@ -586,7 +583,7 @@ static inline __attribute__((always_inline)) void x8_block_q6_k(const uint8_t *c
                 }
             }
         }
-        x8_epilogue_q6_k(gp, d, a, r0, xb, c, half[0], half[1], acc, R, NZ);
+        X8_EPILOGUE_Q6_K(gp, d, a, r0, xb, c, half[0], half[1], acc, R, NZ)
     }
 }
 #if X8_TILES
@@ -614,7 +611,7 @@ static inline __attribute__((always_inline)) void x8_tile_chunk_q6_k(const uint8
         const GI s0 = gi_set1(x8_start_q6_k(a, r0 + r, xb, 0)), s1 = gi_set1(x8_start_q6_k(a, r0 + r, xb, 1));
         for (int z = 0; z < 2; z++) raw[0][r][z] = gi_add(raw[0][r][z], s0), raw[1][r][z] = gi_add(raw[1][r][z], s1);
     }
-    x8_epilogue_q6_k(gp, d, a, r0, xb, c, raw[0], raw[1], acc, R, 2);
+    X8_EPILOGUE_Q6_K(gp, d, a, r0, xb, c, raw[0], raw[1], acc, R, 2)
 }
 #endif
 static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
