@@ -54,8 +54,21 @@ static inline void xt_set(XtConfig *c, int t, int rows, int colsb) {
 #include <sys/syscall.h>
 #include <unistd.h>
 #define XT_IMPL "amx"
-#define xt_config(cfg) _tile_loadconfig(cfg)
-#define xt_load(t, p, stride) _tile_loadd(t, p, stride)
+/* GCC's _tile_loadd and _tile_loadconfig tell the compiler nothing of the memory they read (no
+ * memory operand but ldtilecfg's first 8 bytes, no "memory" clobber), so the stores that fill a B
+ * buffer or a configuration could be moved after them or dropped as dead. A compiler barrier
+ * first makes every store before it land first (no instruction; the emulation cannot show this). */
+#define xt_barrier() __asm__ volatile("" ::: "memory")
+#define xt_config(cfg)                                                                                         \
+    do {                                                                                                       \
+        xt_barrier();                                                                                          \
+        _tile_loadconfig(cfg);                                                                                 \
+    } while (0)
+#define xt_load(t, p, stride)                                                                                  \
+    do {                                                                                                       \
+        xt_barrier();                                                                                          \
+        _tile_loadd(t, p, stride);                                                                             \
+    } while (0)
 #define xt_store(t, p, stride) _tile_stored(t, p, stride)
 #define xt_zero(t) _tile_zero(t)
 #define xt_dot_su(c, a, b) _tile_dpbsud(c, a, b)
