@@ -105,7 +105,7 @@ static int x8_tiles_on = 0;
 static int x8_tiles_on = 1;
 #endif
 static int64_t x8_tile_products = 0; /* products run on tiles (the tests check the path is taken) */
-/* Activation rows whose accumulators a tile job keeps (in memory: 16 A tiles' rows x 2 vectors of
+/* Activation rows whose accumulators a tile job keeps (in memory: 4 A tiles' rows x 2 vectors of
  * 16 floats, 8 KB) while it takes the blocks in order: the weights of a block are unpacked once
  * for all of them. */
 #ifndef X8_TILE_SPAN
