@@ -168,6 +168,13 @@ static inline void FN(fetch_rows)(const ELEM *base, const int64_t *key, int64_t 
             _mm_prefetch((const char *)(base + (key[i] * kvh + g) * hd) + b, _MM_HINT_T1);
 }
 
+/* The most queries one value tile sums for (four chunks each, in registers: AVX-512 has 32 of them). */
+#ifdef INFER_AVX512
+#define VALUE_QUERIES 6
+#else
+#define VALUE_QUERIES 2
+#endif
+
 /* One block's share of the weighted sum of values for JT heads and CT chunks of LANES elements:
  * sum[jj][c] += w[jj][t] * v_t[c] for the block's bn keys in order, the JT x CT sums held in
  * registers across the block (always inlined with constant JT and CT). */
@@ -175,7 +182,7 @@ static inline __attribute__((always_inline)) void FN(value_tile)(const ELEM *con
                                                                  const float *w, int64_t w_stride, float *sum,
                                                                  int64_t sum_stride, const LMASK *mask,
                                                                  const int JT, const int CT) {
-    FVEC acc[2][4];
+    FVEC acc[VALUE_QUERIES][4];
     for (int jj = 0; jj < JT; jj++)
         for (int c = 0; c < CT; c++) acc[jj][c] = fvec_load(sum + jj * sum_stride + c * LANES);
     for (int64_t t = 0; t < bn; t++) {
@@ -288,6 +295,43 @@ static __attribute__((noinline)) void FN(value_block)(const FN(AttnShape) *sh, c
         }
     }
 }
+
+#define VALUE_CASE(JT, CT) case (JT) * 8 + (CT): FN(value_tile)(shifted, n, wq, sh->stride, acc, ss, m, JT, CT); break;
+/* The weighted sums of the keys every row of an item sees (rows vrow[0 .. n - 1]) for its nq queries
+ * (query qi = a row's head: its weights at w + qi * stride, its sums at sum + qi * chunks * LANES):
+ * VALUE_QUERIES queries and four chunks at a time, held in registers across all n keys, so a value
+ * row is read once per tile of queries rather than once per row and pair of heads. Each sum takes
+ * the same keys in the same order as value_block's, so the same bits. */
+static __attribute__((noinline)) void FN(value_common)(const FN(AttnShape) *sh, const ELEM *const *vrow, int64_t n,
+                                                       int64_t nq, const float *w, float *sum) {
+    const int64_t chunks = sh->chunks, ss = chunks * LANES;
+    const ELEM *later[ATTN_SEGMENT], *const *shifted = vrow; /* the rows from chunk c on */
+    for (int64_t c = 0; c < chunks; c += 4) {
+        const int64_t ct = chunks - c < 4 ? chunks - c : 4;
+        if (c) {
+            for (int64_t t = 0; t < n; t++) later[t] = vrow[t] + c * LANES;
+            shifted = later;
+        }
+        for (int64_t q = 0; q < nq; q += VALUE_QUERIES) {
+            const int64_t jt = nq - q < VALUE_QUERIES ? nq - q : VALUE_QUERIES;
+            const float *wq = w + q * sh->stride;
+            float *acc = sum + q * ss + c * LANES;
+            const LMASK *m = sh->mask + c;
+            switch (jt * 8 + ct) {
+            VALUE_CASE(1, 1) VALUE_CASE(1, 2) VALUE_CASE(1, 3) VALUE_CASE(1, 4)
+            VALUE_CASE(2, 1) VALUE_CASE(2, 2) VALUE_CASE(2, 3) VALUE_CASE(2, 4)
+#if VALUE_QUERIES > 2
+            VALUE_CASE(3, 1) VALUE_CASE(3, 2) VALUE_CASE(3, 3) VALUE_CASE(3, 4)
+            VALUE_CASE(4, 1) VALUE_CASE(4, 2) VALUE_CASE(4, 3) VALUE_CASE(4, 4)
+            VALUE_CASE(5, 1) VALUE_CASE(5, 2) VALUE_CASE(5, 3) VALUE_CASE(5, 4)
+            VALUE_CASE(6, 1) VALUE_CASE(6, 2) VALUE_CASE(6, 3) VALUE_CASE(6, 4)
+#endif
+            default: break;
+            }
+        }
+    }
+}
+#undef VALUE_CASE
 
 /* Rows krow[0 .. LANES - 1] of block i0 of a key list of n keys (a short last block repeats its
  * last key), and the rows of the block KEYS_AHEAD keys on fetched (the list's first nf keys may be
@@ -483,10 +527,10 @@ static void FN(attention_items)(void *ctx, int64_t begin, int64_t end, int worke
                 }
                 for (int64_t e = 0; e < width; e += LANES) fvec_store(sum + rr * width + e, fvec_zero());
             }
-            for (int64_t i0 = 0; i0 < common; i0 += LANES) {
-                FN(block_rows)(vs, key, common, nf[0], i0, kvh, g, hd, row, stages ? stage : NULL, staged);
-                for (int64_t rr = 0; rr < nr; rr++)
-                    FN(value_block)(&sh, row, LANES, score + rr * stride * groups + i0, sum + rr * width);
+            if (common > 0) { /* (their rows were fetched into L2 before the scores) */
+                const ELEM *vrow[ATTN_SEGMENT];
+                for (int64_t i = 0; i < common; i++) vrow[i] = vs + (key[i] * kvh + g) * hd;
+                FN(value_common)(&sh, vrow, common, nr * groups, score, sum);
             }
             for (int64_t rr = 0; rr < nr; rr++) {
                 for (int64_t i0 = common; i0 < n[rr]; i0 += LANES) {
