@@ -9,6 +9,7 @@ instead."""
 from __future__ import annotations
 
 import errno
+import platform
 
 import numpy as np
 import pytest
@@ -149,7 +150,12 @@ def test_the_amx_variant_compiles_here_and_runs_only_where_the_cpu_has_amx() -> 
     """The AMX build needs only gcc's flags: it compiles and loads (nothing runs at load) on any x86-64
     machine, with the layout Python expects. Where the CPU has amx_int8 it runs (the OS's permission
     granted: its probe and a product on tiles, the vectors' bits); where it does not, forcing it is
-    refused naming the missing flags and the default stays the vector variant."""
+    refused naming the missing flags and the default stays the vector variant. (On another ISA's
+    host, forcing it is refused naming the host.)"""
+    if platform.machine().lower() not in ("x86_64", "amd64"):  # gcc here targets another ISA: nothing to compile
+        with pytest.raises(KernelUnavailable, match="avx512-amx: CPU lacks an x86_64 Linux host"):
+            quant.quant_kernels("avx512-amx")
+        return
     lib = build.load(AMX)
     built = QuantKernels(AMX, lib)
     assert built.tiles == "amx"
@@ -186,6 +192,9 @@ def test_an_os_that_refuses_tile_state_leaves_the_vectors_and_one_reason_line(mo
     AVX-512 VNNI that variant is the default and the startup line carries the one reason line."""
     from infer.loader.quantized import QuantChoice, QuantReport, choose_quant_kernels
 
+    if platform.machine().lower() not in ("x86_64", "amd64"):  # no x86 build to fake a CPU for
+        assert "an x86_64 Linux host" in " ".join(build.missing_cpu_flags(AMX))
+        return
     real = build.cpu_flags()
     runs_vnni = not build.missing_cpu_flags(next(v for v in build.QUANT_VARIANTS if v.name == "avx512-vnni"))
     # the faked CPU has AMX; without VNNI here, only the refusal itself can be checked (its probe would not run)
