@@ -97,6 +97,8 @@ def run(qtype: str, out_features: int, in_features: int, rows: list[int], thread
     for variant in build.QUANT_VARIANTS:
         if variant_names is not None and variant.name not in variant_names:
             continue
+        if variant_names is None and variant.name in quant.EMULATED:  # C-emulated tiles: correctness, not speed
+            continue
         try:
             kernels = quant.quant_kernels(variant.name)
         except build.KernelUnavailable as err:
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=20, help="products timed per repeat and mode")
     parser.add_argument("--quant-only", action="store_true", help="time the quantized kernels only")
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in build.QUANT_VARIANTS],
-                        help="the quantized-kernel variants to time (default: every one this CPU runs)")
+                        help="the quantized-kernel variants to time (default: every one this CPU runs but the "
+                             "emulated tile ones)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     report = run(args.qtype, args.out_features, args.in_features, args.rows, args.threads, args.repeats, args.calls,
