@@ -10,13 +10,16 @@
  *                                to acc[r][z], in the float sequence quant_x8.h defines
  *   x8_dequant_<t>(block, j, out) row j (0..7) of an x8 block as X8_ELEMS floats, as gguf-py does
  * and X8_TYPE_TILES: 1 where the type also runs on matrix tiles in a tile build (X8_TILES,
- * quant_tiles.h), with X8_TYPE_TILE_SIGNED (its weight bytes signed) and, written once and shared
- * with x8_block_<t>:
+ * quant_tiles.h), with X8_TYPE_TILE_SIGNED (its weight bytes signed), X8_TYPE_TILE_K (the depth of
+ * one tile product in bytes: 32, a chunk, unless defined; Q6_K: 16, a half chunk) and:
+ *   x8_units_<t>(g0, g1, c, dst) 32-value chunk c of the x8 blocks of the groups at g0 and g1 as the
+ *                                tile's B operand: 8 rows of 64 bytes (quant_kernels.c's x8_nibble_units)
+ *   for a 32-value type, written once and shared with x8_block_<t>:
  *   x8_start_<t>(a, r, b)        the integer its values' offset adds to block b's sum of row r
  *                                (Q4_0: -8 * xsum)
- *   x8_units_<t>(g0, g1, dst)    one block of the groups at g0 and g1 as the tile's B operand:
- *                                8 rows of 64 bytes (quant_kernels.c's x8_nibble_units)
  *   x8_epilogue_<t>(gp, a, r0, b, isum, acc, R, NZ)   the block's float sequence on its exact sums
+ *   for a K type, x8_tile_chunk_<t>(gp, a, r0, b, c, raw, acc, R): chunk c's tile sums (raw[half])
+ *   through the start values and the epilogue its x8_block_<t> uses (X8_EPILOGUE_K45, _Q6_K)
  * The functions here are named <name>_x8_<t>; the defines are undone at the end.
  */
 #define X8CAT_(a, b) a##_x8_##b
