@@ -89,6 +89,8 @@ SKIPPED: dict[str, str] = {
     "README.md: pip install torch==2.13.0 # first, so pip never re":
         "installs packages (what `make install` does)",
     "docs/cpu.md: PYTHONPATH=src python -m infer.bench.quant_kernels": BENCH + "; make test-arm installs with apt",
+    "docs/cpu.md: python -m pytest -q tests/kernels/test_quant_tiles":
+        "a test file the suite runs itself (on an AMX machine), then a kernel benchmark",
     "docs/cpu.md: infer generate --model smollm2-135m-instruct --dty":
         "--compile: minutes of torch.compile on a CPU, and the compile benchmark",
     "docs/exactness.md: infer audit --model T --speculator ngram --dtype f":
