@@ -261,13 +261,13 @@ def test_a_grammar_failing_mid_answer_ends_as_plain_decoding_does(
     }[drafter]
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", **options)
     walked = []
-    real = GrammarMatcher.draft_bitmasks
+    real = GrammarMatcher.draft
 
-    def counted(self: GrammarMatcher, tokens: Any, parents: Any) -> Any:
+    def counted(self: GrammarMatcher, tokens: Any, parents: Any, *args: Any) -> Any:
         walked.append(len(tokens))
-        return real(self, tokens, parents)
+        return real(self, tokens, parents, *args)
 
-    monkeypatch.setattr(GrammarMatcher, "draft_bitmasks", counted)
+    monkeypatch.setattr(GrammarMatcher, "draft", counted)
     for regex in FAILING_REGEXES:
         params = SamplingParams(max_tokens=MAX_FAILING, temperature=0.0, structured_output={"regex": regex})
         for _ in range(2):

@@ -156,6 +156,9 @@ class EngineConfig:
     grammar_max_enum: int = GrammarLimits.max_enum
     grammar_compile_timeout_s: float = GrammarLimits.compile_timeout_s
     speculative: SpeculativeConfig | None = None  # None: plain decoding
+    # Grammar drafting: a request with structured output drafts the tokens its grammar forces (keys,
+    # quotes, braces, enum values), with any speculator or none, verified like any draft.
+    grammar_drafting: bool = True
     # Tree verification kernel: SDPA with the dense boolean mask, or FlexAttention with a block mask
     # (compiled on CUDA; on CPU it runs eagerly and is only a slower reference).
     tree_attention: str = "sdpa"

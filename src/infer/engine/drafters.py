@@ -23,7 +23,7 @@ from infer.models.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
 from infer.models.quantized import QuantLinear, weight_bytes
 from infer.speculative.budget import BudgetController, EntropyStop
-from infer.speculative.drafter import Drafter
+from infer.speculative.drafter import Drafter, NoDrafter
 
 
 @dataclass
@@ -41,10 +41,15 @@ class TargetModel:
     backend: str = "auto"  # the backend asked for (infer.backends): a draft model runs on the same
 
 
-def make_speculative_runner(spec: SpeculativeConfig, target_runner: ContinuousRunner, target: TargetModel,
-                            say: Callable[[str], None]) -> SpeculativeRunner:
+def make_speculative_runner(spec: SpeculativeConfig | None, target_runner: ContinuousRunner, target: TargetModel,
+                            say: Callable[[str], None], grammar_drafting: bool = False) -> SpeculativeRunner:
+    """The runner for ``spec``'s drafter; without a speculator (``spec`` None) one whose rounds draft
+    only what a request's grammar forces (``grammar_drafting``)."""
+    if spec is None:
+        # Never asked for a budget (NoDrafter matches nothing); the controller still times the passes.
+        return SpeculativeRunner(target_runner, NoDrafter(), BudgetController(1), grammar_drafting=grammar_drafting)
     drafter = make_drafter(spec, target, say)
-    return SpeculativeRunner(target_runner, drafter, make_budget(spec, drafter))
+    return SpeculativeRunner(target_runner, drafter, make_budget(spec, drafter), grammar_drafting=grammar_drafting)
 
 
 def make_drafter(spec: SpeculativeConfig, target: TargetModel, say: Callable[[str], None]) -> Drafter:

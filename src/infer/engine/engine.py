@@ -76,6 +76,10 @@ def window_pass_bounds(config: EngineConfig, max_seq_len: int) -> tuple[int, int
     ``_MAX_TREE_PASS`` nodes): what sliding-window layers hold beyond their window."""
     spec = config.speculative
     longest = config.max_prefill_tokens if config.chunked_prefill else max_seq_len
+    if config.grammar_drafting:  # a verification of what a grammar forces
+        from infer.engine.speculative_runner import GRAMMAR_MAX_DRAFT
+
+        longest = max(longest, 1 + GRAMMAR_MAX_DRAFT)
     if spec is None:
         return 0, longest
     tree = {"medusa": spec.medusa_tree_size or _MAX_TREE_PASS, "suffix": spec.suffix_tree_size,
@@ -228,13 +232,13 @@ class Engine(PromptEncoding):
         width = 1 + (config.speculative.spec_length_limit if config.speculative is not None else 0)
         target.runner.graphs = self.backend.step_graphs(self.model, self.pool, config.max_batch_size, width, say)
         self.runner: Runner = target
-        if config.speculative is not None:
+        if config.speculative is not None or config.grammar_drafting:
             from infer.engine.drafters import TargetModel, make_speculative_runner
 
             described = TargetModel(path=config.model, model=self.model, config=self.model_config,
                                     tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
                                     make_pool=self._make_pool, compile=config.compile, backend=config.backend)
-            self.runner = make_speculative_runner(config.speculative, target, described, say)
+            self.runner = make_speculative_runner(config.speculative, target, described, say, config.grammar_drafting)
         if config.compile:
             width = 1 + (config.speculative.spec_length_limit if config.speculative is not None else 1)
             say("torch.compile: compiling the kinds of pass requests run (once per process; cached on disk)")

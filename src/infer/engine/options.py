@@ -80,6 +80,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            type=int),
     Option("suffix_scope", "suffix decoding: draft from earlier requests with the same cache_salt, or from the "
            "request alone", choices=("salt", "request")),
+    Option("grammar_drafting", "with structured output, draft the tokens the grammar forces (keys, quotes, braces, "
+           "enum values) and verify them with the speculator's drafts, or alone without a speculator; the output "
+           "is unchanged"),
     Option("max_seq_len", "context length (default: the model's own, lowered only if its KV cache does not fit)",
            type=int),
     Option("kv_memory_fraction", "share of the free memory the KV cache may take when sized by default", type=float),
@@ -123,7 +126,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
 # The options every command that loads a model takes, and those a server adds.
 MODEL_OPTIONS = ("model", "dtype", "device", "use_speculative_decoding", "draft_model", "speculator", "spec_length",
                  "spec_length_policy", "spec_length_max", "medusa_heads", "medusa_tree_size", "eagle_head", "eagle_tree_size", "tree_attention", "suffix_tree_size",
-                 "suffix_max_tokens", "suffix_max_requests", "suffix_scope", "max_seq_len", "kv_memory_fraction",
+                 "suffix_max_tokens", "suffix_max_requests", "suffix_scope", "grammar_drafting", "max_seq_len", "kv_memory_fraction",
                  "kv_cache_backend", "exact_greedy", "compile", "cuda_graphs", "backend", "quantization",
                  "draft_quantization")
 SERVING_OPTIONS = ("max_batch_size", "block_size", "num_kv_blocks", "chunked_prefill", "max_prefill_tokens",

@@ -11,6 +11,14 @@ forbidden node and its subtree, so a forbidden token is never verified. Verifica
 target's p_i (and renormalises the draft's q_i) to the tokens allowed after each row's path: p and
 q are the constrained distributions and rejection sampling stays exact for them.
 
+Grammar drafting (``grammar_drafting``, on by default): the same walk drafts the tokens the grammar
+forces (``GrammarMatcher.draft``): where it forces a token, that token is the draft there (a
+drafter's other guess is dropped, and its continuation with it), and where the drafter proposed
+nothing more, the forced text is drafted on, so a key, its quotes and the brace after a value cost
+one target pass. Such a draft is a deterministic proposal, verified as n-gram drafts are (q
+one-hot), so it may be rejected (a forced text the grammar lets the target tokenize another way)
+and the output is still the target's. With no drafter at all (``NoDrafter``) only the grammar drafts.
+
 A proposal may instead be a tree of guesses (Medusa, ``Proposal.parents``): the pass then feeds
 [g, node_1..node_N] with a tree attention mask and depth-based positions, ``verify_tree`` keeps one
 root-to-node path, and the K/V of that path, scattered through the tree's rows, are compacted into
@@ -29,7 +37,7 @@ from infer.core.request import Request, StepOutput
 from infer.core.timing import device_clock
 from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, Sampled, StepResult
 from infer.phases import PHASES
-from infer.sampling.grammar import unpack_bitmasks
+from infer.sampling.grammar import GrammarDraft, unpack_bitmasks
 from infer.sampling.sampler import TokenLogprobs, context_presence, gather_logprobs, output_counts
 from infer.sampling.transforms import (
     SamplingBatch,
@@ -40,18 +48,36 @@ from infer.sampling.transforms import (
     process_logits,
 )
 from infer.speculative.budget import BudgetController
-from infer.speculative.drafter import Drafter, Proposal
+from infer.speculative.drafter import Drafter, NoDrafter, Proposal
 from infer.speculative.rejection import verify_drafts, verify_greedy
 from infer.speculative.tree import TreeMaskCache, tree_depths, verify_tree, verify_tree_greedy
+
+# Most tokens the grammar drafts for one request in a round beyond its drafter's (each costs a
+# verification row, and a forced run is seldom longer: a key with its quotes, an enum value).
+GRAMMAR_MAX_DRAFT = 32
 
 
 @dataclass
 class GrammarRound:
-    """The grammar's part of one round: the tokens allowed at every verification row [B, R, V], and
-    each request's draft count before forbidden drafts were dropped (what its drafter proposed)."""
+    """The grammar's part of one round: the tokens allowed at every verification row [B, R, V], each
+    request's draft count before the grammar's walk (what its drafter proposed), and per verified
+    node the drafter's node it took the place of (-1: drafted by the grammar alone)."""
 
     allowed: torch.Tensor
     drafted: list[int]
+    origin: list[list[int]]
+
+    def drafter_part(self, paths: list[list[int]], depths: list[list[int]] | None) -> tuple[list[int], list[int], list[int]]:
+        """The drafter's own share of the round, for its state and its budget: per request the nodes
+        it proposed that were verified, the positions they judged (a chain's length; a tree's
+        deepest node: ``depths[b][i]``, node i's depth), and those on the kept ``paths``."""
+        nodes, judged, kept = [], [], []
+        for b, origin in enumerate(self.origin):
+            own = [i for i, o in enumerate(origin) if o >= 0]
+            nodes.append(len(own))
+            judged.append(len(own) if depths is None else max((depths[b][i + 1] for i in own), default=0))
+            kept.append(sum(origin[i] >= 0 for i in paths[b]))
+        return nodes, judged, kept
 
 
 @dataclass
@@ -74,12 +100,17 @@ class SpeculativeRunner:
     and asks ``budget`` how much every round drafts, feeding it the round's timings and outcome.
     """
 
-    def __init__(self, target: ContinuousRunner, drafter: Drafter, budget: BudgetController) -> None:
+    def __init__(self, target: ContinuousRunner, drafter: Drafter, budget: BudgetController,
+                 grammar_drafting: bool = False) -> None:
         self.target = target
         self.drafter = drafter
         self.budget = budget
-        # Verification writes g plus every node; a tree verifies more nodes than it can accept.
-        self.max_verify = max(budget.max_budget, drafter.info.max_nodes or 0)
+        self.grammar_drafting = grammar_drafting
+        # Verification writes g plus every node; a tree verifies more nodes than it can accept, and
+        # the grammar may draft up to GRAMMAR_MAX_DRAFT (within the same room).
+        self.max_verify = max(budget.max_budget, drafter.info.max_nodes or 0, GRAMMAR_MAX_DRAFT if grammar_drafting else 0)
+        # No drafter: a round of requests without a grammar is a plain step and nothing more.
+        self._grammar_only = isinstance(drafter, NoDrafter)
         self.tree_masks = TreeMaskCache()
         self.device = target.pool.device
         # The target's last hidden state per request, for a drafter that reads it (Medusa).
@@ -142,6 +173,8 @@ class SpeculativeRunner:
     def speculative_decode(self, requests: list[Request]) -> StepResult:
         if not requests:
             return []
+        if self._grammar_only and not (self.grammar_drafting and any(r.grammar is not None for r in requests)):
+            return self._keep_hidden(self.target.decode(requests))
         # Drafting and rejection between the passes, threaded as the backend wants (Backend.host_policy).
         with self.target.runner.host_work():
             return self._round(requests)
@@ -155,11 +188,17 @@ class SpeculativeRunner:
         # speculation off, or the drafter found nothing to continue for any (class 0 neither drafts
         # nor probes). A drafter catches up with the tokens it skipped when it next looks.
         classes = self.drafter.match_classes(requests) if any(r.draft_room for r in requests) else []
-        if classes is not None and not any(classes):
+        # The grammar drafts what it forces whether or not the drafter found anything.
+        forcing = self.grammar_drafting and any(r.grammar is not None and r.draft_room for r in requests)
+        if classes is not None and not any(classes) and not forcing:
             self._choose_capture()
             PHASES.add("drafting", since)
             return self._plain(requests)
-        budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests, classes), strict=True)]
+        batch = len(requests)
+        if classes is not None and not any(classes):
+            budgets = [0] * batch
+        else:
+            budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests, classes), strict=True)]
         self._choose_capture()
         start = device_clock(self.device)
         proposal = self.drafter.propose(requests, budgets, self._hidden_of(requests)) if any(budgets) else None
@@ -167,8 +206,9 @@ class SpeculativeRunner:
         if any(budgets):
             times.drafter_calls += 1
             times.propose_seconds += drafted - start
-        batch = len(requests)
         grammar = None
+        if forcing and proposal is None:
+            proposal = Proposal(torch.zeros(batch, 0, dtype=torch.long, device=self.device), [0] * batch, None)
         if proposal is not None and any(r.grammar is not None for r in requests):
             proposal, grammar = self._check_grammar(requests, proposal)
         PHASES.add("drafting", since)
@@ -182,7 +222,7 @@ class SpeculativeRunner:
         # A drafter that runs one step per token reports its clean per-step time (None: no clean
         # sample this round); otherwise drafting is one call per round, timed here.
         draft_seconds = proposal.step_seconds if self.drafter.info.cost_per_token else drafted - start
-        if draft_seconds is not None:
+        if draft_seconds is not None and any(budgets):  # (a round only the grammar drafted made no call)
             self.budget.observe_draft_step(batch, draft_seconds)
         result = self.verify(requests, proposal, grammar)
         elapsed = device_clock(self.device) - drafted
@@ -261,8 +301,8 @@ class SpeculativeRunner:
             self._store_hidden(requests, ragged.rows_at(accepted))
         self._observe_kept(requests, ragged, [list(range(n + 1)) for n in accepted])
         logprobs = self._logprobs(requests, processed, sampling, [list(range(n + 1)) for n in accepted], emitted)
-        return self._finish_round(requests, proposal.num_tokens, proposal.num_tokens, accepted, emitted,
-                                  None if grammar is None else grammar.drafted, logprobs)
+        return self._finish_round(requests, proposal.num_tokens, proposal.num_tokens, accepted, emitted, grammar, logprobs,
+                                  [list(range(n)) for n in accepted])
 
     def verify_tree(self, requests: list[Request], proposal: Proposal, grammar: GrammarRound | None = None) -> StepResult:
         """One batched target pass over [g, tree nodes] with tree attention, tree acceptance, and
@@ -321,8 +361,8 @@ class SpeculativeRunner:
         rows = [[0] + [node + 1 for node in path[:-1]] + [last] if path else [last]
                 for path, last in zip(verdict.paths, verdict.last_rows, strict=True)]
         logprobs = self._logprobs(requests, processed, sampling, rows, verdict.tokens)
-        return self._finish_round(requests, counts, tree_depth, kept, verdict.tokens,
-                                  None if grammar is None else grammar.drafted, logprobs)
+        return self._finish_round(requests, counts, tree_depth, kept, verdict.tokens, grammar, logprobs,
+                                  verdict.paths, depth_lists)
 
     # -- shared by chain and tree rounds ---------------------------------------------------------
     @staticmethod
@@ -383,53 +423,65 @@ class SpeculativeRunner:
 
     def _check_grammar(self, requests: list[Request], proposal: Proposal) -> tuple[Proposal, GrammarRound]:
         """Drop the drafts a request's grammar forbids (a chain is cut at the first, a tree loses the
-        node and its subtree) and find the allowed tokens at every verification row."""
+        node and its subtree), draft what it forces (with grammar drafting) and find the allowed
+        tokens at every verification row."""
         vocab = self.target.runner.vocab_size
         drafted = list(proposal.num_tokens)
         tokens_host = proposal.tokens.tolist()
         parents_host = None if proposal.parents is None else proposal.parents.tolist()
-        keeps: list[list[int]] = []
-        rows: list[torch.Tensor] = []
+        walks: list[GrammarDraft] = []
         words = (vocab + 31) // 32
         for b, request in enumerate(requests):
             count = drafted[b]
             if request.grammar is None:
-                keeps.append(list(range(count)))
-                rows.append(torch.full((count + 1, words), -1, dtype=torch.int32))
+                walks.append(GrammarDraft(tokens_host[b][:count], list(range(-1, count - 1)) if parents_host is None
+                                          else parents_host[b][:count], list(range(count)), [False] * count,
+                                          torch.full((count + 1, words), -1, dtype=torch.int32)))
                 continue
+            room = depth = None
+            if self.grammar_drafting and request.draft_room:
+                limit = min(request.draft_room, self.max_verify)
+                room, depth = max(0, limit - count), min(limit, request.tokens_left)
             parents = None if parents_host is None else parents_host[b][:count]
-            keep, masks = request.grammar.draft_bitmasks(tokens_host[b][:count], parents)
-            kept = [i for i in range(count) if keep[i]]
-            keeps.append(kept)
-            bitmasks = torch.zeros(len(kept) + 1, max(words, masks.shape[1]), dtype=torch.int32)
-            bitmasks[:, : masks.shape[1]] = masks[[0] + [i + 1 for i in kept]]
-            rows.append(bitmasks)
-        width = max(len(k) for k in keeps)
+            walks.append(request.grammar.draft(tokens_host[b][:count], parents, room, depth or 0))
+        width = max(len(w.tokens) for w in walks)
         tokens = torch.zeros(len(requests), width, dtype=torch.long)
         parents_out = None if parents_host is None else torch.full((len(requests), width), -1, dtype=torch.long)
         probs = None if proposal.probs is None else proposal.probs.new_zeros(len(requests), width,
                                                                               proposal.probs.shape[-1])
-        bitmask = torch.full((len(requests), width + 1, max(r.shape[1] for r in rows)), -1, dtype=torch.int32)
-        for b, kept in enumerate(keeps):
-            bitmask[b, : len(kept) + 1, : rows[b].shape[1]] = rows[b]
-            if not kept:
+        bitmask = torch.full((len(requests), width + 1, max(words, *(w.masks.shape[1] for w in walks))), -1,
+                             dtype=torch.int32)
+        for b, walk in enumerate(walks):
+            bitmask[b, : len(walk.tokens) + 1, : walk.masks.shape[1]] = walk.masks
+            if not walk.tokens:
                 continue
-            tokens[b, : len(kept)] = torch.tensor([tokens_host[b][i] for i in kept])
-            if parents_out is not None and parents_host is not None:
-                # Parents come first, so a kept node's parent is kept: renumber to the kept order.
-                index = {old: new for new, old in enumerate(kept)}
-                parents_out[b, : len(kept)] = torch.tensor([index.get(parents_host[b][i], -1) for i in kept])
+            tokens[b, : len(walk.tokens)] = torch.tensor(walk.tokens)
+            if parents_out is not None:
+                parents_out[b, : len(walk.tokens)] = torch.tensor(walk.parents)
             if probs is not None and proposal.probs is not None:
-                probs[b, : len(kept)] = proposal.probs[b, kept]
-        pruned = Proposal(tokens.to(self.device), [len(k) for k in keeps], probs,
+                # The grammar's choice is a deterministic proposal, a one-hot q, even where the drafter
+                # had drawn the same token; a drafter's kept node keeps its own q.
+                own = [i for i, forced in enumerate(walk.forced) if not forced]
+                if own:
+                    probs[b, own] = proposal.probs[b, [walk.origin[i] for i in own]]
+                chosen = [i for i, forced in enumerate(walk.forced) if forced]
+                probs[b, chosen, [walk.tokens[i] for i in chosen]] = 1.0
+        pruned = Proposal(tokens.to(self.device), [len(w.tokens) for w in walks], probs,
                           None if parents_out is None else parents_out.to(self.device), proposal.step_seconds)
-        return pruned, GrammarRound(unpack_bitmasks(bitmask, vocab, self.device), drafted)
+        return pruned, GrammarRound(unpack_bitmasks(bitmask, vocab, self.device), drafted, [w.origin for w in walks])
 
     def _finish_round(self, requests: list[Request], proposed: list[int], judged: list[int], kept: list[int],
-                      emitted: list[list[int]], drafted: list[int] | None = None,
-                      logprobs: list[list[TokenLogprobs | None]] | None = None) -> StepResult:
+                      emitted: list[list[int]], grammar: GrammarRound | None = None,
+                      logprobs: list[list[TokenLogprobs | None]] | None = None,
+                      paths: list[list[int]] | None = None, depths: list[list[int]] | None = None) -> StepResult:
         """Roll the target cache back to g + the kept drafts, inform drafter/budget/metrics, emit.
-        ``drafted``: what the drafter proposed, when a grammar dropped some drafts (default ``proposed``)."""
+        With a ``grammar``, the drafter and its budget hear of their own nodes only (what it proposed,
+        and which of those the kept ``paths`` hold; ``depths`` a tree's node depths); the request's
+        metrics count every verified node, the grammar's too."""
+        own_nodes, own_judged, own_kept = proposed, judged, kept
+        if grammar is not None:
+            assert paths is not None
+            own_nodes, own_judged, own_kept = grammar.drafter_part(paths, depths)
         outputs: StepResult = []
         for b, request in enumerate(requests):
             # The target cache now holds g and the accepted drafts; the final token stays pending.
@@ -437,11 +489,12 @@ class SpeculativeRunner:
             since = PHASES.mark()
             self.target.pool.truncate_to(request.slot, request.num_computed_tokens)  # type: ignore[arg-type]
             PHASES.add("KV truncation", since)
-            self.drafter.accepted(request, proposed[b] if drafted is None else drafted[b], kept[b])
+            # A drafter's kept nodes are a prefix of its chain (the grammar adds nodes only below them).
+            self.drafter.accepted(request, proposed[b] if grammar is None else grammar.drafted[b], own_kept[b])
             request.metrics.record_round(judged[b], kept[b], proposed[b])
             found = logprobs[b] if logprobs is not None else [None] * len(emitted[b])
             outputs.extend((request, StepOutput(t, lp)) for t, lp in zip(emitted[b], found, strict=True))
-        self.budget.observe_round(requests, proposed, judged, kept)
+        self.budget.observe_round(requests, own_nodes, own_judged, own_kept)
         return outputs
 
     def _clamp(self, request: Request, budget: int) -> int:

@@ -9,7 +9,9 @@ per state, a bitmask of allowed tokens; it can roll back tokens and validate a r
 Each request with a grammar owns a :class:`GrammarMatcher` whose state always matches the tokens
 the request has emitted (``Request.append_token`` feeds it). Speculative rounds ask it, without
 changing that state, which drafted nodes the grammar allows (a forbidden node and its subtree are
-dropped before verification) and for the allowed-token mask at every verified position.
+dropped before verification) and for the allowed-token mask at every verified position; with
+grammar drafting (``GrammarMatcher.draft``) the walk also drafts the tokens the grammar forces
+(keys, quotes, braces, enum values) where the drafter proposed nothing or proposed otherwise.
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ class GrammarCompiler:
         """A fresh matcher; ValueError naming the field (and the limit) when the grammar or schema is
         invalid, too large, or cannot start. Blocks while a compiler thread works on it."""
         return GrammarMatcher(self._compiled(spec), (int(self.ll_tokenizer.vocab_size) + 31) // 32, self.eos_token_ids,
-                              functools.partial(self._compiled, spec, True))
+                              functools.partial(self._compiled, spec, True), self.ll_tokenizer.tokenize_bytes)
 
     def check(self, spec: StructuredOutput) -> None:
         """ValueError as ``matcher`` would raise; the compiled grammar is kept for the next
@@ -630,6 +632,18 @@ def gbnf_to_lark(text: str) -> str:
     return "%llguidance {}\n\n" + "\n".join(f"{rule}\n" for rule in order)
 
 
+@dataclass
+class GrammarDraft:
+    """A drafted chain or tree after the grammar's walk (``GrammarMatcher.draft``): nodes in walk
+    order, each parent before its children."""
+
+    tokens: list[int]
+    parents: list[int]  # node i's parent, -1 for the root (the emitted tokens)
+    origin: list[int]  # the drafter's node whose place node i takes (its token, or the forced one there); -1: none
+    forced: list[bool]  # the grammar chose node i's token: a deterministic proposal (one-hot q)
+    masks: torch.Tensor  # [len(tokens) + 1, words] int32: row 0 after the emitted tokens, row i + 1 after node i
+
+
 class GrammarError(RuntimeError):
     """A request's grammar failed while it generated (a limit of llguidance's hit after some
     tokens): the engine ends that request with finish_reason "grammar_error"."""
@@ -655,10 +669,14 @@ class GrammarMatcher:
     """
 
     def __init__(self, matcher: Any, words: int, eos_token_ids: Sequence[int],
-                 recompile: Callable[[], Any] | None = None) -> None:
+                 recompile: Callable[[], Any] | None = None,
+                 tokenize: Callable[[bytes], Sequence[int]] | None = None) -> None:
         """``recompile``: a new compiled matcher of the same grammar, its first mask computed, with a
-        lexer of its own (the walker's); without it nothing drafted is walked, so none is kept."""
+        lexer of its own (the walker's); without it nothing drafted is walked, so none is kept.
+        ``tokenize``: bytes -> token ids, for the forced text that has no forced tokens yet (without
+        it, ``draft`` drafts forced tokens only)."""
         self._m = matcher
+        self._tokenize = tokenize
         self.words = words  # bitmask width: 32 tokens per int32
         self.eos_token_ids = frozenset(eos_token_ids)
         self._recompile = recompile
@@ -701,7 +719,36 @@ class GrammarMatcher:
         and its parent is kept. Returns ``keep`` [N] and bitmasks [N + 1, words]: row 0 after the
         emitted tokens (``bitmask``, GrammarError as plain decoding's mask), row i + 1 after node i's
         path (all ones for a dropped node, which the caller removes). The matcher's state is
-        unchanged on return.
+        unchanged on return. It is ``draft`` without grammar drafting, in the drafter's numbering.
+        """
+        walk = self.draft(tokens, parents)
+        keep = [False] * len(tokens)
+        masks = torch.full((len(tokens) + 1, self.words), -1, dtype=torch.int32)
+        masks[0] = walk.masks[0]
+        for node, origin in enumerate(walk.origin):
+            keep[origin] = True
+            masks[origin + 1] = walk.masks[node + 1]
+        return keep, masks
+
+    def draft(self, tokens: Sequence[int], parents: Sequence[int] | None, room: int | None = None,
+              depth: int = 0) -> GrammarDraft:
+        """The drafted chain or tree as the grammar lets it be verified, and the mask at each row.
+
+        ``tokens``/``parents`` as in ``draft_bitmasks``. A drafted node whose token the grammar forbids
+        after its path is dropped with its subtree. With ``room`` (grammar drafting; None: off), the
+        walk also drafts what the grammar forces, adding at most ``room`` nodes, none deeper than
+        ``depth`` tokens below the emitted ones:
+
+        * where the grammar forces a token (llguidance's fast-forward tokens, the forced text's
+          canonical tokens), that token is the node there: a drafted child with that token stays (and
+          its subtree), the other children go, and where no child had it a node is added;
+        * where the grammar forces text but not yet its tokens (text after it may join the last
+          token: `` "`` before a string's content) and no drafted child is allowed, the forced text's
+          tokenization is drafted, one token a node, each a guess the target may reject.
+
+        A node the grammar chose (``GrammarDraft.forced``) is a deterministic proposal, a one-hot q,
+        whether or not the drafter had proposed the same token: verification then accepts it with the
+        target's probability of it, so the output distribution is unchanged.
 
         The walk runs on the walker (see the class). A node whose token the walker cannot consume,
         or after which it cannot compute a mask (a limit of llguidance's hit), is dropped, the walk
@@ -714,50 +761,88 @@ class GrammarMatcher:
         an EOS token: llguidance does not always record EOS in its rollback history (consumed once
         the grammar is complete, it is a no-op; ended by a lexeme, it is scanned away), so a
         rollback after it would undo an earlier token instead. EOS and everything drafted below
-        it (``ignore_eos``) are walked on a copy of the walker, which is then dropped.
+        it (``ignore_eos``) are walked on a copy of the walker, which is then dropped. The grammar
+        never drafts EOS.
         """
         count = len(tokens)
         parents = list(range(-1, count - 1)) if parents is None else list(parents)
         kids: list[list[int]] = [[] for _ in range(count + 1)]
         for i in range(count):
             kids[parents[i] + 1].append(i)
-        keep = [False] * count
-        masks = torch.full((count + 1, self.words), -1, dtype=torch.int32)
+        adding = room is not None and room > 0 and depth > 0
+        budget = room or 0
+        masks = torch.full((count + budget + 1, self.words), -1, dtype=torch.int32)
         masks[0] = self.bitmask()
-        walker = self._walker_now() if count else None
+        out = GrammarDraft([], [], [], [], masks[:1])
+        walker = self._walker_now() if count or adding else None
         # The walker's own mask at the emitted state starts its budget for the first drafted tokens.
         if walker is None or not _fill_unless_error(walker, torch.empty(self.words, dtype=torch.int32)):
             self._walker = None
-            return keep, masks
-        # (pass row, how many of its children were visited, the walker in that row's state, whether
-        # leaving the row rolls the walker back one token)
-        stack: list[tuple[int, int, Any, bool]] = [(0, 0, walker, False)]
+            return out
+        # One frame per walked row: its row (0: the emitted state), the children still to visit as
+        # (token, drafter's node or -1, chosen by the grammar, forced tokens known to follow), the
+        # walker in that row's state, whether leaving the row rolls the walker back one token, and
+        # its depth.
+        stack: list[tuple[int, list[tuple[int, int, bool, list[int] | None]], Any, bool, int]] = []
+
+        def enter(row: int, origin: int, matcher: Any, undo: bool, level: int, known: list[int] | None) -> None:
+            stack.append((row, self._children(tokens, kids[origin + 1], masks[row], matcher, known,
+                                              room is not None, adding and budget > 0 and level < depth),
+                          matcher, undo, level))
+
         try:
+            enter(0, -1, walker, False, 0, None)
             while stack:
-                row, visited, matcher, undo = stack[-1]
-                if visited == len(kids[row]):
+                row, pending, matcher, undo, level = stack[-1]
+                if not pending:
                     stack.pop()
                     if undo:
                         matcher.rollback(1)
                     continue
-                stack[-1] = (row, visited + 1, matcher, undo)
-                node = kids[row][visited]
-                token = int(tokens[node])
-                if not _allowed(masks[row], token):
-                    continue
+                token, origin, forced, known = pending.pop(0)
                 child, undo = (matcher.deep_copy(), False) if token in self.eos_token_ids else (matcher, True)
+                node = len(out.tokens)
                 if not child.consume_token(token) or not _fill_unless_error(child, masks[node + 1]):
                     masks[node + 1] = -1
                     self._walker = None  # its lexer failed: the rest is not walked, nor rolled back
-                    return keep, masks
-                keep[node] = True
-                stack.append((node + 1, 0, child, undo))
+                    break
+                out.tokens.append(token)
+                out.parents.append(row - 1)
+                out.origin.append(origin)
+                out.forced.append(forced)
+                if origin < 0:
+                    budget -= 1
+                enter(node + 1, origin, child, undo, level + 1, known)
         except BaseException:
-            for _, _, matcher, undo in reversed(stack):
+            for _, _, matcher, undo, _ in reversed(stack):
                 if undo:
                     matcher.rollback(1)
             raise
-        return keep, masks
+        out.masks = masks[: len(out.tokens) + 1]
+        return out
+
+    def _children(self, tokens: Sequence[int], kids: list[int], mask: torch.Tensor, matcher: Any,
+                  known: list[int] | None, forcing: bool, adding: bool) -> list[tuple[int, int, bool, list[int] | None]]:
+        """The children a walked row visits, in order: the drafter's allowed children (``kids``, its
+        node numbers), or with ``forcing`` the token the grammar forces there, kept from ``kids`` or
+        added when ``adding`` (see ``draft``); ``known``: forced tokens already known to come next."""
+        if forcing:
+            certain = known if known else [int(t) for t in matcher.compute_ff_tokens()]
+            if certain and certain[0] not in self.eos_token_ids and _allowed(mask, certain[0]):
+                first, rest = certain[0], certain[1:] or None
+                match = next((k for k in kids if int(tokens[k]) == first), None)
+                if match is not None:
+                    return [(first, match, True, rest)]
+                return [(first, -1, True, rest)] if adding else []
+        allowed: list[tuple[int, int, bool, list[int] | None]] = [
+            (int(tokens[k]), k, False, None) for k in kids if _allowed(mask, int(tokens[k]))]
+        if allowed or not adding or self._tokenize is None:
+            return allowed
+        text = bytes(matcher.compute_ff_bytes())
+        guess = self._tokenize(text) if text else []
+        if guess and guess[0] not in self.eos_token_ids and _allowed(mask, guess[0]):
+            return [(int(guess[0]), -1, True, None)]
+        return []
 
     def _walker_now(self) -> Any:
         """The walker in the emitted state (built, and the tokens replayed, when there is none), or

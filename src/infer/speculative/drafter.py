@@ -119,6 +119,20 @@ class Drafter(ABC):
         return True
 
 
+class NoDrafter(Drafter):
+    """Proposes nothing: the drafter of an engine without a speculator, whose speculative rounds draft
+    only what a request's grammar forces (the runner's grammar drafting)."""
+
+    def __init__(self) -> None:
+        self.info = DrafterInfo()
+
+    def match_classes(self, requests: list[Request]) -> list[int]:
+        return [0] * len(requests)  # nothing to draft: the budget is never asked
+
+    def propose(self, requests: list[Request], budgets: list[int], hidden_states: torch.Tensor | None) -> Proposal:
+        return Proposal(torch.zeros(len(requests), 0, dtype=torch.long), [0] * len(requests), None)
+
+
 def pad_proposals(guesses: list[list[int]], device: torch.device) -> Proposal:
     """A one-hot Proposal from per-request token lists of different lengths."""
     width = max((len(g) for g in guesses), default=0)
