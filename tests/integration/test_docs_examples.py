@@ -232,7 +232,7 @@ BASH_RUNS: dict[str, list[tuple[str, Check | None, str]]] = {
     "README.md: infer generate --speculator ngram --chat --prompt": [
         ("infer generate --speculator ngram --chat", fib_function, ""),
         ("infer chat --speculator suffix", expect("> " + QUESTION), QUESTION),
-        ("infer serve --model T", None, PLACEHOLDER + "; the servers of this test run infer serve"),
+        ("infer serve --model T", None, PLACEHOLDER + "; the server of this test runs infer serve"),
         ("infer audit", None, "an audit: minutes"),
         ("infer bench generation", None, BENCH),
         ("infer train reference-pair", None, TRAIN),
@@ -381,38 +381,31 @@ def test_python_examples_offline(workdir: Path, tiny_llama: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def servers(workdir: Path) -> Iterator[tuple[Server, Server]]:
-    """serving.md's server (the README's default model), and one serving the name ``target`` that
-    serving.md's Python examples ask for (``--served-model-name target``; their requests sample at the
-    API's default temperature, 1, so its context is bounded: a sampled tool-call string may not end)."""
-    command = blocks_by_key()[SERVING_BLOCK].commands()[0]
-    target = "infer serve --served-model-name target --max-seq-len 1024 --port 8000"
-    both = (Server(command).start(workdir), Server(target).start(workdir))
+def server(workdir: Path) -> Iterator[Server]:
+    """serving.md's server (the README's default model), which every served example asks for."""
+    started = Server(blocks_by_key()[SERVING_BLOCK].commands()[0]).start(workdir)
     try:
-        for server in both:
-            server.wait()
-        yield both
+        started.wait()
+        yield started
     finally:
-        for server in both:
-            server.stop()
+        started.stop()
 
 
 @needs_smollm2
-def test_served_examples(servers: tuple[Server, Server], workdir: Path) -> None:
-    default, target = servers
+def test_served_examples(server: Server, workdir: Path) -> None:
     commands = blocks_by_key()[SERVING_BLOCK].commands()
     assert commands[0].startswith("infer serve") and commands[1].startswith("curl")
-    completion(bash(on_port(commands[1], default.port), workdir), workdir)
+    completion(bash(on_port(commands[1], server.port), workdir), workdir)
     blocks = blocks_by_key()
     (tool,) = python_session([blocks["README.md: from openai import OpenAI"]], workdir,
-                             {"127.0.0.1:8000": f"127.0.0.1:{default.port}"})
+                             {"127.0.0.1:8000": f"127.0.0.1:{server.port}"})
     name, arguments = tool.strip().split(" ", 1)
     assert name == "weather" and set(json.loads(arguments)) == {"city"}, tool  # weather {"city": "..."}
     served = python_session([blocks[key] for key in ("docs/serving.md: from openai import OpenAI",
                                                      "docs/serving.md: from openai import OpenAI #2",
                                                      "docs/serving.md: from anthropic import Anthropic")],
-                            workdir, {"localhost:8000": f"127.0.0.1:{target.port}"})
-    # Sampled (no temperature given): the parsed Person, the call; the streamed answer (any text); the
-    # Messages API's text and stop reason.
+                            workdir, {"localhost:8000": f"127.0.0.1:{server.port}"})
+    # Greedy: the parsed Person and the call; the streamed answer (any text); the Messages API's text
+    # and stop reason.
     assert "name=" in served[0] and "age=" in served[0] and " weather {" in served[0], served[0]
     assert served[2].strip().split()[-1] in ("end_turn", "max_tokens"), served[2]
