@@ -11,6 +11,8 @@ dataset) so every machine times the very same text:
 
 from __future__ import annotations
 
+from typing import Any
+
 CHAT = (
     "What are some good habits for staying focused while working from home?",
     "Explain to a ten-year-old why the sky is blue.",
@@ -145,3 +147,81 @@ def fetch(client, url):
 CODE_EDIT = tuple(f"{task}\n\n```python\n{code}```" for task, code in _EDITS)
 
 PROMPT_SETS: dict[str, tuple[str, ...]] = {"chat": CHAT, "summary": SUMMARY, "code-edit": CODE_EDIT}
+
+
+# Structured output (issue 52): extractions into a JSON Schema of several keys, and forced tool calls.
+# Not a PROMPT_SETS kind (those are sent without a grammar); the grammar-drafting benchmark
+# (scripts/grammar_drafting_bench.py) sends these through `infer serve` with response_format or tools.
+_CONTACT: dict[str, Any] = {"type": "object", "properties": {
+    "name": {"type": "string"}, "job": {"type": "string"}, "employer": {"type": "string"},
+    "city": {"type": "string"}, "email": {"type": "string"}, "phone": {"type": "string"}},
+    "required": ["name", "job", "employer", "city", "email", "phone"], "additionalProperties": False}
+_ORDER: dict[str, Any] = {"type": "object", "properties": {
+    "customer": {"type": "string"}, "item": {"type": "string"}, "quantity": {"type": "integer"},
+    "unit_price": {"type": "number"}, "express_shipping": {"type": "boolean"},
+    "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]}},
+    "required": ["customer", "item", "quantity", "unit_price", "express_shipping", "status"],
+    "additionalProperties": False}
+_EVENT: dict[str, Any] = {"type": "object", "properties": {
+    "title": {"type": "string"}, "date": {"type": "string"}, "start_time": {"type": "string"},
+    "location": {"type": "string"}, "expected_attendees": {"type": "integer"},
+    "category": {"enum": ["conference", "workshop", "meetup", "concert", "sports"]}},
+    "required": ["title", "date", "start_time", "location", "expected_attendees", "category"],
+    "additionalProperties": False}
+_BOOK: dict[str, Any] = {"type": "object", "properties": {
+    "title": {"type": "string"}, "author": {"type": "string"}, "year": {"type": "integer"},
+    "genre": {"enum": ["fiction", "mystery", "science", "history", "biography", "fantasy"]},
+    "pages": {"type": "integer"}, "in_stock": {"type": "boolean"}},
+    "required": ["title", "author", "year", "genre", "pages", "in_stock"], "additionalProperties": False}
+
+SCHEMA_EXTRACTION: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("Extract the contact details from this message as JSON.\n\nHi, I'm Maria Gonzalez, a nurse at St. Mary's "
+     "Hospital in Denver. You can reach me at maria.gonzalez@example.com or on 555-0142.", _CONTACT),
+    ("Extract the contact details from this signature as JSON.\n\nBest regards,\nTom Becker\nSenior Software "
+     "Engineer, Northwind Labs\nBerlin, Germany\ntom.becker@northwind.example | +49 30 1234567", _CONTACT),
+    ("Extract the order from this email as JSON.\n\nHello, this is James Lee. I ordered three blue ceramic mugs "
+     "at 12.50 each with express shipping, and the tracking page says they have been shipped.", _ORDER),
+    ("Extract the order from this note as JSON.\n\nCustomer Anna Schmidt wants 2 standing desks at 349.99 "
+     "each. Regular shipping is fine. The order has not been sent yet.", _ORDER),
+    ("Extract the event from this announcement as JSON.\n\nJoin us for PyData Lisbon on March 14, 2027 at "
+     "9:30 AM in the Lisbon Congress Centre. About 400 data scientists are expected for two days of talks.",
+     _EVENT),
+    ("Extract the event from this flyer as JSON.\n\nThe Riverside Jazz Night is back! Saturday, June 5, "
+     "starting at 7 PM at Riverside Park Amphitheater. We expect around 1,200 music lovers.", _EVENT),
+    ("Extract the book's details from this listing as JSON.\n\n'The Silent Harbor' by Elena Marsh (2019), a "
+     "mystery novel of 352 pages. Currently available in our store.", _BOOK),
+    ("Extract the book's details from this review as JSON.\n\nIn 'A Short History of Light' (2021), physicist "
+     "Daniel Okafor traces how we came to understand light over 288 pages. Sadly, it is sold out here.", _BOOK),
+)
+
+_WEATHER: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "country": {"type": "string"},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "country", "unit"],
+        "additionalProperties": False}}}
+_BOOKING: dict[str, Any] = {"type": "function", "function": {
+    "name": "book_table", "description": "Reserve a table at a restaurant",
+    "parameters": {"type": "object", "properties": {
+        "restaurant": {"type": "string"}, "date": {"type": "string"}, "time": {"type": "string"},
+        "party_size": {"type": "integer"}, "outdoor": {"type": "boolean"}},
+        "required": ["restaurant", "date", "time", "party_size", "outdoor"], "additionalProperties": False}}}
+_EMAIL: dict[str, Any] = {"type": "function", "function": {
+    "name": "send_email", "description": "Send an email",
+    "parameters": {"type": "object", "properties": {
+        "to": {"type": "string"}, "subject": {"type": "string"}, "body": {"type": "string"},
+        "priority": {"enum": ["low", "normal", "high"]}}, "required": ["to", "subject", "body", "priority"],
+        "additionalProperties": False}}}
+_TOOLS: list[dict[str, Any]] = [_WEATHER, _BOOKING, _EMAIL]
+
+# (user message, tools, the function tool_choice forces)
+TOOL_CALLS: tuple[tuple[str, list[dict[str, Any]], str], ...] = (
+    ("What's the weather like in Lyon, France right now? I prefer Celsius.", _TOOLS, "get_weather"),
+    ("Is it hot in Phoenix, USA today? Give me Fahrenheit.", _TOOLS, "get_weather"),
+    ("Book a table for four at Luigi's Trattoria next Friday, December 11, at 7:30 PM, outside if possible.",
+     _TOOLS, "book_table"),
+    ("Reserve a table at Sakura Sushi on 2027-01-15 at 12:00 for two people, indoors.", _TOOLS, "book_table"),
+    ("Email bob@example.com that the quarterly report is ready for review; it's urgent.", _TOOLS, "send_email"),
+    ("Send a low-priority note to team@example.com saying the office will be closed on Monday.", _TOOLS,
+     "send_email"),
+)

@@ -786,7 +786,9 @@ class GrammarMatcher:
         stack: list[tuple[int, list[tuple[int, int, bool, list[int] | None]], Any, bool, int]] = []
 
         def enter(row: int, origin: int, matcher: Any, undo: bool, level: int, known: list[int] | None) -> None:
-            stack.append((row, self._children(tokens, kids[origin + 1], masks[row], matcher, known,
+            # A node the grammar added has no drafted children (the drafter never saw its token).
+            below = kids[origin + 1] if origin >= 0 or row == 0 else []
+            stack.append((row, self._children(tokens, below, masks[row], matcher, known,
                                               room is not None, adding and budget > 0 and level < depth),
                           matcher, undo, level))
 
