@@ -1,7 +1,8 @@
 #!/bin/sh
-# Build the ARM NEON (dot-product) quantized kernels with the aarch64 cross compiler and run their
-# tests under qemu (tests/kernels/test_quant_kernels_arm.py), failing rather than skipping if the
-# tools are missing. With --install it first installs the two Debian/Ubuntu packages it needs
+# Build the ARM quantized kernels (neon-dotprod: sdot; neon-i8mm: sdot and I8MM's smmla) with the
+# aarch64 cross compiler and run their tests under qemu (tests/kernels/test_quant_kernels_arm.py;
+# `qemu-aarch64-static -cpu max` has I8MM), failing rather than skipping if the tools are missing.
+# With --install it first installs the two Debian/Ubuntu packages it needs
 # (gcc-aarch64-linux-gnu, qemu-user-static) through apt-get, as root or with sudo; where apt-get is
 # not available it says so and skips the ARM tests (exit 0; a failed install fails).
 # With --install-only it installs them and stops (`make test` runs that first, so the suite's ARM
@@ -13,7 +14,7 @@ if [ "${1:-}" = "--install" ] || [ "${1:-}" = "--install-only" ]; then
     if command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 && command -v qemu-aarch64-static >/dev/null 2>&1; then
         echo "arm_kernels: aarch64-linux-gnu-gcc and qemu-aarch64-static already installed"
     elif ! command -v apt-get >/dev/null 2>&1; then
-        echo "arm_kernels: SKIPPED: apt-get is not available here, so the ARM NEON kernels are not tested;" \
+        echo "arm_kernels: SKIPPED: apt-get is not available here, so the ARM kernels are not tested;" \
              "install an aarch64 cross gcc (aarch64-linux-gnu-gcc) and qemu-aarch64-static by hand to test them" >&2
         exit 0
     else
@@ -22,7 +23,7 @@ if [ "${1:-}" = "--install" ] || [ "${1:-}" = "--install-only" ]; then
         if [ "${1:-}" = "--install-only" ]; then
             { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user-static; } ||
                 echo "arm_kernels: WARNING: installing gcc-aarch64-linux-gnu and qemu-user-static failed;" \
-                     "the ARM NEON kernel tests will skip" >&2
+                     "the ARM kernel tests will skip" >&2
         else
             $SUDO apt-get update -qq
             $SUDO apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user-static

@@ -1,10 +1,17 @@
 /* A test program around quant_kernels.c for a machine Python cannot load the library on (the
- * ARM NEON variant, run under qemu-aarch64 by test_quant_kernels_arm.py).
+ * ARM NEON variants, run under qemu-aarch64 by test_quant_kernels_arm.py).
  *
  * stdin: int64 type (index into the list below), n, k, m; then the weight's n rows of blocks as
  * the file stores them; then x, float32 [m, k]. The weight is repacked into the x8 layout, then
- * stdout: the "isa" line from infer_quant_layout, then float32 y [m, n] of one call with all m
- * rows, y again row by row (m calls of 1 row), and every weight row dequantized [n, k]. */
+ * stdout: the "isa" line from infer_quant_layout; a line "tiles IMPL T1 T2": the tile primitives'
+ * implementation ("none" in a build without tiles) and the count of products run on tiles after
+ * the m-row call (T1) and after the 1-row calls (T2); then float32 y [m, n] of one call with all
+ * m rows, y again row by row (m calls of 1 row), and every weight row dequantized [n, k].
+ *
+ * With type -1 - op (a build with tiles), one tile product through infer_quant_tile_selftest, op
+ * 0 (A signed, B unsigned), 1 (both signed), 2 (A unsigned, B signed): n, k and m are the C tile's
+ * columns, A's bytes per row and the rows; stdin then holds A [m, k] bytes, B [k / 4, 4n] bytes
+ * and C [m, n] int32; stdout: the "isa" line, then int32 the selftest's return code and C. */
 #include <stdio.h>
 
 #include "quant_kernels.c"
@@ -31,8 +38,37 @@ static void *read_all(size_t size) {
     return p;
 }
 
+#if X8_TILES
+static const char *tiles_impl(void) { return infer_quant_tiles(); }
+static int64_t tile_products(void) { return infer_quant_tile_products(); }
+#else
+static const char *tiles_impl(void) { return "none"; }
+static int64_t tile_products(void) { return 0; }
+#endif
+
+static int tile_selftest(int op, int64_t n, int64_t k, int64_t m) {
+#if X8_TILES
+    if (n < 1 || n > 16 || k < 4 || k > 64 || k % 4 || m < 1 || m > 16) {
+        fprintf(stderr, "bad tile shape\n");
+        return 2;
+    }
+    uint8_t *a = read_all((size_t)(m * k)), *b = read_all((size_t)(k / 4 * 4 * n));
+    int32_t *c = read_all(sizeof(int32_t) * (size_t)(m * n));
+    printf("%s\n", infer_quant_layout());
+    const int32_t rc = infer_quant_tile_selftest(a, (int)m, (int)k, k, b, (int)n, op, c);
+    fwrite(&rc, sizeof rc, 1, stdout);
+    fwrite(c, sizeof(int32_t), (size_t)(m * n), stdout);
+    return 0;
+#else
+    (void)op, (void)n, (void)k, (void)m;
+    fprintf(stderr, "this build has no tiles\n");
+    return 2;
+#endif
+}
+
 int main(void) {
     int64_t *head = read_all(4 * sizeof(int64_t)), type = head[0], n = head[1], k = head[2], m = head[3];
+    if (type <= -1 && type >= -3) return tile_selftest((int)(-1 - type), n, k, m);
     if (type < 0 || type >= (int64_t)(sizeof TYPES / sizeof TYPES[0]) || n < 1 || m < 1 || k < 1 ||
         k % TYPES[type].elems) {
         fprintf(stderr, "bad header\n");
@@ -41,17 +77,18 @@ int main(void) {
     const int64_t blocks = k / TYPES[type].elems;
     uint8_t *raw = read_all((size_t)(n * blocks * TYPES[type].bytes));
     float *x = read_all(sizeof(float) * (size_t)(m * k)), *y = malloc(sizeof(float) * (size_t)(m * n));
-    float *dense = malloc(sizeof(float) * (size_t)(n * k));
+    float *alone = malloc(sizeof(float) * (size_t)(m * n)), *dense = malloc(sizeof(float) * (size_t)(n * k));
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)n);
     uint8_t *w = malloc((size_t)((n + 7) / 8 * blocks * TYPES[type].x8_bytes));
     TYPES[type].repack(raw, n, k, w);
-    printf("%s\n", infer_quant_layout());
     if (TYPES[type].linear(w, n, k, x, m, NULL, y, 1)) return 3;
+    const int64_t together = tile_products();
+    for (int64_t r = 0; r < m; r++)
+        if (TYPES[type].linear(w, n, k, x + r * k, 1, NULL, alone + r * n, 1)) return 3;
+    printf("%s\ntiles %s %lld %lld\n", infer_quant_layout(), tiles_impl(), (long long)together,
+           (long long)tile_products());
     fwrite(y, sizeof(float), (size_t)(m * n), stdout);
-    for (int64_t r = 0; r < m; r++) {
-        if (TYPES[type].linear(w, n, k, x + r * k, 1, NULL, y, 1)) return 3;
-        fwrite(y, sizeof(float), (size_t)n, stdout);
-    }
+    fwrite(alone, sizeof(float), (size_t)(m * n), stdout);
     for (int64_t i = 0; i < n; i++) ids[i] = i;
     TYPES[type].rows(w, n, k, ids, n, dense);
     fwrite(dense, sizeof(float), (size_t)(n * k), stdout);

@@ -77,15 +77,19 @@ _QUANT_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 _VNNI_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")
 _VNNI_CPU = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c")
 # The tile variants (quant_tiles.h): AMX for every type's calls of 2 rows or more, AVX-512
-# VNNI for the rest; it also needs the OS to grant tile state, asked at load (quant.py). The
-# emulated ones run the same tile code through C, on any CPU of their vectors: never chosen by
-# default (quant.EMULATED), forced by name for the tests.
+# VNNI for the rest; it also needs the OS to grant tile state, asked at load (quant.py). On ARM,
+# neon-i8mm: the same tile path on I8MM's SMMLA, sdot for 1-row calls; chosen where the CPU's
+# Features list i8mm (Linux reports HWCAP2_I8MM there; a kernel too old to know it gets
+# neon-dotprod). The emulated ones run the same tile code through C, on any CPU of their vectors:
+# never chosen by default (quant.EMULATED), forced by name for the tests.
 QUANT_VARIANTS = (
     Variant("avx512-amx", "AMX tile and AVX-512 VNNI quantized kernels", (*_VNNI_FLAGS, "-mamx-tile", "-mamx-int8"),
             (*_VNNI_CPU, "amx_tile", "amx_int8"), _QUANT_DTYPES, QUANT_SOURCES),
     Variant("avx512-vnni", "AVX-512 VNNI quantized kernels", _VNNI_FLAGS, _VNNI_CPU, _QUANT_DTYPES, QUANT_SOURCES),
     Variant("avx2", "AVX2 quantized kernels", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"),
             _QUANT_DTYPES, QUANT_SOURCES),
+    Variant("neon-i8mm", "ARM I8MM (smmla) tile and NEON dot-product quantized kernels",
+            ("-march=armv8.2-a+dotprod+i8mm",), ("asimddp", "i8mm"), _QUANT_DTYPES, QUANT_SOURCES, machine="aarch64"),
     Variant("neon-dotprod", "ARM NEON dot-product quantized kernels", ("-march=armv8.2-a+dotprod",), ("asimddp",),
             _QUANT_DTYPES, QUANT_SOURCES, machine="aarch64"),
     Variant("portable", "portable C quantized kernels", (), (), _QUANT_DTYPES, QUANT_SOURCES, machine=None),

@@ -66,10 +66,11 @@ QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
 )}
 X8_ROWS = 8  # weight rows per x8 group
 # The variants whose calls of 2 rows or more run on matrix tiles (quant_tiles.h):
-# AMX's, and the C emulation of it that runs the same tile code anywhere (the tests' way to check the
-# tile path where there is no AMX). The emulated ones are never the default, only forced by name.
+# AMX's, ARM I8MM's (the tile primitives on SMMLA), and the C emulation of them that runs the same
+# tile code anywhere (the tests' way to check the tile path where there is no AMX). The emulated
+# ones are never the default, only forced by name.
 EMULATED = ("avx512-amx-emu", "portable-amx-emu")
-TILE_VARIANTS = ("avx512-amx", *EMULATED)
+TILE_VARIANTS = ("avx512-amx", "neon-i8mm", *EMULATED)
 TILE_TYPES = tuple(QUANT_TYPES)  # every type: the K types one tile product per 32-value chunk (Q6_K: per half)
 
 
@@ -164,7 +165,7 @@ class QuantKernels:
             repack.argtypes, repack.restype = [pointer, size, size, pointer], None
         lib.infer_quant_set_stream_prefetch.argtypes = [ctypes.c_int]
         lib.infer_quant_set_stream_prefetch.restype = ctypes.c_int
-        self.tiles: str | None = None  # "amx" or "emu": how this library's tile primitives run
+        self.tiles: str | None = None  # "amx", "smmla" or "emu": how this library's tile primitives run
         if variant.name in TILE_VARIANTS:
             lib.infer_quant_tiles.argtypes, lib.infer_quant_tiles.restype = [], ctypes.c_char_p
             lib.infer_quant_tile_permission.argtypes, lib.infer_quant_tile_permission.restype = [], ctypes.c_int

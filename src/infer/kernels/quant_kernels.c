@@ -11,7 +11,8 @@
  * float sequence of each output, the same on every ISA, so every variant gives the same bits.
  *
  * One source, one library per ISA (build.py's QUANT_VARIANTS, explicit flags, never
- * -march=native): AVX-512 VNNI (vpdpbusd), AVX2 (maddubs), ARM NEON with sdot, plain C. What
+ * -march=native): AVX-512 VNNI (vpdpbusd, and AMX tiles), AVX2 (maddubs), ARM NEON with sdot (and
+ * I8MM's smmla), plain C. What
  * differs per ISA is quant_x8.h's handful of vector primitives; each type's repacking, block
  * product and dequantization below use only those. quant_x8_impl.h holds the entry points,
  * included once per type.
@@ -31,13 +32,17 @@
 #define QISA_VECTORS "portable"
 #endif
 /* Matrix tiles (quant_tiles.h) for every type's calls of 2 rows or more: AMX's where the
- * build has its instructions (on AVX-512 VNNI, which keeps the 1-row calls), or
- * the C emulation of them where the build asks for it (-DX8_TILES_EMU: the same tile code on any
- * CPU, for the tests). */
+ * build has its instructions (on AVX-512 VNNI, which keeps the 1-row calls), ARM I8MM's SMMLA
+ * where the NEON build has it (+i8mm; sdot keeps the 1-row calls), or the C emulation of them
+ * where the build asks for it (-DX8_TILES_EMU: the same tile code on any CPU, for the tests). */
 #if defined(Q_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(X8_TILES_EMU)
 #define X8_TILES 1
 #define X8_TILES_AMX 1
 #define QISA "avx512-amx"
+#elif defined(Q_NEON) && defined(__ARM_FEATURE_MATMUL_INT8) && !defined(X8_TILES_EMU)
+#define X8_TILES 1
+#define X8_TILES_SMMLA 1
+#define QISA "neon-i8mm"
 #elif defined(X8_TILES_EMU)
 #define X8_TILES 1
 #if defined(Q_VNNI)
@@ -96,7 +101,7 @@ static inline uint32_t read_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
 #include "quant_x8.h"
 #if X8_TILES
 #include "quant_tiles.h"
-/* Whether calls of 2 rows or more take the tiles: the emulation always; AMX
+/* Whether calls of 2 rows or more take the tiles: the emulation and SMMLA always; AMX
  * once the OS has granted this process tile state (infer_quant_tile_permission), so a caller that
  * never asked gets the vectors' path, the same bits, rather than a fault. */
 #if defined(X8_TILES_AMX)
@@ -704,7 +709,7 @@ int infer_quant_tile_permission(void) {
     return err;
 }
 
-/* "amx" or "emu": the implementation of the tile primitives in this build. */
+/* "amx", "smmla" or "emu": the implementation of the tile primitives in this build. */
 const char *infer_quant_tiles(void) { return XT_IMPL; }
 
 /* How many products have run on tiles in this process. */

@@ -178,9 +178,12 @@ static inline __attribute__((always_inline)) void X8FN(tile_block)(const uint8_t
         xt_load(XT_B1H, units[1] + 256, 64);
 #endif
         for (int64_t t0 = 0; t0 < rn; t0 += XT_ROWS) {
-            /* rows past the call's last are the zero rows quant_linear pads the activations with */
+            /* rows tr and on (past the call's last) are the zero rows quant_linear pads the
+             * activations with: the A tile's loads and the C tiles' stores say so, and only the
+             * first tr rows of the sums are read (SMMLA then skips the rest) */
+            const int tr = rn - t0 < XT_ROWS ? (int)(rn - t0) : XT_ROWS;
             const int8_t *x = a->q + (r0 + t0) * a->k + xb * QK;
-            xt_load(XT_A, x, a->k);
+            xt_load_rows(XT_A, x, a->k, tr);
             xt_zero(XT_C0);
             xt_zero(XT_C1);
 #if X8_TYPE_TILE_SIGNED
@@ -190,18 +193,17 @@ static inline __attribute__((always_inline)) void X8FN(tile_block)(const uint8_t
             xt_dot_su(XT_C0, XT_A, XT_B0);
             xt_dot_su(XT_C1, XT_A, XT_B1);
 #endif
-            xt_store(XT_C0, sums[0][0], 64);
-            xt_store(XT_C1, sums[0][1], 64);
+            xt_store_rows(XT_C0, sums[0][0], 64, tr);
+            xt_store_rows(XT_C1, sums[0][1], 64, tr);
 #if X8_TYPE_TILE_K == 16
-            xt_load(XT_A, x + 16, a->k);
+            xt_load_rows(XT_A, x + 16, a->k, tr);
             xt_zero(XT_C0);
             xt_zero(XT_C1);
             xt_dot_su(XT_C0, XT_A, XT_B0H);
             xt_dot_su(XT_C1, XT_A, XT_B1H);
-            xt_store(XT_C0, sums[1][0], 64);
-            xt_store(XT_C1, sums[1][1], 64);
+            xt_store_rows(XT_C0, sums[1][0], 64, tr);
+            xt_store_rows(XT_C1, sums[1][1], 64, tr);
 #endif
-            const int tr = rn - t0 < XT_ROWS ? (int)(rn - t0) : XT_ROWS;
             GI raw[2][XT_ROWS][X8_NZ_MAX];
             for (int r = 0; r < tr; r++)
                 for (int h = 0; h < 32 / X8_TYPE_TILE_K; h++)
