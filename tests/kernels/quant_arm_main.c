@@ -6,7 +6,8 @@
  * stdout: the "isa" line from infer_quant_layout; a line "tiles IMPL T1 T2": the tile primitives'
  * implementation ("none" in a build without tiles) and the count of products run on tiles after
  * the m-row call (T1) and after the 1-row calls (T2); then float32 y [m, n] of one call with all
- * m rows, y again row by row (m calls of 1 row), and every weight row dequantized [n, k].
+ * m rows on two threads of the pool, y again row by row (m calls of 1 row, one thread), and every
+ * weight row dequantized [n, k].
  *
  * With type -1 - op (a build with tiles), one tile product through infer_quant_tile_selftest, op
  * 0 (A signed, B unsigned), 1 (both signed), 2 (A unsigned, B signed): n, k and m are the C tile's
@@ -81,7 +82,7 @@ int main(void) {
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)n);
     uint8_t *w = malloc((size_t)((n + 7) / 8 * blocks * TYPES[type].x8_bytes));
     TYPES[type].repack(raw, n, k, w);
-    if (TYPES[type].linear(w, n, k, x, m, NULL, y, 1)) return 3;
+    if (TYPES[type].linear(w, n, k, x, m, NULL, y, 2)) return 3; /* a helper thread has its own tiles */
     const int64_t together = tile_products();
     for (int64_t r = 0; r < m; r++)
         if (TYPES[type].linear(w, n, k, x + r * k, 1, NULL, alone + r * n, 1)) return 3;
