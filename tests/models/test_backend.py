@@ -29,7 +29,8 @@ def test_the_option_reaches_the_engine_from_every_front_end(tiny_llama: Path) ->
     with pytest.raises(ValueError, match="backend='fastest' is invalid"):
         EngineConfig(model=str(tiny_llama), backend="fastest")
     assert set(BACKENDS) == {"auto", "torch", "cpu-kernels", *(f"cpu-kernels:{v}" for v in (
-        "avx512-bf16", "avx512", "avx2", "avx512-vnni", "neon-dotprod", "portable"))}
+        "avx512-bf16", "avx512", "avx2", "avx512-amx", "avx512-vnni", "neon-i8mm", "neon-dotprod", "portable",
+        "avx512-amx-emu", "portable-amx-emu"))}
     assert parser.parse_args(["bench", "generation", "--also-backend", "cpu-kernels:avx2"]).also_backend == [
         "cpu-kernels:avx2"]
 
