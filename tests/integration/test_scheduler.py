@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from infer import LLM
 from infer.core.request import Request
-from infer.engine.continuous_runner import PrefillChunk
+from infer.engine.continuous_runner import PrefillChunk, own_passes
 from infer.engine.scheduler import Scheduler, attention_span, prefill_shares
 from infer.sampling.params import SamplingParams
 
@@ -143,3 +145,22 @@ def test_a_chunk_deep_into_a_long_prompt_is_charged_for_its_keys() -> None:
     deep = prefill_shares([5000], [5000], 512, SPAN)[0]
     assert deep == int(512 / (1 + 5000 / SPAN))
     assert prefill_shares([5000], [0], 512, SPAN) == [512]
+
+
+def test_long_chunks_run_as_passes_of_their_own_and_short_ones_together() -> None:
+    assert own_passes([600, 5, 64, 63, 1]) == [[0], [2], [1, 3, 4]]
+    assert own_passes([3, 4]) == [[0, 1]]
+    assert own_passes([]) == []
+
+
+@pytest.mark.parametrize("max_prefill_tokens", [512, 96])
+def test_prompts_sharing_steps_get_what_each_gets_alone(tiny_llama: Path, max_prefill_tokens: int) -> None:
+    """Long and short prompts prefilled in the same steps (own passes and a packed one): every
+    request's greedy tokens are those it gets alone."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in (150, 9, 90, 70, 3)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, max_batch_size=8,
+              max_prefill_tokens=max_prefill_tokens)
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone

@@ -79,31 +79,35 @@ class ContinuousRunner:
             return Sampled([], None)
         for chunk in chunks:
             self.ensure_slot(chunk.request)
-        slots = [c.request.slot for c in chunks]
-        runs = [c.request.prompt_token_ids[c.request.num_computed_tokens:][: c.num_tokens] for c in chunks]
         since = PHASES.mark()
-        # Packed (ragged): the scheduler shares a step's budget among prompts, so a long prompt's chunk
-        # and a short prompt go together; padded, the short one would cost as many rows as the long.
-        done_pass = self.runner.forward_ragged(slots, runs)  # type: ignore[arg-type]
-        hidden, at = done_pass.hidden, done_pass.offsets
-        aux = done_pass.aux
-        states = [] if aux is None else [(c.request, c.request.num_computed_tokens, aux[at[b]: at[b + 1]])
-                                         for b, c in enumerate(chunks)]
-        for b, (chunk, run) in enumerate(zip(chunks, runs, strict=True)):
-            if chunk.request.params.prompt_logprobs is not None:
-                self._prompt_logprobs(chunk.request, hidden[at[b]: at[b + 1]])
-            chunk.request.num_computed_tokens += len(run)
-        done = [i for i, c in enumerate(chunks) if not c.request.is_prefilling]
+        states: list[tuple[int, Request, int, torch.Tensor]] = []
+        last: dict[int, torch.Tensor] = {}  # chunk index -> its last hidden state, for prompts now complete
+        for group in own_passes([c.num_tokens for c in chunks]):
+            runs = [chunks[i].request.prompt_token_ids[chunks[i].request.num_computed_tokens:][: chunks[i].num_tokens]
+                    for i in group]
+            # Packed (ragged): padded, a short prompt would cost as many rows as the longest beside it.
+            done_pass = self.runner.forward_ragged([chunks[i].request.slot for i in group], runs)  # type: ignore[misc]
+            hidden, at, aux = done_pass.hidden, done_pass.offsets, done_pass.aux
+            for b, i in enumerate(group):
+                request = chunks[i].request
+                if aux is not None:
+                    states.append((i, request, request.num_computed_tokens, aux[at[b]: at[b + 1]]))
+                if request.params.prompt_logprobs is not None:
+                    self._prompt_logprobs(request, hidden[at[b]: at[b + 1]])
+                request.num_computed_tokens += len(runs[b])
+                if not request.is_prefilling:
+                    last[i] = hidden[at[b + 1] - 1]
+        in_order = [(request, position, captured) for _, request, position, captured in sorted(states, key=lambda s: s[0])]
+        done = sorted(last)
         if not done:
-            return Sampled([], None, states)
+            return Sampled([], None, in_order)
         if self.prefix_cache is not None:
             for i in done:
                 request = chunks[i].request
                 self.prefix_cache.insert(request.slot, request.prompt_token_ids,  # type: ignore[arg-type]
                                          request.cache_salt)
-        last = done_pass.rows_at([len(r) - 1 for r in runs])[done]
-        sampled = self._sample([chunks[i].request for i in done], last, since)
-        sampled.states = states
+        sampled = self._sample([chunks[i].request for i in done], torch.stack([last[i] for i in done]), since)
+        sampled.states = in_order
         return sampled
 
     def _prompt_logprobs(self, request: Request, hidden: torch.Tensor) -> None:
@@ -174,6 +178,22 @@ class ContinuousRunner:
                           hidden)
         PHASES.add("sampling", since)
         return sampled
+
+
+# A prompt chunk of at least this many tokens runs as a pass of its own; shorter ones share one packed
+# pass. A packed pass goes to the C stack token by token (each its own sequence: the same bits), so
+# a long chunk packed beside a short prompt loses what its rows share in attention (its context's
+# key and value rows read once for several rows), which costs more than the pass it saves. A chunk
+# this long already reuses every weight over its own rows, so its own pass costs only a pass's overhead.
+OWN_PASS_TOKENS = 64
+
+
+def own_passes(lengths: list[int]) -> list[list[int]]:
+    """The chunks (by index, of these token counts) each prefill pass runs: every long chunk alone,
+    the short ones together (see OWN_PASS_TOKENS)."""
+    groups = [[i] for i, n in enumerate(lengths) if n >= OWN_PASS_TOKENS]
+    short = [i for i, n in enumerate(lengths) if n < OWN_PASS_TOKENS]
+    return groups + ([short] if short else [])
 
 
 def grammar_masks(requests: list[Request], vocab_size: int, device: torch.device) -> torch.Tensor | None:
