@@ -53,7 +53,7 @@ def with_drafter(llm: LLM, drafter: Drafter, budget: BudgetController) -> None:
 @pytest.mark.parametrize("uses_hidden_states", [False, True])
 def test_a_new_drafter_plugs_in_through_the_contract(tiny_llama: Path, uses_hidden_states: bool) -> None:
     plain = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(PROMPTS, GREEDY)
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", grammar_drafting=False)  # a plain runner to wrap
     drafter = RepeatLast(uses_hidden_states)
     with_drafter(llm, drafter, BudgetController(3))
     spec = llm.generate(PROMPTS, GREEDY)
@@ -79,7 +79,7 @@ def test_a_request_without_a_hidden_state_takes_a_plain_step(tiny_llama: Path) -
     """A drafter that reads hidden states cannot draft for a request whose state is gone (say, after a
     failed step was rolled back): that request's round is a plain step, and drafting resumes."""
     plain = LLM(str(tiny_llama), dtype="float32", device="cpu").generate(PROMPTS[:1], GREEDY)[0]
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", grammar_drafting=False)  # a plain runner to wrap
     drafter = RepeatLast(uses_hidden_states=True)
     with_drafter(llm, drafter, BudgetController(3))
     engine = llm.engine
@@ -96,7 +96,7 @@ def test_a_request_without_a_hidden_state_takes_a_plain_step(tiny_llama: Path) -
 
 def test_budget_is_clamped_to_the_request(tiny_llama: Path) -> None:
     """Budgets reach the drafter clamped to the tokens a request may still emit."""
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", grammar_drafting=False)  # a plain runner to wrap
     drafter = RepeatLast(False)
     with_drafter(llm, drafter, BudgetController(5))
     llm.generate(["def f"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))

@@ -297,3 +297,38 @@ def test_negative_control_forced_drafts_accepted_unverified_is_detected(pieces_e
     samples, _, _ = sample(pieces_engines["none"], NUM_SAMPLES, seed0=10_000_000)
     ref = constrained_reference(pieces_target[0], SamplingParams(temperature=1.0), allowed_after)
     assert grouped_chisquare(samples, ref).pvalue < P_CONTROL
+
+
+# ----------------------------------------------------------------------------- infer audit
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_audit_checks_grammar_drafting(pieces_target: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+                                       broken: bool) -> None:
+    """`infer audit` with a grammar and no speculator audits grammar drafting: it passes, and fails
+    once the grammar's drafts are accepted unverified."""
+    from infer.audit.checks import FAIL, PASS, AuditSettings, run_audit
+
+    if broken:
+        real = speculative_runner.SpeculativeRunner._target_probs
+
+        def certain(self: Any, requests: Any, logits: Any, nodes: torch.Tensor, sampling: Any, ancestors: Any = None,
+                    allowed: Any = None) -> Any:
+            probs, processed = real(self, requests, logits, nodes, sampling, ancestors, allowed)
+            probs = probs.clone()
+            drafted = nodes > 0
+            probs[:, : nodes.shape[1]][drafted] = torch.nn.functional.one_hot(nodes, probs.shape[-1]).to(probs.dtype)[drafted]
+            return probs, processed
+
+        monkeypatch.setattr(speculative_runner.SpeculativeRunner, "_target_probs", certain)
+    settings = AuditSettings(engine={"model": str(pieces_target[0]), "dtype": "float32", "device": "cpu",
+                                     "max_seq_len": 32},
+                             sampling=SamplingParams(temperature=1.0, structured_output={"regex": REGEX}),
+                             prompts=[PROMPT], contexts=1, samples=3000, max_tokens=6, batch_size=256)
+    report = run_audit(settings)
+    checks = report["checks"]
+    assert report["settings"]["speculator"] is None and report["settings"]["structured_output"] == "regex"
+    assert checks["distribution"]["verdict"] == (FAIL if broken else PASS), checks["distribution"]["summary"]
+    assert report["verdict"] == (FAIL if broken else PASS)
+    if not broken:
+        assert checks["greedy"]["verdict"] == PASS  # (broken, greedy fails too: its drafts are taken as well)

@@ -34,6 +34,7 @@ from infer.backends import backend_of
 from infer.core.request import speculation_stats
 from infer.engine.llm import LLM, RequestOutput
 from infer.models.layers import DecoderOnlyLM
+from infer.sampling.grammar import StructuredOutput, unpack_bitmasks
 from infer.sampling.params import SamplingParams
 from infer.sampling.sampler import context_presence
 from infer.sampling.transforms import SamplingBatch, apply_repetition_penalty, probs_from_logits
@@ -98,8 +99,11 @@ class AuditSettings:
         if not 0 < self.max_detectable_tv <= 1:
             raise ValueError(f"max_detectable_tv={self.max_detectable_tv} is invalid: must lie in (0, 1]")
         engine = self.engine
-        if engine.get("draft_model") is None and engine.get("speculator") is None:
-            raise ValueError("the audit needs a drafter: set draft_model, or speculator='ngram', 'medusa', 'suffix' or 'eagle'")
+        # With structured output the grammar drafts what it forces (grammar drafting): a drafter of its own.
+        grammar_drafts = self.sampling.structured_output is not None and engine.get("grammar_drafting", True)
+        if engine.get("draft_model") is None and engine.get("speculator") is None and not grammar_drafts:
+            raise ValueError("the audit needs a drafter: set draft_model, or speculator='ngram', 'medusa', 'suffix' or "
+                             "'eagle', or audit grammar drafting with a grammar (--json-schema, --regex, ...)")
 
 
 Say = Callable[[str], None]
@@ -112,7 +116,7 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
     # exact_greedy and compile too: plain decoding must run the kernels the speculative engine verifies with.
     plain_options = {k: engine[k] for k in ("model", "dtype", "device", "kv_cache_backend", "exact_greedy", "compile")
                      if k in engine}
-    plain = LLM(**plain_options, max_seq_len=engine.get("max_seq_len") or 1024, max_batch_size=1)
+    plain = LLM(**plain_options, max_seq_len=engine.get("max_seq_len") or 1024, max_batch_size=1, grammar_drafting=False)
     prompt_ids = [p if isinstance(p, list) else plain.tokenizer.encode(p) for p in settings.prompts]
     longest = max(len(p) for p in prompt_ids)
     if engine.get("max_seq_len") is None:
@@ -132,16 +136,19 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
     overall = FAIL if FAIL in verdicts else LOW_POWER if LOW_POWER in verdicts else PASS
     config = spec.config
     speculative = config.speculative
-    assert speculative is not None  # the audited LLM always speculates
+    drafter: dict[str, Any] = {"speculator": None} if speculative is None else {  # None: the grammar drafts alone
+        "speculator": speculative.speculator, "draft_model": speculative.draft_model,
+        "spec_length": speculative.spec_length, "spec_length_policy": speculative.spec_length_policy,
+        # A tree drafter's size: a measured (None) size may choose plain steps and leave the tests no power.
+        "medusa_heads": speculative.medusa_heads, "medusa_tree_size": speculative.medusa_tree_size,
+        "suffix_tree_size": speculative.suffix_tree_size,
+        "eagle_head": speculative.eagle_head, "eagle_tree_size": speculative.eagle_tree_size}
+    structured = settings.sampling.structured_output
     return {
         "verdict": overall,
         "settings": {
-            "model": config.model, "speculator": speculative.speculator, "draft_model": speculative.draft_model,
-            "spec_length": speculative.spec_length, "spec_length_policy": speculative.spec_length_policy,
-            # A tree drafter's size: a measured (None) size may choose plain steps and leave the tests no power.
-            "medusa_heads": speculative.medusa_heads, "medusa_tree_size": speculative.medusa_tree_size,
-            "suffix_tree_size": speculative.suffix_tree_size,
-            "eagle_head": speculative.eagle_head, "eagle_tree_size": speculative.eagle_tree_size,
+            "model": config.model, **drafter, "grammar_drafting": config.grammar_drafting,
+            "structured_output": None if structured is None else StructuredOutput.coerce(structured).kind,
             "dtype": str(spec.engine.dtype).removeprefix("torch."), "device": str(spec.engine.device),
             "exact_greedy": config.exact_greedy, "compile": config.compile,
             "sampling": {k: getattr(settings.sampling, k)
@@ -182,12 +189,13 @@ def next_token_logits(model: DecoderOnlyLM, contexts: Sequence[Sequence[int]], d
 
 
 def next_token_probs(model: DecoderOnlyLM, contexts: Sequence[Sequence[int]], params: SamplingParams,
-                     device: torch.device) -> np.ndarray:
-    """The exact next-token distributions [N, V] (float64) under the engine's sampling transform."""
+                     device: torch.device, allowed: torch.Tensor | None = None) -> np.ndarray:
+    """The exact next-token distributions [N, V] (float64) under the engine's sampling transform
+    (``allowed`` [N, V]: the grammar's tokens after each context, None without one)."""
     logits = next_token_logits(model, contexts, device)
     batch = SamplingBatch.from_params([params] * len(contexts), device)
     presence = context_presence(batch, contexts, logits.shape[-1], device)
-    probs = probs_from_logits(logits, batch, presence).double()
+    probs = probs_from_logits(logits, batch, presence, None if allowed is None else allowed.to(device)).double()
     return (probs / probs.sum(dim=-1, keepdim=True)).cpu().numpy()
 
 
@@ -251,11 +259,13 @@ class _Audit:
         counts = Counter(tokens[:, 0].tolist())
         groups = [x1 for x1, n in counts.most_common(MAX_GROUPS) if n >= MIN_GROUP]
         used = np.isin(tokens[:, 0], groups)
-        p2 = next_token_probs(self.model, [ids + [x1] for x1 in groups], params, self.device)
+        p2 = next_token_probs(self.model, [ids + [x1] for x1 in groups], params, self.device,
+                              self._grammar_allowed([[x1] for x1 in groups]))
         seconds: list[list[int]] = [[int(a) for a in np.argsort(-p2[g], kind="stable")[:TWO_TOKEN_FIRST]
                                      if p2[g, a] * counts[x1] >= 2 * 5.0] for g, x1 in enumerate(groups)]
         pairs = [(g, a) for g in range(len(groups)) for a in seconds[g]]
-        p3 = next_token_probs(self.model, [ids + [groups[g], a] for g, a in pairs], params, self.device) if pairs else None
+        p3 = next_token_probs(self.model, [ids + [groups[g], a] for g, a in pairs], params, self.device,
+                              self._grammar_allowed([[groups[g], a] for g, a in pairs])) if pairs else None
         one, two, impossible = ChiSquare(), ChiSquare(), 0
         for g, x1 in enumerate(groups):
             rows = tokens[tokens[:, 0] == x1]
@@ -349,11 +359,11 @@ class _Audit:
         rounds = sum(o.metrics.num_rounds for o in spec)
         # Rounds that drafted at least one token (the rest were plain steps the policy chose).
         drafted_rounds = sum(o.metrics.proposed_per_position[0] for o in spec if o.metrics.proposed_per_position)
-        config = self.spec.config.speculative
-        assert config is not None  # the audited LLM always speculates
-        chain_fixed = config.spec_length_policy == "fixed" and config.speculator not in ("medusa", "eagle")
+        config = self.spec.config.speculative  # None: the grammar drafts alone
+        chain_fixed = config is not None and config.spec_length_policy == "fixed" and \
+            config.speculator not in ("medusa", "eagle")
         proposed = sum(o.metrics.proposed_tokens for o in spec)
-        gamma = config.spec_length if chain_fixed else max(1, round(proposed / drafted_rounds)) if drafted_rounds else None
+        gamma = config.spec_length if chain_fixed and config is not None else max(1, round(proposed / drafted_rounds)) if drafted_rounds else None
         cost = _measured_cost_ratio(self.spec)
         alpha = stats["alpha"]
         # Equation (1), (1 - α^(γ+1)) / (1 - α), is Theorem 3.8 with a free drafter (c = 0).
@@ -377,7 +387,22 @@ class _Audit:
     # -- shared ----------------------------------------------------------------------------------
     def _greedy_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.settings.max_tokens, temperature=0.0, ignore_eos=True,
-                              repetition_penalty=self.settings.sampling.repetition_penalty)
+                              repetition_penalty=self.settings.sampling.repetition_penalty,
+                              structured_output=self.settings.sampling.structured_output)
+
+    def _grammar_allowed(self, outputs: list[list[int]]) -> torch.Tensor | None:
+        """[N, V] bool: the tokens the audited grammar allows after each of ``outputs`` (generated
+        tokens, from a fresh matcher each: plain decoding's masks), or None without a grammar."""
+        spec = self.settings.sampling.structured_output
+        if spec is None:
+            return None
+        engine = self.plain.engine
+        masks = []
+        for tokens in outputs:
+            matcher = engine.grammars.matcher(spec)  # type: ignore[arg-type]
+            error = next((e for e in map(matcher.consume, tokens) if e is not None), None)
+            masks.append(torch.zeros(matcher.words, dtype=torch.int32) if error else matcher.bitmask())
+        return unpack_bitmasks(torch.stack(masks), engine.model_config.vocab_size, "cpu")
 
     def _per_prompt(self, llm: LLM, params: SamplingParams) -> list[RequestOutput]:
         """One prompt at a time (batch 1, as Theorem 3.8 assumes), cached per engine and settings."""

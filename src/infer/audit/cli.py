@@ -23,7 +23,10 @@ def add_subparser(sub: Any) -> None:
     # An audit tests the verifier, so by default every round drafts: the serving default (goodput)
     # may stop drafting where drafts do not pay, and a context that never drafts proves nothing.
     p.set_defaults(spec_length_policy="fixed")
-    add_sampling_args(p, ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"))
+    # With a grammar every check runs under it, and with grammar drafting (the default) its forced
+    # tokens are drafted too: a speculator is then optional.
+    add_sampling_args(p, ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "json_schema", "json_object",
+                          "regex", "grammar"))
     p.add_argument("--samples", type=int, default=3000, help="speculative samples per context (distribution check)")
     p.add_argument("--contexts", type=int, default=3, help="how many of the prompts the distribution check uses")
     p.add_argument("--prompts", default=None,

@@ -165,8 +165,11 @@ class SpeculativeRunner:
         return pools
 
     def can_admit(self, request: Request, running: list[Request]) -> bool:
-        # Verification writes up to max_verify + 1 positions past the kept length before rollback.
+        # Verification writes up to max_verify + 1 positions past the kept length before rollback;
+        # without a drafter only a grammar drafts, so a batch without one is admitted as plain.
         extra = self.max_verify + 1
+        if self._grammar_only and request.grammar is None and all(r.grammar is None for r in running):
+            extra = 0
         return self.target.can_admit(request, running, extra) and self.drafter.can_admit(request, running, extra)
 
     # -- one speculative round -------------------------------------------------------------------
