@@ -106,11 +106,12 @@ class SpeculativeRunner:
         self.drafter = drafter
         self.budget = budget
         self.grammar_drafting = grammar_drafting
-        # Verification writes g plus every node; a tree verifies more nodes than it can accept, and
-        # the grammar may draft up to GRAMMAR_MAX_DRAFT (within the same room).
-        self.max_verify = max(budget.max_budget, drafter.info.max_nodes or 0, GRAMMAR_MAX_DRAFT if grammar_drafting else 0)
         # No drafter: a round of requests without a grammar is a plain step and nothing more.
         self._grammar_only = isinstance(drafter, NoDrafter)
+        # Verification writes g plus every node; a tree verifies more nodes than it can accept; a
+        # request with a grammar, up to GRAMMAR_MAX_DRAFT nodes with grammar drafting.
+        self.max_verify = 0 if self._grammar_only else max(budget.max_budget, drafter.info.max_nodes or 0)
+        self.grammar_verify = max(self.max_verify, GRAMMAR_MAX_DRAFT if grammar_drafting else 0)
         self.tree_masks = TreeMaskCache()
         self.device = target.pool.device
         # The target's last hidden state per request, for a drafter that reads it (Medusa).
@@ -165,10 +166,12 @@ class SpeculativeRunner:
         return pools
 
     def can_admit(self, request: Request, running: list[Request]) -> bool:
-        # Verification writes up to max_verify + 1 positions past the kept length before rollback;
-        # without a drafter only a grammar drafts, so a batch without one is admitted as plain.
-        extra = self.max_verify + 1
-        if self._grammar_only and request.grammar is None and all(r.grammar is None for r in running):
+        # Verification writes up to max_verify + 1 positions past the kept length before rollback (a
+        # grammar's request up to grammar_verify + 1), so room is kept for that whenever a grammar is
+        # among the requests; without a drafter a batch without one is admitted as plain.
+        grammar = request.grammar is not None or any(r.grammar is not None for r in running)
+        extra = (self.grammar_verify if grammar else self.max_verify) + 1
+        if self._grammar_only and not grammar:
             extra = 0
         return self.target.can_admit(request, running, extra) and self.drafter.can_admit(request, running, extra)
 
@@ -443,7 +446,7 @@ class SpeculativeRunner:
                 continue
             room = depth = None
             if self.grammar_drafting and request.draft_room:
-                limit = min(request.draft_room, self.max_verify)
+                limit = min(request.draft_room, self.grammar_verify)
                 room, depth = max(0, limit - count), min(limit, request.tokens_left)
             parents = None if parents_host is None else parents_host[b][:count]
             walks.append(request.grammar.draft(tokens_host[b][:count], parents, room, depth or 0))
