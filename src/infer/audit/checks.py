@@ -113,9 +113,10 @@ def run_audit(settings: AuditSettings, say: Say = lambda _msg: None) -> dict[str
     """Load plain and speculative engines for the settings, run the chosen checks, return the report."""
     engine = {k: v for k, v in settings.engine.items() if k not in ("max_batch_size", "prefix_caching", "block_size")}
     say("loading the target without speculation (reference and plain decoding)")
-    # exact_greedy and compile too: plain decoding must run the kernels the speculative engine verifies with.
-    plain_options = {k: engine[k] for k in ("model", "dtype", "device", "kv_cache_backend", "exact_greedy", "compile")
-                     if k in engine}
+    # exact_greedy, compile, the backend and the quantization too: plain decoding must run the kernels
+    # the speculative engine verifies with (a dequantized target is another model than its GGUF's blocks).
+    plain_options = {k: engine[k] for k in ("model", "dtype", "device", "kv_cache_backend", "exact_greedy", "compile",
+                                            "backend", "quantization") if k in engine}
     plain = LLM(**plain_options, max_seq_len=engine.get("max_seq_len") or 1024, max_batch_size=1, grammar_drafting=False)
     prompt_ids = [p if isinstance(p, list) else plain.tokenizer.encode(p) for p in settings.prompts]
     longest = max(len(p) for p in prompt_ids)
