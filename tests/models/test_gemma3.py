@@ -278,8 +278,14 @@ def test_kv_budget_counts_what_sliding_window_layers_hold(tiny_gemma3: Path, tmp
     # 4 layers x 2 KV heads x 32 dims x (K and V) x 4 bytes = 2048 bytes per token when no layer slides
     budget = 200 * 2048
     monkeypatch.setattr(engine_module, "free_memory_bytes", lambda _device: 2 * budget)
+    # Grammar drafting off: its verification (1 + GRAMMAR_MAX_DRAFT nodes) would be the longest pass,
+    # checked below.
     settings: dict[str, Any] = dict(dtype="float32", device="cpu", block_size=4, max_batch_size=4, max_seq_len=128,
-                                    max_prefill_tokens=16, kv_memory_fraction=0.5)
+                                    max_prefill_tokens=16, kv_memory_fraction=0.5, grammar_drafting=False)
+    with_grammar = LLM(str(tiny_gemma3), **{**settings, "grammar_drafting": True}).engine.pool
+    # window 8 + a 33-node grammar verification + a block at the edge = 12 blocks of 4, 4 sequences
+    assert isinstance(with_grammar, PagedKVCachePool) and with_grammar.num_local_blocks == 48
+    del with_grammar
     llms = {name: LLM(str(path), **settings) for name, path in (("windowed", tiny_gemma3), ("full", full))}
     pools = {name: llm.engine.pool for name, llm in llms.items()}
     assert all(isinstance(pool, PagedKVCachePool) for pool in pools.values())
