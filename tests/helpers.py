@@ -310,3 +310,29 @@ def secret_code_agent(url: str, model: str, responses_api: bool, max_tokens: int
                   model=model_class(model=model, openai_client=client),
                   model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=max_tokens))
     return agent, calls, sent
+
+
+# -- matrix-tile primitives (tests/kernels: the emulation, AMX, and I8MM under qemu) ---------------
+TILE_SHAPES = [(16, 64, 16), (16, 32, 16), (1, 4, 1), (5, 12, 7), (16, 16, 16), (9, 64, 3), (2, 32, 16)]
+
+
+def vnni_unpack(b: Any, signed: bool) -> Any:
+    """B in VNNI layout [K / 4, 4n] -> the [K, n] matrix it holds: B[kk, 4j + i] is element (4kk + i, j)."""
+    k4, n4 = b.shape
+    values = b.view(np.int8) if signed else b.view(np.uint8)
+    return values.reshape(k4, n4 // 4, 4).transpose(0, 2, 1).reshape(k4 * 4, n4 // 4).astype(np.int64)
+
+
+def tile_dot_cases(shapes: list[tuple[int, int, int]]) -> Iterator[tuple[str, Any, Any, Any, Any]]:
+    """(op, A, B, C, C + A @ B in int64) for every shape (rows, K bytes, columns) and every signedness
+    of tdpbsud / tdpbssd / tdpbusd ("su": A signed, B unsigned; ...), seeded: what a tile dot product
+    must give, on top of C's old values."""
+    rng = np.random.default_rng(0)
+    for m, kbytes, n in shapes:
+        for op in ("su", "ss", "us"):
+            a = rng.integers(0, 256, (m, kbytes), dtype=np.uint8)
+            b = rng.integers(0, 256, (kbytes // 4, 4 * n), dtype=np.uint8)
+            c = rng.integers(-2 ** 20, 2 ** 20, (m, n), dtype=np.int32)
+            want = c.astype(np.int64) + (a.view(np.int8) if op[0] == "s" else a).astype(np.int64) @ \
+                vnni_unpack(b, signed=op[1] == "s")
+            yield op, a, b, c, want

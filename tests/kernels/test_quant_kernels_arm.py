@@ -26,6 +26,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from helpers import TILE_SHAPES, tile_dot_cases
 from infer import kernels
 from infer.kernels import build, quant
 from infer.kernels.build import COMMON_FLAGS, KernelUnavailable
@@ -108,13 +109,6 @@ def test_neon_dotprod_kernels_under_qemu(arm_program: Path, qtype: str) -> None:
     assert torch.equal(got, want)  # the same float operations as every variant, so the reference's bits
 
 
-def _vnni_unpack(b: np.ndarray, signed: bool) -> np.ndarray:
-    """B in VNNI layout [K / 4, 4n] -> the [K, n] matrix it holds: B[kk, 4j + i] is element (4kk + i, j)."""
-    k4, n4 = b.shape
-    values = b.view(np.int8) if signed else b.view(np.uint8)
-    return values.reshape(k4, n4 // 4, 4).transpose(0, 2, 1).reshape(k4 * 4, n4 // 4).astype(np.int64)
-
-
 def _tile_dot(program: Path, a: np.ndarray, b: np.ndarray, c: np.ndarray, op: str) -> tuple[int, np.ndarray]:
     m, kbytes = a.shape
     n = c.shape[1]
@@ -132,17 +126,9 @@ def test_neon_i8mm_tile_primitives_are_amx_int8_dot_products_under_qemu(i8mm_pro
     emulation): C[m, n] += A's rows times B's columns (VNNI layout), the bytes signed or unsigned as
     tdpbsud / tdpbssd / tdpbusd read them, on top of C's old values, for full and partial shapes
     (odd rows, K not a multiple of 8, columns not a multiple of 4); the int8 extremes."""
-    rng = np.random.default_rng(0)
-    shapes = [(16, 64, 16), (16, 32, 16), (1, 4, 1), (5, 12, 7), (16, 16, 16), (9, 64, 3), (2, 32, 16), (15, 60, 13)]
-    for m, kbytes, n in shapes:
-        for op in ("su", "ss", "us"):
-            a = rng.integers(0, 256, (m, kbytes), dtype=np.uint8)
-            b = rng.integers(0, 256, (kbytes // 4, 4 * n), dtype=np.uint8)
-            c = rng.integers(-2 ** 20, 2 ** 20, (m, n), dtype=np.int32)
-            want = c.astype(np.int64) + (a.view(np.int8) if op[0] == "s" else a).astype(np.int64) @ \
-                _vnni_unpack(b, signed=op[1] == "s")
-            rc, got = _tile_dot(i8mm_program, a, b, c, op)
-            assert rc == 0 and np.array_equal(got, want), (m, kbytes, n, op)
+    for op, a, b, c, want in tile_dot_cases([*TILE_SHAPES, (15, 60, 13)]):
+        rc, got = _tile_dot(i8mm_program, a, b, c, op)
+        assert rc == 0 and np.array_equal(got, want), (a.shape, c.shape, op)
     rc, got = _tile_dot(i8mm_program, np.full((16, 64), 0x80, np.uint8), np.full((16, 64), 0xFF, np.uint8),
                         np.zeros((16, 16), np.int32), "su")
     assert rc == 0 and (got == -128 * 255 * 64).all()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import TILE_SHAPES, tile_dot_cases
 from infer import kernels
 from infer.kernels import build, quant
 from infer.kernels.build import KernelUnavailable
@@ -36,13 +37,6 @@ def _vector_variant() -> QuantKernels:
     return found
 
 
-def _vnni_unpack(b: np.ndarray, signed: bool) -> np.ndarray:
-    """B in VNNI layout [K / 4, 4n] -> the [K, n] matrix it holds: B[kk, 4j + i] is element (4kk + i, j)."""
-    k4, n4 = b.shape
-    values = b.view(np.int8) if signed else b.view(np.uint8)
-    return values.reshape(k4, n4 // 4, 4).transpose(0, 2, 1).reshape(k4 * 4, n4 // 4).astype(np.int64)
-
-
 @pytest.fixture(scope="module", params=[*EMULATED, *(["avx512-amx"] if HAS_AMX else [])])
 def tiles(request: pytest.FixtureRequest) -> QuantKernels:
     found = quant.quant_kernels(request.param)
@@ -62,18 +56,10 @@ def test_tile_primitives_are_amx_int8_dot_products(tiles: QuantKernels) -> None:
     A's rows of K bytes, B in VNNI layout (row kk holds column n's k = 4kk .. 4kk + 3 at bytes
     4n .. 4n + 3), each operand's bytes signed or unsigned by the instruction, the sum in int32 on
     top of C's old values; for every shape a tile holds, partial ones included."""
-    rng = np.random.default_rng(0)
-    shapes = [(16, 64, 16), (16, 32, 16), (1, 4, 1), (5, 12, 7), (16, 16, 16), (9, 64, 3), (2, 32, 16)]
-    for m, kbytes, n in shapes:
-        for op in ("su", "ss", "us"):
-            a = rng.integers(0, 256, (m, kbytes), dtype=np.uint8)
-            b = rng.integers(0, 256, (kbytes // 4, 4 * n), dtype=np.uint8)
-            c = rng.integers(-2 ** 20, 2 ** 20, (m, n), dtype=np.int32)
-            want = c.astype(np.int64) + (a.view(np.int8) if op[0] == "s" else a).astype(np.int64) @ \
-                _vnni_unpack(b, signed=op[1] == "s")
-            got = c.copy()
-            assert tiles.tile_dot(a, b, got, op) == 0
-            assert got.dtype == np.int32 and np.array_equal(got, want), (m, kbytes, n, op)
+    for op, a, b, c, want in tile_dot_cases(TILE_SHAPES):
+        got = c.copy()
+        assert tiles.tile_dot(a, b, got, op) == 0
+        assert got.dtype == np.int32 and np.array_equal(got, want), (a.shape, c.shape, op)
     # the extremes of a 64-byte row: -128 * 255 * 64 and 127 * 255 * 64 fit int32 exactly
     a = np.full((16, 64), 0x80, dtype=np.uint8)
     b = np.full((16, 64), 0xFF, dtype=np.uint8)
