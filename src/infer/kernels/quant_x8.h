@@ -500,3 +500,35 @@ typedef struct {
     float *y;
     int decode, nz, rb;
 } X8Linear;
+
+/* The 2 * nz groups of a product's tile from group `first` on (x8 blocks of group_bytes): where each
+ * starts, and its index (-1 for a group past the last: it repeats the last real group, computed and
+ * never stored). */
+static inline void x8_tile_groups(const X8Linear *job, int64_t first, int count, int64_t group_bytes,
+                                  const uint8_t **gbase, int64_t *gindex) {
+    for (int i = 0; i < count; i++) {
+        const int64_t g = first + i;
+        gindex[i] = g < job->groups ? g : -1;
+        gbase[i] = job->w + x8_group_at(g < job->groups ? g : job->groups - 1, job->blocks) * group_bytes;
+    }
+}
+
+/* y's rows r0 .. r0 + rn - 1 at a tile's groups (gindex, as x8_tile_groups gives them) from the
+ * accumulators acc[r][z] (vector z: groups 2z and 2z + 1), the bias added (one float32 add). */
+static inline __attribute__((always_inline)) void x8_store_tile(const X8Linear *job, GF (*acc)[X8_NZ_MAX], int64_t r0,
+                                                                int64_t rn, int nz, const int64_t *gindex) {
+    const int64_t n = job->n;
+    for (int64_t r = 0; r < rn; r++)
+        for (int z = 0; z < nz; z++) {
+            float lanes[16];
+            gf_store(lanes, acc[r][z]);
+            for (int half = 0; half < 2; half++) {
+                const int64_t g = gindex[2 * z + half];
+                if (g < 0) continue;
+                for (int64_t j = 0; j < 8 && g * 8 + j < n; j++) {
+                    const float v = lanes[8 * half + j];
+                    job->y[(r0 + r) * n + g * 8 + j] = job->bias ? v + job->bias[g * 8 + j] : v;
+                }
+            }
+        }
+}

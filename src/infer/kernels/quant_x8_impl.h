@@ -78,23 +78,14 @@ static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *cons
 /* Tiles begin .. end - 1 of a product (a chunk of the pool's loop; see quant_linear). */
 static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker) {
     const X8Linear *job = ctx;
-    const uint8_t *w = job->w;
-    const int64_t n = job->n, m = job->m, blocks = job->blocks, groups = job->groups;
+    const int64_t m = job->m, blocks = job->blocks, groups = job->groups;
     const X8Act act = *job->act;
-    const float *bias = job->bias;
-    float *y = job->y;
     const int decode = job->decode, nz = job->nz, rb = job->rb;
     (void)worker;
     for (int64_t t = begin; t < end; t++) {
-        /* a tile's missing pairs and a missing last group repeat the last real group (computed,
-         * never stored) */
         const uint8_t *gbase[2 * X8_NZ_MAX];
         int64_t gindex[2 * X8_NZ_MAX];
-        for (int i = 0; i < 2 * nz; i++) {
-            int64_t g = t * nz * 2 + i;
-            gindex[i] = g < groups ? g : -1;
-            gbase[i] = w + x8_group_at(g < groups ? g : groups - 1, blocks) * X8_GROUP_BYTES;
-        }
+        x8_tile_groups(job, t * nz * 2, 2 * nz, X8_GROUP_BYTES, gbase, gindex);
         /* a tile's groups lie in one run (2 * nz divides X8_RUN): one stride */
         const int64_t stride = x8_run_groups(t * nz * 2, groups) * X8_GROUP_BYTES;
         GF acc[X8_RB_MAX][X8_NZ_MAX];
@@ -120,19 +111,7 @@ static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker)
                 default: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, X8_RB_MAX, X8_NZ, r0 == 0); break;
                 }
             }
-            for (int64_t r = 0; r < rn; r++)
-                for (int z = 0; z < nz; z++) {
-                    float lanes[16];
-                    gf_store(lanes, acc[r][z]);
-                    for (int half = 0; half < 2; half++) {
-                        const int64_t g = gindex[2 * z + half];
-                        if (g < 0) continue;
-                        for (int64_t j = 0; j < 8 && g * 8 + j < n; j++) {
-                            const float v = lanes[8 * half + j];
-                            y[(r0 + r) * n + g * 8 + j] = bias ? v + bias[g * 8 + j] : v;
-                        }
-                    }
-                }
+            x8_store_tile(job, acc, r0, rn, nz, gindex);
         }
     }
 }
@@ -217,21 +196,14 @@ static inline __attribute__((always_inline)) void X8FN(tile_block)(const uint8_t
  * the call, X8_TILE_SPAN rows of accumulators at a time. */
 static void X8FN(quant_tile_rows)(void *ctx, int64_t begin, int64_t end, int worker) {
     const X8Linear *job = ctx;
-    const uint8_t *w = job->w;
-    const int64_t n = job->n, m = job->m, blocks = job->blocks, groups = job->groups;
+    const int64_t m = job->m, blocks = job->blocks, groups = job->groups;
     const X8Act act = *job->act;
-    const float *bias = job->bias;
-    float *y = job->y;
     (void)worker;
     xt_config_x8(X8_TYPE_TILE_K); /* each thread's own tile configuration (a pool thread's first tile job...) */
     for (int64_t t = begin; t < end; t++) {
         const uint8_t *gbase[4];
         int64_t gindex[4];
-        for (int i = 0; i < 4; i++) {
-            const int64_t g = t * 4 + i;
-            gindex[i] = g < groups ? g : -1;
-            gbase[i] = w + x8_group_at(g < groups ? g : groups - 1, blocks) * X8_GROUP_BYTES;
-        }
+        x8_tile_groups(job, t * 4, 4, X8_GROUP_BYTES, gbase, gindex);
         const int64_t stride = x8_run_groups(t * 4, groups) * X8_GROUP_BYTES;
         const int64_t ahead = X8_AHEAD >= X8_GROUP_BYTES ? X8_AHEAD / X8_GROUP_BYTES * stride : X8_AHEAD;
         (void)ahead;
@@ -251,19 +223,7 @@ static void X8FN(quant_tile_rows)(void *ctx, int64_t begin, int64_t end, int wor
                 }
                 X8FN(tile_block)(gp, &act, r0, rn, b, acc);
             }
-            for (int64_t r = 0; r < rn; r++)
-                for (int z = 0; z < 2; z++) {
-                    float lanes[16];
-                    gf_store(lanes, acc[r][z]);
-                    for (int half = 0; half < 2; half++) {
-                        const int64_t g = gindex[2 * z + half];
-                        if (g < 0) continue;
-                        for (int64_t j = 0; j < 8 && g * 8 + j < n; j++) {
-                            const float v = lanes[8 * half + j];
-                            y[(r0 + r) * n + g * 8 + j] = bias ? v + bias[g * 8 + j] : v;
-                        }
-                    }
-                }
+            x8_store_tile(job, acc, r0, rn, 2, gindex);
         }
     }
     xt_release();
