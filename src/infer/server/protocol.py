@@ -87,15 +87,12 @@ def lone_surrogate(value: Any) -> tuple[str, str] | None:
     path: tuple[str | int, ...] = ()
     while True:
         if isinstance(item, str):
-            bad = _SURROGATE.search(item)
-            return None if bad is None else _located(path, f"a lone surrogate U+{ord(bad.group()):04X} at "
-                                                             f"character {bad.start()}")
+            return _in_text(path, item)
         if isinstance(item, dict):
             pairs = list(item.items())
             key, item = pairs[_first_with_surrogate(pairs)]
-            bad = _SURROGATE.search(key) if isinstance(key, str) else None
-            if bad is not None:
-                return _located(path + (key,), f"its key has a lone surrogate U+{ord(bad.group()):04X}")
+            if (found := _in_key(path, key)) is not None:
+                return found
             path += (key,)
         elif isinstance(item, (list, tuple)) and item:
             index = _first_with_surrogate(item)
@@ -133,18 +130,29 @@ def _walk(value: Any) -> tuple[str, str] | None:
     while stack:  # iterative: a body may nest as deep as the JSON parser allows
         item, path = stack.pop()
         if isinstance(item, str):
-            bad = _SURROGATE.search(item)
-            if bad is not None:
-                return _located(path, f"a lone surrogate U+{ord(bad.group()):04X} at character {bad.start()}")
+            if (found := _in_text(path, item)) is not None:
+                return found
         elif isinstance(item, dict):
             for key in item:
-                bad = _SURROGATE.search(key) if isinstance(key, str) else None
-                if bad is not None:
-                    return _located(path + (key,), f"its key has a lone surrogate U+{ord(bad.group()):04X}")
+                if (found := _in_key(path, key)) is not None:
+                    return found
             stack.extend((child, path + (key,)) for key, child in reversed(item.items()))
         elif isinstance(item, (list, tuple)):
             stack.extend((child, path + (i,)) for i, child in reversed(list(enumerate(item))))
     return None
+
+
+def _in_text(path: tuple[str | int, ...], text: str) -> tuple[str, str] | None:
+    """``lone_surrogate``'s answer for the string ``text`` at ``path``, or None when it is valid."""
+    bad = _SURROGATE.search(text)
+    return None if bad is None else _located(path, f"a lone surrogate U+{ord(bad.group()):04X} at character "
+                                                   f"{bad.start()}")
+
+
+def _in_key(path: tuple[str | int, ...], key: Any) -> tuple[str, str] | None:
+    """``lone_surrogate``'s answer for the key ``key`` of the dict at ``path``, or None when it is valid."""
+    bad = _SURROGATE.search(key) if isinstance(key, str) else None
+    return None if bad is None else _located((*path, key), f"its key has a lone surrogate U+{ord(bad.group()):04X}")
 
 
 def _located(path: tuple[str | int, ...], problem: str) -> tuple[str, str]:
