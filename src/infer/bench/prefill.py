@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import threading
 import time
 import urllib.request
 from typing import Any
+
+from infer.bench.llama_server import free_port, wait_healthy
 
 MODEL = "smollm2-135m-instruct"
 
@@ -138,12 +139,6 @@ def offline(model: str, lengths: list[int], repeats: int, busy: int, compare_src
 
 # -- time to first token through infer serve -------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _long_text(tokens: int, model: str) -> str:
     """Chat content of about ``tokens`` tokens: held-out stdlib functions to summarise."""
     from infer.data.workloads import stdlib_functions
@@ -193,23 +188,17 @@ def _serve(src: str | None, model: str, port: int, chunked: bool, max_seq_len: i
     if budget is not None:
         argv += ["--max-prefill-tokens", str(budget)]
     process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"infer serve exited ({process.returncode})")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return process
-        except OSError:
-            time.sleep(0.5)
-    _stop([process])
-    raise RuntimeError("infer serve did not come up")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process, 600, "infer serve")
+    except BaseException:
+        _stop([process])
+        raise
+    return process
 
 
 def _one_ttft(src: str | None, model: str, long_text: str, delay: float, chunked: bool, busy: int,
               max_seq_len: int, budget: int | None) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     server = _serve(src, model, port, chunked, max_seq_len, budget)
     spinners: list[subprocess.Popen[Any]] = []
     try:
