@@ -413,6 +413,32 @@ def test_bench_threads_runs_each_mode_interleaved(tiny_llama: Path, tmp_path: Pa
     assert report["orders"] == [["default", "1"], ["1", "default"]]  # each mode first as often
 
 
+def test_bench_prefill_times_prompt_lengths_and_a_newcomer_behind_a_long_prompt(
+        tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """python -m infer.bench.prefill: offline prompt tok/s per length (a fresh process per repeat),
+    and a short request's time to first token behind a long one through infer serve; JSON (its
+    folder made) and a table."""
+    from infer.bench.prefill import main as prefill_main
+
+    out = tmp_path / "missing" / "offline.json"
+    prefill_main(["offline", "--model", str(tiny_llama), "--lengths", "32", "96", "--repeats", "2",
+                  "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["kind"] == "offline" and len(report["runs"]["this"]) == 2
+    assert set(report["median_tok_s"]["this"]) == {"32", "96"} and all(
+        rate > 0 for rate in report["median_tok_s"]["this"].values())
+    assert report["first_tokens_equal_across_trees"] is True
+    out = tmp_path / "ttft.json"
+    prefill_main(["ttft", "--model", str(tiny_llama), "--long", "200", "--delay", "0.05", "--repeats", "1",
+                  "--max-prefill-tokens", "64", "--json", str(out)])
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]["this"]
+    assert not run["errors"] and report["max_prefill_tokens"] == 64
+    assert all(run[key] is not None and run[key] > 0 for key in ("short_alone_ttft_s", "short_behind_long_ttft_s",
+                                                                  "long_ttft_s"))
+    assert "| short behind long: TTFT s |" in capsys.readouterr().out
+
+
 def test_bench_generation_stop_at_eos_is_recorded(tiny_llama: Path, tmp_path: Path) -> None:
     """--stop-at-eos ends answers at EOS as server requests do; the report says which length was timed."""
     for flags, stops in (([], False), (["--stop-at-eos"], True)):

@@ -35,15 +35,17 @@ import urllib.request
 from typing import Any
 
 from infer.bench.llama_server import free_port, wait_healthy
+from infer.bench.report import write_json
 
 MODEL = "smollm2-135m-instruct"
 
 
-def _prompt_ids(length: int, seed: int) -> list[int]:
-    """A prompt of ``length`` random ordinary token ids (speed does not depend on the text; a fresh
-    one per run keeps the prefix cache out of it)."""
+def _prompt_ids(length: int, seed: int, vocab: int) -> list[int]:
+    """A prompt of ``length`` random ordinary token ids of a ``vocab``-token vocabulary (past the
+    first ids, where special tokens sit; speed does not depend on the text; a fresh one per run
+    keeps the prefix cache out of it)."""
     rng = random.Random(seed)
-    return [rng.randrange(200, 40000) for _ in range(length)]
+    return [rng.randrange(min(200, vocab // 2), min(40000, vocab)) for _ in range(length)]
 
 
 def _offline_worker(model: str, lengths: list[int], seed: int, budget: int | None) -> None:
@@ -52,10 +54,12 @@ def _offline_worker(model: str, lengths: list[int], seed: int, budget: int | Non
     options: dict[str, Any] = {} if budget is None else {"max_prefill_tokens": budget}
     llm = LLM(model, max_seq_len=max(lengths) + 16, **options)
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    llm.generate([_prompt_ids(256, seed + 999)], params)  # warm-up: first passes pay one-time costs
+    vocab = llm.engine.model_config.vocab_size
+    # warm-up: first passes pay one-time costs
+    llm.generate([_prompt_ids(min(256, max(lengths)), seed + 999, vocab)], params)
     out: dict[str, Any] = {"rate": {}, "cpu_rate": {}, "first_token": {}}
     for length in lengths:
-        ids = _prompt_ids(length, seed * 1000 + length)
+        ids = _prompt_ids(length, seed * 1000 + length, vocab)
         start, cpu = time.perf_counter(), time.process_time()
         result = llm.generate([ids], params)[0]
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -181,7 +185,8 @@ def _serve(src: str | None, model: str, port: int, chunked: bool, max_seq_len: i
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = src
-    argv = [sys.executable, "-m", "infer", "serve", "--model", model, "--port", str(port),
+    # served under the name the requests give (a folder's own served name is its folder's)
+    argv = [sys.executable, "-m", "infer", "serve", "--model", model, "--served-model-name", model, "--port", str(port),
             "--max-seq-len", str(max_seq_len)]
     if not chunked:
         argv.append("--no-chunked-prefill")
@@ -300,8 +305,7 @@ def main(argv: list[str] | None = None) -> None:
           f"medians of {args.repeats}")
     print(_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result, indent=1)
 
 
 if __name__ == "__main__":
