@@ -40,6 +40,21 @@ def test_cmake_flags_name_every_cpu_feature_and_never_amx() -> None:
         assert options[off] == "OFF", off
 
 
+def test_cmake_flags_with_amx_turn_on_the_amx_the_cpu_reports() -> None:
+    options = dict(f.removeprefix("-D").split("=")
+                   for f in llama_server.cmake_flags(set(SAPPHIRE_RAPIDS_VM.split()), amx=True))
+    assert options["GGML_NATIVE"] == "OFF" and options["GGML_AVX512_VNNI"] == "ON"
+    for on in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"):
+        assert options[on] == "ON", on
+    # Only the AMX parts reported: no amx_bf16, no GGML_AMX_BF16.
+    partial = dict(f.removeprefix("-D").split("=")
+                   for f in llama_server.cmake_flags(set(SAPPHIRE_RAPIDS_VM.split()) - {"amx_bf16"}, amx=True))
+    assert partial["GGML_AMX_INT8"] == "ON" and partial["GGML_AMX_BF16"] == "OFF"
+    for lacking in (HASWELL, ARM, HASWELL + " amx_tile amx_int8"):
+        with pytest.raises(ValueError, match="amx"):
+            llama_server.cmake_flags(set(lacking.split()), amx=True)
+
+
 def test_cmake_flags_leave_out_what_the_cpu_lacks() -> None:
     options = _options(HASWELL)
     assert options["GGML_AVX2"] == options["GGML_FMA"] == options["GGML_BMI2"] == "ON"
@@ -75,7 +90,8 @@ def _sdist(root: Path) -> Path:
 def test_build_configures_with_the_cpu_flags_then_reuses_the_build(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     source = _sdist(tmp_path)
-    monkeypatch.setattr(llama_server, "_host_cmake_flags", lambda: llama_server.cmake_flags(set(HASWELL.split())))
+    monkeypatch.setattr(llama_server, "_host_cmake_flags",
+                        lambda amx=False: llama_server.cmake_flags(set(HASWELL.split()), amx=amx))
     commands: list[list[str]] = []
 
     def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -101,6 +117,33 @@ def test_build_configures_with_the_cpu_flags_then_reuses_the_build(tmp_path: Pat
     commands.clear()
     assert llama_server.build(tmp_path, log=sys.stderr) == server
     assert commands == []
+    assert info["amx"] is False
+
+
+def test_build_with_amx_goes_to_its_own_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _sdist(tmp_path)
+    monkeypatch.setattr(llama_server, "_host_cmake_flags",
+                        lambda amx=False: llama_server.cmake_flags(set(SAPPHIRE_RAPIDS_VM.split()), amx=amx))
+    commands: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        commands.append(cmd)
+        if "--build" in cmd:
+            bin_dir = Path(cmd[cmd.index("--build") + 1]) / "bin"
+            bin_dir.mkdir(parents=True, exist_ok=True)
+            (bin_dir / "llama-server").write_text("")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(llama_server.subprocess, "run", fake_run)
+    amx = llama_server.build(tmp_path, log=sys.stderr, amx=True)
+    assert amx == source / "build-amx" / "bin" / "llama-server"
+    assert "-DGGML_AMX_INT8=ON" in commands[0] and str(source / "build-amx") in commands[0]
+    info = llama_server.build_info(amx)
+    assert info["amx"] is True and info["llama_cpp_commit"] == "abc1234"
+    # The default build is another folder, AMX off; the AMX one stays as built.
+    plain = llama_server.build(tmp_path, log=sys.stderr)
+    assert plain == source / "build" / "bin" / "llama-server" and "-DGGML_AMX_INT8=OFF" in commands[2]
+    assert llama_server.build(tmp_path, log=sys.stderr, amx=True) == amx and len(commands) == 4
 
 
 def test_llama_modes_take_the_ngram_types_the_binary_has() -> None:

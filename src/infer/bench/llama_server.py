@@ -7,12 +7,15 @@ and ``llama-bench`` from it under ``~/.cache/infer/llama.cpp``; a finished build
 The build names this CPU's features instead of ``GGML_NATIVE``: a native build also turns on the
 AMX kernels wherever ``/proc/cpuinfo`` reports AMX, and a VM that reports AMX without enabling it
 kills the server on its first tile instruction. ``cmake_flags`` is that choice, from the cpuinfo
-``flags`` line alone, so it is testable without a build.
+``flags`` line alone, so it is testable without a build. ``--amx on`` builds the other way on
+purpose, into ``build-amx`` next to the default ``build``: the same named features plus the AMX
+ones the CPU reports (``amx_tile``, ``amx_int8``, ``amx_bf16``), to measure llama.cpp's AMX backend
+against its plain AVX-512 one on a machine where the tiles work (docs/bench/llama-amx/).
 
 ``LlamaServer`` starts a built (or given) binary on one GGUF and stops it.
 
-Usage: ``python -m infer.bench.llama_server [--jobs 2] [--force]`` (``scripts/build_llama_server.sh``)
-prints the path of ``llama-server``.
+Usage: ``python -m infer.bench.llama_server [--jobs 2] [--force] [--amx on|off]``
+(``scripts/build_llama_server.sh``) prints the path of ``llama-server``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from infer.fileio import default_cache_dir
 
 SDIST = "llama-cpp-python"
 TARGETS = ("llama-server", "llama-bench")
-# cpuinfo flag -> the GGML option that compiles for it. AMX is deliberately absent (see above).
+# cpuinfo flag -> the GGML option that compiles for it. AMX is deliberately absent (see above); it is
+# _AMX_FEATURES, turned on only by ``amx=True``.
 _X86_FEATURES = (
     ("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"),
     ("bmi2", "GGML_BMI2"), ("avx_vnni", "GGML_AVX_VNNI"), ("avx512vbmi", "GGML_AVX512_VBMI"),
@@ -45,6 +49,7 @@ _X86_FEATURES = (
 )
 # GGML_AVX512 compiles with -mavx512f/cd/vl/dq/bw together, so it needs all five.
 _AVX512_BASE = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")
+_AMX_FEATURES = (("amx_tile", "GGML_AMX_TILE"), ("amx_int8", "GGML_AMX_INT8"), ("amx_bf16", "GGML_AMX_BF16"))
 
 
 def cache_dir() -> Path:
@@ -60,11 +65,16 @@ def cpu_flags(cpuinfo: str) -> set[str]:
     return set()
 
 
-def cmake_flags(flags: set[str]) -> list[str]:
-    """The GGML CPU options for a CPU with these cpuinfo ``flags``: every x86 feature named, never AMX.
+def cmake_flags(flags: set[str], amx: bool = False) -> list[str]:
+    """The GGML CPU options for a CPU with these cpuinfo ``flags``: every x86 feature named, AMX off;
+    with ``amx`` the AMX features the flags report on as well (ValueError when they report none, or
+    lack the AVX-512 base that ggml's AMX code is compiled with).
 
     With no x86 flags at all (another architecture) the build stays native: the AMX trap is x86's.
     """
+    if amx and ("amx_tile" not in flags or not all(f in flags for f in _AVX512_BASE)):
+        raise ValueError("--amx on needs a CPU whose cpuinfo flags report amx_tile and AVX-512 "
+                         "(avx512f/cd/vl/dq/bw)")
     if "avx" not in flags:
         return []
     avx512 = all(f in flags for f in _AVX512_BASE)
@@ -72,17 +82,27 @@ def cmake_flags(flags: set[str]) -> list[str]:
     for flag, option in _X86_FEATURES:
         on = flag in flags and (avx512 or not option.startswith("GGML_AVX512_"))
         out.append(f"-D{option}={'ON' if on else 'OFF'}")
-    out += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    for flag, option in _AMX_FEATURES:
+        out.append(f"-D{option}={'ON' if amx and flag in flags else 'OFF'}")
     return out
 
 
-def _host_cmake_flags() -> list[str]:
+def _host_cmake_flags(amx: bool = False) -> list[str]:
     if platform.system() != "Linux":
+        if amx:
+            raise ValueError("--amx on reads the CPU's features from /proc/cpuinfo (Linux only)")
         return []
     try:
-        return cmake_flags(cpu_flags(Path("/proc/cpuinfo").read_text()))
+        return cmake_flags(cpu_flags(Path("/proc/cpuinfo").read_text()), amx=amx)
     except OSError:
+        if amx:
+            raise
         return []
+
+
+def build_dir_name(amx: bool = False) -> str:
+    """The build folder inside ``vendor/llama.cpp``: ``build``, or ``build-amx`` for ``--amx on``."""
+    return "build-amx" if amx else "build"
 
 
 def configure_args(source: Path, build_dir: Path, cpu: list[str]) -> list[str]:
@@ -114,17 +134,19 @@ def _source_dir(root: Path, log: IO[str]) -> tuple[Path, str]:
     return source, version
 
 
-def build(root: Path | None = None, jobs: int = 2, force: bool = False, log: IO[str] | None = None) -> Path:
-    """Build (or reuse) ``llama-server`` and ``llama-bench``; return the ``llama-server`` path."""
+def build(root: Path | None = None, jobs: int = 2, force: bool = False, log: IO[str] | None = None,
+          amx: bool = False) -> Path:
+    """Build (or reuse) ``llama-server`` and ``llama-bench``; return the ``llama-server`` path. With
+    ``amx`` the build has llama.cpp's AMX backend too, in its own folder (``build_dir_name``)."""
     root = root or cache_dir()
     log = log or sys.stderr
+    cpu = _host_cmake_flags(amx)
     source, version = _source_dir(root, log)
-    build_dir = source / "build"
+    build_dir = source / build_dir_name(amx)
     server = build_dir / "bin" / "llama-server"
     info_path = build_dir / "infer-build.json"
     if server.exists() and info_path.exists() and not force:
         return server
-    cpu = _host_cmake_flags()
     configure = configure_args(source, build_dir, cpu)
     print("+ " + " ".join(configure), file=log, flush=True)
     subprocess.run(configure, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -133,7 +155,7 @@ def build(root: Path | None = None, jobs: int = 2, force: bool = False, log: IO[
     print("+ " + " ".join(compile_), file=log, flush=True)
     subprocess.run(compile_, check=True, stdout=log, stderr=subprocess.STDOUT)
     info = {"llama_cpp_python": version, "configure": configure[configure.index(str(build_dir)) + 1:],
-            "targets": list(TARGETS)}
+            "targets": list(TARGETS), "amx": amx}
     info_path.write_text(json.dumps(info, indent=1) + "\n")
     return server
 
@@ -272,8 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default: 2)")
     p.add_argument("--force", action="store_true", help="configure and build again even when built")
     p.add_argument("--root", default=None, help="cache folder (default: ~/.cache/infer/llama.cpp)")
+    p.add_argument("--amx", choices=("on", "off"), default="off",
+                   help="on: also compile llama.cpp's AMX backend (the AMX features cpuinfo reports), "
+                        "into vendor/llama.cpp/build-amx; off (default): AMX off, into build/")
     args = p.parse_args(argv)
-    server = build(Path(args.root) if args.root else None, jobs=args.jobs, force=args.force)
+    server = build(Path(args.root) if args.root else None, jobs=args.jobs, force=args.force,
+                   amx=args.amx == "on")
     print(server)
     return 0
 
