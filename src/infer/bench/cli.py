@@ -39,7 +39,9 @@ def add_subparser(sub: Any) -> None:
     gen.add_argument("--workload", default="code", choices=WORKLOADS,
                      help="built-in prompts: code continuation, input-grounded edit, code at temperature 1, one "
                      "instruction over many functions (answers end at EOS), or the shipped user messages (sent "
-                     "through the chat template): open-ended chat, summary of a given passage, code-edit of given code")
+                     "through the chat template): open-ended chat, summary of a given passage, code-edit of given "
+                     "code, short factual qa, math word problems worked step by step, translation of a passage, "
+                     "rag (an answer quoting a given document), extract-json (named keys from a message)")
     gen.add_argument("--warmup", type=int, default=8,
                      help="repetitive workload: similar requests suffix decoding learns from before the timed ones")
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user message in the chat template")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.bench.report import write_json_and_table
-from infer.data.prompt_sets import PROMPT_SETS
+from infer.data.prompt_sets import DEMO_KINDS, PROMPT_SETS
 from infer.extras import pyplot
 
 PEER_KINDS = ("llama-server",)
@@ -318,8 +318,8 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
                         f"{', '.join(LLAMA_SPEC_MODES)} the binary offers)")
     g.add_argument("--peer-args", default="", metavar="ARGS",
                    help="extra llama-server flags for every mode, one quoted string")
-    g.add_argument("--peer-kinds", nargs="+", default=list(PROMPT_SETS), choices=list(PROMPT_SETS),
-                   help="request kinds (the shipped prompt sets)")
+    g.add_argument("--peer-kinds", nargs="+", default=list(DEMO_KINDS), choices=list(PROMPT_SETS),
+                   help="request kinds (the shipped prompt sets; default: the demo's three)")
     g.add_argument("--peer-prompts", type=int, default=4, metavar="N", help="prompts per kind (default: 4)")
     g.add_argument("--peer-repeats", type=int, default=3, metavar="R", help="times each request is sent (default: 3)")
     g.add_argument("--threads", type=int, default=None,

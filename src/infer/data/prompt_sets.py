@@ -1,12 +1,22 @@
 """Shipped prompt sets of the kinds users send an instruct model, for the generation benchmark.
 
-Three kinds, each a user message the chat template wraps, written for infer (not drawn from any
-dataset) so every machine times the very same text:
+Each kind is a user message the chat template wraps, written for infer (not drawn from any dataset)
+so every machine times the very same text:
 
 * ``chat``: open-ended questions whose answers the prompt does not contain: model-free drafters
   find little to copy, so these show what speculation costs where it cannot pay.
 * ``summary``: a passage to summarise: the answer reuses the passage's phrases.
 * ``code-edit``: a function and a small change to make: the answer copies most of the function.
+* ``qa``: short factual questions: a sentence of an answer, nothing in the prompt to copy.
+* ``math``: word problems to work step by step (their worked answers are ``MATH_WORKED``): the
+  working repeats the problem's numbers and its own intermediate results.
+* ``translation``: a short English passage into French, Spanish or German: names and numbers copy.
+* ``rag``: a question to answer from a given document, quoting it: the answer copies sentences.
+* ``extract-json``: facts from a message as a JSON object of named keys, asked for in words (no
+  grammar: the structured-output benchmark sends ``SCHEMA_EXTRACTION`` with one): keys and values
+  copy from the prompt.
+
+``DEMO_KINDS`` are the three ``infer demo`` (and the llama-server comparison) run by default.
 """
 
 from __future__ import annotations
@@ -146,7 +156,172 @@ def fetch(client, url):
 
 CODE_EDIT = tuple(f"{task}\n\n```python\n{code}```" for task, code in _EDITS)
 
-PROMPT_SETS: dict[str, tuple[str, ...]] = {"chat": CHAT, "summary": SUMMARY, "code-edit": CODE_EDIT}
+QA = tuple(f"{q} Answer in one sentence." for q in (
+    "What is the capital city of Australia?",
+    "Who wrote the novel Pride and Prejudice?",
+    "How many legs does a spider have?",
+    "At what temperature in degrees Celsius does water boil at sea level?",
+    "Which planet is closest to the Sun?",
+    "How many continents are there on Earth?",
+    "In which year did the Second World War end?",
+    "How many minutes are there in one day?",
+))
+
+# (problem, worked answer, final answer): the prompts are the problems; the worked answers are ours,
+# checked by the tests (each step's arithmetic holds).
+MATH_WORKED: tuple[tuple[str, str, str], ...] = (
+    ("A bakery sells muffins for $3 each and cookies for $2 each. On Monday it sold 45 muffins and 60 cookies. "
+     "How much money did it take in on Monday?",
+     "Muffins: 45 * 3 = 135 dollars.\nCookies: 60 * 2 = 120 dollars.\nTotal: 135 + 120 = 255 dollars.", "255"),
+    ("Priya has 120 stickers. She gives a quarter of them to her brother and then 18 to her friend. How many "
+     "stickers does she have left?",
+     "A quarter of 120: 120 / 4 = 30.\nAfter her brother: 120 - 30 = 90.\nAfter her friend: 90 - 18 = 72.", "72"),
+    ("A rectangular garden is 14 metres long and 9 metres wide. A path 1 metre wide runs all the way around the "
+     "outside of it. What is the area of the path in square metres?",
+     "With the path: (14 + 2) * (9 + 2) = 16 * 11 = 176.\nThe garden alone: 14 * 9 = 126.\nThe path: 176 - 126 = 50.",
+     "50"),
+    ("A shop takes 25% off a jacket priced at $80, and then another $10 off at the till. What is the final "
+     "price?",
+     "25% of 80: 80 * 25 / 100 = 20.\nAfter the discount: 80 - 20 = 60.\nAt the till: 60 - 10 = 50 dollars.", "50"),
+    ("Three friends share a taxi fare of $42 and a tip of $6 equally. How much does each of them pay?",
+     "Fare and tip: 42 + 6 = 48 dollars.\nEach pays: 48 / 3 = 16 dollars.", "16"),
+    ("A cyclist rides at 18 km per hour for 2.5 hours, then at 12 km per hour for 1.5 hours. How far does she "
+     "ride in total?",
+     "First part: 18 * 2.5 = 45 km.\nSecond part: 12 * 1.5 = 18 km.\nTotal: 45 + 18 = 63 km.", "63"),
+    ("A school orders 7 boxes of pencils with 24 pencils in each box. It gives 5 pencils to each of its 30 "
+     "students. How many pencils are left over?",
+     "Pencils ordered: 7 * 24 = 168.\nPencils given out: 5 * 30 = 150.\nLeft over: 168 - 150 = 18.", "18"),
+    ("A water tank holds 600 litres. A pipe fills it at 15 litres per minute while a tap drains 5 litres per "
+     "minute. Starting empty, how many minutes does the tank take to fill?",
+     "Net filling rate: 15 - 5 = 10 litres per minute.\nTime to fill: 600 / 10 = 60 minutes.", "60"),
+)
+
+MATH = tuple(f"Solve this problem. Show your working step by step, then give the final answer on its own line "
+             f"as 'Answer: <number>'.\n\n{problem}" for problem, _, _ in MATH_WORKED)
+
+_TRANSLATIONS = (
+    ("French", "The museum opens at ten o'clock every morning except Monday. Tickets cost twelve euros for adults "
+               "and are free for children under twelve. The guided tour starts at the main entrance at two in the "
+               "afternoon."),
+    ("Spanish", "Dear Ms. Ortega, thank you for your letter of 3 March. I am happy to confirm your reservation for "
+                "two nights, from Friday 14 to Sunday 16 June, in a double room with a view of the harbour. "
+                "Breakfast is included."),
+    ("German", "Please switch off the lights and close all the windows when you leave the office. The last person "
+               "to leave should also lock the front door and put the key in the box next to reception."),
+    ("French", "My sister lives in a small village near the mountains. Every summer we visit her for two weeks. "
+               "We walk in the forest in the morning, and in the evening we eat dinner outside with her "
+               "neighbours."),
+    ("Spanish", "From Monday, bus line 14 will run every fifteen minutes between the central station and the "
+                "university. The first bus leaves at six in the morning and the last one at eleven at night."),
+    ("German", "Step 1: Remove the old filter from the coffee maker. Step 2: Rinse the water tank with warm water. "
+               "Step 3: Insert the new filter and fill the tank up to the line marked MAX."),
+    ("French", "Our weekly meeting has moved from Tuesday to Thursday, still at half past nine. Please bring the "
+               "sales figures for April and your ideas for the summer campaign."),
+    ("Spanish", "The pancakes need three eggs, two hundred grams of flour, a glass of milk and a pinch of salt. Mix "
+                "everything in a large bowl, let it rest for ten minutes, and cook them in a hot pan."),
+)
+
+TRANSLATION = tuple(f"Translate the following text into {language}. Reply with the translation only.\n\n{text}"
+                    for language, text in _TRANSLATIONS)
+
+_DOCUMENTS = (
+    ("""Nimbus API rate limits. Every API key may send a limited number of requests per minute: 60 on the free \
+plan, 600 on the team plan and 3,000 on the enterprise plan. Each response carries the headers \
+X-RateLimit-Remaining, the requests left in the current minute, and X-RateLimit-Reset, the seconds until \
+the count starts again. A request over the limit is answered with status 429 and a Retry-After header. On \
+the free plan a client must wait at least 30 seconds after a 429 before trying again; on paid plans the \
+Retry-After value is the only rule. Keys that keep sending requests while limited are suspended for one \
+hour. Batch endpoints count as one request per item in the batch.""",
+     "How long must a client on the free plan wait after a 429 response?"),
+    ("""Travel expenses. Employees travelling for work may claim economy train or air fares booked through the \
+travel desk. Hotel costs are covered up to 150 euros a night in most cities and up to 220 euros a night in \
+London, Paris and Zurich. Meals are paid as a daily allowance of 45 euros, so receipts for food are not \
+needed. Taxis are covered only between 10 pm and 6 am, or when no public transport runs to the destination; \
+in every other case employees should take the train or bus. Claims must be submitted within 30 days of the \
+end of the trip, with the booking confirmations attached.""",
+     "Can an employee claim a taxi from the airport at 11 pm?"),
+    ("""Warranty. Your kettle is guaranteed for two years from the date of purchase against faults in materials \
+and workmanship. If it develops such a fault, we will repair or replace it free of charge. The warranty does \
+not cover damage caused by dropping the kettle, by using it with a power supply other than the one on the \
+label, or by limescale left to build up; we recommend descaling it once a month in hard water areas. To make \
+a claim, return the kettle to the shop where you bought it together with the receipt. Replacement parts are \
+guaranteed for the rest of the original two years.""",
+     "Is a kettle that stopped working after it was dropped covered by the warranty?"),
+    ("""tidyfile 2.4 release notes. New: the --jobs option runs the cleanup on several folders at once. New: a \
+summary of the space freed is printed at the end of every run. Changed: --fast has been replaced by \
+--level quick, and --level thorough is now the default. Changed: hidden files are skipped unless \
+--include-hidden is given. Fixed: symbolic links to folders are no longer followed, so a link can no longer \
+make tidyfile clean a folder twice. Removed: the --legacy-names option, deprecated since version 2.1.""",
+     "Which option replaces --fast in tidyfile 2.4?"),
+    ("""Pool rules. The pool is open from 7 am to 9 pm, and the deep end closes at 8 pm. Children under 8 must be \
+accompanied in the water by an adult at all times. Children aged 8 to 13 may swim without an adult once they \
+have passed the pool's 25-metre swimming test; until then an adult must stay on the poolside. Showers must be \
+taken before entering the water. Glass bottles and food are not allowed on the poolside. Lane swimming takes \
+place every weekday from 7 to 9 am, when the pool is divided into slow, medium and fast lanes.""",
+     "May a 10-year-old who has passed the swimming test swim without an adult?"),
+    ("""Parking at Riverside Garage. The garage is open 24 hours a day. On weekdays parking costs 2 euros per hour \
+for the first three hours and 1.50 euros for every hour after that, up to a maximum of 15 euros a day. On \
+Saturdays and Sundays a flat rate of 6 euros covers the whole day. Motorcycles park free of charge in the \
+marked bays on level 0. Tickets are paid at the machines by the lifts before returning to your vehicle, by \
+card or in cash; the exit barrier does not take payment. A lost ticket is charged at the daily maximum.""",
+     "How much does it cost to park for five hours on a Saturday?"),
+    ("""Settings files. A settings file is divided into sections, each starting with its name in square brackets, \
+such as [display]. Inside a section each line holds one key and its value separated by an equals sign. \
+Lines starting with # are comments and are ignored. Keys are not case sensitive, but values are kept exactly \
+as written. When the same key appears twice in one section, the later value replaces the earlier one and a \
+warning is printed. A key that appears before the first section belongs to the default section, whose values \
+apply to every other section that does not set the key itself.""",
+     "What happens when the same key appears twice in one section?"),
+    ("""Appointments at the Elm Street clinic. Appointments can be booked by phone or at the front desk, from 8 am \
+to 6 pm on weekdays. Please arrive ten minutes early. An appointment cancelled less than 24 hours \
+in advance is charged a fee of 20 euros, unless the cancellation is due to illness. Patients who are more \
+than 15 minutes late may be asked to rebook. Repeat prescriptions are ready two working days after they are \
+requested and can be collected from the front desk. For urgent problems outside opening hours, call the \
+regional out-of-hours service.""",
+     "How far in advance must an appointment be cancelled to avoid the fee?"),
+)
+
+RAG = tuple(f"Answer the question using only the document below. Quote the sentence of the document that "
+            f"supports your answer.\n\nDocument:\n{document}\n\nQuestion: {question}" for document, question in _DOCUMENTS)
+
+_EXTRACTIONS = (
+    (("passenger", "flight", "from", "to", "date", "seat"),
+     "Booking confirmed for Mr. Daniel Reyes on flight LX 1423 from Geneva to Lisbon, departing 21 May 2027 at "
+     "07:15. Seat 14C has been reserved. Please be at the gate 30 minutes before departure."),
+    (("title", "company", "location", "salary", "remote"),
+     "Greenfield Analytics is hiring a Data Engineer for its office in Leeds. The role pays 52,000 pounds a year "
+     "and can be done fully remotely, with a visit to the office once a month."),
+    (("address", "rooms", "rent", "available_from", "pets_allowed"),
+     "Bright flat at 27 Harbour Lane, two bedrooms plus a living room (3 rooms in all). Rent is 1,150 a month, "
+     "bills not included. Free from 1 September. Sorry, no pets."),
+    (("invoice_number", "customer", "amount", "currency", "due_date"),
+     "Invoice INV-2027-0388 to Blue Fern Studio for website maintenance in March: 2,340.00 EUR, payable by "
+     "15 April 2027 to the account shown below."),
+    (("component", "version", "severity", "expected", "actual"),
+     "Bug in the export dialog of version 3.2.1: choosing CSV saves the file as XLSX instead. I expected a .csv "
+     "file. This blocks our monthly report, so I would call it high severity."),
+    (("dish", "servings", "prep_minutes", "ingredients"),
+     "Lentil soup for four people. Takes about 40 minutes to prepare. You need red lentils, one onion, two "
+     "carrots, a tin of tomatoes, vegetable stock and a teaspoon of cumin."),
+    (("date", "attendees", "decisions", "next_meeting"),
+     "Notes from 9 March: Aisha, Ben and Chloe attended. We agreed to move the launch to June and to hire one "
+     "more designer. The next meeting is on 23 March."),
+    (("product", "rating", "pros", "cons", "would_recommend"),
+     "I gave the Brightline R5 robot vacuum 4 stars out of 5. It is quiet and the battery lasts a long time, but "
+     "it gets stuck under the sofa and the app is slow. Still, I would buy it again."),
+)
+
+EXTRACT_JSON = tuple(
+    "Extract the following details from the text as a JSON object with the keys "
+    + ", ".join(f'"{key}"' for key in keys) + ". Use a list where there are several values and null where the "
+    f"text does not say. Reply with the JSON object only.\n\n{text}" for keys, text in _EXTRACTIONS)
+
+PROMPT_SETS: dict[str, tuple[str, ...]] = {
+    "chat": CHAT, "summary": SUMMARY, "code-edit": CODE_EDIT, "qa": QA, "math": MATH, "translation": TRANSLATION,
+    "rag": RAG, "extract-json": EXTRACT_JSON}
+# The kinds `infer demo` and `infer bench serving --peer` run by default (the demo's time and the peer
+# table stay as they were when more kinds shipped).
+DEMO_KINDS = ("chat", "summary", "code-edit")
 
 
 # Structured output (issue 52): extractions into a JSON Schema of several keys, and forced tool calls.
