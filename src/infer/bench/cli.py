@@ -144,6 +144,9 @@ def add_subparser(sub: Any) -> None:
     add_quality_arguments(quality)
     quality.set_defaults(func=_run_quality)
 
+    from infer.bench.agent import add_agent_parser
+
+    add_agent_parser(kinds)
     try:
         from infer.bench.serving import add_serving_parser
     except ModuleNotFoundError:
