@@ -286,7 +286,7 @@ def test_a_cpu_without_vnni_refuses_that_variant_and_takes_avx2(monkeypatch: pyt
     monkeypatch.setattr(build, "cpu_flags", lambda: flags)
     kernels.reset()
     try:
-        with pytest.raises(KernelUnavailable, match="avx512-vnni: CPU lacks avx512_vnni"):
+        with pytest.raises(KernelUnavailable, match="avx512-vnni: CPU lacks (.*, )?avx512_vnni"):
             quant.quant_kernels("avx512-vnni")
         best = quant.quant_kernels()
         assert best is not None and best.variant.name == "avx2"
