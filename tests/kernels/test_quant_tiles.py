@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import platform
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -38,10 +39,14 @@ def _vector_variant() -> QuantKernels:
 
 
 @pytest.fixture(scope="module", params=[*EMULATED, *(["avx512-amx"] if HAS_AMX else [])])
-def tiles(request: pytest.FixtureRequest) -> QuantKernels:
+def tiles(request: pytest.FixtureRequest) -> Iterator[QuantKernels]:
+    """A tile variant taking every call of 2 rows or more (AMX's default is 16: each A tile height,
+    2, 4, 8 and 16 rows, runs on the real tiles too)."""
     found = quant.quant_kernels(request.param)
     assert found is not None and found.tiles == ("amx" if request.param == "avx512-amx" else "emu")
-    return found
+    before = found.set_tile_min_rows(2)
+    yield found
+    found.set_tile_min_rows(before)
 
 
 def test_the_emulation_runs_here() -> None:
@@ -124,6 +129,31 @@ def test_tile_products_at_their_integer_extremes(tiles: QuantKernels) -> None:
         x[3] = torch.linspace(-3, 3, 128)
         got = tiles.linear(x, tiles.pack(raw, qtype, 128))
         assert torch.equal(got, quant.reference_linear_x8(x, raw, qtype, 128)), (qtype, fill)
+
+
+def test_calls_below_the_tile_min_rows_stay_on_the_vectors_with_the_same_bits() -> None:
+    """Calls of fewer rows than the setting take the vectors, the rest the tiles, the bits the same;
+    a setting under 2 is refused (a 1-row call never takes the tiles); the emulation's default is 2
+    (every A tile height tested) and AMX's 16 (where its tiles measured no slower than VNNI)."""
+    emu = quant.quant_kernels("portable-amx-emu")
+    assert emu is not None
+    raw = quant.random_blocks("Q4_1", 45, 256, torch.Generator().manual_seed(31))
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(32))
+    weight = emu.pack(raw, "Q4_1", 256)
+    want = quant.reference_linear_x8(x, raw, "Q4_1", 256)
+    assert emu.set_tile_min_rows(6) == 2
+    try:
+        for m, on_tiles in ((5, False), (6, True), (9, True)):
+            before = emu.tile_products()
+            assert torch.equal(emu.linear(x[:m].contiguous(), weight, threads=2), want[:m])
+            assert emu.tile_products() - before == int(on_tiles), m
+        with pytest.raises(ValueError, match="2 or more"):
+            emu.set_tile_min_rows(1)
+    finally:
+        emu.set_tile_min_rows(2)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        amx = QuantKernels(AMX, build.load(AMX))  # its setting is a number: readable without tiles
+        assert amx.set_tile_min_rows(16) == 16
 
 
 def test_an_emulated_variant_is_never_the_default() -> None:

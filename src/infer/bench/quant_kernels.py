@@ -14,7 +14,7 @@ float32 weight is 7x a Q4_0 one), the arithmetic rate (GOP/s: 2 x rows x out x i
 the time per product; medians over the repeats.
 
     PYTHONPATH=src python -m infer.bench.quant_kernels [--qtype Q4_0] [--rows 1 6] [--threads 1 2]
-        [--repeats 7] [--quant-only] [--variants avx512-vnni avx2] [--json out.json]
+        [--repeats 7] [--quant-only] [--variants avx512-vnni avx2] [--tile-min-rows 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _copy_call(target: np.ndarray, source: np.ndarray, i: int) -> object:
 
 
 def run(qtype: str, out_features: int, in_features: int, rows: list[int], threads: list[int], repeats: int,
-        calls: int, quant_only: bool = False, variant_names: list[str] | None = None) -> dict[str, object]:
+        calls: int, quant_only: bool = False, variant_names: list[str] | None = None,
+        tile_min_rows: int | None = None) -> dict[str, object]:
     generator = torch.Generator().manual_seed(0)
     qt = quant.quant_type(qtype)
     raw = quant.random_blocks(qt.name, out_features, in_features, generator)
@@ -105,6 +106,8 @@ def run(qtype: str, out_features: int, in_features: int, rows: list[int], thread
             refused[variant.name] = str(err)
             continue
         assert kernels is not None
+        if tile_min_rows is not None and kernels.tiles is not None:
+            kernels.set_tile_min_rows(tile_min_rows)
         variants.append((variant.name, kernels, [kernels.pack(r, qt.name, in_features) for r in raws]))
 
     buffer = np.ones(STREAM_BYTES // 4, dtype=np.float32)
@@ -158,10 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in build.QUANT_VARIANTS],
                         help="the quantized-kernel variants to time (default: every one this CPU runs but the "
                              "emulated tile ones)")
+    parser.add_argument("--tile-min-rows", type=int, default=None,
+                        help="the tile variants take calls of this many rows or more (default: the library's, "
+                             "16 on AMX; 2 puts every call of 2 rows or more on the tiles, to find the crossover)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if args.tile_min_rows is not None and args.tile_min_rows < 2:
+        parser.error("--tile-min-rows must be 2 or more")
     report = run(args.qtype, args.out_features, args.in_features, args.rows, args.threads, args.repeats, args.calls,
-                 args.quant_only, args.variants)
+                 args.quant_only, args.variants, args.tile_min_rows)
     print(f"{report['qtype']} weight [{args.out_features} x {args.in_features}], medians of {args.repeats} "
           f"interleaved repeats x {args.calls} products")
     print(f"{'mode':34} {'rows':>4} {'thr':>3} {'ms':>8} {'GB/s':>7} {'GOP/s':>7}")

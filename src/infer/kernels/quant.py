@@ -65,7 +65,8 @@ QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
     QuantType("Q6_K", 14, 256, 210, 1680),
 )}
 X8_ROWS = 8  # weight rows per x8 group
-# The variants whose calls of 2 rows or more run on matrix tiles (quant_tiles.h):
+# The variants whose calls of several rows run on matrix tiles (quant_tiles.h; from how many rows:
+# QuantKernels.set_tile_min_rows):
 # AMX's, ARM I8MM's (the tile primitives on SMMLA), and the C emulation of them that runs the same
 # tile code anywhere (the tests' way to check the tile path where there is no AMX). The emulated
 # ones are never the default, only forced by name.
@@ -173,6 +174,7 @@ class QuantKernels:
             lib.infer_quant_tile_selftest.argtypes = [pointer, ctypes.c_int, ctypes.c_int, size, pointer, ctypes.c_int,
                                                       ctypes.c_int, pointer]
             lib.infer_quant_tile_selftest.restype = ctypes.c_int
+            lib.infer_quant_set_tile_min_rows.argtypes, lib.infer_quant_set_tile_min_rows.restype = [ctypes.c_int], ctypes.c_int
             self.tiles = (lib.infer_quant_tiles() or b"").decode()
         # A decode step's tiles each stream a run of weight groups, with software prefetches or with
         # the hardware prefetcher alone. The engine's passes measure which is faster where they run
@@ -195,6 +197,16 @@ class QuantKernels:
         if self.tiles is None:
             raise ValueError(f"the {self.variant.name} quantized kernels have no tiles")
         return int(self.lib.infer_quant_tile_permission())
+
+    def set_tile_min_rows(self, rows: int) -> int:
+        """Calls of at least ``rows`` rows (>= 2) take the tiles from now on, fewer the vectors (the same
+        bits); returns the setting before. The default is the crossover measured for the tiles'
+        implementation (docs/cpu.md): 16 rows on AMX, 2 on the emulation and SMMLA."""
+        if self.tiles is None:
+            raise ValueError(f"the {self.variant.name} quantized kernels have no tiles")
+        if rows < 2:
+            raise ValueError(f"tile_min_rows must be 2 or more (a 1-row call stays on the vectors), got {rows}")
+        return int(self.lib.infer_quant_set_tile_min_rows(rows))
 
     def tile_products(self) -> int:
         """How many products have run on tiles in this process (0 for a library without them)."""

@@ -31,9 +31,9 @@
 #else
 #define QISA_VECTORS "portable"
 #endif
-/* Matrix tiles (quant_tiles.h) for every type's calls of 2 rows or more: AMX's where the
- * build has its instructions (on AVX-512 VNNI, which keeps the 1-row calls), ARM I8MM's SMMLA
- * where the NEON build has it (+i8mm; sdot keeps the 1-row calls), or the C emulation of them
+/* Matrix tiles (quant_tiles.h) for every type's calls of several rows (x8_tile_min_rows): AMX's
+ * where the build has its instructions (on AVX-512 VNNI, which keeps the fewer-row calls), ARM
+ * I8MM's SMMLA where the NEON build has it (+i8mm; sdot keeps the 1-row calls), or the C emulation of them
  * where the build asks for it (-DX8_TILES_EMU: the same tile code on any CPU, for the tests). */
 #if defined(Q_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && !defined(X8_TILES_EMU)
 #define X8_TILES 1
@@ -101,7 +101,7 @@ static inline uint32_t read_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
 #include "quant_x8.h"
 #if X8_TILES
 #include "quant_tiles.h"
-/* Whether calls of 2 rows or more take the tiles: the emulation and SMMLA always; AMX
+/* Whether calls of several rows take the tiles: the emulation and SMMLA always; AMX
  * once the OS has granted this process tile state (infer_quant_tile_permission), so a caller that
  * never asked gets the vectors' path, the same bits, rather than a fault. */
 #if defined(X8_TILES_AMX)
@@ -110,13 +110,16 @@ static int x8_tiles_on = 0;
 static int x8_tiles_on = 1;
 #endif
 static int64_t x8_tile_products = 0; /* products run on tiles (the tests check the path is taken) */
-/* Activation rows whose accumulators a tile job keeps (in memory: 4 A tiles' rows x 2 vectors of
- * 16 floats, 8 KB) while it takes the blocks in order: the weights of a block are unpacked once
- * for all of them. */
-#ifndef X8_TILE_SPAN
-#define X8_TILE_SPAN 64
+/* The fewest rows a call takes the tiles with; fewer stay on the vectors (infer_quant_set_tile_min_rows).
+ * On AMX a call of 2-8 rows measured slower on the tiles than on VNNI and one of 16 about even
+ * (docs/cpu.md): each chunk's B is unpacked as the vectors unpack it and the tiles' loads and stores
+ * cost more than VNNI's dot products over so few rows. The emulation takes every call of 2 rows or
+ * more, so the tests check every A tile height the kernels have (2, 4, 8, 16); SMMLA too (not measured). */
+#if defined(X8_TILES_AMX)
+static int x8_tile_min_rows = 16;
+#else
+static int x8_tile_min_rows = 2;
 #endif
-_Static_assert(X8_TILE_SPAN % XT_ROWS == 0 && X8_NZ_MAX >= 2, "whole A tiles; two two-group vectors per tile");
 #endif
 
 /* The 32-value block b's activation values at 4-byte unit u (values 4u .. 4u + 3) of row r. */
@@ -487,9 +490,8 @@ static inline __attribute__((always_inline)) void x8_units_q5_k(const uint8_t *g
 static inline __attribute__((always_inline)) void x8_tile_chunk_k45(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                     int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                     GF acc[][X8_NZ_MAX], const int R) {
-    GF d[2], negmin[2];
-    for (int z = 0; z < 2; z++) d[z] = gf_fp16(gp[2 * z], gp[2 * z + 1]), negmin[z] = gf_fp16(gp[2 * z] + 16, gp[2 * z + 1] + 16);
-    X8_EPILOGUE_K45(gp, d, negmin, a, r0, b, c >> 1, c & 1, raw[0], raw[0], acc, R, 2)
+    const GF d[1] = {gf_fp16(gp[0], gp[1])}, negmin[1] = {gf_fp16(gp[0] + 16, gp[1] + 16)};
+    X8_EPILOGUE_K45(gp, d, negmin, a, r0, b, c >> 1, c & 1, raw[0], raw[0], acc, R, 1)
 }
 static inline __attribute__((always_inline)) void x8_tile_chunk_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                      int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
@@ -605,18 +607,13 @@ static inline __attribute__((always_inline)) void x8_units_q6_k(const uint8_t *g
         }
     }
 }
-/* The tiles' two half sums of chunk c, started as the vectors start them, to the shared epilogue */
+/* The tiles' two half sums of chunk c (started already: B holds q - 32) to the shared epilogue */
 static inline __attribute__((always_inline)) void x8_tile_chunk_q6_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                      int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                      GF acc[][X8_NZ_MAX], const int R) {
     const int64_t xb = 8 * b + c;
-    GF d[2];
-    for (int z = 0; z < 2; z++) d[z] = gf_fp16(gp[2 * z], gp[2 * z + 1]);
-    for (int r = 0; r < R; r++) {
-        const GI s0 = gi_set1(x8_start_q6_k(a, r0 + r, xb, 0)), s1 = gi_set1(x8_start_q6_k(a, r0 + r, xb, 1));
-        for (int z = 0; z < 2; z++) raw[0][r][z] = gi_add(raw[0][r][z], s0), raw[1][r][z] = gi_add(raw[1][r][z], s1);
-    }
-    X8_EPILOGUE_Q6_K(gp, d, a, r0, xb, c, raw[0], raw[1], acc, R, 2)
+    const GF d[1] = {gf_fp16(gp[0], gp[1])};
+    X8_EPILOGUE_Q6_K(gp, d, a, r0, xb, c, raw[0], raw[1], acc, R, 1)
 }
 #endif
 static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
@@ -641,7 +638,8 @@ static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
 #include "quant_x8_impl.h"
 #define X8T q4_0
 #define X8_TYPE_TILES 1
-#define X8_TYPE_TILE_SIGNED 0
+#define X8_TYPE_TILE_SIGNED 1
+#define X8_TYPE_TILE_OFFSET 8 /* B holds q - 8, signed: the start value in the product */
 #define X8_TYPE_RB_FEW X8_RB_FEW
 #define X8_ELEMS 32
 #define X8_FILE_BYTES 18
@@ -657,7 +655,8 @@ static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
 #include "quant_x8_impl.h"
 #define X8T q5_0
 #define X8_TYPE_TILES 1
-#define X8_TYPE_TILE_SIGNED 0
+#define X8_TYPE_TILE_SIGNED 1
+#define X8_TYPE_TILE_OFFSET 16 /* B holds q - 16, signed: the start value in the product */
 #define X8_TYPE_RB_FEW X8_RB_FEW
 #define X8_ELEMS 32
 #define X8_FILE_BYTES 22
@@ -683,7 +682,8 @@ static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {
 #include "quant_x8_impl.h"
 #define X8T q6_k
 #define X8_TYPE_TILES 1
-#define X8_TYPE_TILE_SIGNED 0
+#define X8_TYPE_TILE_SIGNED 1
+#define X8_TYPE_TILE_OFFSET 32 /* B holds q - 32, signed: the start value in the product */
 #define X8_TYPE_TILE_K 16
 #define X8_TYPE_RB_FEW X8_RB
 #define X8_ELEMS 256
@@ -711,6 +711,15 @@ int infer_quant_tile_permission(void) {
 
 /* "amx", "smmla" or "emu": the implementation of the tile primitives in this build. */
 const char *infer_quant_tiles(void) { return XT_IMPL; }
+
+/* Calls of at least `rows` rows (2 or more) take the tiles from now on; returns the setting before, or
+ * 0 (nothing changed) for rows < 2: a 1-row call always stays on the vectors. */
+int infer_quant_set_tile_min_rows(int rows) {
+    if (rows < 2) return 0;
+    const int before = x8_tile_min_rows;
+    x8_tile_min_rows = rows;
+    return before;
+}
 
 /* How many products have run on tiles in this process. */
 int64_t infer_quant_tile_products(void) { return __atomic_load_n(&x8_tile_products, __ATOMIC_RELAXED); }

@@ -29,15 +29,16 @@
  * bytes != C's) is a fault on the hardware; the emulation aborts, so a layout mistake cannot pass
  * the tests on a machine without AMX.
  *
- * How the kernels use them: quant_x8_impl.h's tile path (every type, calls of 2 rows or more).
- * A = 16 activation rows' 32 int8 values of one 32-value chunk, loaded in place (row stride = the
- * activations' row pitch); B = that chunk of two x8 groups (16 weight rows), unpacked to bytes with
- * quant_x8.h's vector primitives and stored to a small buffer: the x8 layout's 4-byte units of 8
- * rows are already VNNI layout for one group, and gw_load(a, b) puts two groups side by side, so
- * each stored register is one 64-byte B row; C = 16 x 16 int32, zeroed per chunk so each chunk's
- * integer sum is exact and separate, then stored and fed to the type's float epilogue (quant_x8.h's
- * contract, in its order): the same bits as every other variant. Q6_K's chunks have a scale per
- * 16 values: its A and B tiles are 16 bytes deep, two products a chunk.
+ * How the kernels use them: quant_x8_impl.h's tile path (every type, calls of x8_tile_min_rows rows or
+ * more). A = R activation rows' 32 int8 values of one 32-value chunk (R = 2, 4, 8 or 16), loaded in
+ * place (row stride = the activations' row pitch); B = that chunk of two x8 groups (16 weight rows),
+ * unpacked to bytes with quant_x8.h's vector primitives into a per-thread buffer before any tile
+ * reads it: the x8 layout's 4-byte units of 8 rows are already VNNI layout for one group, and
+ * gw_load(a, b) puts two groups side by side, so each stored register is one 64-byte B row; C = R x 16
+ * int32, zeroed per chunk so each chunk's integer sum is exact and separate, then stored and fed to
+ * the type's float epilogue (quant_x8.h's contract, in its order): the same bits as every other
+ * variant. Q6_K's chunks have a scale per 16 values: its A and B tiles are 16 bytes deep, two
+ * products a chunk.
  */
 #include <stdlib.h>
 
@@ -76,6 +77,9 @@ static inline void xt_set(XtConfig *c, int t, int rows, int colsb) {
         _tile_loadd(t, p, stride);                                                                             \
     } while (0)
 #define xt_store(t, p, stride) _tile_stored(t, p, stride)
+/* after tile stores, before anything reads what they wrote: GCC's _tile_stored names no memory
+ * either, so reads of its bytes could be moved before it */
+#define xt_stored() xt_barrier()
 #define xt_load_rows(t, p, stride, n)                                                                          \
     do {                                                                                                       \
         (void)(n);                                                                                             \
@@ -151,6 +155,7 @@ static inline void xt_load_rows(int t, const void *p, int64_t stride, int n) {
     xt_state.live[t] = (uint8_t)n;
 }
 static inline void xt_load(int t, const void *p, int64_t stride) { xt_load_rows(t, p, stride, xt_rows(t)); }
+static inline void xt_stored(void) {}
 /* Rows r < n to p + r * stride: the live ones' bytes, zeros for the rest. */
 static inline void xt_store_rows(int t, void *p, int64_t stride, int n) {
     xt_check_rows(t, n);
@@ -282,6 +287,7 @@ static inline void xt_store(int t, void *p, int64_t stride) {
     for (int r = 0; r < rows; r++) memcpy((uint8_t *)p + r * stride, xt_state.t[t][r], (size_t)colsb);
 }
 static inline void xt_zero(int t) { memset(xt_state.t[t], 0, sizeof xt_state.t[t]); }
+static inline void xt_stored(void) {}
 /* The promise xt_load_rows' callers make (rows n and on zero in memory) checked, then the whole load */
 static inline void xt_load_rows(int t, const void *p, int64_t stride, int n) {
     xt_check(n >= 0 && n <= xt_rows(t));
@@ -318,26 +324,23 @@ static inline void xt_release(void) { memset(&xt_state, 0, sizeof xt_state); }
 static int xt_request_permission(void) { return 0; }
 #endif
 
-/* The x8 tile path's tiles: one A tile (16 activation rows x one 32-value chunk, or Q6_K's
- * 16-value half), B and C for each of the two two-group vectors of a tile of 4 groups (one run:
- * quant_x8.h), and Q6_K's second half's B tiles. */
+/* The x8 tile path's tiles: an A tile (R activation rows x one 32-value chunk, or Q6_K's first
+ * 16-value half), the B tile of one two-group vector (16 weight rows) and its C tile; Q6_K's second
+ * half has its own three. */
 #define XT_A 0
 #define XT_B0 1
-#define XT_B1 2
-#define XT_C0 3
-#define XT_C1 4
-#define XT_B0H 5
-#define XT_B1H 6
-#define XT_ROWS 16 /* activation rows per A tile */
-/* depth: bytes of each row of A (32: a chunk; 16: Q6_K's half chunks) */
-static inline void xt_config_x8(int depth) {
+#define XT_C0 2
+#define XT_A1 3
+#define XT_B1 4
+#define XT_C1 5
+#define XT_ROWS 16 /* activation rows per A tile, at most */
+/* depth: bytes of each row of A (32: a chunk; 16: Q6_K's half chunks); rows: of A and C (<= XT_ROWS) */
+static inline void xt_config_x8(int depth, int rows) {
     XtConfig cfg;
     memset(&cfg, 0, sizeof cfg);
-    xt_set(&cfg, XT_A, XT_ROWS, depth);
+    xt_set(&cfg, XT_A, rows, depth);
     xt_set(&cfg, XT_B0, depth / 4, 64);
-    xt_set(&cfg, XT_B1, depth / 4, 64);
-    xt_set(&cfg, XT_C0, XT_ROWS, 64);
-    xt_set(&cfg, XT_C1, XT_ROWS, 64);
-    if (depth == 16) xt_set(&cfg, XT_B0H, 4, 64), xt_set(&cfg, XT_B1H, 4, 64);
+    xt_set(&cfg, XT_C0, rows, 64);
+    if (depth == 16) xt_set(&cfg, XT_A1, rows, depth), xt_set(&cfg, XT_B1, depth / 4, 64), xt_set(&cfg, XT_C1, rows, 64);
     xt_config(&cfg);
 }

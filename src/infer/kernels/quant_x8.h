@@ -499,6 +499,7 @@ typedef struct {
     const float *bias;
     float *y;
     int decode, nz, rb;
+    uint8_t *units; /* the tile path's unpacked weights, a buffer per worker (quant_x8_impl.h) */
 } X8Linear;
 
 /* The 2 * nz groups of a product's tile from group `first` on (x8 blocks of group_bytes): where each

@@ -120,110 +120,141 @@ static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker)
 #ifndef X8_TYPE_TILE_K
 #define X8_TYPE_TILE_K 32 /* bytes of one tile product's depth: a 32-value chunk (Q6_K: 16, a half) */
 #endif
+#ifndef X8_TYPE_TILE_OFFSET
+#define X8_TYPE_TILE_OFFSET 0
+#endif
 #if X8_ELEMS == QK
-/* A 32-value type's sums: its start value added in int32, then its epilogue (both shared with
- * x8_block_<t>). The K types define theirs beside their code. */
+/* A 32-value type's sums to its epilogue (shared with x8_block_<t>). Its start value is in the
+ * sums already: B holds q - offset (X8_TYPE_TILE_OFFSET), so the product is sum x * (q - offset),
+ * the integer x8_start_<t> + sum x * q the vectors make. The K types define theirs beside their code. */
 static inline __attribute__((always_inline)) void X8TYPEFN(x8_tile_chunk)(const uint8_t *const *gp, const X8Act *a,
                                                                           int64_t r0, int64_t b, int c,
                                                                           GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                           GF acc[][X8_NZ_MAX], const int R) {
     (void)c;
-    for (int r = 0; r < R; r++) {
-        const GI start = gi_set1(X8TYPEFN(x8_start)(a, r0 + r, b));
-        for (int z = 0; z < 2; z++) raw[0][r][z] = gi_add(raw[0][r][z], start);
-    }
-    X8TYPEFN(x8_epilogue)(gp, a, r0, b, raw[0], acc, R, 2);
+    X8TYPEFN(x8_epilogue)(gp, a, r0, b, raw[0], acc, R, 1);
 }
 #endif
 
-/* The tile path (quant_tiles.h): block b of the 4 groups at gp[] (one run: two two-group vectors)
- * times activation rows r0 .. r0 + rn - 1, added to acc[r - r0][z] in the type's float sequence.
- * Per 32-value chunk, in order: the weights unpacked once for all rn rows (a B tile per two-group
- * vector; Q6_K: one per half); per A tile of XT_ROWS rows, the C tiles zeroed, so what they give is
- * the chunk's exact integer dot products, the integers x8_block_<t> makes with vectors, fed to the
- * same epilogue: the same bits. */
-static inline __attribute__((always_inline)) void X8FN(tile_block)(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                   int64_t rn, int64_t b, GF (*acc)[X8_NZ_MAX]) {
-    uint8_t units[2][8 * 64] __attribute__((aligned(64)));
-    int32_t sums[2][2][XT_ROWS * 16] __attribute__((aligned(64))); /* [half][two-group vector] */
-    for (int c = 0; c < X8_ELEMS / QK; c++) {
-        const int64_t xb = b * (X8_ELEMS / QK) + c;
-        X8TYPEFN(x8_units)(gp[0], gp[1], c, units[0]);
-        X8TYPEFN(x8_units)(gp[2], gp[3], c, units[1]);
-        xt_load(XT_B0, units[0], 64);
-        xt_load(XT_B1, units[1], 64);
-#if X8_TYPE_TILE_K == 16
-        xt_load(XT_B0H, units[0] + 256, 64);
-        xt_load(XT_B1H, units[1] + 256, 64);
+/* The tile path (quant_tiles.h). A tile job is one two-group vector (16 weight rows, one B tile
+ * wide) by every row of the call, in two passes:
+ *   1. its weights unpacked once to bytes, chunk by chunk (x8_units_<t>: the B tiles' VNNI rows),
+ *      into the worker's buffer: the tiles then read bytes stored long before, never ones still in
+ *      the store buffer, and every A tile reuses them;
+ *   2. per A tile of R activation rows, the chunks in order: B and A loaded, C zeroed, one product
+ *      (Q6_K: one per half), C stored; then the previous chunk's epilogue, from the sums its C
+ *      stored a step earlier, into R x 1 accumulators that stay in registers (R a constant).
+ * The tiles' loads and stores are microcoded: they and the vector epilogue barely overlap, so what
+ * a chunk costs is the sum of the two, and both are kept short: the start value (Q4_0's -8 x sum,
+ * Q5_0's -16, Q6_K's -32) is in the bytes, and one output chain per row. C is zeroed per chunk, so
+ * each chunk's sum is its exact integer dot product, the integer x8_block_<t> makes with vectors,
+ * and the epilogue is x8_block_<t>'s, in the same order per output: the same bits. */
+
+/* chunk q's B bytes (8 rows of 64; Q6_K: 4 of each half) of the two groups at gp[] into dst */
+static inline __attribute__((always_inline)) void X8FN(tile_unpack)(const uint8_t *const *gp, int c, uint8_t *dst) {
+    X8TYPEFN(x8_units)(gp[0], gp[1], c, dst);
+#if X8_TYPE_TILE_OFFSET
+    for (int i = 0; i < 8 * 64; i++) dst[i] = (uint8_t)(dst[i] - X8_TYPE_TILE_OFFSET); /* q - offset, as int8 */
 #endif
-        for (int64_t t0 = 0; t0 < rn; t0 += XT_ROWS) {
-            /* rows tr and on (past the call's last) are the zero rows quant_linear pads the
-             * activations with: the A tile's loads and the C tiles' stores say so, and only the
-             * first tr rows of the sums are read (SMMLA then skips the rest) */
-            const int tr = rn - t0 < XT_ROWS ? (int)(rn - t0) : XT_ROWS;
-            const int8_t *x = a->q + (r0 + t0) * a->k + xb * QK;
-            xt_load_rows(XT_A, x, a->k, tr);
-            xt_zero(XT_C0);
-            xt_zero(XT_C1);
+}
+
 #if X8_TYPE_TILE_SIGNED
-            xt_dot_ss(XT_C0, XT_A, XT_B0);
-            xt_dot_ss(XT_C1, XT_A, XT_B1);
+#define X8_TILE_DOT xt_dot_ss
 #else
-            xt_dot_su(XT_C0, XT_A, XT_B0);
-            xt_dot_su(XT_C1, XT_A, XT_B1);
+#define X8_TILE_DOT xt_dot_su
 #endif
-            xt_store_rows(XT_C0, sums[0][0], 64, tr);
-            xt_store_rows(XT_C1, sums[0][1], 64, tr);
-#if X8_TYPE_TILE_K == 16
-            xt_load_rows(XT_A, x + 16, a->k, tr);
+
+/* Pass 2 for the A tiles of R rows (a constant) covering rows r0 .. r0 + rn - 1 (padded to R with
+ * the zero rows quant_linear adds), the chunks' B bytes at units. */
+static inline __attribute__((always_inline)) void X8FN(tile_pass)(const X8Linear *job, const X8Act *act,
+                                                                  const uint8_t *const *gbase, int64_t stride,
+                                                                  const int64_t *gindex, const uint8_t *units,
+                                                                  int64_t r0, int64_t rn, const int R) {
+    const int64_t chunks = job->blocks * (X8_ELEMS / QK);
+    int32_t sums[2][2][XT_ROWS * 16] __attribute__((aligned(64))); /* [chunk parity][half] */
+    GF chain[XT_ROWS]; /* each row's accumulators: registers, where the epilogue runs a row at a time */
+    for (int r = 0; r < R; r++) chain[r] = gf_zero();
+    for (int64_t q = 0; q <= chunks; q++) {
+        if (q < chunks) {
+            const uint8_t *u = units + q * (8 * 64);
+            const int8_t *x = act->q + r0 * act->k + q * QK;
+            xt_load(XT_B0, u, 64);
+            xt_load_rows(XT_A, x, act->k, R);
             xt_zero(XT_C0);
+            X8_TILE_DOT(XT_C0, XT_A, XT_B0);
+            xt_store_rows(XT_C0, sums[q & 1][0], 64, R);
+#if X8_TYPE_TILE_K == 16
+            xt_load(XT_B1, u + 256, 64);
+            xt_load_rows(XT_A1, x + 16, act->k, R);
             xt_zero(XT_C1);
-            xt_dot_su(XT_C0, XT_A, XT_B0H);
-            xt_dot_su(XT_C1, XT_A, XT_B1H);
-            xt_store_rows(XT_C0, sums[1][0], 64, tr);
-            xt_store_rows(XT_C1, sums[1][1], 64, tr);
+            X8_TILE_DOT(XT_C1, XT_A1, XT_B1);
+            xt_store_rows(XT_C1, sums[q & 1][1], 64, R);
 #endif
-            GI raw[2][XT_ROWS][X8_NZ_MAX];
-            for (int r = 0; r < tr; r++)
-                for (int h = 0; h < 32 / X8_TYPE_TILE_K; h++)
-                    for (int z = 0; z < 2; z++) raw[h][r][z] = gi_load(sums[h][z] + 16 * r);
-            X8TYPEFN(x8_tile_chunk)(gp, a, r0 + t0, b, c, raw, acc + t0, tr);
+            xt_stored(); /* the C tiles' bytes are in sums before anything reads them */
+        }
+        if (q > 0) { /* the previous chunk's epilogue */
+            const int64_t p = q - 1, b = p / (X8_ELEMS / QK);
+            const uint8_t *gp[2] = {gbase[0] + b * stride, gbase[1] + b * stride};
+            /* one row at a time (the chunk's scales are loaded once: the same loads, merged), so
+             * the chain stays in a register (AMX: unrolled, R a constant) */
+#if defined(X8_TILES_AMX)
+#pragma GCC unroll 16
+#endif
+            for (int r = 0; r < R; r++) {
+                GI raw[2][XT_ROWS][X8_NZ_MAX];
+                GF acc[1][X8_NZ_MAX];
+                for (int h = 0; h < 32 / X8_TYPE_TILE_K; h++) raw[h][0][0] = gi_load(sums[p & 1][h] + 16 * r);
+                acc[0][0] = chain[r];
+                X8TYPEFN(x8_tile_chunk)(gp, act, r0 + r, b, (int)(p % (X8_ELEMS / QK)), raw, acc, 1);
+                chain[r] = acc[0][0];
+            }
         }
     }
+    GF acc[XT_ROWS][X8_NZ_MAX];
+    for (int r = 0; r < rn; r++) acc[r][0] = chain[r];
+    x8_store_tile(job, acc, r0, rn, 1, gindex);
 }
+#undef X8_TILE_DOT
 
-/* Tiles begin .. end - 1 of a tile product: each a run's 4 groups (two B tiles) by every row of
- * the call, X8_TILE_SPAN rows of accumulators at a time. */
+/* Tiles begin .. end - 1 of a tile product (each a two-group vector by every row of the call) */
 static void X8FN(quant_tile_rows)(void *ctx, int64_t begin, int64_t end, int worker) {
     const X8Linear *job = ctx;
     const int64_t m = job->m, blocks = job->blocks, groups = job->groups;
     const X8Act act = *job->act;
-    (void)worker;
-    xt_config_x8(X8_TYPE_TILE_K); /* each thread's own tile configuration (a pool thread's first tile job...) */
+    const int R = job->rb; /* rows per A tile: quant_linear's choice */
+    uint8_t *units = job->units + (int64_t)worker * blocks * (X8_ELEMS / QK) * (8 * 64);
+    /* each thread's own tile configuration (a pool thread's first tile job...): A and C of R rows */
+    xt_config_x8(X8_TYPE_TILE_K, R);
     for (int64_t t = begin; t < end; t++) {
-        const uint8_t *gbase[4];
-        int64_t gindex[4];
-        x8_tile_groups(job, t * 4, 4, X8_GROUP_BYTES, gbase, gindex);
-        const int64_t stride = x8_run_groups(t * 4, groups) * X8_GROUP_BYTES;
+        const uint8_t *gbase[2];
+        int64_t gindex[2];
+        x8_tile_groups(job, t * 2, 2, X8_GROUP_BYTES, gbase, gindex);
+        const int64_t stride = x8_run_groups(t * 2, groups) * X8_GROUP_BYTES;
         const int64_t ahead = X8_AHEAD >= X8_GROUP_BYTES ? X8_AHEAD / X8_GROUP_BYTES * stride : X8_AHEAD;
         (void)ahead;
-        for (int64_t r0 = 0; r0 < m; r0 += X8_TILE_SPAN) {
-            const int64_t rn = m - r0 < X8_TILE_SPAN ? m - r0 : X8_TILE_SPAN;
-            GF acc[X8_TILE_SPAN][X8_NZ_MAX];
-            for (int64_t r = 0; r < rn; r++)
-                for (int z = 0; z < 2; z++) acc[r][z] = gf_zero();
-            for (int64_t b = 0; b < blocks; b++) {
-                const uint8_t *gp[4];
-                for (int i = 0; i < 4; i++) {
-                    gp[i] = gbase[i] + b * stride;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *gp[2] = {gbase[0] + b * stride, gbase[1] + b * stride};
 #if X8_AHEAD > 0
-                    if (r0 == 0)
-                        for (int line = 0; line < X8_GROUP_BYTES; line += 64) __builtin_prefetch(gp[i] + ahead + line);
+            for (int i = 0; i < 2; i++)
+                for (int line = 0; line < X8_GROUP_BYTES; line += 64) __builtin_prefetch(gp[i] + ahead + line);
 #endif
-                }
-                X8FN(tile_block)(gp, &act, r0, rn, b, acc);
+            for (int c = 0; c < X8_ELEMS / QK; c++)
+                X8FN(tile_unpack)(gp, c, units + (b * (X8_ELEMS / QK) + c) * (8 * 64));
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += R) {
+            const int64_t rn = m - r0 < R ? m - r0 : R;
+#if defined(X8_TILES_AMX)
+            switch (R) { /* a kernel per A tile height, its rows' chains in registers */
+            case 2: X8FN(tile_pass)(job, &act, gbase, stride, gindex, units, r0, rn, 2); break;
+            case 4: X8FN(tile_pass)(job, &act, gbase, stride, gindex, units, r0, rn, 4); break;
+            case 8: X8FN(tile_pass)(job, &act, gbase, stride, gindex, units, r0, rn, 8); break;
+            default: X8FN(tile_pass)(job, &act, gbase, stride, gindex, units, r0, rn, XT_ROWS); break;
             }
-            x8_store_tile(job, acc, r0, rn, 2, gindex);
+#else
+            /* the emulation's and SMMLA's tiles are memory: one kernel, R at run time (four, each
+             * with the emulated operations inlined, took minutes to compile) */
+            X8FN(tile_pass)(job, &act, gbase, stride, gindex, units, r0, rn, R);
+#endif
         }
     }
     xt_release();
@@ -239,29 +270,44 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
                        int threads) {
     const int64_t blocks = k / X8_ELEMS, xblocks = k / QK, groups = (n + 7) / 8;
 #if X8_TILES && X8_TYPE_TILES
-    /* 2 rows or more on tiles (1 row stays on the vectors: a decode step is bound by memory, not
-     * arithmetic); the activations padded with zero rows to whole A tiles, which the tiles read */
-    const int on_tiles = m >= 2 && x8_tiles_on;
-    const int64_t padded = on_tiles ? (m + XT_ROWS - 1) / XT_ROWS * XT_ROWS : m;
+    /* calls of x8_tile_min_rows rows or more on tiles (1 row stays on the vectors: a decode step is
+     * bound by memory, not arithmetic), in A tiles of R rows (2, 4, 8 or 16: the fewest that hold a call of fewer than 16);
+     * the activations padded with zero rows to whole A tiles, which the tiles and the epilogue read */
+    const int on_tiles = m >= 2 && m >= x8_tile_min_rows && x8_tiles_on;
+    const int tile_rows = m >= XT_ROWS ? XT_ROWS : m <= 2 ? 2 : m <= 4 ? 4 : m <= 8 ? 8 : XT_ROWS;
+    const int64_t padded = on_tiles ? (m + tile_rows - 1) / tile_rows * tile_rows : m;
 #else
     const int64_t padded = m;
 #endif
     int8_t *xq = malloc((size_t)(padded * k) + 1);
-    float *dx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1), *sx = malloc(sizeof(float) * (size_t)(m * xblocks) + 1);
-    int32_t *xsum = malloc(2 * sizeof(int32_t) * (size_t)(m * xblocks) + 1);
+    float *dx = malloc(sizeof(float) * (size_t)(padded * xblocks) + 1), *sx = malloc(sizeof(float) * (size_t)(padded * xblocks) + 1);
+    int32_t *xsum = malloc(2 * sizeof(int32_t) * (size_t)(padded * xblocks) + 1);
     if (!xq || !dx || !sx || !xsum) {
         free(xq), free(dx), free(sx), free(xsum);
         return 1;
     }
-    quantize_rows(x, m, k, xq, dx, xsum, sx, xsum + m * xblocks, threads);
-    const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum + m * xblocks};
+    int32_t *xsum16 = xsum + padded * xblocks;
+    quantize_rows(x, m, k, xq, dx, xsum, sx, xsum16, threads);
+    const X8Act act = {xq, dx, xsum, sx, k, xblocks, xsum16};
 #if X8_TILES && X8_TYPE_TILES
     if (on_tiles) {
-        memset(xq + m * k, 0, (size_t)((padded - m) * k));
-        X8Linear job = {w, n, m, blocks, groups, &act, bias, y, 0, 2, XT_ROWS};
+        const size_t pad_rows = (size_t)(padded - m);
+        memset(xq + m * k, 0, pad_rows * (size_t)k);
+        memset(dx + m * xblocks, 0, pad_rows * (size_t)xblocks * sizeof(float));
+        memset(sx + m * xblocks, 0, pad_rows * (size_t)xblocks * sizeof(float));
+        memset(xsum + m * xblocks, 0, pad_rows * (size_t)xblocks * sizeof(int32_t));
+        memset(xsum16 + m * xblocks, 0, pad_rows * (size_t)xblocks * sizeof(int32_t));
+        /* each worker's unpacked B bytes of one two-group vector: 16 bytes per weight value's row */
+        const int workers = threads < 1 ? 1 : threads > POOL_MAX_THREADS ? POOL_MAX_THREADS : threads;
+        uint8_t *units = malloc((size_t)workers * (size_t)(k / QK) * (8 * 64) + 64);
+        if (!units) {
+            free(xq), free(dx), free(sx), free(xsum);
+            return 1;
+        }
+        X8Linear job = {w, n, m, blocks, groups, &act, bias, y, 0, 1, tile_rows, units};
         __atomic_fetch_add(&x8_tile_products, 1, __ATOMIC_RELAXED);
-        pool_run(X8FN(quant_tile_rows), &job, (groups + 3) / 4, 0, threads);
-        free(xq), free(dx), free(sx), free(xsum);
+        pool_run(X8FN(quant_tile_rows), &job, (groups + 1) / 2, 0, threads);
+        free(units), free(xq), free(dx), free(sx), free(xsum);
         return 0;
     }
 #endif
@@ -309,4 +355,7 @@ void X8FN(quant_dequantize_rows)(const uint8_t *w, int64_t n, int64_t k, const i
 #endif
 #ifdef X8_TYPE_TILE_K
 #undef X8_TYPE_TILE_K
+#endif
+#ifdef X8_TYPE_TILE_OFFSET
+#undef X8_TYPE_TILE_OFFSET
 #endif
