@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -551,7 +552,12 @@ def add_agent_parser(kinds: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.conversations < 1 or args.repeats < 1 or args.size < 1:
         raise ValueError("--conversations, --repeats and --size must be >= 1")
-    report = run_agent_bench(args)
+    # A SIGTERM unwinds as an exit does, so the launched servers are stopped, not left running.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        report = run_agent_bench(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     paths = write_json_and_table(report, agent_table(report), args.out, "agent")
     print(agent_table(report))
     print("wrote " + ", ".join(str(p) for p in paths))
