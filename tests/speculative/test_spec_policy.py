@@ -292,7 +292,7 @@ def test_chain_shaped_trees_are_verified_on_the_chain_path(tiny_llama: Path, pla
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="suffix", suffix_scope="request")
     runner = llm.engine.runner  # type: ignore[attr-defined]
     shapes = {"chains": 0, "trees": 0, "tree path": 0}
-    propose, verify_tree = runner.drafter.propose, runner.verify_tree
+    propose, tree_masks = runner.drafter.propose, runner.tree_masks
 
     def watched_propose(*args: Any) -> Any:
         proposal = propose(*args)
@@ -302,12 +302,12 @@ def test_chain_shaped_trees_are_verified_on_the_chain_path(tiny_llama: Path, pla
             shapes["chains" if chains else "trees"] += 1
         return proposal
 
-    def watched_verify_tree(*args: Any) -> Any:
+    def watched_tree_masks(*args: Any) -> Any:  # the tree path's mask: made for trees only
         shapes["tree path"] += 1
-        return verify_tree(*args)
+        return tree_masks(*args)
 
     monkeypatch.setattr(runner.drafter, "propose", watched_propose)
-    monkeypatch.setattr(runner, "verify_tree", watched_verify_tree)
+    monkeypatch.setattr(runner, "tree_masks", watched_tree_masks)
     assert llm.generate([PROMPT], GREEDY)[0].token_ids == plain
     assert shapes["chains"] > 0 and shapes["tree path"] == shapes["trees"]
     shapes.update(chains=0, trees=0)

@@ -49,7 +49,7 @@ from infer.sampling.transforms import (
 )
 from infer.speculative.budget import BudgetController
 from infer.speculative.drafter import Drafter, NoDrafter, Proposal
-from infer.speculative.rejection import verify_drafts, verify_greedy
+from infer.speculative.rejection import Verdict, verify_drafts, verify_greedy
 from infer.speculative.tree import TreeMaskCache, tree_depths, verify_tree, verify_tree_greedy
 
 # Most tokens the grammar drafts for one request in a round beyond its drafter's (each costs a
@@ -78,6 +78,21 @@ class GrammarRound:
             judged.append(len(own) if depths is None else max((depths[b][i + 1] for i in own), default=0))
             kept.append(sum(origin[i] >= 0 for i in paths[b]))
         return nodes, judged, kept
+
+
+@dataclass
+class DraftLayout:
+    """A round's drafts as the verifier reads them: request b's ``counts[b]`` nodes (``tokens`` [B, W],
+    ``nodes`` the same as host lists) and, unless every request's tree is a chain (node i's parent
+    i - 1: ``parents`` None), the trees' ``parents`` [B, W], the cache lengths ``starts`` their
+    nodes follow and each pass row's depth (``depths``, set with the pass's tree mask)."""
+
+    tokens: torch.Tensor
+    nodes: list[list[int]]
+    counts: list[int]
+    parents: torch.Tensor | None
+    starts: list[int] | None = None
+    depths: list[list[int]] | None = None
 
 
 @dataclass
@@ -254,128 +269,126 @@ class SpeculativeRunner:
         return result
 
     def verify(self, requests: list[Request], proposal: Proposal, grammar: GrammarRound | None = None) -> StepResult:
-        """One batched target pass over [g, t_1..t_k] per request, ragged (each request's own rows),
-        rejection sampling, rollback."""
-        if proposal.parents is not None:
-            if not _all_chains(proposal):
-                return self.verify_tree(requests, proposal, grammar)
-            # Trees that are all chains (suffix decoding's usual draft): the chain path verifies them
-            # without the tree's mask, positions and compaction. A tree of one child per node is a
-            # chain to the tree verifier too, so both paths accept with the same probabilities, and
-            # a seeded request's keyed draws give the same tokens on either.
-            proposal = Proposal(proposal.tokens, proposal.num_tokens, proposal.probs, None, proposal.step_seconds)
-        width = 1 + max(proposal.num_tokens)
-        drafts = proposal.tokens[:, : width - 1]
-        runner = self.target.runner
-        # Ragged: request b's rows [g, t_1..t_kb] back to back, sum_b (1 + k_b) rows through the
-        # model and the LM head; only the sampling step below sees them padded to [B, width].
+        """One ragged target pass over [g, node_1..node_k] per request (each request's own rows), one
+        verdict (``_judge``), one commit (``_commit``), for chains and trees alike."""
         since = PHASES.mark()
-        draft_lists = drafts.tolist()
-        ragged = runner.forward_ragged([r.slot for r in requests], self._runs(requests, draft_lists, proposal.num_tokens),  # type: ignore[misc]
-                                       logits=True)
+        drafts = self._layout(requests, proposal)
+        mask = None
+        positions = None
+        if drafts.parents is not None:
+            mask = self.tree_masks(drafts.parents, drafts.counts)  # [B, W+1, W+1] ancestor-or-self, row 0 = g
+            depths = tree_depths(mask)
+            drafts.depths = depths.tolist()
+            # Node at depth d sits at RoPE position start + d, where it would be if its path were kept.
+            positions = torch.tensor(drafts.starts, device=self.device).unsqueeze(1) + depths
+        # Ragged: request b's rows [g, node_1..node_kb] back to back, sum_b (1 + k_b) rows through the
+        # model and the LM head; only the sampling step sees them padded to [B, 1 + max k].
+        runs = [[r.output_token_ids[-1]] + drafts.nodes[b][: drafts.counts[b]] for b, r in enumerate(requests)]
+        ragged = self.target.runner.forward_ragged([r.slot for r in requests], runs, positions=positions,  # type: ignore[misc]
+                                                   tree_mask=mask, logits=True)
         self.last_pass_rows = ragged.rows
-        logits = ragged.logits  # [N, V]
-        assert logits is not None
         since = PHASES.add("verify pass", since)
-        # Counts and greedy flags go to the verifiers as host lists, and the verdict comes back in one
-        # read (``to_host``): rejection sampling waits for the device once per round.
-        num_draft = proposal.num_tokens
-        sampling = None  # (built only where a distribution is: greedy rounds do without)
-        if argmax_only([r.params for r in requests]):
-            # Greedy rows only compare drafts with the target's argmax: no distributions needed, and
-            # the argmax tokens are read once, compared on the host.
-            accepted, emitted = verify_greedy(draft_lists, num_draft, ragged.split(greedy_tokens(logits).tolist()))
-            # no processor applies: logprobs come from the raw logits
-            processed = ragged.padded(logits) if any(r.params.logprobs is not None for r in requests) else logits
-        else:
-            sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-            allowed = None if grammar is None else grammar.allowed[:, :width]
-            target_probs, processed = self._target_probs(requests, ragged.padded(logits), drafts, sampling,
-                                                         allowed=allowed)
-            draft_probs = None if proposal.probs is None else proposal.probs[:, : width - 1]
-            if draft_probs is not None and allowed is not None:
-                # A kept draft t_i was drawn from q_i and found allowed: it is distributed as q_i
-                # restricted to the allowed tokens, renormalised, and that is the q it is judged by.
-                draft_probs = draft_probs * allowed[:, :-1]
-                draft_probs = draft_probs / draft_probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-            verdict = verify_drafts(drafts, num_draft, target_probs, draft_probs, [r.params.greedy for r in requests],
-                                    [r.random_source() for r in requests])
-            accepted, emitted = verdict.to_host()
+        verdict, processed, sampling = self._judge(requests, proposal, drafts, mask, ragged, grammar)
         PHASES.add("rejection", since)
-        # Row i's logits (p_{i+1}) gave the final token after i accepted drafts.
-        if self._hidden is not None:
-            self._store_hidden(requests, ragged.rows_at(accepted))
-        self._observe_kept(requests, ragged, [list(range(n + 1)) for n in accepted])
-        logprobs = self._logprobs(requests, processed, sampling, [list(range(n + 1)) for n in accepted], emitted)
-        return self._finish_round(requests, proposal.num_tokens, proposal.num_tokens, accepted, emitted, grammar, logprobs,
-                                  [list(range(n)) for n in accepted])
+        return self._commit(requests, drafts, ragged, verdict, processed, sampling, grammar)
 
-    def verify_tree(self, requests: list[Request], proposal: Proposal, grammar: GrammarRound | None = None) -> StepResult:
-        """One batched target pass over [g, tree nodes] with tree attention, tree acceptance, and
-        KV compaction of the accepted path, then rollback."""
-        assert proposal.parents is not None
-        runner, pool = self.target.runner, self.target.pool
+    def _layout(self, requests: list[Request], proposal: Proposal) -> DraftLayout:
+        """The proposal in the verifier's flat layout. A round whose trees are all chains (suffix
+        decoding's usual draft) is verified as a chain, without the tree's mask, positions and
+        compaction: a tree of one child per node is a chain to the tree verifier too, so both accept
+        with the same probabilities, and a seeded request's keyed draws give the same tokens."""
         counts = proposal.num_tokens
         width = max(counts, default=0)
-        tokens, parents = proposal.tokens[:, :width], proposal.parents[:, :width]
-        slots: list[int] = [r.slot for r in requests]  # type: ignore[misc]
-        starts = [pool.seq_len(s) for s in slots]
-        since = PHASES.mark()
-        mask = self.tree_masks(parents, counts)  # [B, W+1, W+1] ancestor-or-self, row 0 = g
-        depths = tree_depths(mask)
-        # Node at depth d sits at RoPE position start + d, where it would be if its path were kept.
-        positions = torch.tensor(starts, device=self.device).unsqueeze(1) + depths
-        # Ragged like a chain: request b's g and its counts[b] nodes, back to back.
-        node_lists = tokens.tolist()
-        ragged = runner.forward_ragged(slots, self._runs(requests, node_lists, counts), positions=positions, tree_mask=mask,
-                                       logits=True)
-        self.last_pass_rows = ragged.rows
-        since = PHASES.add("verify pass", since)
-        sampling = None  # (built only where a distribution is: greedy rounds do without)
+        tokens = proposal.tokens[:, :width]
+        if proposal.parents is None or _all_chains(proposal):
+            return DraftLayout(tokens, tokens.tolist(), counts, None)
+        pool = self.target.pool
+        return DraftLayout(tokens, tokens.tolist(), counts, proposal.parents[:, :width],
+                           [pool.seq_len(r.slot) for r in requests])  # type: ignore[arg-type]
+
+    def _judge(self, requests: list[Request], proposal: Proposal, drafts: DraftLayout, mask: torch.Tensor | None,
+               ragged: RaggedPass, grammar: GrammarRound | None) -> tuple[Verdict, torch.Tensor, SamplingBatch | None]:
+        """The verdict on every request's drafts, with the processed logits [B, R, V] its logprobs come
+        from and the sampling batch (None: a greedy round, which builds no distribution). Greedy,
+        seeded (keyed) and sampled rows are kinds of row inside the chain and the tree verifiers; a
+        chain keeps its own draws (``verify_drafts``: its accept uniforms, a draft model's q)."""
         logits = ragged.logits  # [N, V]
         assert logits is not None
+        counts = drafts.counts
         if argmax_only([r.params for r in requests]):
-            # Greedy rows only compare nodes with the target's argmax: no [B, W+1, V] distributions.
-            verdict = verify_tree_greedy(node_lists, counts, parents.tolist(), ragged.split(greedy_tokens(logits).tolist()))
+            # Greedy rows only compare nodes with the target's argmax, read once as host lists: no
+            # distributions needed.
+            choices = ragged.split(greedy_tokens(logits).tolist())
+            if drafts.parents is None:
+                verdict = Verdict.of_chain(*verify_greedy(drafts.nodes, counts, choices))
+            else:
+                verdict = verify_tree_greedy(drafts.nodes, counts, drafts.parents.tolist(), choices)
             # no processor applies: logprobs come from the raw logits
             processed = ragged.padded(logits) if any(r.params.logprobs is not None for r in requests) else logits
-        else:
-            sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
-            target_probs, processed = self._target_probs(requests, ragged.padded(logits), tokens, sampling, mask,
-                                                         None if grammar is None else grammar.allowed[:, : width + 1])
-            verdict = verify_tree(tokens, counts, parents, target_probs, sampling.greedy,
-                                  [r.random_source() for r in requests], mask)
-        batch = len(requests)
-        # Compaction: the accepted path's K/V move to start + 1 .. start + kept, right after g.
-        moves = []
-        for b, path in enumerate(verdict.paths):
-            src = [starts[b] + 1 + i for i in path]
-            dst = [starts[b] + 1 + j for j in range(len(path))]
-            keep = [k for k in range(len(path)) if src[k] != dst[k]]
-            if keep:
-                moves.append((slots[b], [src[k] for k in keep], [dst[k] for k in keep]))
-        copy_positions(pool, moves)
-        PHASES.add("rejection", since)  # (and the accepted path's compaction)
-        if self._hidden is not None:
+            return verdict, processed, None
+        sampling = SamplingBatch.from_params([r.params for r in requests], self.device)
+        allowed = None if grammar is None else grammar.allowed[:, : drafts.tokens.shape[1] + 1]
+        target_probs, processed = self._target_probs(requests, ragged.padded(logits), drafts.tokens, sampling, mask,
+                                                     allowed)
+        sources = [r.random_source() for r in requests]
+        if drafts.parents is not None:
+            return verify_tree(drafts.tokens, counts, drafts.parents, target_probs, sampling.greedy, sources,
+                               mask), processed, sampling
+        draft_probs = None if proposal.probs is None else proposal.probs[:, : drafts.tokens.shape[1]]
+        if draft_probs is not None and allowed is not None:
+            # A kept draft t_i was drawn from q_i and found allowed: it is distributed as q_i
+            # restricted to the allowed tokens, renormalised, and that is the q it is judged by.
+            draft_probs = draft_probs * allowed[:, :-1]
+            draft_probs = draft_probs / draft_probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        # Counts and greedy flags go as host lists and the verdict comes back in one read
+        # (``to_host``): rejection sampling waits for the device once per round.
+        result = verify_drafts(drafts.tokens, counts, target_probs, draft_probs, [r.params.greedy for r in requests],
+                               sources)
+        return Verdict.of_chain(*result.to_host()), processed, sampling
+
+    def _commit(self, requests: list[Request], drafts: DraftLayout, ragged: RaggedPass, verdict: Verdict,
+                processed: torch.Tensor, sampling: SamplingBatch | None, grammar: GrammarRound | None) -> StepResult:
+        """A verdict's bookkeeping: the target cache compacted (a tree's accepted path moves right
+        after g) and rolled back to g + the kept nodes, the drafter's hidden state and layer inputs,
+        logprobs, the drafter's rollback, the budget and the metrics; then the emitted tokens.
+        With a ``grammar``, the drafter and its budget hear of their own nodes only (what it proposed,
+        and which of those the kept paths hold); the request's metrics count every verified node, the
+        grammar's too."""
+        counts, paths, kept = drafts.counts, verdict.paths, verdict.num_accepted
+        since = PHASES.mark()
+        if drafts.starts:
+            moves = []
+            for r, start, path in zip(requests, drafts.starts, paths, strict=True):
+                keep = [(start + 1 + node, start + 1 + j) for j, node in enumerate(path) if node != j]
+                if keep:
+                    moves.append((r.slot, [src for src, _ in keep], [dst for _, dst in keep]))
+            copy_positions(self.target.pool, moves)  # type: ignore[arg-type]
+        for request, n in zip(requests, kept, strict=True):
+            # The target cache now holds g and the accepted drafts; the final token stays pending.
+            self.target.pool.truncate_to(request.slot, request.num_computed_tokens + 1 + n)  # type: ignore[arg-type]
+        PHASES.add("KV truncation", since)
+        if self._hidden is not None:  # the row whose logits gave the final token
             self._store_hidden(requests, ragged.rows_at(verdict.last_rows))
-        self._observe_kept(requests, ragged, [[0] + [node + 1 for node in path] for path in verdict.paths])
-        depth_lists = depths.tolist()
-        # Per-depth metrics: a tree of depth d "proposes" d positions, of which `kept` survive.
-        tree_depth = [max(depth_lists[b][1: 1 + counts[b]], default=0) for b in range(batch)]
-        kept = [len(path) for path in verdict.paths]
-        # A path node's token was judged by its parent's row; the final token came from last_rows.
-        rows = [[0] + [node + 1 for node in path[:-1]] + [last] if path else [last]
-                for path, last in zip(verdict.paths, verdict.last_rows, strict=True)]
-        logprobs = self._logprobs(requests, processed, sampling, rows, verdict.tokens)
-        return self._finish_round(requests, counts, tree_depth, kept, verdict.tokens, grammar, logprobs,
-                                  verdict.paths, depth_lists)
+        self._observe_kept(requests, ragged, verdict.kept_rows)
+        logprobs = self._logprobs(requests, processed, sampling, verdict.kept_rows, verdict.tokens)
+        # A chain "proposes" its length; a tree of depth d, d positions; of which `kept` survive.
+        depths = drafts.depths
+        judged = counts if depths is None else [max(d[1: 1 + n], default=0) for d, n in zip(depths, counts, strict=True)]
+        own_nodes, own_judged, own_kept = counts, judged, kept
+        if grammar is not None:
+            own_nodes, own_judged, own_kept = grammar.drafter_part(paths, depths)
+        outputs: StepResult = []
+        for b, request in enumerate(requests):
+            request.num_computed_tokens += 1 + kept[b]
+            # A drafter's kept nodes are a prefix of its chain (the grammar adds nodes only below them).
+            self.drafter.accepted(request, counts[b] if grammar is None else grammar.drafted[b], own_kept[b])
+            request.metrics.record_round(judged[b], kept[b], counts[b])
+            found = logprobs[b] if logprobs is not None else [None] * len(verdict.tokens[b])
+            outputs.extend((request, StepOutput(t, lp)) for t, lp in zip(verdict.tokens[b], found, strict=True))
+        self.budget.observe_round(requests, own_nodes, own_judged, own_kept)
+        return outputs
 
     # -- shared by chain and tree rounds ---------------------------------------------------------
-    @staticmethod
-    def _runs(requests: list[Request], node_lists: list[list[int]], counts: list[int]) -> list[list[int]]:
-        """Per request the pending token g followed by its drafted nodes."""
-        return [[r.output_token_ids[-1]] + node_lists[b][: counts[b]] for b, r in enumerate(requests)]
-
     def _target_probs(self, requests: list[Request], logits: torch.Tensor, nodes: torch.Tensor,
                       sampling: SamplingBatch, ancestors: torch.Tensor | None = None,
                       allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -475,33 +488,6 @@ class SpeculativeRunner:
         pruned = Proposal(tokens.to(self.device), [len(w.tokens) for w in walks], probs,
                           None if parents_out is None else parents_out.to(self.device), proposal.step_seconds)
         return pruned, GrammarRound(unpack_bitmasks(bitmask, vocab, self.device), drafted, [w.origin for w in walks])
-
-    def _finish_round(self, requests: list[Request], proposed: list[int], judged: list[int], kept: list[int],
-                      emitted: list[list[int]], grammar: GrammarRound | None = None,
-                      logprobs: list[list[TokenLogprobs | None]] | None = None,
-                      paths: list[list[int]] | None = None, depths: list[list[int]] | None = None) -> StepResult:
-        """Roll the target cache back to g + the kept drafts, inform drafter/budget/metrics, emit.
-        With a ``grammar``, the drafter and its budget hear of their own nodes only (what it proposed,
-        and which of those the kept ``paths`` hold; ``depths`` a tree's node depths); the request's
-        metrics count every verified node, the grammar's too."""
-        own_nodes, own_judged, own_kept = proposed, judged, kept
-        if grammar is not None:
-            assert paths is not None
-            own_nodes, own_judged, own_kept = grammar.drafter_part(paths, depths)
-        outputs: StepResult = []
-        for b, request in enumerate(requests):
-            # The target cache now holds g and the accepted drafts; the final token stays pending.
-            request.num_computed_tokens += 1 + kept[b]
-            since = PHASES.mark()
-            self.target.pool.truncate_to(request.slot, request.num_computed_tokens)  # type: ignore[arg-type]
-            PHASES.add("KV truncation", since)
-            # A drafter's kept nodes are a prefix of its chain (the grammar adds nodes only below them).
-            self.drafter.accepted(request, proposed[b] if grammar is None else grammar.drafted[b], own_kept[b])
-            request.metrics.record_round(judged[b], kept[b], proposed[b])
-            found = logprobs[b] if logprobs is not None else [None] * len(emitted[b])
-            outputs.extend((request, StepOutput(t, lp)) for t, lp in zip(emitted[b], found, strict=True))
-        self.budget.observe_round(requests, own_nodes, own_judged, own_kept)
-        return outputs
 
     def _clamp(self, request: Request, budget: int) -> int:
         """Never verify past the context (overflow guard) nor more than the request allows (its

@@ -42,6 +42,34 @@ from infer.sampling.sampler import (
 
 
 @dataclass
+class Verdict:
+    """What verification kept of one round's drafts, per request, whatever their shape (a chain is
+    the tree whose node i has parent i - 1): ``paths[b]`` the accepted nodes, root to leaf;
+    ``tokens[b]`` their tokens followed by the final (correction or bonus) token; ``last_rows[b]``
+    the pass row whose distribution produced the final token (0 = g, i + 1 = node i)."""
+
+    paths: list[list[int]]
+    tokens: list[list[int]]
+    last_rows: list[int]
+
+    @classmethod
+    def of_chain(cls, accepted: Sequence[int], emitted: list[list[int]]) -> "Verdict":
+        """A chain's verdict from its accepted counts and emitted tokens (``VerificationResult.to_host``)."""
+        return cls([list(range(n)) for n in accepted], emitted, list(accepted))
+
+    @property
+    def num_accepted(self) -> list[int]:
+        return [len(p) for p in self.paths]
+
+    @property
+    def kept_rows(self) -> list[list[int]]:
+        """Per request the pass rows the cache keeps (g's and its accepted nodes'), in token order: row
+        j produced emitted token j (an accepted node was judged by its parent's row, the final token
+        by the last row)."""
+        return [[0] + [node + 1 for node in path] for path in self.paths]
+
+
+@dataclass
 class VerificationResult:
     """Outcome of verifying one round of drafts for a batch.
 

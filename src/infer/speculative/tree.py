@@ -37,6 +37,7 @@ from functools import cached_property
 import torch
 
 from infer.sampling.sampler import KeyedDraw, RandomSource, keyed_sample, sample_rows
+from infer.speculative.rejection import Verdict
 
 # ---------------------------------------------------------------------------------------------- shape
 
@@ -208,19 +209,6 @@ def tree_depths(mask: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ acceptance
 
 
-@dataclass
-class TreeVerdict:
-    """Outcome of verifying one tree per row."""
-
-    paths: list[list[int]]  # accepted node indices, root to leaf
-    tokens: list[list[int]]  # the accepted nodes' tokens followed by the final (correction/bonus) token
-    last_rows: list[int]  # pass row whose distribution produced the final token (0 = g, i + 1 = node i)
-
-    @property
-    def num_accepted(self) -> list[int]:
-        return [len(p) for p in self.paths]
-
-
 def _children(parents: list[int], count: int) -> list[list[int]]:
     """Children per pass row (index 0 = root), in node order."""
     kids: list[list[int]] = [[] for _ in range(count + 1)]
@@ -253,7 +241,7 @@ def verify_tree(
     greedy: torch.Tensor,
     generators: Sequence[RandomSource],
     mask: torch.Tensor | None = None,
-) -> TreeVerdict:
+) -> Verdict:
     """Accept a path of each row's tree and draw the final token, losslessly.
 
     Args:
@@ -382,11 +370,11 @@ def verify_tree(
     for b, token in keyed_final.items():
         final_host[b] = token
     out_tokens = [[host_tokens[b][i] for i in paths[b]] + [final_host[b]] for b in range(batch)]
-    return TreeVerdict(paths=paths, tokens=out_tokens, last_rows=last_rows)
+    return Verdict(paths=paths, tokens=out_tokens, last_rows=last_rows)
 
 
 def verify_tree_greedy(node_tokens: Sequence[Sequence[int]], num_nodes: Sequence[int],
-                       parents: Sequence[Sequence[int]], choices: Sequence[Sequence[int]]) -> TreeVerdict:
+                       parents: Sequence[Sequence[int]], choices: Sequence[Sequence[int]]) -> Verdict:
     """``verify_tree`` for a batch of greedy rows without processors, from the target's argmax alone.
 
     ``choices[b][r]`` is the argmax of pass row ``r`` (0: the root, node i: row i + 1). The kept
@@ -414,4 +402,4 @@ def verify_tree_greedy(node_tokens: Sequence[Sequence[int]], num_nodes: Sequence
         paths.append(path)
         last_rows.append(last)
         out_tokens.append([tokens[i] for i in path] + [choice[last]])
-    return TreeVerdict(paths=paths, tokens=out_tokens, last_rows=last_rows)
+    return Verdict(paths=paths, tokens=out_tokens, last_rows=last_rows)
