@@ -87,21 +87,28 @@ def _sdist(root: Path) -> Path:
     return root / "llama_cpp_python-9.9.9" / "vendor" / "llama.cpp"
 
 
-def test_build_configures_with_the_cpu_flags_then_reuses_the_build(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    source = _sdist(tmp_path)
+def _fake_builds(monkeypatch: pytest.MonkeyPatch, cpu: str) -> list[list[str]]:
+    """cmake runs recorded, not run, on a CPU with these cpuinfo flags; a build makes its llama-server."""
     monkeypatch.setattr(llama_server, "_host_cmake_flags",
-                        lambda amx=False: llama_server.cmake_flags(set(HASWELL.split()), amx=amx))
+                        lambda amx=False: llama_server.cmake_flags(set(cpu.split()), amx=amx))
     commands: list[list[str]] = []
 
     def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         commands.append(cmd)
         if "--build" in cmd:
-            (source / "build" / "bin").mkdir(parents=True, exist_ok=True)
-            (source / "build" / "bin" / "llama-server").write_text("")
+            bin_dir = Path(cmd[cmd.index("--build") + 1]) / "bin"
+            bin_dir.mkdir(parents=True, exist_ok=True)
+            (bin_dir / "llama-server").write_text("")
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(llama_server.subprocess, "run", fake_run)
+    return commands
+
+
+def test_build_configures_with_the_cpu_flags_then_reuses_the_build(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _sdist(tmp_path)
+    commands = _fake_builds(monkeypatch, HASWELL)
     server = llama_server.build(tmp_path, jobs=2, log=sys.stderr)
     assert server == source / "build" / "bin" / "llama-server"
     configure, compile_ = commands
@@ -122,19 +129,7 @@ def test_build_configures_with_the_cpu_flags_then_reuses_the_build(tmp_path: Pat
 
 def test_build_with_amx_goes_to_its_own_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = _sdist(tmp_path)
-    monkeypatch.setattr(llama_server, "_host_cmake_flags",
-                        lambda amx=False: llama_server.cmake_flags(set(SAPPHIRE_RAPIDS_VM.split()), amx=amx))
-    commands: list[list[str]] = []
-
-    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        commands.append(cmd)
-        if "--build" in cmd:
-            bin_dir = Path(cmd[cmd.index("--build") + 1]) / "bin"
-            bin_dir.mkdir(parents=True, exist_ok=True)
-            (bin_dir / "llama-server").write_text("")
-        return subprocess.CompletedProcess(cmd, 0)
-
-    monkeypatch.setattr(llama_server.subprocess, "run", fake_run)
+    commands = _fake_builds(monkeypatch, SAPPHIRE_RAPIDS_VM)
     amx = llama_server.build(tmp_path, log=sys.stderr, amx=True)
     assert amx == source / "build-amx" / "bin" / "llama-server"
     assert "-DGGML_AMX_INT8=ON" in commands[0] and str(source / "build-amx") in commands[0]
