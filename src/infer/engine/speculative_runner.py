@@ -201,37 +201,13 @@ class SpeculativeRunner:
             return self._round(requests)
 
     def _round(self, requests: list[Request]) -> StepResult:
+        """Algorithm 1 for the batch: propose (the drafter within the budgets, then the grammar's
+        filter), verify in one target pass and commit; a round with nothing to verify is a plain step."""
         since = PHASES.mark()
-        times = self.round_times
-        times.rounds += 1
-        # Rounds that cannot draft skip the drafter's matching and the budget's decision (a few
-        # percent of a small model's decode step, paid by every round): every request turned
-        # speculation off, or the drafter found nothing to continue for any (class 0 neither drafts
-        # nor probes). A drafter catches up with the tokens it skipped when it next looks.
-        classes = self.drafter.match_classes(requests) if any(r.draft_room for r in requests) else []
-        # The grammar drafts what it forces whether or not the drafter found anything.
-        forcing = self.grammar_drafting and any(r.grammar is not None and r.draft_room for r in requests)
-        if classes is not None and not any(classes) and not forcing:
-            self._choose_capture()
-            PHASES.add("drafting", since)
-            return self._plain(requests)
-        batch = len(requests)
-        if classes is not None and not any(classes):
-            budgets = [0] * batch
-        else:
-            budgets = [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests, classes), strict=True)]
+        self.round_times.rounds += 1
+        budgets = self._budgets(requests)
         self._choose_capture()
-        start = device_clock(self.device)
-        proposal = self.drafter.propose(requests, budgets, self._hidden_of(requests)) if any(budgets) else None
-        drafted = device_clock(self.device)
-        if any(budgets):
-            times.drafter_calls += 1
-            times.propose_seconds += drafted - start
-        grammar = None
-        if forcing and proposal is None:
-            proposal = Proposal(torch.zeros(batch, 0, dtype=torch.long, device=self.device), [0] * batch, None)
-        if proposal is not None and any(r.grammar is not None for r in requests):
-            proposal, grammar = self._check_grammar(requests, proposal)
+        proposal, grammar, drafted = self._propose(requests, budgets) if budgets is not None else (None, None, 0.0)
         PHASES.add("drafting", since)
         if proposal is None or not any(proposal.num_tokens):
             # Nothing worth drafting (or nothing found): a plain decode step, still one target pass.
@@ -240,19 +216,53 @@ class SpeculativeRunner:
                     if count:
                         self.drafter.accepted(request, count, 0)
             return self._plain(requests)
-        # A drafter that runs one step per token reports its clean per-step time (None: no clean
-        # sample this round); otherwise drafting is one call per round, timed here.
-        draft_seconds = proposal.step_seconds if self.drafter.info.cost_per_token else drafted - start
-        if draft_seconds is not None and any(budgets):  # (a round only the grammar drafted made no call)
-            self.budget.observe_draft_step(batch, draft_seconds)
         result = self.verify(requests, proposal, grammar)
+        # The verification round's time from the end of the drafter's call, costed by the rows the pass
+        # computed: sum_b (1 + k_b), the pass being ragged (a CUDA graph replay, padded to its bucket,
+        # only takes equal runs: the same count).
         elapsed = device_clock(self.device) - drafted
-        times.verify_rounds += 1
-        times.verify_seconds += elapsed
-        # Costed by the rows the pass computed: sum_b (1 + k_b), the pass being ragged (a CUDA graph
-        # replay, padded to its bucket, only takes equal runs: the same count).
+        self.round_times.verify_rounds += 1
+        self.round_times.verify_seconds += elapsed
         self.budget.observe_target(self.last_pass_rows, elapsed)
         return result
+
+    def _forcing(self, requests: list[Request]) -> bool:
+        """Whether the grammar drafts this round what it forces (whether or not the drafter found anything)."""
+        return self.grammar_drafting and any(r.grammar is not None and r.draft_room for r in requests)
+
+    def _budgets(self, requests: list[Request]) -> list[int] | None:
+        """Each request's budget this round, clamped (``_clamp``); None: a plain round. Rounds that
+        cannot draft skip the drafter's matching and the budget's decision (a few percent of a small
+        model's decode step, paid by every round): every request turned speculation off, or the
+        drafter found nothing to continue for any (class 0 neither drafts nor probes), and the grammar
+        forces nothing. A drafter catches up with the tokens it skipped when it next looks."""
+        classes = self.drafter.match_classes(requests) if any(r.draft_room for r in requests) else []
+        if classes is not None and not any(classes):
+            return [0] * len(requests) if self._forcing(requests) else None
+        return [self._clamp(r, n) for r, n in zip(requests, self.budget.budgets(requests, classes), strict=True)]
+
+    def _propose(self, requests: list[Request], budgets: list[int]) -> tuple[Proposal | None, GrammarRound | None, float]:
+        """The drafter's proposal within ``budgets``, then the grammar's filter from it to the proposal
+        verified (``_check_grammar``), and the device clock when the drafter's call ended. The call is
+        timed for the budget: a drafter that runs one step per token reports its clean per-step time
+        (None: no clean sample this round); otherwise drafting is one call per round."""
+        batch, drafting = len(requests), any(budgets)
+        start = device_clock(self.device)
+        proposal = self.drafter.propose(requests, budgets, self._hidden_of(requests)) if drafting else None
+        drafted = device_clock(self.device)
+        if drafting:
+            self.round_times.drafter_calls += 1
+            self.round_times.propose_seconds += drafted - start
+        grammar = None
+        if proposal is None and self._forcing(requests):
+            proposal = Proposal(torch.zeros(batch, 0, dtype=torch.long, device=self.device), [0] * batch, None)
+        if proposal is not None and any(r.grammar is not None for r in requests):
+            proposal, grammar = self._check_grammar(requests, proposal)
+        if drafting and proposal is not None and any(proposal.num_tokens):  # (the grammar alone makes no call)
+            seconds = proposal.step_seconds if self.drafter.info.cost_per_token else drafted - start
+            if seconds is not None:
+                self.budget.observe_draft_step(batch, seconds)
+        return proposal, grammar, drafted
 
     def _plain(self, requests: list[Request]) -> StepResult:
         """A round without drafts: a plain decode step, timed for the budget's cost fit."""

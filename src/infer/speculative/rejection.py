@@ -139,6 +139,24 @@ def _draw_uniforms(
     return torch.stack(rows)
 
 
+def keyed_walk(probs: torch.Tensor, draw: KeyedDraw, children: Sequence[Sequence[int]],
+               tokens: Sequence[int]) -> tuple[list[int], int, int]:
+    """A seeded row's verdict, for a chain or a tree: from the root row down, the target's keyed
+    sample at each row's position (``probs`` [R, V], the row's pass rows; ``children[r]`` the nodes
+    below pass row r, node i being row i + 1 with token ``tokens[i]``), descending into the child
+    that holds it. Returns the accepted path, the last row and its sample (the final token); only
+    the rows visited draw noise."""
+    path: list[int] = []
+    row = 0
+    while True:
+        token = int(keyed_sample(probs[row: row + 1].float(), [draw.at(len(path))])[0])
+        child = next((c for c in children[row] if tokens[c] == token), -1)
+        if child < 0:
+            return path, row, token
+        path.append(child)
+        row = child + 1
+
+
 def _draw_final(dist: torch.Tensor, sampled: list[int],
                 generators: Sequence[RandomSource]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """One token per row in ``sampled`` from ``dist`` [B, V] float32, drawn as ``sample_from_probs``
@@ -250,11 +268,9 @@ def verify_drafts(
         for b in keyed:
             draw = generators[b]
             assert isinstance(draw, KeyedDraw)
-            for j in range(num_draft_host[b] + 1):
-                token = int(keyed_sample(target_probs[b, j: j + 1].float(), [draw.at(j)])[0])
-                chosen[b, j] = token
-                if j == num_draft_host[b] or token != drafts_host[b][j]:
-                    break
+            count = num_draft_host[b]
+            path, _, token = keyed_walk(target_probs[b], draw, [[j] for j in range(count)] + [[]], drafts_host[b])
+            chosen[b, : len(path) + 1] = torch.tensor([*drafts_host[b][: len(path)], token], device=device)
     elif keyed:
         # Elsewhere every position a keyed row may reach is drawn at once (the positions past its first
         # mismatch are never read): more work, no host read.

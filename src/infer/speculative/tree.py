@@ -36,8 +36,8 @@ from functools import cached_property
 
 import torch
 
-from infer.sampling.sampler import KeyedDraw, RandomSource, keyed_sample, sample_rows
-from infer.speculative.rejection import Verdict
+from infer.sampling.sampler import KeyedDraw, RandomSource, sample_rows
+from infer.speculative.rejection import Verdict, keyed_walk
 
 # ---------------------------------------------------------------------------------------------- shape
 
@@ -307,17 +307,8 @@ def verify_tree(
         draw = generators[b]
         if b in keyed and isinstance(draw, KeyedDraw):
             # Walk down while a child is the target's keyed sample at its position; the sample
-            # where none is becomes the final token. Only the visited rows draw noise.
-            path: list[int] = []
-            row = 0
-            while True:
-                token = int(keyed_sample(target_probs[b, row: row + 1].float(), [draw.at(len(path))])[0])
-                child = next((c for c in kids[row] if host_tokens[b][c] == token), -1)
-                if child < 0:
-                    break
-                path.append(child)
-                row = child + 1
-            keyed_final[b] = token
+            # where none is becomes the final token.
+            path, row, keyed_final[b] = keyed_walk(target_probs[b], draw, kids, host_tokens[b])
             paths.append(path)
             last_rows.append(row)
             rejected_at_last.append([])
