@@ -14,7 +14,7 @@ PEER_BUILD_LOG ?= /tmp/llama-cpp-python-build.log
 # module's shared server or loaded model is made once.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-demo arm-tools demo test test-arm
+.PHONY: install install-demo arm-tools demo test test-fast test-arm
 
 # What the demo runs: torch, infer itself and the SmolLM2 file.
 install-demo:
@@ -51,6 +51,22 @@ test: install arm-tools
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# A fast tier (after `make install`; a few minutes on 2 cores): the exactness core (rejection
+# sampling, seeded and sampled outputs against the target's, greedy identical to plain, the ragged
+# layout), the server's contract (dialects, tools, structured output, request limits) and the
+# kernels' bits (every quantized variant this CPU runs and the tile emulation against the numpy
+# reference). The full suite (`make test`) is what CI runs.
+FAST_TESTS = tests/speculative/test_rejection.py tests/speculative/test_exactness.py \
+	tests/speculative/test_seeded.py tests/speculative/test_ragged.py tests/speculative/test_drafter_contract.py \
+	tests/speculative/test_device_rejection.py tests/speculative/test_ngram.py tests/speculative/test_logprobs.py \
+	tests/server/test_dialects.py tests/server/test_tools.py tests/server/test_structured.py \
+	tests/server/test_request_limits.py tests/server/test_dialect_bounds.py \
+	tests/kernels/test_quant_kernels.py tests/kernels/test_quant_tiles.py tests/kernels/test_thread_pool.py \
+	tests/models/test_cpu_kernels.py tests/models/test_long_prefill_bits.py tests/models/test_model_parity.py \
+	tests/cache tests/sampling tests/integration/test_layering.py tests/test_memory.py
+test-fast:
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(FAST_TESTS)
 
 # The ARM NEON quantized kernels, cross-built and run under qemu (installs gcc-aarch64-linux-gnu
 # and qemu-user-static with apt-get first where they are missing; fails rather than skips without them).
