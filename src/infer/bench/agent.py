@@ -40,7 +40,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.error
@@ -391,17 +390,13 @@ class _Server:
     """A launched ``infer serve``; ``ready`` waits for it (the servers load side by side)."""
 
     def __init__(self, label: str, serve_args: list[str], stack: contextlib.ExitStack, env: dict[str, str]) -> None:
-        from infer.bench.llama_server import free_port
+        from infer.bench.llama_server import start_infer_serve
 
         self.label = label
         self.serve_args = serve_args
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        self.proc, self.url = start_infer_serve(serve_args, stack, env)
         self.model = ""
-        _say(f"starting infer serve ({label}) on {self.url}")
-        self.proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "serve", *serve_args, "--port", str(port)],
-                                     stdout=subprocess.DEVNULL, env=env)
-        stack.callback(_stop, self.proc)
+        _say(f"started infer serve ({label}) on {self.url}")
 
     def ready(self) -> _Server:
         from infer.bench.llama_server import wait_healthy
@@ -410,11 +405,6 @@ class _Server:
         with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as response:
             self.model = json.loads(response.read())["data"][0]["id"]
         return self
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    proc.wait(timeout=60)
 
 
 def _say(message: str) -> None:

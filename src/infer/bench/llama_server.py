@@ -236,6 +236,23 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float, what: 
     raise TimeoutError(f"{what} at {url} gave no healthy /health in {timeout:.0f} s")
 
 
+def start_infer_serve(serve_args: list[str], stack: contextlib.ExitStack, env: dict[str, str] | None = None,
+                      stop_timeout: float = 90.0) -> tuple[subprocess.Popen[bytes], str]:
+    """``infer serve SERVE_ARGS`` launched on a free local port (not waited for: ``wait_healthy``),
+    terminated when ``stack`` closes (``stop_timeout``: Ray Serve replicas stop gracefully first);
+    the process and its URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "serve", *serve_args, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, env=env or os.environ.copy())
+
+    def stop() -> None:
+        proc.terminate()
+        proc.wait(timeout=stop_timeout)
+
+    stack.callback(stop)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 class LlamaServer:
     """``llama-server -m GGUF`` on a free local port, for as long as the ``with`` block lasts."""
 

@@ -29,14 +29,13 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infer.bench.llama_server import free_port, wait_healthy
+from infer.bench.llama_server import start_infer_serve, wait_healthy
 from infer.bench.report import write_json_and_table
 from infer.extras import pyplot
 
@@ -413,12 +412,8 @@ class _Server:
         self.engine: Any = None
         self.offline: dict[int, list[float]] = {}
         if serve_args is not None:
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            print(f"[bench] starting infer serve ({label}) on {url}", file=sys.stderr, flush=True)
-            proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "serve", *serve_args, "--port", str(port)],
-                                    stdout=subprocess.DEVNULL, env=env or os.environ.copy())
-            stack.callback(_stop, proc)
+            proc, url = start_infer_serve(serve_args, stack, env)
+            print(f"[bench] started infer serve ({label}) on {url}", file=sys.stderr, flush=True)
             wait_healthy(url, proc, 600.0, "infer serve")
         assert url is not None
         self.url = url
@@ -463,10 +458,6 @@ def _say_single(label: str, single: dict[str, Any]) -> None:
           f"({single['whole_tok_s']:.1f} not streamed), {single['offline_tok_s']:.1f} offline "
           f"({single['ratio']:.2f}x, {single['whole_ratio']:.2f}x)", file=sys.stderr, flush=True)
 
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    proc.wait(timeout=90)  # Ray Serve replicas stop gracefully first
 
 
 def serving_table(report: dict[str, Any]) -> str:
