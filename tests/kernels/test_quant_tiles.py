@@ -18,6 +18,7 @@ import torch
 
 from helpers import TILE_SHAPES, tile_dot_cases
 from infer import kernels
+from infer.bench import quant_kernels as quant_kernels_bench
 from infer.kernels import build, quant
 from infer.kernels.build import KernelUnavailable
 from infer.kernels.quant import QUANT_TYPES, QuantKernels
@@ -131,7 +132,7 @@ def test_tile_products_at_their_integer_extremes(tiles: QuantKernels) -> None:
         assert torch.equal(got, quant.reference_linear_x8(x, raw, qtype, 128)), (qtype, fill)
 
 
-def test_calls_below_the_tile_min_rows_stay_on_the_vectors_with_the_same_bits() -> None:
+def test_calls_below_the_tile_min_rows_stay_on_the_vectors_with_the_same_bits(capsys: pytest.CaptureFixture[str]) -> None:
     """Calls of fewer rows than the setting take the vectors, the rest the tiles, the bits the same;
     a setting under 2 is refused (a 1-row call never takes the tiles); the emulation's default is 2
     (every A tile height tested) and AMX's 16 (where its tiles measured no slower than VNNI)."""
@@ -149,6 +150,10 @@ def test_calls_below_the_tile_min_rows_stay_on_the_vectors_with_the_same_bits() 
             assert emu.tile_products() - before == int(on_tiles), m
         with pytest.raises(ValueError, match="2 or more"):
             emu.set_tile_min_rows(1)
+        # the micro-benchmark's flag refuses the same values before it times anything
+        with pytest.raises(SystemExit):
+            quant_kernels_bench.main(["--tile-min-rows", "1", "--rows", "2"])
+        assert "--tile-min-rows must be 2 or more" in capsys.readouterr().err
     finally:
         emu.set_tile_min_rows(2)
     if platform.machine().lower() in ("x86_64", "amd64"):
