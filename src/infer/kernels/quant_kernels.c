@@ -111,12 +111,13 @@ static int x8_tiles_on = 1;
 #endif
 static int64_t x8_tile_products = 0; /* products run on tiles (the tests check the path is taken) */
 /* The fewest rows a call takes the tiles with; fewer stay on the vectors (infer_quant_set_tile_min_rows).
- * On AMX a call of 2-8 rows measured slower on the tiles than on VNNI and one of 16 about even
- * (docs/cpu.md): each chunk's B is unpacked as the vectors unpack it and the tiles' loads and stores
- * cost more than VNNI's dot products over so few rows. The emulation takes every call of 2 rows or
+ * On AMX a call of 2-16 rows measured slower on the tiles than on VNNI and one of 32 about even
+ * (docs/cpu.md): each chunk's B is unpacked as the vectors unpack it, and the tiles' loads, stores
+ * and float epilogue (which barely overlap) cost more than VNNI's dot products over so few rows.
+ * The emulation takes every call of 2 rows or
  * more, so the tests check every A tile height the kernels have (2, 4, 8, 16); SMMLA too (not measured). */
 #if defined(X8_TILES_AMX)
-static int x8_tile_min_rows = 16;
+static int x8_tile_min_rows = 32;
 #else
 static int x8_tile_min_rows = 2;
 #endif
@@ -399,9 +400,10 @@ static void x8_repack_k45(const uint8_t *const *rows, uint8_t *dst, int fifth) {
 }
 static void x8_repack_q4_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 0); }
 static void x8_repack_q5_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack_k45(rows, dst, 1); }
-/* Chunk c = 2p + h's float sequence on its exact sums (h ? i1 : i0 [row][vector]; d, negmin: the
- * block's float16 d and -dmin). A macro, as Q6_K's below: the vector path's code stays what it was. */
-#define X8_EPILOGUE_K45(gp, d, negmin, a, r0, b, p, h, i0, i1, acc, R, NZ)                                          \
+/* Chunk c_ = 2p + h's float sequence on its exact sums (h ? i1 : i0 [row][vector]; d, negmin: the
+ * block's float16 d and -dmin; xb: its activation block, which may name c_). A macro, as Q6_K's
+ * below: the vector path's code stays what it was. */
+#define X8_EPILOGUE_K45(gp, d, negmin, a, r0, xb, p, h, i0, i1, acc, R, NZ)                                         \
     for (int z = 0; z < (NZ); z++) {                                                                                \
         const int c_ = 2 * (p) + (h);                                                                               \
         const uint8_t *s0 = (gp)[2 * z] + 32 + 8 * c_, *s1 = (gp)[2 * z + 1] + 32 + 8 * c_;                         \
@@ -411,8 +413,8 @@ static void x8_repack_q5_k(const uint8_t *const *rows, uint8_t *dst) { x8_repack
         const GF mn = gf_mul((negmin)[z], m);                                                                       \
         for (int r = 0; r < (R); r++) {                                                                             \
             (acc)[r][z] = gf_fma_i((acc)[r][z], (h) ? (i1)[r][z] : (i0)[r][z],                                      \
-                                   gf_mul(dsc, gf_set1(x8_dx((a), (r0) + r, 8 * (b) + c_))));                       \
-            (acc)[r][z] = gf_fma((acc)[r][z], mn, gf_set1(x8_sx((a), (r0) + r, 8 * (b) + c_)));                     \
+                                   gf_mul(dsc, gf_set1(x8_dx((a), (r0) + r, (xb)))));                               \
+            (acc)[r][z] = gf_fma((acc)[r][z], mn, gf_set1(x8_sx((a), (r0) + r, (xb))));                             \
         }                                                                                                           \
     }
 static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *const *gp, const X8Act *a, int64_t r0,
@@ -450,7 +452,7 @@ static inline __attribute__((always_inline)) void x8_block_k45(const uint8_t *co
                 for (int z = 0; z < NZ; z++) i0[r][z] = gi_end(i0[r][z], run0[r][z]), i1[r][z] = gi_end(i1[r][z], run1[r][z]);
         }
         for (int h = 0; h < 2; h++) {
-            X8_EPILOGUE_K45(gp, d, negmin, a, r0, b, p, h, i0, i1, acc, R, NZ)
+            X8_EPILOGUE_K45(gp, d, negmin, a, r0, 8 * (b) + c_, p, h, i0, i1, acc, R, NZ) /* c_: the macro's chunk */
         }
     }
 }
@@ -491,7 +493,8 @@ static inline __attribute__((always_inline)) void x8_tile_chunk_k45(const uint8_
                                                                     int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                     GF acc[][X8_NZ_MAX], const int R) {
     const GF d[1] = {gf_fp16(gp[0], gp[1])}, negmin[1] = {gf_fp16(gp[0] + 16, gp[1] + 16)};
-    X8_EPILOGUE_K45(gp, d, negmin, a, r0, b, c >> 1, c & 1, raw[0], raw[0], acc, R, 1)
+    (void)b;
+    X8_EPILOGUE_K45(gp, d, negmin, a, r0, 0, c >> 1, c & 1, raw[0], raw[0], acc, R, 1)
 }
 static inline __attribute__((always_inline)) void x8_tile_chunk_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                      int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
@@ -611,9 +614,9 @@ static inline __attribute__((always_inline)) void x8_units_q6_k(const uint8_t *g
 static inline __attribute__((always_inline)) void x8_tile_chunk_q6_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
                                                                      int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                      GF acc[][X8_NZ_MAX], const int R) {
-    const int64_t xb = 8 * b + c;
+    (void)b;
     const GF d[1] = {gf_fp16(gp[0], gp[1])};
-    X8_EPILOGUE_Q6_K(gp, d, a, r0, xb, c, raw[0], raw[1], acc, R, 1)
+    X8_EPILOGUE_Q6_K(gp, d, a, r0, 0, c, raw[0], raw[1], acc, R, 1)
 }
 #endif
 static void x8_dequant_q6_k(const uint8_t *blk, int j, float *out) {

@@ -324,10 +324,12 @@ static inline void xt_release(void) { memset(&xt_state, 0, sizeof xt_state); }
 static int xt_request_permission(void) { return 0; }
 #endif
 
-/* The x8 tile path's tiles: an A tile (R activation rows x one 32-value chunk, or Q6_K's first
- * 16-value half), the B tile of one two-group vector (16 weight rows) and its C tile; Q6_K's second
- * half has its own three. */
-#define XT_A 0
+/* The x8 tile path's tiles: two sets of an A tile (R activation rows x one 32-value chunk, or one
+ * of Q6_K's 16-value halves), the B tile of one two-group vector (16 weight rows) and their C tile.
+ * Consecutive products take the two sets in turn: the tile registers are not renamed, so a product
+ * in the set the previous one used would wait for it (its loads for the previous product to finish
+ * reading A and B, its zeroing for the previous store to finish reading C). */
+#define XT_A0 0
 #define XT_B0 1
 #define XT_C0 2
 #define XT_A1 3
@@ -338,9 +340,10 @@ static int xt_request_permission(void) { return 0; }
 static inline void xt_config_x8(int depth, int rows) {
     XtConfig cfg;
     memset(&cfg, 0, sizeof cfg);
-    xt_set(&cfg, XT_A, rows, depth);
-    xt_set(&cfg, XT_B0, depth / 4, 64);
-    xt_set(&cfg, XT_C0, rows, 64);
-    if (depth == 16) xt_set(&cfg, XT_A1, rows, depth), xt_set(&cfg, XT_B1, depth / 4, 64), xt_set(&cfg, XT_C1, rows, 64);
+    for (int set = 0; set < 2; set++) {
+        xt_set(&cfg, set ? XT_A1 : XT_A0, rows, depth);
+        xt_set(&cfg, set ? XT_B1 : XT_B0, depth / 4, 64);
+        xt_set(&cfg, set ? XT_C1 : XT_C0, rows, 64);
+    }
     xt_config(&cfg);
 }

@@ -500,6 +500,10 @@ typedef struct {
     float *y;
     int decode, nz, rb;
     uint8_t *units; /* the tile path's unpacked weights, a buffer per worker (quant_x8_impl.h) */
+    /* the tile path's activation scales by block: d_by_block[b * padded + r] = d[r * xblocks + b]
+     * (and s), so an epilogue finds a tile's rows at fixed offsets from one pointer */
+    const float *d_by_block, *s_by_block;
+    int64_t padded;
 } X8Linear;
 
 /* The 2 * nz groups of a product's tile from group `first` on (x8 blocks of group_bytes): where each

@@ -19,7 +19,8 @@
  *                                (Q4_0: -8 * xsum)
  *   x8_epilogue_<t>(gp, a, r0, b, isum, acc, R, NZ)   the block's float sequence on its exact sums
  *   for a K type, x8_tile_chunk_<t>(gp, a, r0, b, c, raw, acc, R): chunk c's tile sums (raw[half])
- *   through the start values and the epilogue its x8_block_<t> uses (X8_EPILOGUE_K45, _Q6_K)
+ *   through the epilogue its x8_block_<t> uses (X8_EPILOGUE_K45, _Q6_K); a holds that chunk's
+ *   activation scales only, as block 0 (the tile path's view of them)
  * The functions here are named <name>_x8_<t>; the defines are undone at the end.
  */
 #define X8CAT_(a, b) a##_x8_##b
@@ -131,8 +132,8 @@ static inline __attribute__((always_inline)) void X8TYPEFN(x8_tile_chunk)(const 
                                                                           int64_t r0, int64_t b, int c,
                                                                           GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                           GF acc[][X8_NZ_MAX], const int R) {
-    (void)c;
-    X8TYPEFN(x8_epilogue)(gp, a, r0, b, raw[0], acc, R, 1);
+    (void)c, (void)b;
+    X8TYPEFN(x8_epilogue)(gp, a, r0, 0, raw[0], acc, R, 1);
 }
 #endif
 
@@ -141,14 +142,17 @@ static inline __attribute__((always_inline)) void X8TYPEFN(x8_tile_chunk)(const 
  *   1. its weights unpacked once to bytes, chunk by chunk (x8_units_<t>: the B tiles' VNNI rows),
  *      into the worker's buffer: the tiles then read bytes stored long before, never ones still in
  *      the store buffer, and every A tile reuses them;
- *   2. per A tile of R activation rows, the chunks in order: B and A loaded, C zeroed, one product
- *      (Q6_K: one per half), C stored; then the previous chunk's epilogue, from the sums its C
- *      stored a step earlier, into R x 1 accumulators that stay in registers (R a constant).
- * The tiles' loads and stores are microcoded: they and the vector epilogue barely overlap, so what
- * a chunk costs is the sum of the two, and both are kept short: the start value (Q4_0's -8 x sum,
- * Q5_0's -16, Q6_K's -32) is in the bytes, and one output chain per row. C is zeroed per chunk, so
- * each chunk's sum is its exact integer dot product, the integer x8_block_<t> makes with vectors,
- * and the epilogue is x8_block_<t>'s, in the same order per output: the same bits. */
+ *   2. per A tile of R activation rows, its products in order (one per chunk; Q6_K one per half),
+ *      software-pipelined over the two tile sets: product i loaded and multiplied, then product
+ *      i - 1's C tile stored, then the epilogue of the chunk whose last C tile was stored a step
+ *      earlier, into R x 1 accumulators that stay in registers (R a constant).
+ * The tile unit takes its operations in order and the tile registers are not renamed, so a product
+ * stored right after its multiply waits for it, and one loaded into the set just used waits for
+ * that set's store: alternating the sets and storing a step late keeps the multiplies back to back,
+ * and the vector epilogue overlaps them. The start value (Q4_0's -8 x sum, Q5_0's -16, Q6_K's -32)
+ * is in the bytes. C is zeroed per product, so each chunk's sum is its exact integer dot product,
+ * the integer x8_block_<t> makes with vectors, and the epilogue is x8_block_<t>'s, in the same
+ * order per output: the same bits. */
 
 /* chunk q's B bytes (8 rows of 64; Q6_K: 4 of each half) of the two groups at gp[] into dst */
 static inline __attribute__((always_inline)) void X8FN(tile_unpack)(const uint8_t *const *gp, int c, uint8_t *dst) {
@@ -163,6 +167,16 @@ static inline __attribute__((always_inline)) void X8FN(tile_unpack)(const uint8_
 #else
 #define X8_TILE_DOT xt_dot_su
 #endif
+#define X8_TILE_HALVES (32 / X8_TYPE_TILE_K) /* products per chunk: 1, Q6_K 2 */
+/* product i (chunk i / H, half i % H) into one tile set: its B and A loaded, C zeroed, multiplied */
+#define X8_TILE_ISSUE(A, B, C, i)                                                                              \
+    do {                                                                                                       \
+        const int64_t q_ = (i) / X8_TILE_HALVES, h_ = (i) % X8_TILE_HALVES;                                    \
+        xt_load(B, units + q_ * (8 * 64) + h_ * (16 * X8_TYPE_TILE_K), 64);                                    \
+        xt_load_rows(A, act->q + r0 * act->k + q_ * QK + h_ * X8_TYPE_TILE_K, act->k, R);                      \
+        xt_zero(C);                                                                                            \
+        X8_TILE_DOT(C, A, B);                                                                                  \
+    } while (0)
 
 /* Pass 2 for the A tiles of R rows (a constant) covering rows r0 .. r0 + rn - 1 (padded to R with
  * the zero rows quant_linear adds), the chunks' B bytes at units. */
@@ -170,43 +184,44 @@ static inline __attribute__((always_inline)) void X8FN(tile_pass)(const X8Linear
                                                                   const uint8_t *const *gbase, int64_t stride,
                                                                   const int64_t *gindex, const uint8_t *units,
                                                                   int64_t r0, int64_t rn, const int R) {
-    const int64_t chunks = job->blocks * (X8_ELEMS / QK);
-    int32_t sums[2][2][XT_ROWS * 16] __attribute__((aligned(64))); /* [chunk parity][half] */
-    GF chain[XT_ROWS]; /* each row's accumulators: registers, where the epilogue runs a row at a time */
+    const int64_t chunks = job->blocks * (X8_ELEMS / QK), products = chunks * X8_TILE_HALVES;
+    const int RB = R < 8 ? R : 8; /* rows per epilogue call */
+    int32_t sums[2][X8_TILE_HALVES][XT_ROWS * 16] __attribute__((aligned(64))); /* [chunk parity][half] */
+    GF chain[XT_ROWS]; /* each row's accumulators: registers (AMX: R a constant, the loops unrolled) */
     for (int r = 0; r < R; r++) chain[r] = gf_zero();
-    for (int64_t q = 0; q <= chunks; q++) {
-        if (q < chunks) {
-            const uint8_t *u = units + q * (8 * 64);
-            const int8_t *x = act->q + r0 * act->k + q * QK;
-            xt_load(XT_B0, u, 64);
-            xt_load_rows(XT_A, x, act->k, R);
-            xt_zero(XT_C0);
-            X8_TILE_DOT(XT_C0, XT_A, XT_B0);
-            xt_store_rows(XT_C0, sums[q & 1][0], 64, R);
-#if X8_TYPE_TILE_K == 16
-            xt_load(XT_B1, u + 256, 64);
-            xt_load_rows(XT_A1, x + 16, act->k, R);
-            xt_zero(XT_C1);
-            X8_TILE_DOT(XT_C1, XT_A1, XT_B1);
-            xt_store_rows(XT_C1, sums[q & 1][1], 64, R);
-#endif
-            xt_stored(); /* the C tiles' bytes are in sums before anything reads them */
+    for (int64_t i = 0; i <= products + 1; i++) {
+        if (i < products) { /* product i, in set i % 2 */
+            if (i & 1) X8_TILE_ISSUE(XT_A1, XT_B1, XT_C1, i);
+            else X8_TILE_ISSUE(XT_A0, XT_B0, XT_C0, i);
         }
-        if (q > 0) { /* the previous chunk's epilogue */
-            const int64_t p = q - 1, b = p / (X8_ELEMS / QK);
+        if (i >= 1 && i <= products) { /* product i - 1's sums, from the other set */
+            const int64_t j = i - 1;
+            int32_t *dst = sums[(j / X8_TILE_HALVES) & 1][j % X8_TILE_HALVES];
+            if (j & 1) xt_store_rows(XT_C1, dst, 64, R);
+            else xt_store_rows(XT_C0, dst, 64, R);
+            xt_stored(); /* the C tile's bytes are in sums before anything reads them */
+        }
+        if (i >= 2 && (i - 2) % X8_TILE_HALVES == X8_TILE_HALVES - 1) { /* chunk p's last sums were stored a step ago */
+            const int64_t p = (i - 2) / X8_TILE_HALVES, b = p / (X8_ELEMS / QK);
             const uint8_t *gp[2] = {gbase[0] + b * stride, gbase[1] + b * stride};
-            /* one row at a time (the chunk's scales are loaded once: the same loads, merged), so
-             * the chain stays in a register (AMX: unrolled, R a constant) */
+            /* the epilogue's view of chunk p's activation scales: this A tile's row r at [r] (block
+             * 0 of a one-block row), so every row's scale is one pointer plus a constant (with the
+             * rows' own layout the compiler kept a pointer per row and ran out of registers); what
+             * else it might read is not there (null) */
+            const X8Act view = {NULL, job->d_by_block + p * job->padded + r0, NULL,
+                                job->s_by_block + p * job->padded + r0, act->k, 1, NULL};
 #if defined(X8_TILES_AMX)
-#pragma GCC unroll 16
+#pragma GCC unroll 2
 #endif
-            for (int r = 0; r < R; r++) {
+            for (int r1 = 0; r1 < R; r1 += RB) { /* RB rows a call: the chunk's scales loaded once per call */
                 GI raw[2][XT_ROWS][X8_NZ_MAX];
-                GF acc[1][X8_NZ_MAX];
-                for (int h = 0; h < 32 / X8_TYPE_TILE_K; h++) raw[h][0][0] = gi_load(sums[p & 1][h] + 16 * r);
-                acc[0][0] = chain[r];
-                X8TYPEFN(x8_tile_chunk)(gp, act, r0 + r, b, (int)(p % (X8_ELEMS / QK)), raw, acc, 1);
-                chain[r] = acc[0][0];
+                GF acc[XT_ROWS][X8_NZ_MAX];
+                for (int r = 0; r < RB; r++) {
+                    for (int h = 0; h < X8_TILE_HALVES; h++) raw[h][r][0] = gi_load(sums[p & 1][h] + 16 * (r1 + r));
+                    acc[r][0] = chain[r1 + r];
+                }
+                X8TYPEFN(x8_tile_chunk)(gp, &view, r1, b, (int)(p % (X8_ELEMS / QK)), raw, acc, RB);
+                for (int r = 0; r < RB; r++) chain[r1 + r] = acc[r][0];
             }
         }
     }
@@ -214,6 +229,8 @@ static inline __attribute__((always_inline)) void X8FN(tile_pass)(const X8Linear
     for (int r = 0; r < rn; r++) acc[r][0] = chain[r];
     x8_store_tile(job, acc, r0, rn, 1, gindex);
 }
+#undef X8_TILE_ISSUE
+#undef X8_TILE_HALVES
 #undef X8_TILE_DOT
 
 /* Tiles begin .. end - 1 of a tile product (each a two-group vector by every row of the call) */
@@ -300,14 +317,20 @@ int X8FN(quant_linear)(const uint8_t *w, int64_t n, int64_t k, const float *x, i
         /* each worker's unpacked B bytes of one two-group vector: 16 bytes per weight value's row */
         const int workers = threads < 1 ? 1 : threads > POOL_MAX_THREADS ? POOL_MAX_THREADS : threads;
         uint8_t *units = malloc((size_t)workers * (size_t)(k / QK) * (8 * 64) + 64);
-        if (!units) {
-            free(xq), free(dx), free(sx), free(xsum);
+        float *by_block = malloc(2 * sizeof(float) * (size_t)(padded * xblocks) + 1);
+        if (!units || !by_block) {
+            free(units), free(by_block), free(xq), free(dx), free(sx), free(xsum);
             return 1;
         }
-        X8Linear job = {w, n, m, blocks, groups, &act, bias, y, 0, 1, tile_rows, units};
+        for (int64_t r = 0; r < padded; r++)
+            for (int64_t c = 0; c < xblocks; c++) {
+                by_block[c * padded + r] = dx[r * xblocks + c];
+                by_block[(xblocks + c) * padded + r] = sx[r * xblocks + c];
+            }
+        X8Linear job = {w, n, m, blocks, groups, &act, bias, y, 0, 1, tile_rows, units, by_block, by_block + xblocks * padded, padded};
         __atomic_fetch_add(&x8_tile_products, 1, __ATOMIC_RELAXED);
         pool_run(X8FN(quant_tile_rows), &job, (groups + 1) / 2, 0, threads);
-        free(units), free(xq), free(dx), free(sx), free(xsum);
+        free(units), free(by_block), free(xq), free(dx), free(sx), free(xsum);
         return 0;
     }
 #endif
