@@ -76,7 +76,7 @@ QUANT_SOURCES = (_HERE / "quant_kernels.c", _HERE / "quant_x8.h", _HERE / "quant
 _QUANT_DTYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 _VNNI_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")
 _VNNI_CPU = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c")
-# The tile variants (quant_tiles.h): AMX for every type's calls of 32 rows or more, AVX-512
+# The tile variants (quant_tiles.h): AMX for every type's calls of 64 rows or more, AVX-512
 # VNNI for the rest; it also needs the OS to grant tile state, asked at load (quant.py). On ARM,
 # neon-i8mm: the same tile path on I8MM's SMMLA, sdot for 1-row calls; chosen where the CPU's
 # Features list i8mm (Linux reports HWCAP2_I8MM there; a kernel too old to know it gets

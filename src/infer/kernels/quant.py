@@ -201,7 +201,7 @@ class QuantKernels:
     def set_tile_min_rows(self, rows: int) -> int:
         """Calls of at least ``rows`` rows (>= 2) take the tiles from now on, fewer the vectors (the same
         bits); returns the setting before. The default is the crossover measured for the tiles'
-        implementation (docs/cpu.md): 32 rows on AMX, 2 on the emulation and SMMLA."""
+        implementation (docs/cpu.md): 64 rows on AMX, 2 on the emulation and SMMLA."""
         if self.tiles is None:
             raise ValueError(f"the {self.variant.name} quantized kernels have no tiles")
         if rows < 2:

@@ -111,13 +111,13 @@ static int x8_tiles_on = 1;
 #endif
 static int64_t x8_tile_products = 0; /* products run on tiles (the tests check the path is taken) */
 /* The fewest rows a call takes the tiles with; fewer stay on the vectors (infer_quant_set_tile_min_rows).
- * On AMX a call of 2-16 rows measured slower on the tiles than on VNNI and one of 32 about even
- * (docs/cpu.md): each chunk's B is unpacked as the vectors unpack it, and the tiles' loads, stores
- * and float epilogue (which barely overlap) cost more than VNNI's dot products over so few rows.
+ * On AMX a call of 2-16 rows measured slower on the tiles than on VNNI, 32 about even, 64 mostly
+ * ahead (docs/cpu.md): each chunk's B is unpacked as the vectors unpack it, and the tiles' loads,
+ * stores and float epilogue (which barely overlap) cost more than VNNI's dot products over few rows.
  * The emulation takes every call of 2 rows or
  * more, so the tests check every A tile height the kernels have (2, 4, 8, 16); SMMLA too (not measured). */
 #if defined(X8_TILES_AMX)
-static int x8_tile_min_rows = 32;
+static int x8_tile_min_rows = 64;
 #else
 static int x8_tile_min_rows = 2;
 #endif

@@ -112,7 +112,7 @@ static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker)
                 default: X8FN(tile)(gbase, blocks, stride, &act, r0, acc, X8_RB_MAX, X8_NZ, r0 == 0); break;
                 }
             }
-            x8_store_tile(job, acc, r0, rn, nz, gindex);
+            x8_store_tile(job, acc, r0, rn, nz, gindex, 1);
         }
     }
 }
@@ -227,7 +227,7 @@ static inline __attribute__((always_inline)) void X8FN(tile_pass)(const X8Linear
     }
     GF acc[XT_ROWS][X8_NZ_MAX];
     for (int r = 0; r < rn; r++) acc[r][0] = chain[r];
-    x8_store_tile(job, acc, r0, rn, 1, gindex);
+    x8_store_tile(job, acc, r0, rn, 1, gindex, 0);
 }
 #undef X8_TILE_ISSUE
 #undef X8_TILE_HALVES
