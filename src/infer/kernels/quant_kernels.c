@@ -490,21 +490,20 @@ static inline __attribute__((always_inline)) void x8_units_q5_k(const uint8_t *g
 }
 /* The tiles' sums of chunk c (raw[0]: the unsigned values' exact dot products) to the epilogue */
 static inline __attribute__((always_inline)) void x8_tile_chunk_k45(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                    int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
+                                                                    int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                     GF acc[][X8_NZ_MAX], const int R) {
     const GF d[1] = {gf_fp16(gp[0], gp[1])}, negmin[1] = {gf_fp16(gp[0] + 16, gp[1] + 16)};
-    (void)b;
     X8_EPILOGUE_K45(gp, d, negmin, a, r0, 0, c >> 1, c & 1, raw[0], raw[0], acc, R, 1)
 }
 static inline __attribute__((always_inline)) void x8_tile_chunk_q4_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                     int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
+                                                                     int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                      GF acc[][X8_NZ_MAX], const int R) {
-    x8_tile_chunk_k45(gp, a, r0, b, c, raw, acc, R);
+    x8_tile_chunk_k45(gp, a, r0, c, raw, acc, R);
 }
 static inline __attribute__((always_inline)) void x8_tile_chunk_q5_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                     int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
+                                                                     int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                      GF acc[][X8_NZ_MAX], const int R) {
-    x8_tile_chunk_k45(gp, a, r0, b, c, raw, acc, R);
+    x8_tile_chunk_k45(gp, a, r0, c, raw, acc, R);
 }
 #endif
 static void x8_dequant_k45(const uint8_t *blk, int j, float *out, int fifth) {
@@ -612,9 +611,8 @@ static inline __attribute__((always_inline)) void x8_units_q6_k(const uint8_t *g
 }
 /* The tiles' two half sums of chunk c (started already: B holds q - 32) to the shared epilogue */
 static inline __attribute__((always_inline)) void x8_tile_chunk_q6_k(const uint8_t *const *gp, const X8Act *a, int64_t r0,
-                                                                     int64_t b, int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
+                                                                     int c, GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                      GF acc[][X8_NZ_MAX], const int R) {
-    (void)b;
     const GF d[1] = {gf_fp16(gp[0], gp[1])};
     X8_EPILOGUE_Q6_K(gp, d, a, r0, 0, c, raw[0], raw[1], acc, R, 1)
 }

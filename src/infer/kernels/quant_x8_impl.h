@@ -18,7 +18,7 @@
  *   x8_start_<t>(a, r, b)        the integer its values' offset adds to block b's sum of row r
  *                                (Q4_0: -8 * xsum)
  *   x8_epilogue_<t>(gp, a, r0, b, isum, acc, R, NZ)   the block's float sequence on its exact sums
- *   for a K type, x8_tile_chunk_<t>(gp, a, r0, b, c, raw, acc, R): chunk c's tile sums (raw[half])
+ *   for a K type, x8_tile_chunk_<t>(gp, a, r0, c, raw, acc, R): chunk c's tile sums (raw[half])
  *   through the epilogue its x8_block_<t> uses (X8_EPILOGUE_K45, _Q6_K); a holds that chunk's
  *   activation scales only, as block 0 (the tile path's view of them)
  * The functions here are named <name>_x8_<t>; the defines are undone at the end.
@@ -129,10 +129,10 @@ static void X8FN(quant_tiles)(void *ctx, int64_t begin, int64_t end, int worker)
  * sums already: B holds q - offset (X8_TYPE_TILE_OFFSET), so the product is sum x * (q - offset),
  * the integer x8_start_<t> + sum x * q the vectors make. The K types define theirs beside their code. */
 static inline __attribute__((always_inline)) void X8TYPEFN(x8_tile_chunk)(const uint8_t *const *gp, const X8Act *a,
-                                                                          int64_t r0, int64_t b, int c,
+                                                                          int64_t r0, int c,
                                                                           GI raw[2][XT_ROWS][X8_NZ_MAX],
                                                                           GF acc[][X8_NZ_MAX], const int R) {
-    (void)c, (void)b;
+    (void)c;
     X8TYPEFN(x8_epilogue)(gp, a, r0, 0, raw[0], acc, R, 1);
 }
 #endif
@@ -220,7 +220,7 @@ static inline __attribute__((always_inline)) void X8FN(tile_pass)(const X8Linear
                     for (int h = 0; h < X8_TILE_HALVES; h++) raw[h][r][0] = gi_load(sums[p & 1][h] + 16 * (r1 + r));
                     acc[r][0] = chain[r1 + r];
                 }
-                X8TYPEFN(x8_tile_chunk)(gp, &view, r1, b, (int)(p % (X8_ELEMS / QK)), raw, acc, RB);
+                X8TYPEFN(x8_tile_chunk)(gp, &view, r1, (int)(p % (X8_ELEMS / QK)), raw, acc, RB);
                 for (int r = 0; r < RB; r++) chain[r1 + r] = acc[r][0];
             }
         }
