@@ -36,7 +36,7 @@ install: install-demo
 	@# decode here): there the CPU's features are named instead, the AMX ones off, as
 	@# scripts/build_llama_server.sh does
 	set -o pipefail; if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then \
-	    export CMAKE_ARGS="$$($(PY) -c 'from infer.bench.llama_server import _host_cmake_flags; print(" ".join(_host_cmake_flags()))')"; \
+	    export CMAKE_ARGS="$$($(PY) -c 'from infer.bench.llama_server import host_cmake_flags; print(" ".join(host_cmake_flags()))')"; \
 	    echo "   this CPU has AMX: llama.cpp built with $$CMAKE_ARGS"; fi; \
 	$(PIP) -v llama-cpp-python 2>&1 | tee $(PEER_BUILD_LOG) \
 	    | grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|^ *(Collecting|Downloading|Requirement already|Successfully|ERROR)' \

@@ -89,7 +89,7 @@ def _sdist(root: Path) -> Path:
 
 def _fake_builds(monkeypatch: pytest.MonkeyPatch, cpu: str) -> list[list[str]]:
     """cmake runs recorded, not run, on a CPU with these cpuinfo flags; a build makes its llama-server."""
-    monkeypatch.setattr(llama_server, "_host_cmake_flags",
+    monkeypatch.setattr(llama_server, "host_cmake_flags",
                         lambda amx=False: llama_server.cmake_flags(set(cpu.split()), amx=amx))
     commands: list[list[str]] = []
 

@@ -87,7 +87,9 @@ def cmake_flags(flags: set[str], amx: bool = False) -> list[str]:
     return out
 
 
-def _host_cmake_flags(amx: bool = False) -> list[str]:
+def host_cmake_flags(amx: bool = False) -> list[str]:
+    """This machine's llama.cpp CMake flags (``cmake_flags`` of /proc/cpuinfo; none off Linux): what
+    the peer builds use, and ``make install`` gives llama-cpp-python's build on a CPU with AMX."""
     if platform.system() != "Linux":
         if amx:
             raise ValueError("--amx on reads the CPU's features from /proc/cpuinfo (Linux only)")
@@ -140,7 +142,7 @@ def build(root: Path | None = None, jobs: int = 2, force: bool = False, log: IO[
     ``amx`` the build has llama.cpp's AMX backend too, in its own folder (``build_dir_name``)."""
     root = root or cache_dir()
     log = log or sys.stderr
-    cpu = _host_cmake_flags(amx)
+    cpu = host_cmake_flags(amx)
     source, version = _source_dir(root, log)
     build_dir = source / build_dir_name(amx)
     server = build_dir / "bin" / "llama-server"
