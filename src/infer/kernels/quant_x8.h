@@ -520,9 +520,9 @@ static inline void x8_tile_groups(const X8Linear *job, int64_t first, int count,
 
 /* y's rows r0 .. r0 + rn - 1 at a tile's groups (gindex, as x8_tile_groups gives them) from the
  * accumulators acc[r][z] (vector z: groups 2z and 2z + 1), the bias added (one float32 add).
- * `wide`: a whole group's 8 floats stored at once (the vector path: a several-row call on VNNI
- * measured 10-20% faster than with a store per float); the AMX tile path stores a float at a time,
- * which measured faster there from 256 rows on (with wide stores its tile loads stalled). */
+ * `wide`: a whole group's 8 floats stored at once (the vector path, where several-row calls
+ * measured faster so); the AMX tile path stores a float at a time, which measured faster there on
+ * large calls (with wide stores its tile loads stalled; docs/cpu.md has the figures). */
 static inline __attribute__((always_inline)) void x8_store_tile(const X8Linear *job, GF (*acc)[X8_NZ_MAX], int64_t r0,
                                                                 int64_t rn, int nz, const int64_t *gindex,
                                                                 const int wide) {
