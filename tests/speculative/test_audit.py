@@ -1,8 +1,8 @@
 """``infer audit``: its statistics are right, it passes the real engine, and it fails real bugs.
 
 The negative controls break the speculative path the way real bugs do, by wrapping the function
-chain rounds go through (``verify_drafts``; for greedy requests without a penalty also
-``verify_greedy``; patched wherever they were imported):
+chain rounds go through (``verification.verify_drafts``; for greedy requests without a penalty
+``greedy_verdict``; patched in the verification module, whose ``verify`` calls them):
 a target distribution at the wrong temperature, a rejection that resamples from p instead of the
 residual norm(max(0, p - q)), a draft q that is not the distribution the drafts were sampled from,
 and a greedy verifier that reads the wrong row. Each must make the audit FAIL at its default
@@ -22,7 +22,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-import infer.speculative.rejection as rejection
+import infer.speculative.verification as verification
 from checkpoints import make_eagle3_head, make_medusa_heads
 from infer.audit import AuditSettings, exit_code, run_audit
 from infer.audit.checks import FAIL, LOW_POWER, NEAR_TIE, PASS, next_token_logits
@@ -35,7 +35,7 @@ from infer.audit.stats import (
     noncentrality_for_power,
 )
 from infer.cli import main
-from infer.speculative.rejection import VerificationResult
+from infer.speculative.verification import Verdict, VerificationResult
 
 # Few distinct tokens, repeated, so n-gram lookup finds matches; the first is the default context.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 7, 5, 9, 7, 5, 9, 7], [6, 6, 8, 6, 6, 8, 6]]
@@ -101,8 +101,8 @@ def test_cell_chisquare_pools_small_cells() -> None:
 
 @pytest.fixture(scope="module")
 def engine_modules_loaded(small_target: Path, small_draft: Path) -> None:
-    """Build each kind of speculative engine once, so every module that imports ``verify_drafts`` is
-    loaded before a test patches it (a module first imported under the patch would keep the bug)."""
+    """Build each kind of speculative engine once, so every module of the speculative path is loaded
+    before a test patches the verifier."""
     from infer import LLM
 
     for drafter in ({"draft_model": str(small_draft)}, {"speculator": "ngram"}):
@@ -110,16 +110,16 @@ def engine_modules_loaded(small_target: Path, small_draft: Path) -> None:
 
 
 def patch_verify(monkeypatch: pytest.MonkeyPatch, make: Callable[[Any], Any], function: str = "verify_drafts") -> None:
-    """Replace ``function`` of ``infer.speculative.rejection`` in every infer module that holds it
-    (the runner imports it by name)."""
-    real = getattr(rejection, function)
+    """Replace ``function`` of ``infer.speculative.verification`` in every infer module that holds it
+    (``verification.verify``, the runner's one entry point, calls it there)."""
+    real = getattr(verification, function)
     broken = make(real)
     patched = 0
     for name, module in list(sys.modules.items()):
         if name.startswith("infer") and getattr(module, function, None) is real:
             monkeypatch.setattr(module, function, broken)
             patched += 1
-    assert patched >= 2, f"no module besides infer.speculative.rejection holds {function}: nothing was broken"
+    assert getattr(verification, function) is broken and patched >= 1
 
 
 def wrong_temperature(real: Verify) -> Verify:
@@ -190,20 +190,21 @@ def test_audit_fails_broken_verifiers(small_target: Path, small_draft: Path, mon
     assert exit_code(report) == 1
 
 
-def wrong_greedy_row(real: Callable[..., tuple[list[int], list[list[int]]]]) -> Callable[..., tuple[list[int], list[list[int]]]]:
+def wrong_greedy_row(real: Callable[..., Verdict]) -> Callable[..., Verdict]:
     """The greedy path (drafts against the target's argmax tokens) checks t_i against argmax p_{i+1}."""
 
-    def verify(tokens: list[list[int]], num: list[int], target_tokens: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-        return real(tokens, num, [row[1:] + row[:1] for row in target_tokens])
+    def verify(tokens: list[list[int]], num: list[int], parents: list[list[int]] | None,
+               target_tokens: list[list[int]]) -> Verdict:
+        return real(tokens, num, parents, [row[1:] + row[:1] for row in target_tokens])
 
     return verify
 
 
 def break_row_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both chain verifiers check t_i one position late: greedy requests without a penalty are
-    verified by verify_greedy, the rest by verify_drafts."""
+    verified by greedy_verdict, the rest by verify_drafts."""
     patch_verify(monkeypatch, wrong_row)
-    patch_verify(monkeypatch, wrong_greedy_row, "verify_greedy")
+    patch_verify(monkeypatch, wrong_greedy_row, "greedy_verdict")
 
 
 @pytest.mark.usefixtures("engine_modules_loaded")
@@ -342,8 +343,8 @@ def test_exact_greedy_mode_runs_both_engines_exact_and_calls_no_flip_a_near_tie(
     assert built == [True, True] and report["settings"]["exact_greedy"] is True
     assert report["checks"]["greedy"]["verdict"] == PASS
 
-    patch_verify(monkeypatch, wrong_row)  # greedy rounds go through verify_greedy, the rest verify_drafts
-    patch_verify(monkeypatch, wrong_greedy_row, "verify_greedy")
+    patch_verify(monkeypatch, wrong_row)  # greedy rounds go through greedy_verdict, the rest verify_drafts
+    patch_verify(monkeypatch, wrong_greedy_row, "greedy_verdict")
     assert main([*args, "--tie-tolerance", "1e9", "--json", "-"]) == 1
     greedy = json.loads(capsys.readouterr().out)["checks"]["greedy"]
     divergences = [p["first_divergence"] for p in greedy["prompts"] if p["first_divergence"]]

@@ -1,4 +1,4 @@
-"""Rejection sampling that waits for the device once per round (``rejection.verify_drafts`` given
+"""Rejection sampling that waits for the device once per round (``verification.verify_drafts`` given
 host lists, then ``VerificationResult.to_host``).
 
 * the final token is drawn as plain sampling draws it (``sample_from_probs``: the same uniform from
@@ -20,11 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-import infer.engine.speculative_runner as speculative_runner
 from infer import LLM, SamplingParams
 from infer.sampling.sampler import KeyedDraw, RandomSource, sample_from_probs
-from infer.speculative import rejection
-from infer.speculative.rejection import VerificationResult, verify_drafts
+from infer.speculative import verification as rejection
+from infer.speculative.verification import VerificationResult, verify_drafts
 
 P_THRESHOLD = 1e-3
 # Tensor methods that hand a value to the host (each waits for the device where it is not the CPU).
@@ -212,7 +211,7 @@ def test_runner_reads_the_verdict_once_per_round(draft_engine: LLM, monkeypatch:
     inside = {"verify": False, "to_host": False}
     counts: dict[str, int] = {}
     rounds = {"verify": 0, "to_host": 0, "reads_in_to_host": 0}
-    real_verify, real_to_host = speculative_runner.verify_drafts, VerificationResult.to_host
+    real_verify, real_to_host = rejection.verify_drafts, VerificationResult.to_host
 
     def verify(*args: Any) -> VerificationResult:
         rounds["verify"] += 1
@@ -232,7 +231,7 @@ def test_runner_reads_the_verdict_once_per_round(draft_engine: LLM, monkeypatch:
             inside["to_host"] = False
             rounds["reads_in_to_host"] += sum(counts.values()) - before
 
-    monkeypatch.setattr(speculative_runner, "verify_drafts", verify)
+    monkeypatch.setattr(rejection, "verify_drafts", verify)
     monkeypatch.setattr(VerificationResult, "to_host", to_host)
     in_verify: dict[str, int] = {}
     with counting_host_reads(counts, lambda: inside["to_host"]), counting_host_reads(in_verify, lambda: inside["verify"]):

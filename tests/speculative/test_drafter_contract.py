@@ -85,7 +85,7 @@ def test_a_request_without_a_hidden_state_takes_a_plain_step(tiny_llama: Path) -
     engine = llm.engine
     request = engine.add_request(PROMPTS[0], GREEDY)
     engine.step()  # prefill: the first token and the hidden state that produced it
-    engine.runner._hidden.clear()  # type: ignore[attr-defined]
+    engine.runner.states.hidden.clear()  # type: ignore[attr-defined]
     proposals = len(drafter.budgets)
     assert [len(u.new_token_ids) for u in engine.step()] == [1]  # no draft: one plain token
     assert len(drafter.budgets) == proposals

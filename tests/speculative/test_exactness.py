@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-import infer.engine.speculative_runner as speculative_runner
+import infer.speculative.verification as verification
 from helpers import (
     P_CONTROL,
     PENALTY_CONFIG,
@@ -139,14 +139,14 @@ def test_negative_control_broken_verifier_is_detected(engines: dict[str, LLM], s
     (Dropping q altogether, i.e. accepting t with probability p(t) and resampling from p without
     t, would NOT be a useful control: that scheme is itself exact, only less efficient.)
     """
-    real_verify = speculative_runner.verify_drafts
+    real_verify = verification.verify_drafts
 
     def shifted_verify(tokens: torch.Tensor, num: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
                        greedy: torch.Tensor, generators: list[torch.Generator | None]) -> object:
         return real_verify(tokens, num, target, None if draft is None else draft.roll(1, dims=1), greedy,
                            generators)
 
-    monkeypatch.setattr(speculative_runner, "verify_drafts", shifted_verify)
+    monkeypatch.setattr(verification, "verify_drafts", shifted_verify)
     run = run_engine(engines["draft"], SAMPLING_CONFIGS["temperature_1"], n=NUM_SAMPLES // 2, seed0=10_000_000)
     ref = reference(small_target, PROMPT, SamplingParams(temperature=1.0))
     assert grouped_chisquare(run.samples, ref).pvalue < P_CONTROL

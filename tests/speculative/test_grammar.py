@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-import infer.engine.speculative_runner as speculative_runner
-import infer.speculative.tree as tree_module
+import infer.speculative.grammar_filter as grammar_filter
+import infer.speculative.verification as verification
 from checkpoints import load_hf_model, make_eagle3_head, make_medusa_heads
 from helpers import (
     P_CONTROL,
@@ -144,27 +144,17 @@ def test_negative_control_unrestricted_draft_q_is_detected(letters_engines: dict
     """Forbidden drafts dropped but the kept ones judged by the unrestricted q (not renormalised over
     the allowed tokens): biased, and the same test catches it. The good samples also fail against
     the target restricted only at x1 (a grammar state that stopped advancing)."""
-    real_verify = speculative_runner.verify_drafts
-    original: dict[str, torch.Tensor] = {}
-    real_check = speculative_runner.SpeculativeRunner._check_grammar
+    calls = []
 
-    def keep_raw_q(self: Any, requests: Any, proposal: Any) -> Any:
-        pruned, grammar = real_check(self, requests, proposal)
-        if pruned.probs is not None:
-            original["q"] = pruned.probs.clone()
-        return pruned, grammar
+    def unrestricted(probs: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return probs
 
-    def unrestricted_verify(tokens: torch.Tensor, num: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
-                            greedy: torch.Tensor, generators: Any) -> Any:
-        raw = original.pop("q", None)
-        return real_verify(tokens, num, target, draft if raw is None else raw[:, : tokens.shape[1]], greedy, generators)
-
-    monkeypatch.setattr(speculative_runner.SpeculativeRunner, "_check_grammar", keep_raw_q)
-    monkeypatch.setattr(speculative_runner, "verify_drafts", unrestricted_verify)
+    monkeypatch.setattr(grammar_filter, "restrict_q", unrestricted)
     params = {"temperature": 1.0}
     broken, _, _ = sample(letters_engines["draft"], params, n=NUM_SAMPLES, seed0=10_000_000)
     ref = constrained_reference(letters_pair[0], SamplingParams(**params), allowed_after)
-    assert grouped_chisquare(broken, ref).pvalue < P_CONTROL
+    assert calls and grouped_chisquare(broken, ref).pvalue < P_CONTROL
 
 
 def test_greedy_grammar_ignores_forbidden_argmax(letters_pair: tuple[Path, Path]) -> None:
@@ -415,7 +405,7 @@ def test_negative_control_suffix_broken_residual_is_detected(letters_engines: di
                                                              letters_pair: tuple[Path, Path],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A tree verifier that may draw a rejected candidate again is biased, and the same test sees it."""
-    monkeypatch.setattr(tree_module, "residual_after_rejections", lambda probs, rejected: probs)
+    monkeypatch.setattr(verification, "residual_after_rejections", lambda probs, rejected: probs)
     samples, _, _ = sample_complete(letters_engines["suffix"], NUM_SAMPLES, 10_000_000, seeded=False)
     ref = constrained_reference(letters_pair[0], SamplingParams(temperature=1.0), allowed_after)
     assert grouped_chisquare(samples, ref).pvalue < P_CONTROL

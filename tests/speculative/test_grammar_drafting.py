@@ -136,16 +136,16 @@ def test_greedy_with_grammar_drafting_equals_plain(tiny_llama: Path, tiny_draft:
     }[drafter]
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", **options)
     forced = 0
-    real = speculative_runner.SpeculativeRunner._check_grammar
+    real = speculative_runner.filter_proposal
 
-    def counted(self: Any, requests: Any, proposal: Any) -> Any:
+    def counted(*args: Any) -> Any:
         nonlocal forced
-        pruned, grammar = real(self, requests, proposal)
+        pruned, grammar = real(*args)
         forced += sum(o < 0 for origin in grammar.origin for o in origin)
         return pruned, grammar
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(speculative_runner.SpeculativeRunner, "_check_grammar", counted)
+        patch.setattr(speculative_runner, "filter_proposal", counted)
         outputs = llm.generate(PROMPTS * COPIES, GREEDY)
     assert [o.token_ids for o in outputs] == plain_greedy
     assert forced > 0  # the grammar drafted
@@ -282,18 +282,18 @@ def test_negative_control_forced_drafts_accepted_unverified_is_detected(pieces_e
     """Taking the grammar's drafts as certain (the target's p at a drafted row replaced by the drafted
     token, so verification always accepts it) is biased where the forced text has several
     tokenizations, and the same test catches it."""
-    real = speculative_runner.SpeculativeRunner._target_probs
+    real = speculative_runner.target_distributions
 
-    def certain(self: Any, requests: Any, logits: Any, nodes: torch.Tensor, sampling: Any, ancestors: Any = None,
+    def certain(logits: Any, sampling: Any, contexts: Any, outputs: Any, nodes: torch.Tensor, ancestors: Any = None,
                 allowed: Any = None) -> Any:
-        probs, processed = real(self, requests, logits, nodes, sampling, ancestors, allowed)
+        probs, processed = real(logits, sampling, contexts, outputs, nodes, ancestors, allowed)
         probs = probs.clone()
         drafted = nodes > 0  # (id 0, a special token, is the padding past a request's drafts)
         onehot = torch.nn.functional.one_hot(nodes, probs.shape[-1]).to(probs.dtype)
         probs[:, : nodes.shape[1]][drafted] = onehot[drafted]
         return probs, processed
 
-    monkeypatch.setattr(speculative_runner.SpeculativeRunner, "_target_probs", certain)
+    monkeypatch.setattr(speculative_runner, "target_distributions", certain)
     samples, _, _ = sample(pieces_engines["none"], NUM_SAMPLES, seed0=10_000_000)
     ref = constrained_reference(pieces_target[0], SamplingParams(temperature=1.0), allowed_after)
     assert grouped_chisquare(samples, ref).pvalue < P_CONTROL
@@ -310,17 +310,17 @@ def test_audit_checks_grammar_drafting(pieces_target: tuple[Path, Path], monkeyp
     from infer.audit.checks import FAIL, PASS, AuditSettings, run_audit
 
     if broken:
-        real = speculative_runner.SpeculativeRunner._target_probs
+        real = speculative_runner.target_distributions
 
-        def certain(self: Any, requests: Any, logits: Any, nodes: torch.Tensor, sampling: Any, ancestors: Any = None,
+        def certain(logits: Any, sampling: Any, contexts: Any, outputs: Any, nodes: torch.Tensor, ancestors: Any = None,
                     allowed: Any = None) -> Any:
-            probs, processed = real(self, requests, logits, nodes, sampling, ancestors, allowed)
+            probs, processed = real(logits, sampling, contexts, outputs, nodes, ancestors, allowed)
             probs = probs.clone()
             drafted = nodes > 0
             probs[:, : nodes.shape[1]][drafted] = torch.nn.functional.one_hot(nodes, probs.shape[-1]).to(probs.dtype)[drafted]
             return probs, processed
 
-        monkeypatch.setattr(speculative_runner.SpeculativeRunner, "_target_probs", certain)
+        monkeypatch.setattr(speculative_runner, "target_distributions", certain)
     settings = AuditSettings(engine={"model": str(pieces_target[0]), "dtype": "float32", "device": "cpu",
                                      "max_seq_len": 32},
                              sampling=SamplingParams(temperature=1.0, structured_output={"regex": REGEX}),

@@ -21,7 +21,7 @@ import torch
 from scipy.stats import chisquare
 
 import infer.engine.speculative_runner as speculative_runner
-import infer.speculative.tree as tree_module
+import infer.speculative.verification as verification
 from checkpoints import make_medusa_heads
 from helpers import DRAFTER_PROMPTS, KV_BACKENDS
 from infer.backends.onednn import cpu_packing_available, projection_packer
@@ -43,8 +43,8 @@ from infer.speculative.tree import (
     default_rank_accuracy,
     tree_attention_mask,
     tree_depths,
-    verify_tree,
 )
+from infer.speculative.verification import verify_tree
 
 P_THRESHOLD = 1e-3
 
@@ -233,7 +233,7 @@ def test_multi_candidate_rejection_sampling_is_exact() -> None:
 
 
 def test_negative_control_wrong_residual_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tree_module, "residual_after_rejections", wrong_residual)
+    monkeypatch.setattr(verification, "residual_after_rejections", wrong_residual)
     n = 30_000
     emitted, _ = sample_hand_made_tree(n, seed=0)
     first = torch.tensor([t[0] for t in emitted])

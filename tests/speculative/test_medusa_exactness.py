@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import infer.speculative.tree as tree_module
+import infer.speculative.verification as verification
 from checkpoints import make_medusa_heads
 from helpers import (
     P_CONTROL,
@@ -70,7 +70,7 @@ def test_negative_control_broken_residual_is_detected(engine: LLM, small_target:
     def broken(probs: torch.Tensor, rejected: Any) -> torch.Tensor:
         return probs  # forgets that the rejected siblings must not be drawn again
 
-    monkeypatch.setattr(tree_module, "residual_after_rejections", broken)
+    monkeypatch.setattr(verification, "residual_after_rejections", broken)
     samples, _, _ = run_engine(engine, TREE_CONFIGS["temperature_1"], n=2000, seed0=10_000_000)
     ref = reference(small_target, PROMPT, SamplingParams(temperature=1.0))
     assert grouped_chisquare(samples, ref).pvalue < P_CONTROL

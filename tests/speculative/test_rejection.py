@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from infer.sampling.sampler import sample_from_probs
-from infer.speculative.rejection import VerificationResult, verify_drafts, verify_greedy
+from infer.speculative.verification import Verdict, VerificationResult, greedy_verdict, verify_drafts
 
 P_THRESHOLD = 1e-3
 V = 4
@@ -111,10 +111,11 @@ def test_greedy_match_mismatch_and_bonus() -> None:
         assert torch.equal(g.get_state(), state)
 
 
-def test_verify_greedy_matches_verify_drafts_on_greedy_rows() -> None:
+def test_greedy_verdict_matches_verify_drafts_on_greedy_rows() -> None:
     # The runner's all-greedy path compares drafts with the target's argmax only; it must give what
     # verify_drafts gives greedy rows: same accepted counts, same emitted tokens, every case (all
-    # accepted and a bonus, a rejection at each position, fewer drafts than K, no drafts).
+    # accepted and a bonus, a rejection at each position, fewer drafts than K, no drafts), whether the
+    # chain is given as a chain (parents None) or as the tree whose node i has parent i - 1.
     gen = torch.Generator().manual_seed(3)
     batch, k, vocab = 64, 4, 7
     target_probs = torch.softmax(torch.randn(batch, k + 1, vocab, generator=gen), dim=-1)
@@ -125,18 +126,20 @@ def test_verify_greedy_matches_verify_drafts_on_greedy_rows() -> None:
         if reject_at[b] < k:
             drafts[b, reject_at[b]] = (argmax[b, reject_at[b]] + 1) % vocab
     num_draft = torch.randint(0, k + 1, (batch,), generator=gen)
-    expected = verify_drafts(drafts, num_draft, target_probs, None, torch.ones(batch, dtype=torch.bool),
-                             [None] * batch)
+    expected = Verdict.of_chain(*verify_drafts(drafts, num_draft, target_probs, None,
+                                               torch.ones(batch, dtype=torch.bool), [None] * batch).to_host())
     # host lists, ragged: row b's drafts and its num_draft[b] + 1 argmax tokens only
     counts = num_draft.tolist()
-    got = verify_greedy([drafts[b, :n].tolist() for b, n in enumerate(counts)], counts,
-                        [argmax[b, : n + 1].tolist() for b, n in enumerate(counts)])
-    assert got == expected.to_host()
-    assert set(got[0]) == set(range(k + 1))  # every outcome was exercised
+    nodes = [drafts[b, :n].tolist() for b, n in enumerate(counts)]
+    choices = [argmax[b, : n + 1].tolist() for b, n in enumerate(counts)]
+    for parents in (None, [list(range(-1, n - 1)) for n in counts]):
+        got = greedy_verdict(nodes, counts, parents, choices)
+        assert (got.paths, got.tokens, got.last_rows) == (expected.paths, expected.tokens, expected.last_rows)
+    assert set(expected.num_accepted) == set(range(k + 1))  # every outcome was exercised
     with pytest.raises(ValueError, match="needs 2 draft tokens and 3 target tokens"):
-        verify_greedy([[1, 2]], [2], [[1, 2]])
+        greedy_verdict([[1, 2]], [2], None, [[1, 2]])
     with pytest.raises(ValueError, match="one row per request"):
-        verify_greedy([[1]], [1, 1], [[1, 2]])
+        greedy_verdict([[1]], [1, 1], None, [[1, 2]])
 
 
 def test_greedy_rejects_likely_but_non_argmax_draft() -> None:

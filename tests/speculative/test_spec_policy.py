@@ -15,7 +15,8 @@ from infer import LLM, SamplingParams
 from infer.core.request import Request
 from infer.engine.config import MODEL_FREE_MAX_DRAFT, EngineConfig
 from infer.speculative.budget import BudgetController, PassTimes
-from infer.speculative.tree import verify_tree, verify_tree_greedy
+from infer.speculative.tree import tree_attention_mask
+from infer.speculative.verification import greedy_verdict, verify_tree
 
 # The tiny model's greedy output settles into a short cycle: n-gram lookup then copies it.
 PROMPT = "one two three four five six seven eight nine ten " * 6
@@ -327,10 +328,36 @@ def test_sampling_params_validate_speculation_fields() -> None:
         SamplingParams(speculate="no")  # type: ignore[arg-type]
 
 
+def tensor_greedy_paths(tokens: torch.Tensor, counts: list[int], parents: torch.Tensor,
+                        choices: torch.Tensor) -> list[list[int]]:
+    """An independent formulation of the greedy tree verdict, on tensors: a node is good if it and
+    every ancestor match the argmax at its parent; the path ends at the deepest good node (the first
+    on a tie: ``max`` returns the first maximum)."""
+    batch, n = tokens.shape
+    mask = tree_attention_mask(parents, counts)
+    valid = torch.arange(n).unsqueeze(0) < torch.tensor(counts).unsqueeze(1)
+    parent_row = torch.where(valid, parents + 1, torch.zeros_like(parents))
+    ok = (tokens == choices.gather(1, parent_row)) & valid
+    among = mask[:, 1:, 1:]  # ancestor-or-self among nodes
+    path_ok = ~(among & ~ok.unsqueeze(1)).any(dim=2) & ok
+    score = torch.where(path_ok, among.sum(dim=2), torch.zeros(batch, n, dtype=torch.long))
+    best_depth, best = score.max(dim=1) if n else (torch.zeros(batch, dtype=torch.long),) * 2
+    paths = []
+    for b in range(batch):
+        path, node = [], int(best[b]) if int(best_depth[b]) > 0 else -1
+        while node >= 0:
+            path.append(node)
+            node = int(parents[b, node])
+        paths.append(path[::-1])
+    return paths
+
+
 def test_greedy_tree_walk_matches_the_tree_verifier() -> None:
-    """The argmax-only greedy tree verdict is verify_tree's on one-hot target distributions, on random
-    trees with small vocabularies (so siblings often share a token and ties between paths occur)."""
+    """The argmax-only greedy tree verdict (greedy_verdict) is an independent tensor formulation's and
+    verify_tree's on one-hot target distributions, on random trees with small vocabularies (so
+    siblings often share a token and ties between paths occur)."""
     gen = torch.Generator().manual_seed(0)
+    depths = set()
     for _ in range(200):
         batch, width, vocab = 3, 7, 3
         counts = torch.randint(0, width + 1, (batch,), generator=gen).tolist()
@@ -342,5 +369,8 @@ def test_greedy_tree_walk_matches_the_tree_verifier() -> None:
         choices = torch.randint(0, vocab, (batch, width + 1), generator=gen)
         probs = torch.zeros(batch, width + 1, vocab).scatter_(2, choices.unsqueeze(2), 1.0)
         expected = verify_tree(tokens, counts, parents, probs, torch.ones(batch, dtype=torch.bool), [None] * batch)
-        got = verify_tree_greedy(tokens.tolist(), counts, parents.tolist(), choices.tolist())
+        got = greedy_verdict(tokens.tolist(), counts, parents.tolist(), choices.tolist())
         assert (got.paths, got.tokens, got.last_rows) == (expected.paths, expected.tokens, expected.last_rows)
+        assert got.paths == tensor_greedy_paths(tokens, counts, parents, choices)
+        depths.update(len(path) for path in got.paths)
+    assert {0, 1, 2, 3} <= depths  # rejections at the root and paths of several depths were exercised

@@ -199,6 +199,26 @@ def sample_rows(probs: torch.Tensor, greedy: Sequence[bool], generators: Sequenc
     return tokens
 
 
+def logprobs_at_rows(params: Sequence[SamplingParams], processed: torch.Tensor, sampling: SamplingBatch | None,
+                     rows: Sequence[Sequence[int]], emitted: Sequence[Sequence[int]]) -> list[list[TokenLogprobs | None]] | None:
+    """Each emitted token's logprobs (``emitted[b][i]``, request b with ``params[b]``) from the row of
+    ``processed`` logits [B, R, V] whose distribution produced it (``rows[b][i]``): a speculative
+    round's verification rows, each the target's processed distribution as a plain step computes
+    it, so logprobs do not depend on speculation. None: no request asked for logprobs."""
+    want = [b for b, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return None
+    picks = [(b, row, token) for b in want for row, token in zip(rows[b], emitted[b], strict=True)]
+    device = processed.device
+    index = torch.tensor([b for b, _, _ in picks], device=device)
+    chosen = processed[index, torch.tensor([row for _, row, _ in picks], device=device)]
+    if sampling is None:
+        sampling = SamplingBatch.from_params(list(params), device)
+    found = iter(gather_logprobs(chosen, sampling.select(index), [t for _, _, t in picks],
+                                 [params[b].logprobs for b, _, _ in picks]))
+    return [[next(found) for _ in emitted[b]] if b in want else [None] * len(emitted[b]) for b in range(len(params))]
+
+
 def context_presence(batch: SamplingBatch, contexts: Sequence[Sequence[int]], vocab_size: int,
                      device: torch.device) -> torch.Tensor | None:
     """The repetition-penalty context mask, built only when some row uses the penalty."""

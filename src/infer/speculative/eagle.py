@@ -15,7 +15,7 @@ candidates form the proposal: a path's score never grows as it gets longer, so a
 is kept too. Tree nodes never enter the head's cache: the next round feeds what the target accepted,
 with the target's own states, as vLLM does.
 
-The tree is verified by the engine's tree path (``speculative.tree.verify_tree``) with one-hot
+The tree is verified by the engine's tree path (``speculative.verification.verify``) with one-hot
 proposals, so the output is exactly the target's whatever the head guesses: greedy output is the
 plain output token for token, and sampled output follows the target's distribution.
 """

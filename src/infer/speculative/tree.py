@@ -1,4 +1,4 @@
-"""Candidate trees for tree speculation (Medusa): shape, attention mask, positions, lossless acceptance.
+"""Candidate trees for tree speculation (Medusa): their shape, attention mask and positions.
 
 A *static* tree fixes, once, which guesses are verified: node ``(r_1, .., r_d)`` is "head 1's
 rank-r_1 token, then head 2's rank-r_2 token, ..., head d's rank-r_d token". Each round fills the
@@ -13,17 +13,7 @@ Conventions used throughout (per request row ``b``):
   the target distribution at row ``j`` predicts the token after that row's path;
 * a chain of K drafts is the tree with ``parents = [-1, 0, 1, .., K-2]``.
 
-Acceptance is exact. Greedy rows keep the longest path whose every token equals the target's
-argmax at its parent. Sampled rows walk down from the root with multi-candidate recursive
-rejection sampling: the children of a node are deterministic guesses (one-hot q), tried in turn;
-child ``c`` is accepted with probability ``p_res(c)``, where ``p_res`` is the target distribution
-at the node with the already rejected siblings removed and renormalised; on acceptance the walk
-descends into ``c``; when every child is rejected the final token is drawn from ``p_res``. Each
-emitted token is therefore distributed exactly as the target's (SpecInfer, Miao et al. 2024,
-with one-hot proposals). Seeded rows (a ``KeyedDraw``) are walked like greedy rows, with the
-target's keyed sample at each node's position in place of its argmax (see ``rejection.py``):
-a child is taken iff its token is that sample, which happens with probability p(child), as by
-the multi-candidate rejection, and the emitted tokens are plain decoding's.
+A tree's acceptance is ``verification.verify``'s, as a chain's is.
 """
 
 from __future__ import annotations
@@ -35,9 +25,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-
-from infer.sampling.sampler import KeyedDraw, RandomSource, sample_rows
-from infer.speculative.rejection import Verdict, keyed_walk
 
 # ---------------------------------------------------------------------------------------------- shape
 
@@ -204,193 +191,3 @@ class TreeMaskCache:
 def tree_depths(mask: torch.Tensor) -> torch.Tensor:
     """[B, N+1] depth of each pass row (root 0) from its ancestor mask: ancestors counted."""
     return mask.sum(dim=-1) - 1
-
-
-# ------------------------------------------------------------------------------------ acceptance
-
-
-def _children(parents: list[int], count: int) -> list[list[int]]:
-    """Children per pass row (index 0 = root), in node order."""
-    kids: list[list[int]] = [[] for _ in range(count + 1)]
-    for i in range(count):
-        kids[parents[i] + 1].append(i)
-    return kids
-
-
-def residual_after_rejections(probs: torch.Tensor, rejected: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Target distributions [B, V] with each row's rejected candidate tokens removed (unnormalised).
-
-    One-hot proposals make ``max(0, p - q)`` exactly "p without the rejected token", and rejections
-    compose. A row whose whole mass was rejected (probability zero, up to rounding) falls back to p.
-    """
-    rows = [b for b, removed in enumerate(rejected) for _ in removed]
-    if not rows:
-        return probs
-    cols = [t for removed in rejected for t in removed]
-    residual = probs.clone()
-    residual[torch.tensor(rows, device=probs.device), torch.tensor(cols, device=probs.device)] = 0.0
-    mass = residual.sum(dim=1, keepdim=True)
-    return torch.where(mass > 0, residual, probs)
-
-
-def verify_tree(
-    node_tokens: torch.Tensor,
-    num_nodes: Sequence[int],
-    parents: torch.Tensor,
-    target_probs: torch.Tensor,
-    greedy: torch.Tensor,
-    generators: Sequence[RandomSource],
-    mask: torch.Tensor | None = None,
-) -> Verdict:
-    """Accept a path of each row's tree and draw the final token, losslessly.
-
-    Args:
-        node_tokens: [B, N] candidate token per node (padding past ``num_nodes[b]`` ignored).
-        num_nodes: real nodes per row; 0 makes the row a plain decode step.
-        parents: [B, N] parent node index, -1 for children of the root; parents come first.
-        target_probs: [B, N+1, V] target distributions of the pass rows after the sampling transform.
-        greedy: [B] rows decoded greedily (no randomness consumed).
-        generators: per-row generators for sampled rows (None: the global RNG; a ``KeyedDraw`` at
-            the position of the root row's token: the row is walked by its keyed samples).
-        mask: ``tree_attention_mask(parents, num_nodes)`` if the caller already has it.
-    """
-    batch, n = node_tokens.shape
-    if tuple(target_probs.shape[:2]) != (batch, n + 1):
-        raise ValueError(f"target_probs must be [B, N+1, V] = [{batch}, {n + 1}, V], got {tuple(target_probs.shape)}")
-    if tuple(parents.shape) != (batch, n) or len(num_nodes) != batch or len(generators) != batch:
-        raise ValueError("node_tokens, parents, num_nodes and generators must describe the same batch")
-    device = target_probs.device
-    vocab = target_probs.shape[2]
-    tokens = node_tokens.to(device=device, dtype=torch.long).clamp(0, vocab - 1)
-    parents = parents.to(device=device, dtype=torch.long)
-    counts = list(num_nodes)
-    valid = torch.arange(n, device=device).unsqueeze(0) < torch.tensor(counts, device=device).unsqueeze(1)
-    parent_row = torch.where(valid, parents + 1, torch.zeros_like(parents))
-    rows = torch.arange(batch, device=device).unsqueeze(1)
-    # p_parent(token) for every node: the only per-node numbers the sampled walk needs.
-    p_node = target_probs[rows, parent_row, tokens].double()  # [B, N]
-    greedy_host = greedy.tolist()
-    keyed = {b for b in range(batch) if not greedy_host[b] and isinstance(generators[b], KeyedDraw)}
-    # Greedy and keyed rows know the target's token at every pass row: its argmax, its keyed sample.
-    exact_host = [bool(g) or b in keyed for b, g in enumerate(greedy_host)]
-    host_tokens, host_parents, host_p = tokens.tolist(), parents.tolist(), p_node.tolist()
-
-    paths: list[list[int]] = []
-    last_rows: list[int] = []
-    rejected_at_last: list[list[int]] = []
-    keyed_final: dict[int, int] = {}
-    sampled = [b for b in range(batch) if not exact_host[b]]
-    uniforms: dict[int, list[float]] = {}
-    shared = [b for b in sampled if generators[b] is None and counts[b] > 0]
-    if shared:
-        draws = torch.rand(len(shared), n, dtype=torch.float64).tolist()
-        uniforms.update(zip(shared, draws, strict=True))
-    for b in sampled:
-        gen = generators[b]
-        if isinstance(gen, torch.Generator) and counts[b] > 0:
-            # Exactly num_nodes[b] uniforms per round: the stream depends on this request alone.
-            uniforms[b] = torch.rand(counts[b], generator=gen, device=gen.device, dtype=torch.float64).tolist()
-
-    best_host, best_depth_host = [0] * batch, [0] * batch
-    if len(sampled) + len(keyed) < batch and n > 0:
-        argmax = target_probs.argmax(dim=2)  # [B, N+1]
-        ok = (tokens == argmax.gather(1, parent_row)) & valid  # node matches its parent's argmax
-        full = mask.to(device) if mask is not None else tree_attention_mask(parents, counts)
-        among = full[:, 1:, 1:]  # ancestor-or-self among nodes
-        path_ok = ~(among & ~ok.unsqueeze(1)).any(dim=2) & ok
-        depth = among.sum(dim=2)
-        score = torch.where(path_ok, depth, torch.zeros_like(depth))
-        best_depth, best = score.max(dim=1)
-        best_host, best_depth_host = best.tolist(), best_depth.tolist()
-    for b in range(batch):
-        kids = _children(host_parents[b], counts[b])
-        draw = generators[b]
-        if b in keyed and isinstance(draw, KeyedDraw):
-            # Walk down while a child is the target's keyed sample at its position; the sample
-            # where none is becomes the final token.
-            path, row, keyed_final[b] = keyed_walk(target_probs[b], draw, kids, host_tokens[b])
-            paths.append(path)
-            last_rows.append(row)
-            rejected_at_last.append([])
-            continue
-        if exact_host[b]:
-            path = []
-            node = best_host[b] if best_depth_host[b] > 0 else -1
-            while node >= 0:
-                path.append(node)
-                node = host_parents[b][node]
-            path.reverse()
-            paths.append(path)
-            last_rows.append(path[-1] + 1 if path else 0)
-            rejected_at_last.append([])
-            continue
-        u = uniforms.get(b, [])
-        trial = 0
-        row, path = 0, []
-        removed: list[int] = []
-        while True:
-            removed = []
-            removed_mass = 0.0
-            chosen = -1
-            for child in kids[row]:
-                token = host_tokens[b][child]
-                if token in removed:  # a duplicate guess: already rejected, probability 0 now
-                    continue
-                left = 1.0 - removed_mass
-                ratio = host_p[b][child] / left if left > 0 else 0.0
-                accept = u[trial] < min(1.0, ratio)
-                trial += 1
-                if accept:
-                    chosen = child
-                    break
-                removed.append(token)
-                removed_mass += host_p[b][child]
-            if chosen < 0:
-                break
-            path.append(chosen)
-            row = chosen + 1
-        paths.append(path)
-        last_rows.append(row)
-        rejected_at_last.append(removed)
-
-    final_rows = torch.tensor(last_rows, device=device)
-    final_p = target_probs[torch.arange(batch, device=device), final_rows].float()  # [B, V]
-    # Greedy and keyed rows rejected nothing at their last row: they take the target's token there.
-    final = sample_rows(residual_after_rejections(final_p, rejected_at_last), exact_host, generators)
-    final_host = final.tolist()
-    for b, token in keyed_final.items():
-        final_host[b] = token
-    out_tokens = [[host_tokens[b][i] for i in paths[b]] + [final_host[b]] for b in range(batch)]
-    return Verdict(paths=paths, tokens=out_tokens, last_rows=last_rows)
-
-
-def verify_tree_greedy(node_tokens: Sequence[Sequence[int]], num_nodes: Sequence[int],
-                       parents: Sequence[Sequence[int]], choices: Sequence[Sequence[int]]) -> Verdict:
-    """``verify_tree`` for a batch of greedy rows without processors, from the target's argmax alone.
-
-    ``choices[b][r]`` is the argmax of pass row ``r`` (0: the root, node i: row i + 1). The kept
-    path ends at the deepest node whose every node matches its parent row's argmax (the first such
-    node on a tie, as ``verify_tree``), and the final token is its row's argmax: the same verdict,
-    without forming a [B, N+1, V] distribution.
-    """
-    paths, last_rows, out_tokens = [], [], []
-    for tokens, count, parent, choice in zip(node_tokens, num_nodes, parents, choices, strict=True):
-        depth = [0] * count  # a matching node's depth; 0: it or an ancestor does not match
-        best = -1
-        for i in range(count):
-            up = parent[i]
-            if tokens[i] == choice[up + 1] and (up < 0 or depth[up]):
-                depth[i] = 1 + (depth[up] if up >= 0 else 0)
-                if best < 0 or depth[i] > depth[best]:
-                    best = i
-        path = []
-        node = best
-        while node >= 0:
-            path.append(node)
-            node = parent[node]
-        path.reverse()
-        last = best + 1
-        paths.append(path)
-        last_rows.append(last)
-        out_tokens.append([tokens[i] for i in path] + [choice[last]])
-    return Verdict(paths=paths, tokens=out_tokens, last_rows=last_rows)
