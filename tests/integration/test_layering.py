@@ -31,7 +31,11 @@ FORBIDDEN = [("infer.engine.scheduler", "infer.speculative"), ("infer.engine.con
              # backend's decision: the runner and the engine ask it, never the kernels or the modes.
              ("infer.core", "infer.kernels"), ("infer.core", "infer.models.quantized"),
              ("infer.engine", "infer.kernels"), ("infer.engine", "infer.backends.exact"),
-             ("infer.engine", "infer.backends.compiled"), ("infer.engine", "infer.backends.cuda_graphs")]
+             ("infer.engine", "infer.backends.compiled"), ("infer.engine", "infer.backends.cuda_graphs"),
+             # Whether weights stay quantized is the loader's decision (a drafter head's too), and a
+             # drafter head's form its target's backend's: the engine asks them, the drafters are math.
+             ("infer.engine", "infer.models.quantized"), ("infer.speculative", "infer.backends"),
+             ("infer.speculative", "infer.kernels"), ("infer.speculative", "infer.models.quantized")]
 # The front ends (the top): each is a command or service; they share code through the layers below,
 # never through each other. `infer` (the package's front door) re-exports the engine for users.
 FRONT_ENDS = {"infer.cli": "cli", "infer.chat": "cli", "infer.demo": "demo", "infer.server": "server",
@@ -107,6 +111,8 @@ def test_the_check_finds_hidden_upward_imports() -> None:
     assert violations("infer.core.model_runner", "from infer.kernels.cpu import MAX_ROWS, kernel_threads_only\n")
     assert violations("infer.core.model_runner", "from infer.models.quantized import QuantLinear\n")
     assert violations("infer.engine.engine", "from infer.backends.exact import make_exact\n")
+    assert violations("infer.engine.drafters", "from infer.models.quantized import QuantLinear\n")
+    assert violations("infer.speculative.medusa", "from infer.backends.onednn import projection_packer\n")
     assert not violations("infer.core.model_runner", "from infer.backends import backend_of\n")
     assert not violations("infer.backends.cpu_kernels", "from infer.models.layers import RMSNorm\n")
     assert not violations("infer.engine.engine", "from infer.speculative.budget import BudgetController\n")

@@ -45,7 +45,7 @@ from infer.backends.cpu_kernels import (
     probe_quant_stack,
     probe_stack,
 )
-from infer.backends.onednn import PackedLinear, cpu_packing_available
+from infer.backends.onednn import PackedLinear, cpu_packing_available, projection_packer
 from infer.cache.protocol import CachePoolProtocol, KVBatch, SequenceRows
 from infer.kernels.cpu import (
     MAX_ROWS,
@@ -169,6 +169,12 @@ class Backend:
 
     def install(self, model: DecoderOnlyLM) -> None:
         """The backend's own form of ``model`` (before its modes); the base class has none."""
+
+    def head_packer(self, weight: torch.Tensor) -> Callable[[torch.nn.Linear], torch.nn.Module] | None:
+        """The form a drafter head's vocabulary projections (Medusa's ``MedusaHeads.fused``) take beside
+        this backend's model, whose weights look like ``weight``: oneDNN-packed in bfloat16 on CPU (as
+        the target's linears are), else None (one stacked tensor)."""
+        return projection_packer(weight)
 
     # -- running passes -------------------------------------------------------------------------
     def forward(self, model: DecoderOnlyLM, input_ids: torch.Tensor, positions: torch.Tensor | None = None,

@@ -11,17 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.backends import count_weights
+from infer.backends import backend_of, count_weights
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.model_runner import ModelRunner
 from infer.engine.config import SpeculativeConfig
 from infer.engine.continuous_runner import ContinuousRunner
 from infer.engine.speculative_runner import SpeculativeRunner
 from infer.loader import Tokenizer, load_model, load_tokenizer
-from infer.loader.quantized import quantize_linears
+from infer.loader.quantized import bytes_read_ratio, quantize_draft_head
 from infer.models.config import ModelConfig
 from infer.models.layers import DecoderOnlyLM
-from infer.models.quantized import QuantLinear, weight_bytes
 from infer.speculative.budget import BudgetController, EntropyStop
 from infer.speculative.drafter import Drafter, NoDrafter
 
@@ -79,22 +78,19 @@ def make_drafter(spec: SpeculativeConfig, target: TargetModel, say: Callable[[st
         heads = load_medusa_heads(spec.medusa_heads, target.path, target.config, target.dtype, target.device)
         tree = medusa_tree(heads.config, spec.medusa_tree_size)
         cost_hint = count_weights(heads) / max(1, count_weights(target.model))
-        return MedusaDrafter(heads, tree, target.device, cost_hint, max_depth=spec.spec_length_limit)
+        return MedusaDrafter(heads, tree, target.device, cost_hint, max_depth=spec.spec_length_limit,
+                             packer=backend_of(target.model).head_packer(next(heads.parameters())))
     if spec.speculator == "eagle":
         from infer.engine.config import EAGLE_MAX_TREE
         from infer.speculative.eagle import EagleDrafter, load_eagle_head
 
         say(f"loading the EAGLE-3 head for {target.path}")
         head = load_eagle_head(spec.eagle_head, target.path, target.config, target.dtype, target.device)
-        kernels = next((m.kernels for m in target.model.modules() if isinstance(m, QuantLinear)), None)
-        if kernels is not None:
-            # A target on the quantized kernels reads a quarter of a float head's bytes per token; the
-            # head's projections go to Q8_0 too, or drafting a depth would cost a sizeable share of a
-            # target step. A draft's rounding never changes the output (verification is exact).
-            say(f"EAGLE-3 head: {quantize_linears(head, kernels)} projections in Q8_0 on the quantized kernels")
+        converted = quantize_draft_head(head, target.model)  # the target's quantized kernels, if it has them
+        if converted:
+            say(f"EAGLE-3 head: {converted} projections in Q8_0 on the quantized kernels")
         head.fuse()
-        # Bytes read per step, not parameters: a quantized target's projections hold no parameters.
-        cost_hint = sum(weight_bytes(head)) / max(1, sum(weight_bytes(target.model)))
+        cost_hint = bytes_read_ratio(head, target.model)  # bytes read per step, not parameters
         return EagleDrafter(head, target.model.model.embed_tokens, target.device,
                             max_nodes=spec.eagle_tree_size or EAGLE_MAX_TREE, max_depth=spec.spec_length_limit,
                             cost_hint=cost_hint)

@@ -182,6 +182,22 @@ def quantize_linears(module: nn.Module, kernels: KernelsProtocol, qtype: str = "
     return len(weights)
 
 
+def quantize_draft_head(head: nn.Module, target: nn.Module) -> int:
+    """A drafter head beside a ``target`` whose weights stay quantized: its projections in Q8_0 on the
+    target's kernels (``quantize_linears``), since a target on the quantized kernels reads a quarter
+    of a float head's bytes per token and drafting a depth would otherwise cost a sizeable share of a
+    target step (a draft's rounding never changes the output: verification is exact). Returns how
+    many projections were converted: 0 beside a float target."""
+    kernels = next((m.kernels for m in target.modules() if isinstance(m, QuantLinear)), None)
+    return 0 if kernels is None else quantize_linears(head, kernels)
+
+
+def bytes_read_ratio(part: nn.Module, whole: nn.Module) -> float:
+    """The weight bytes ``part`` reads per token over ``whole``'s (``weight_bytes``: a quantized
+    projection's blocks count, not its parameters, which it has none of)."""
+    return sum(weight_bytes(part)) / max(1, sum(weight_bytes(whole)))
+
+
 def dequantized(rows: QuantRows) -> torch.Tensor:
     """The float32 matrix of ``rows`` (gguf's reference dequantization), in use order."""
     from gguf import GGMLQuantizationType, quants

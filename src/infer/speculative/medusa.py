@@ -9,11 +9,12 @@ acceptance is exact, so head quality only changes the speed, never the output.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from infer.backends.onednn import projection_packer
 from infer.core.request import Request
 from infer.models.config import ModelConfig
 from infer.models.medusa_heads import CONFIG_FILE, HEADS_FILE, MedusaConfig, MedusaHeads
@@ -66,11 +67,11 @@ class MedusaDrafter(Drafter):
     """
 
     def __init__(self, heads: MedusaHeads, tree: CandidateTree, device: torch.device | str, cost_hint: float,
-                 max_depth: int) -> None:
+                 max_depth: int, packer: Callable[[nn.Linear], nn.Module] | None = None) -> None:
         if tree.max_depth > heads.config.num_heads:
             raise ValueError(f"the candidate tree is {tree.max_depth} deep but there are only "
                              f"{heads.config.num_heads} heads")
-        self.heads = heads.fused(projection_packer(next(heads.parameters())))
+        self.heads = heads.fused(packer)  # the projections' form: the target's backend decides (head_packer)
         self.tree = tree
         self.device = torch.device(device)
         self.max_depth = max_depth
