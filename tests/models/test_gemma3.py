@@ -393,7 +393,7 @@ def _assert_ragged_equals_padded(model: Any, config: Any) -> None:
     torch.testing.assert_close(after_ragged, after_padded, atol=1e-5, rtol=0)
 
 
-# ----------------------------------------------------------------------- the C decoder stack on Gemma 3
+# ------------------------------------------------- the C decoder stack on Gemma 3 and Mistral (windowed)
 
 def _counting_stack(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the passes the C decoder stack computes (``CpuStack.__call__``)."""
@@ -417,7 +417,8 @@ def _stack_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
         pytest.fail(f"no {dtype} kernels: {kernels.unavailable_reason(dtype)}")  # every CI CPU has float32's
     model, config = load_model(path, dtype, "cpu", backend="cpu-kernels")
     stack = model.backend.cpu_stack
-    assert stack is not None and stack.table.gemma, model.backend.describe()
+    assert stack is not None and stack.table.local_layers is not None, model.backend.describe()
+    assert stack.table.gemma == (config.model_type == "gemma3")
     return model, config
 
 
@@ -438,9 +439,10 @@ def _decode_past_the_window(model: Any, config: ModelConfig, backend: str) -> li
 
 
 @pytest.mark.parametrize("backend", ["paged", "slotted"])
-def test_the_c_stack_computes_gemma3_like_its_layers_past_the_window(tiny_gemma3: Path, backend: str,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    model, config = _stack_model(tiny_gemma3)
+def test_the_c_stack_computes_windowed_models_like_their_layers_past_the_window(windowed: Path, backend: str,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3 (local and global layers, two RoPE bases) and Mistral (every layer windowed, one RoPE)."""
+    model, config = _stack_model(windowed)
     calls = _counting_stack(monkeypatch)
     with torch.inference_mode():
         ours = _decode_past_the_window(model, config, backend)
@@ -458,10 +460,10 @@ def test_the_c_stack_computes_gemma3_like_its_layers_past_the_window(tiny_gemma3
     assert max(float((a - b).abs().max()) for a, b in zip(unwindowed, reference, strict=True)) > 100 * ATOL
 
 
-def test_the_c_stack_takes_a_ragged_gemma3_pass(tiny_gemma3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_c_stack_takes_a_ragged_windowed_pass(windowed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ragged pass past the window (each token as its own sequence in the stack, the local layers'
     rows and window mask alike): the same rows as the padded pass, both in the stack."""
-    model, config = _stack_model(tiny_gemma3)
+    model, config = _stack_model(windowed)
     calls = _counting_stack(monkeypatch)
     _assert_ragged_equals_padded(model, config)
     assert calls[0] == 8
@@ -496,6 +498,30 @@ def test_greedy_ngram_equals_plain_on_gemma3_with_the_c_stack(tiny_gemma3: Path,
     outputs = llm.generate(PROMPTS, _greedy())
     assert [o.token_ids for o in outputs] == gemma_plain
     assert sum(o.metrics.num_rounds for o in outputs) > 0 and calls[0] > len(PROMPTS) * 10
+
+
+@pytest.mark.parametrize("speculator", [None, "ngram"])
+def test_mistral_greedy_on_the_c_stack_matches_transformers(tiny_mistral: Path, speculator: str | None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mistral (a Llama with a sliding window in every layer) runs on the C stack, plain and with
+    greedy speculation, past its window: the tokens are transformers' greedy ones."""
+    calls = _counting_stack(monkeypatch)
+    spec: dict[str, Any] = {"speculator": "ngram", "spec_length": 5, "spec_length_policy": "fixed"} if speculator else {}
+    llm = LLM(str(tiny_mistral), dtype="float32", device="cpu", block_size=4, backend="cpu-kernels",
+              max_prefill_tokens=16, **spec)
+    stack = llm.engine.backend.cpu_stack
+    assert stack is not None and stack.table.local_layers is not None and not stack.table.gemma
+    prompts = [llm.tokenizer.encode(t) for t in PROMPTS]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    eos = set(llm.engine.tokenizer.eos_token_ids)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert len(prompt) + NEW_TOKENS > 2 * GEMMA_WINDOW  # decoding goes well past the window
+        cut = next((i for i, t in enumerate(out.token_ids) if t in eos), NEW_TOKENS)  # HF's min_new_tokens masks EOS
+        assert cut > NEW_TOKENS // 2
+        assert out.token_ids[:cut] == _hf_greedy(tiny_mistral, tuple(prompt))[:cut]
+    assert calls[0] > len(PROMPTS) * 10  # the passes ran in the stack
+    if speculator:
+        assert sum(o.metrics.num_rounds for o in outputs) > 0
 
 
 def test_a_gemma3_stack_that_fails_its_probe_falls_back_with_the_reason(tiny_gemma3: Path,

@@ -145,8 +145,10 @@ class CpuStack:
     @classmethod
     def build(cls, model: DecoderOnlyLM, library: KernelLibrary) -> CpuStack | None:
         """The stack for ``model`` (fused, in the kernels' form), or None where it does not apply: not
-        the Llama block or Gemma 3's (a Llama with a sliding window), a projection not on the kernel (a quantized
-        one), a head too wide, more than 16 query heads per KV head, or norms with different epsilons."""
+        the Llama block or Gemma 3's, sliding-window layers of more than one window, a projection on
+        neither kernel, a head too wide, more than 16 query heads per KV head, or norms with different
+        epsilons. A windowed Llama (Mistral) runs its windowed layers as Gemma 3's local ones are run:
+        through the pass's windowed view of the cache, with the model's one RoPE table."""
         from infer.backends.exact import exact_attention  # (exact imports the backend: not at the top)
 
         config = model.config
@@ -156,9 +158,9 @@ class CpuStack:
             return cls._build_gemma(model, library)
         layers = [layer for layer in model.model.layers if type(layer) is DecoderLayer]
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        # Only Gemma's stack has sliding-window layers; a windowed Llama (Mistral) runs layer by layer.
+        windows = {config.layer_window(i) for i in range(config.num_hidden_layers)} - {None}
         if (config.head_dim > MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers) or kv_heads < 1
-                or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads or config.sliding_window is not None):
+                or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads or len(windows) > 1):
             return None
         tensors: list[torch.Tensor | None] = []
         quant: list[QuantProjection | None] = []
@@ -186,8 +188,9 @@ class CpuStack:
                         weights[2], biases[2], weights[3], biases[3], None, None]
         shape = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=config.head_dim,
                      inter=config.intermediate_size, layers=len(layers))
+        local = [config.layer_window(i) is not None for i in range(config.num_hidden_layers)]
         try:
-            table = StackTable(tensors, shape, eps, qk_norm=config.qk_norm, quant=quant)
+            table = StackTable(tensors, shape, eps, qk_norm=config.qk_norm, quant=quant, local_layers=local)
             table.addresses()  # checks every tensor now
         except ValueError:
             return None
@@ -360,7 +363,7 @@ class CpuStack:
 
         ``aux`` (the inputs of some layers, for an EAGLE-3 drafter) is copied out by the same C call
         (``capture``): no arithmetic changes, so every token gets the same bits as without it. A stack
-        with sliding-window layers (Gemma 3): its passes with ``aux`` run layer by layer."""
+        with sliding-window layers (Gemma 3, Mistral): its passes with ``aux`` run layer by layer."""
         if positions is None:
             positions = default_positions(input_ids)
         x, cos, sin = model.embed(input_ids, positions)
@@ -375,9 +378,10 @@ class CpuStack:
         elif not self.takes(x, kv):
             x = model.run_layers(x, cos, sin, positions, kv)
         elif self.table.local_layers is not None:
-            assert isinstance(model, Gemma3ForCausalLM)
+            # Gemma 3's local layers rotate with their own RoPE base; a windowed Llama's with the model's.
             first = int(self.table.local_layers.nonzero()[0])
-            local_cos, local_sin = model.local_rope(positions, x.dtype)
+            local_cos, local_sin = model.local_rope(positions, x.dtype) if isinstance(model, Gemma3ForCausalLM) \
+                else (cos, sin)
             x = self(x, cos, sin, kv, (local_cos, local_sin, model.layer_kv(kv, first, positions).batch))
         else:
             out = self._logits_buffer(x) if logits else None
@@ -488,14 +492,16 @@ def probe_fused(library: KernelLibrary, dtype: torch.dtype) -> str | None:
 
 # Tiny models the stack is probed on: grouped KV heads, two head dims (one a partial 16-lane
 # chunk), biases, and Qwen3's q/k norms.
+# The third is a windowed Llama (Mistral's block): its layers run as the stack's local ones, past the window.
 _STACK_PROBES = (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, qkv_bias=True, o_bias=True),
-                 dict(num_attention_heads=6, num_key_value_heads=2, head_dim=40, qk_norm=True, mlp_bias=True))
+                 dict(num_attention_heads=6, num_key_value_heads=2, head_dim=40, qk_norm=True, mlp_bias=True),
+                 dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=3))
 
 
 @functools.cache
 def probe_stack(library: KernelLibrary, dtype: torch.dtype) -> str | None:
-    """None if the C decoder stack computes what the layers compute on tiny models (one on a paged
-    cache, one on a slotted one): prefills, a batched pass of uneven runs and a decode step; else
+    """None if the C decoder stack computes what the layers compute on tiny models (on paged and
+    slotted caches, one windowed): prefills, batched passes of uneven runs and decode steps; else
     what differed."""
     tol = _tolerance(dtype)
     for case_index, case in enumerate(_STACK_PROBES):

@@ -512,6 +512,10 @@ class KernelLibrary:
             _check(rope_table, name, dtype)
             _check_shape(rope_table, name, (batch, width, 1, head_dim))
         storage, local_storage = _checked_stores(table, kv.k_layers, kv.v_layers)
+        if local is not None and table.local_layers is not None and bool(table.local_layers.all()):
+            # Every layer slides (Mistral): no layer reads or writes the shared rows, which a pool may
+            # not even hold for the pass's positions; the local view stands for both.
+            kv, storage = local[2], local_storage
         write_rows, read_rows, mask = _cache_view(kv, batch, width, storage)
         local_view: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         local_kv = None
