@@ -32,7 +32,7 @@ install: install-demo
 	@echo "== installing llama-cpp-python (infer[peer]), for the tests' llama.cpp rows: it compiles llama.cpp" \
 	      "(193 steps, about 5-9 minutes on 2 cores; a built wheel is cached for the next time; full log $(PEER_BUILD_LOG))"
 	@# On a CPU with AMX, llama.cpp's native build compiles its AMX backend, which dies at its first AMX
-	@# matmul with GCC 12 (docs/bench/llama-amx/: SIGILL there, a segfault inside llama-cpp-python's
+	@# matmul with GCC 12 (benchmarks/runs/llama-amx/: SIGILL there, a segfault inside llama-cpp-python's
 	@# decode here): there the CPU's features are named instead, the AMX ones off, as
 	@# scripts/build_llama_server.sh does
 	set -o pipefail; if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then \

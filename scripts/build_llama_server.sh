@@ -14,6 +14,6 @@
 #   infer bench serving ... --peer llama-server --peer-binary "$(scripts/build_llama_server.sh --amx on)"
 # With GCC 12 and the llama-cpp-python 0.3.36 sdist (llama.cpp 0c1e570) the --amx on build compiles
 # but dies of SIGILL (exit 132) at its first AMX matmul: GCC drops the tile config's rows/colsb
-# stores before ldtilecfg. Details, a one-line patch, and AMX against no AMX: docs/bench/llama-amx/.
+# stores before ldtilecfg. Details, a one-line patch, and AMX against no AMX: benchmarks/runs/llama-amx/.
 set -euo pipefail
 exec nice -n 10 python -m infer.bench.llama_server "$@"

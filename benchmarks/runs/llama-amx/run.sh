@@ -5,8 +5,8 @@
 #   nice -n 19 scripts/build_llama_server.sh --amx off; nice -n 19 scripts/build_llama_server.sh --amx on
 # The stock --amx on build dies of SIGILL on its first AMX matmul here (README.md), so the AMX side is
 # build-amx-patched: the same configuration with raw/mmq-tilecfg.patch applied (see README.md).
-# Usage: [BUILDS="build-amx-patched build"] docs/bench/llama-amx/run.sh [ROUNDS] (default 3);
-# raw JSON and logs into docs/bench/llama-amx/raw/.
+# Usage: [BUILDS="build-amx-patched build"] benchmarks/runs/llama-amx/run.sh [ROUNDS] (default 3);
+# raw JSON and logs into benchmarks/runs/llama-amx/raw/.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 rounds=${1:-3}

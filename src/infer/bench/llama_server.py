@@ -10,7 +10,7 @@ kills the server on its first tile instruction. ``cmake_flags`` is that choice, 
 ``flags`` line alone, so it is testable without a build. ``--amx on`` builds the other way on
 purpose, into ``build-amx`` next to the default ``build``: the same named features plus the AMX
 ones the CPU reports (``amx_tile``, ``amx_int8``, ``amx_bf16``), to measure llama.cpp's AMX backend
-against its plain AVX-512 one on a machine where the tiles work (docs/bench/llama-amx/).
+against its plain AVX-512 one on a machine where the tiles work (benchmarks/runs/llama-amx/).
 
 ``LlamaServer`` starts a built (or given) binary on one GGUF and stops it.
 
