@@ -149,7 +149,7 @@ def test_round_cost_model() -> None:
 
 def test_fixed_controller_and_entropy_with_medusa_refused() -> None:
     assert BudgetController(4).budgets([SimpleNamespace(request_id="a")]) == [4]  # type: ignore[list-item]
-    with pytest.raises(ValueError, match="max_budget"):
+    with pytest.raises(ValueError, match="max_draft_tokens"):
         BudgetController(0)
     with pytest.raises(ValueError, match="entropy.*Medusa"):
         EngineConfig.from_options(model="m", speculator="medusa", spec_length_policy="entropy")

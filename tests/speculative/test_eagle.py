@@ -329,7 +329,7 @@ def test_observed_states_are_held_once_in_position_order(tiny_llama: Path, tmp_p
     head.config.aux_layers = (1, 2, 3)
     width = 3 * head.config.target_hidden_size
     drafter = EagleDrafter(head, lambda ids: torch.zeros(*ids.shape, head.config.hidden_size), "cpu",
-                           max_nodes=4, max_depth=2, cost_hint=0.1, max_backlog=1000)
+                           max_draft_tokens=4, max_depth=2, cost_hint=0.1, max_backlog=1000)
     request: Any = SimpleNamespace(request_id="r")
     states = torch.randn(200, width)
     drafter.observe_states(request, 0, states[:70])  # a prompt longer than the first buffer
@@ -360,7 +360,7 @@ def test_the_backlog_fed_to_the_head_is_bounded(tiny_llama: Path, tmp_path: Path
     width = 3 * head.config.target_hidden_size
     fed: list[tuple[list[int], torch.Tensor]] = []
     drafter = EagleDrafter(head, lambda ids: torch.zeros(*ids.shape, head.config.hidden_size), "cpu",
-                           max_nodes=4, max_depth=2, cost_hint=0.1, max_backlog=8)
+                           max_draft_tokens=4, max_depth=2, cost_hint=0.1, max_backlog=8)
     real_qkv = drafter._qkv
 
     def spy(embeds: torch.Tensor, state: torch.Tensor, positions: list[int]) -> Any:
@@ -382,12 +382,12 @@ def test_the_backlog_fed_to_the_head_is_bounded(tiny_llama: Path, tmp_path: Path
     assert positions == list(range(92, 100)) and seq.length == 8 and seq.pending == []
     assert torch.equal(fed_states, head.fc(states[92:100]))  # the newest eight, each with its own state
     with pytest.raises(ValueError, match="max_backlog"):
-        EagleDrafter(head, lambda ids: ids, "cpu", max_nodes=4, max_depth=2, cost_hint=0.1, max_backlog=0)
+        EagleDrafter(head, lambda ids: ids, "cpu", max_draft_tokens=4, max_depth=2, cost_hint=0.1, max_backlog=0)
     with pytest.raises(ValueError, match="capture_window"):
-        EagleDrafter(head, lambda ids: ids, "cpu", max_nodes=4, max_depth=2, cost_hint=0.1, capture_window=0)
+        EagleDrafter(head, lambda ids: ids, "cpu", max_draft_tokens=4, max_depth=2, cost_hint=0.1, capture_window=0)
     # A resting head asks for captures only in the window before a probe, never past what it feeds.
     assert drafter.info.aux_window == 8
-    assert EagleDrafter(head, lambda ids: ids, "cpu", max_nodes=4, max_depth=2, cost_hint=0.1).info.aux_window == 16
+    assert EagleDrafter(head, lambda ids: ids, "cpu", max_draft_tokens=4, max_depth=2, cost_hint=0.1).info.aux_window == 16
 
 
 def test_a_head_resting_between_probes_captures_only_what_it_will_read(tiny_llama: Path, tmp_path: Path) -> None:

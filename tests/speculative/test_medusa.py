@@ -556,7 +556,7 @@ def expected_tokens(n: int, decay: float = 0.6) -> float:
 def test_size_ladder_starts_with_plain_and_ends_with_the_whole_tree() -> None:
     assert size_ladder(1) == [0, 1]
     assert size_ladder(32) == [0, 1, 2, 3, 4, 6, 9, 13, 19, 28, 32]
-    with pytest.raises(ValueError, match="max_budget"):
+    with pytest.raises(ValueError, match="max_draft_tokens"):
         tree_sizer(0)
 
 

@@ -92,7 +92,7 @@ def make_drafter(spec: SpeculativeConfig, target: TargetModel, say: Callable[[st
         head.fuse()
         cost_hint = bytes_read_ratio(head, target.model)  # bytes read per step, not parameters
         return EagleDrafter(head, target.model.model.embed_tokens, target.device,
-                            max_nodes=spec.eagle_tree_size or EAGLE_MAX_TREE, max_depth=spec.spec_length_limit,
+                            max_draft_tokens=spec.eagle_tree_size or EAGLE_MAX_TREE, max_depth=spec.spec_length_limit,
                             cost_hint=cost_hint)
     if spec.speculator == "suffix":
         from infer.speculative.suffix import SuffixDrafter
@@ -109,13 +109,13 @@ def make_budget(spec: SpeculativeConfig, drafter: Drafter) -> BudgetController:
     loop stops early), or what goodput picks in 0..``spec_length_limit``."""
     info = drafter.info
     if info.tree:
-        assert info.max_nodes is not None
+        assert info.max_draft_tokens is not None
         fixed = {"medusa": spec.medusa_tree_size, "eagle": spec.eagle_tree_size}.get(spec.speculator)
-        return BudgetController(info.max_nodes, adaptive=fixed is None, tree=True,
+        return BudgetController(info.max_draft_tokens, adaptive=fixed is None, tree=True,
                                 cost_per_token=info.cost_per_token, prior_cost=info.cost_hint)
-    max_budget = spec.spec_length if spec.spec_length_policy == "fixed" else spec.spec_length_limit
+    max_draft_tokens = spec.spec_length if spec.spec_length_policy == "fixed" else spec.spec_length_limit
     # A one-call drafter's probe costs two verification rows and no draft steps: it probes often, so a
     # request re-engages within a few tokens once its text starts repeating (copying comes in bursts).
     probe_every, max_probe_every = (16, 128) if info.cost_per_token else (4, 16)
-    return BudgetController(max_budget, adaptive=spec.spec_length_policy == "goodput", cost_per_token=info.cost_per_token,
+    return BudgetController(max_draft_tokens, adaptive=spec.spec_length_policy == "goodput", cost_per_token=info.cost_per_token,
                             prior_cost=info.cost_hint, probe_every=probe_every, max_probe_every=max_probe_every)

@@ -49,8 +49,9 @@ class SpeculativeRunner:
         self._grammar_only = isinstance(drafter, NoDrafter)
         # Verification writes g plus every node; a tree verifies more nodes than it can accept; a
         # request with a grammar, up to GRAMMAR_MAX_DRAFT nodes with grammar drafting.
-        self.max_verify = 0 if self._grammar_only else max(budget.max_budget, drafter.info.max_nodes or 0)
-        self.grammar_verify = max(self.max_verify, GRAMMAR_MAX_DRAFT if grammar_drafting else 0)
+        self.max_draft_tokens = 0 if self._grammar_only else max(budget.max_draft_tokens,
+                                                                 drafter.info.max_draft_tokens or 0)
+        self.grammar_max_draft_tokens = max(self.max_draft_tokens, GRAMMAR_MAX_DRAFT if grammar_drafting else 0)
         self.tree_masks = TreeMaskCache()
         self.device = target.pool.device
         self.states = TargetStates(drafter)  # what the drafter reads of the target's passes
@@ -102,11 +103,11 @@ class SpeculativeRunner:
         return pools
 
     def can_admit(self, request: Request, running: list[Request]) -> bool:
-        # Verification writes up to max_verify + 1 positions past the kept length before rollback (a
-        # grammar's request up to grammar_verify + 1), so room is kept for that whenever a grammar is
+        # Verification writes up to max_draft_tokens + 1 positions past the kept length before rollback (a
+        # grammar's request up to grammar_max_draft_tokens + 1), so room is kept for that whenever a grammar is
         # among the requests; without a drafter a batch without one is admitted as plain.
         grammar = request.grammar is not None or any(r.grammar is not None for r in running)
-        extra = (self.grammar_verify if grammar else self.max_verify) + 1
+        extra = (self.grammar_max_draft_tokens if grammar else self.max_draft_tokens) + 1
         if self._grammar_only and not grammar:
             extra = 0
         return self.target.can_admit(request, running, extra) and self.drafter.can_admit(request, running, extra)
@@ -176,7 +177,7 @@ class SpeculativeRunner:
             proposal = Proposal(torch.zeros(batch, 0, dtype=torch.long, device=self.device), [0] * batch, None)
         if proposal is not None and any(r.grammar is not None for r in requests):
             proposal, grammar = filter_proposal(requests, proposal, self.target.runner.vocab_size, self.device,
-                                                self.grammar_verify if self.grammar_drafting else None)
+                                                self.grammar_max_draft_tokens if self.grammar_drafting else None)
         if drafting and proposal is not None and any(proposal.num_tokens):  # (the grammar alone makes no call)
             seconds = proposal.step_seconds if self.drafter.info.cost_per_token else drafted - start
             if seconds is not None:

@@ -186,21 +186,22 @@ class BudgetController:
     """Each round's budget per request; learns from the runner's timings and verification results.
 
     Args:
-        max_budget: the constant budget when not ``adaptive``; otherwise the largest one tried.
+        max_draft_tokens: the round's draft limit per request: the constant budget when not ``adaptive``,
+            otherwise the largest one tried.
         adaptive: choose by expected tokens per second (see the module docstring).
         tree: budgets are tree sizes (measured acceptance on a ladder) rather than chain lengths.
         cost_per_token: drafting costs one step per node (a draft model) rather than one call per round.
         prior_cost: one draft step (or call) over one target decode step, until measured.
     """
 
-    def __init__(self, max_budget: int, *, adaptive: bool = False, tree: bool = False, cost_per_token: bool = True,
+    def __init__(self, max_draft_tokens: int, *, adaptive: bool = False, tree: bool = False, cost_per_token: bool = True,
                  prior_cost: float = 0.0, prior_alpha: float = 0.6, ema: float = 0.3, probe_every: int = 16,
                  max_probe_every: int = 128, warmup_rounds: int = 2, tree_ema: float = 0.2,
                  alpha_decay: float = 0.7, alpha_window: float = 8.0, prior_row_cost: float = 0.05,
                  min_row_cost: float = 0.01, first_probe: int = 4, min_gain: float = 0.05) -> None:
-        if max_budget < 1:
-            raise ValueError(f"max_budget={max_budget} must be >= 1")
-        self.max_budget = max_budget
+        if max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens={max_draft_tokens} must be >= 1")
+        self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive
         self.tree = tree
         self.cost_per_token = cost_per_token
@@ -247,7 +248,7 @@ class BudgetController:
         self._plain_rounds: dict[str, int] = {}
         self._probe_wait: dict[str, int] = {}
         # Tree acceptance: tokens per request and round at each ladder size (unused for chains).
-        self.sizes = size_ladder(max_budget) if tree else list(range(max_budget + 1))
+        self.sizes = size_ladder(max_draft_tokens) if tree else list(range(max_draft_tokens + 1))
         self.warmup_rounds = warmup_rounds
         self.tree_ema = tree_ema
         self.min_gain = min_gain
@@ -267,12 +268,12 @@ class BudgetController:
         self._round_class = {} if classes is None else {
             r.request_id: c for r, c in zip(requests, classes, strict=True)}
         if not self.adaptive:
-            return [self.max_budget] * len(requests)
+            return [self.max_draft_tokens] * len(requests)
         if self.tree:
             per_node, overhead = self._last_cost = self.round_cost(len(requests))
             return [self.tree_size(per_node, overhead)] * len(requests)
         per_row, per_step, overhead = self.chain_cost(len(requests))
-        # A chain of up to max_budget rows: its row cost is a prior until a pass is timed, and never
+        # A chain of up to max_draft_tokens rows: its row cost is a prior until a pass is timed, and never
         # below min_row_cost, so an unmeasured (or noisy, flat) fit cannot make a 32-row pass look free.
         if not self.target.ready:
             return self.chain_lengths(requests, self.prior_row_cost, overhead, per_step)
@@ -316,7 +317,7 @@ class BudgetController:
         may cost: it bounds the drafts worth ranking."""
         # Class 0: the drafter found nothing to draft from (no match), so it drafts nothing, probe or not.
         found = [self._round_class.get(r.request_id) != 0 for r in requests]
-        caps = [min(self.max_budget, r.draft_room) if f else 0 for r, f in zip(requests, found, strict=True)]
+        caps = [min(self.max_draft_tokens, r.draft_room) if f else 0 for r, f in zip(requests, found, strict=True)]
         alphas = [self.request_alphas(r) for r in requests]
         batch = len(requests)
         best_rate, best = float(batch), [0] * batch  # plain decoding: B tokens per step

@@ -70,7 +70,8 @@ class DrafterInfo:
     """What the runner and its budget controller need to know about a drafter."""
 
     tree: bool = False  # proposals are trees (budgets count nodes; sized on a ladder of tree sizes)
-    max_nodes: int | None = None  # most nodes one round can verify, for a tree (a chain: its budget)
+    # The round's draft limit: most nodes one round can verify (None: a chain's, its budget).
+    max_draft_tokens: int | None = None
     uses_hidden_states: bool = False  # propose() reads the target's last hidden state per request
     # One sequential step per drafted token (a draft model), so drafting costs grow with the budget;
     # False: one call per round whatever the budget (n-gram lookup, Medusa heads).

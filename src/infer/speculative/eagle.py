@@ -126,7 +126,7 @@ class EagleDrafter(Drafter):
     """Drafts a tree of up to ``budgets[b]`` nodes per request with an EAGLE-3 head (see the module doc)."""
 
     def __init__(self, head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str,
-                 max_nodes: int, max_depth: int, cost_hint: float, top_k: int = DEFAULT_TOP_K,
+                 max_draft_tokens: int, max_depth: int, cost_hint: float, top_k: int = DEFAULT_TOP_K,
                  max_backlog: int = MAX_BACKLOG, capture_window: int = CAPTURE_WINDOW) -> None:
         if head.config.aux_layers is None:
             raise ValueError("the head's aux layers must be resolved against the target (load_eagle_head)")
@@ -139,7 +139,7 @@ class EagleDrafter(Drafter):
         self.max_backlog = max_backlog
         self.dtype = head.norm.weight.dtype  # (the projections may hold quantized blocks)
         self.target_ids = head.target_ids.tolist()
-        self.info = DrafterInfo(tree=True, max_nodes=max_nodes, aux_layers=tuple(head.config.aux_layers),
+        self.info = DrafterInfo(tree=True, max_draft_tokens=max_draft_tokens, aux_layers=tuple(head.config.aux_layers),
                                 cost_hint=cost_hint, aux_window=min(capture_window, max_backlog))
         self._seqs: dict[str, _Sequence] = {}
 

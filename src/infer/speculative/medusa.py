@@ -75,7 +75,7 @@ class MedusaDrafter(Drafter):
         self.tree = tree
         self.device = torch.device(device)
         self.max_depth = max_depth
-        self.info = DrafterInfo(tree=True, max_nodes=tree.size, uses_hidden_states=True, cost_hint=cost_hint)
+        self.info = DrafterInfo(tree=True, max_draft_tokens=tree.size, uses_hidden_states=True, cost_hint=cost_hint)
         self._subtrees: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._head_index = torch.tensor(tree.heads, device=self.device)
         self._rank_index = torch.tensor(tree.ranks, device=self.device)

@@ -17,7 +17,7 @@ decoding. Drafts for a request come only from requests with the same ``cache_sal
 
 Budgets: ``budgets[b]`` is the tree's *depth* (a chain's length, as for n-gram lookup, so the
 budget controller's fixed and goodput rules apply unchanged: goodput may choose 0, a plain step);
-the node count is the drafter's own, at most ``tree_size`` (``info.max_nodes``, the KV room the
+the node count is the drafter's own, at most ``tree_size`` (``info.max_draft_tokens``, the KV room the
 runner reserves) and never past the request's context.
 """
 
@@ -62,7 +62,7 @@ class SuffixDrafter(Drafter):
         self.max_match = max_match
         self.min_prob = min_prob
         self.nodes_per_matched_token = nodes_per_matched_token
-        self.info = DrafterInfo(max_nodes=tree_size)  # budgets are depths (see the module docstring)
+        self.info = DrafterInfo(max_draft_tokens=tree_size)  # budgets are depths (see the module docstring)
         self.scope = scope
         # A match of max_match tokens leaves BRANCH_DEPTH levels below it (deeper drafts are copied).
         self.store = SuffixStore(max_match + min(max_depth, BRANCH_DEPTH), max_tokens, max_requests)  # scope "salt"
