@@ -180,6 +180,24 @@ def test_every_command_takes_the_engine_options_with_the_engines_defaults() -> N
         EngineConfig.from_options(**{"model": "m", name: OPTIONS[name].default()})
 
 
+def test_every_config_field_is_a_flag() -> None:
+    """SpeculativeConfig's and EngineConfig's docstrings promise each field is the flat option of the
+    same name: each is registered and declared by every command that loads a model or serves."""
+    from dataclasses import fields
+
+    from infer.engine.config import SpeculativeConfig
+    from infer.engine.options import MODEL_OPTIONS, OPTIONS, SERVING_OPTIONS, engine_config
+
+    names = {f.name for f in (*fields(SpeculativeConfig), *fields(EngineConfig))} - {"speculative"}
+    assert names <= set(OPTIONS), names - set(OPTIONS)
+    assert names <= set(MODEL_OPTIONS) | set(SERVING_OPTIONS)
+    serve = build_parser().parse_args(["serve", "--ngram-max", "6", "--entropy-threshold", "0.3",
+                                       "--speculator", "ngram"])
+    config = engine_config(serve)
+    assert config.speculative is not None
+    assert (config.speculative.ngram_max, config.speculative.entropy_threshold) == (6, 0.3)
+
+
 def test_structured_output_flags(tiny_llama: Path, llm: LLM, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--json-schema (text or @file), --regex: the same tokens as SamplingParams.structured_output."""
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],

@@ -154,7 +154,7 @@ def per_position(outputs: list[RequestOutput], field: str) -> list[int]:
 def test_greedy_parity(tiny_llama: Path, request: pytest.FixtureRequest, drafter: str, policy: str,
                        backend: str) -> None:
     llm = make_llm(tiny_llama, **drafter_options(drafter, request), **POLICIES[policy], **BACKENDS[backend])
-    assert llm.engine.config.use_speculative_decoding
+    assert llm.engine.config.speculate
     spec = llm.generate(PROMPTS, GREEDY)
     assert_same_outputs(spec, plain_generate(tiny_llama, PROMPTS, GREEDY, **BACKENDS[backend]))
 
@@ -613,7 +613,7 @@ def test_round_metrics_do_not_depend_on_batch_mates(tiny_llama: Path) -> None:
 
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="drafter"):
-        EngineConfig.from_options(model="m", use_speculative_decoding=True)
+        EngineConfig.from_options(model="m", speculate=True)
     with pytest.raises(ValueError, match="spec_length"):
         EngineConfig.from_options(model="m", speculator="ngram", spec_length=0, spec_length_policy="fixed")
     with pytest.raises(ValueError, match="speculator"):
@@ -624,16 +624,18 @@ def test_config_validation() -> None:
         EngineConfig.from_options(model="m", speculator="draft")
     implied = EngineConfig.from_options(model="m", draft_model="d")
     assert implied.speculative is not None and implied.speculative.speculator == "draft"
-    assert implied.use_speculative_decoding
-    assert EngineConfig.from_options(model="m", speculator="ngram").use_speculative_decoding
-    assert not EngineConfig.from_options(model="m").use_speculative_decoding
+    assert implied.speculate
+    assert EngineConfig.from_options(model="m", speculator="ngram").speculate
+    assert not EngineConfig.from_options(model="m").speculate
+    with pytest.warns(DeprecationWarning, match="use_speculative_decoding is now speculate"):
+        assert EngineConfig.from_options(model="m", speculator="ngram", use_speculative_decoding=True).speculate
     goodput = EngineConfig.from_options(model="m", draft_model="d", spec_length=3, spec_length_policy="goodput")
     assert goodput.speculative is not None and goodput.speculative.spec_length_limit == 6
 
 
 def test_llm_rejects_speculation_without_drafter(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="drafter"):
-        make_llm(tiny_llama, use_speculative_decoding=True)
+        make_llm(tiny_llama, speculate=True)
 
 
 def draft_with(root: Path, **kwargs: Any) -> Path:

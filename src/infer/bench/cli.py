@@ -19,7 +19,7 @@ from infer.engine.options import MODEL_OPTIONS, OPTIONS, add_engine_args
 # there reaches the bench too), except those the bench varies across rows: it takes lists of draft
 # lengths and tree sizes (a row each), and its --exact-greedy, --compiled and --cuda-graphs add twin
 # rows rather than switching every row.
-VARIED_BY_ROWS = ("use_speculative_decoding", "speculator", "spec_length", "spec_length_policy", "medusa_tree_size",
+VARIED_BY_ROWS = ("speculate", "speculator", "spec_length", "spec_length_policy", "medusa_tree_size",
                   "exact_greedy", "compile", "cuda_graphs")
 ROW_OPTIONS = tuple(name for name in MODEL_OPTIONS if name not in VARIED_BY_ROWS)
 # Those BenchSettings has fields of its own for; the rest reach every row's LLM when set.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -178,7 +179,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.kv_cache_backend not in KV_BACKENDS:
-            raise ValueError(f"kv_cache_backend={self.kv_cache_backend!r} is invalid: use paged or slotted")
+            raise ValueError(f"kv_cache_backend={self.kv_cache_backend!r} is invalid: use one of "
+                             f"{', '.join(KV_BACKENDS)}")
         if self.prefix_caching and self.kv_cache_backend != "paged":
             raise ValueError("prefix_caching needs kv_cache_backend='paged'")
         for name in ("max_batch_size", "block_size", "max_prefill_tokens", "max_queue"):
@@ -187,7 +189,8 @@ class EngineConfig:
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len={self.max_seq_len} is invalid: must be >= 2")
         if self.tree_attention not in TREE_ATTENTION:
-            raise ValueError(f"tree_attention={self.tree_attention!r} is invalid: use sdpa or flex")
+            raise ValueError(f"tree_attention={self.tree_attention!r} is invalid: use one of "
+                             f"{', '.join(TREE_ATTENTION)}")
         if self.tree_attention == "flex":
             from infer.models.layers import flex_available
 
@@ -217,23 +220,30 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 1")
 
     @property
-    def use_speculative_decoding(self) -> bool:
+    def speculate(self) -> bool:
+        """Whether requests are drafted for (the ``speculate`` option, ``SamplingParams.speculate`` per
+        request): a drafter is configured."""
         return self.speculative is not None
 
     def grammar_limits(self) -> GrammarLimits:
         return GrammarLimits(**{f.name: getattr(self, f"grammar_{f.name}") for f in fields(GrammarLimits)})
 
     @classmethod
-    def from_options(cls, use_speculative_decoding: bool = False, **options: Any) -> EngineConfig:
+    def from_options(cls, speculate: bool = False, **options: Any) -> EngineConfig:
         """An EngineConfig from flat options, the CLI flags' names (``speculator``, ``spec_length``, ...).
 
         A draft model alone implies ``speculator='draft'``; without a speculator the speculative
-        options are ignored.
+        options are ignored. ``speculate`` asks for speculation, an error without a drafter.
         """
+        if "use_speculative_decoding" in options:
+            # The option's old name, accepted with a warning for one release so callers can move.
+            warnings.warn("use_speculative_decoding is now speculate; the old name will be removed",
+                          DeprecationWarning, stacklevel=3)
+            speculate = speculate or bool(options.pop("use_speculative_decoding"))
         spec = {k: options.pop(k) for k in list(options) if k in SPECULATIVE_OPTIONS}
         if spec.get("draft_model") is not None and spec.get("speculator") is None:
             spec["speculator"] = "draft"
-        if use_speculative_decoding and spec.get("speculator") is None:
+        if speculate and spec.get("speculator") is None:
             raise ValueError("speculative decoding needs a drafter: set draft_model, or speculator='ngram'")
         unknown = set(options) - {f.name for f in fields(cls)}
         if unknown:

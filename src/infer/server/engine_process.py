@@ -281,7 +281,7 @@ class EngineClient:
     def __init__(self, engine: EngineProcess, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.speculative = bool(engine.config.use_speculative_decoding)
+        self.speculative = engine.config.speculate
         self._subs: dict[str, RemoteSubscription] = {}
         self._subs_lock = threading.Lock()
         self._receiver: threading.Thread | None = None
