@@ -29,7 +29,27 @@ _SETTINGS_FIELDS = ("model", "dtype", "device", "draft_model", "medusa_heads", "
 def add_subparser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks (generation vs transformers; serving load)")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    _add_generation_parser(kinds)
+    _add_export_gguf_parser(kinds)
+    _add_compile_parser(kinds)
+    _add_step_parser(kinds)
+    _add_shapes_parser(kinds)
+    quality = kinds.add_parser("quality", help="quantized inference against the same file in float32: KL, perplexity, "
+                                               "greedy agreement on held-out text, infer's kernels and llama.cpp's")
+    add_quality_arguments(quality)
+    quality.set_defaults(func=_run_quality)
 
+    from infer.bench.agent import add_agent_parser
+
+    add_agent_parser(kinds)
+    try:
+        from infer.bench.serving import add_serving_parser
+    except ModuleNotFoundError:
+        return
+    add_serving_parser(kinds)
+
+
+def _add_generation_parser(kinds: Any) -> None:
     gen = kinds.add_parser("generation", help="single-request decode: infer plain/speculative vs transformers")
     add_engine_args(gen, ROW_OPTIONS)
     # A benchmark names its precision and device: the same command measures the same thing on every
@@ -96,6 +116,8 @@ def add_subparser(sub: Any) -> None:
                      help="an extra 'infer plain (DTYPE)' row for each, next to --dtype's rows")
     gen.set_defaults(func=_run_generation)
 
+
+def _add_export_gguf_parser(kinds: Any) -> None:
     export = kinds.add_parser("export-gguf", help="write a Hugging Face folder's weights as a GGUF (llama; BF16 unless "
                                                   "--type), metadata and tokenizer copied from a GGUF of the same model")
     export.add_argument("--model", required=True, help="Hugging Face model folder (safetensors)")
@@ -104,6 +126,8 @@ def add_subparser(sub: Any) -> None:
     add_quantization_args(export, "BF16")
     export.set_defaults(func=_run_export_gguf)
 
+
+def _add_compile_parser(kinds: Any) -> None:
     comp = kinds.add_parser("compile", help="measure torch.compile against infer's eager decode and verification "
                                             "passes: compile time, then interleaved ms per step (CPU)")
     add_engine_args(comp, ("model", "dtype", "backend"))
@@ -114,6 +138,8 @@ def add_subparser(sub: Any) -> None:
     comp.add_argument("--out", default="bench-out", help="folder for compile.json")
     comp.set_defaults(func=_run_compile_eval)
 
+
+def _add_step_parser(kinds: Any) -> None:
     step = kinds.add_parser("step", help="a decode step's and a speculative round's time by phase (model pass, "
                                          "sampling, scheduling, detokenization, drafting, verification, ...)")
     add_engine_args(step, ("model", "dtype", "backend", "eagle_head"))
@@ -127,6 +153,8 @@ def add_subparser(sub: Any) -> None:
     step.add_argument("--json", default=None, help="write the per-request figures here")
     step.set_defaults(func=_run_step)
 
+
+def _add_shapes_parser(kinds: Any) -> None:
     shapes = kinds.add_parser("shapes", help="random-weight models of Llama-3.2-1B's and 3B's shapes (SmolLM2's "
                                              "vocabulary) as a Hugging Face folder and GGUF files, for the peer tables")
     shapes.add_argument("--shape", nargs="+", default=["1b"], choices=sorted(SHAPES),
@@ -138,20 +166,6 @@ def add_subparser(sub: Any) -> None:
     shapes.add_argument("--out", default=None, help="folder to write to (default: ~/.cache/infer/shapes): OUT/NAME "
                                                     "is the Hugging Face folder, OUT/NAME.TYPE.gguf each GGUF")
     shapes.set_defaults(func=_run_shapes)
-
-    quality = kinds.add_parser("quality", help="quantized inference against the same file in float32: KL, perplexity, "
-                                               "greedy agreement on held-out text, infer's kernels and llama.cpp's")
-    add_quality_arguments(quality)
-    quality.set_defaults(func=_run_quality)
-
-    from infer.bench.agent import add_agent_parser
-
-    add_agent_parser(kinds)
-    try:
-        from infer.bench.serving import add_serving_parser
-    except ModuleNotFoundError:
-        return
-    add_serving_parser(kinds)
 
 
 def add_quantization_args(parser: argparse.ArgumentParser, *default: str) -> None:

@@ -296,183 +296,23 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     threads = torch.get_num_threads()
     if settings.peer and not settings.peer_gguf:
         settings = replace(settings, peer_gguf=[str(_model_gguf(settings.model))])
-    modes: list[_Mode] = []
-
-    llms: list[LLM] = []
-
-    def infer_mode(name: str, reported: bool = True, dtype: str = settings.dtype, **options: Any) -> ModeResult:
-        model = options.pop("model", settings.model)
-        variants: list[tuple[str, dict[str, Any]]] = [(name, {})]
-        if reported:  # the draft alone (only for c) needs no twins
-            if settings.exact_greedy:
-                variants.append((f"{name} {EXACT}", {"exact_greedy": True}))
-            if settings.compiled:
-                variants.append((f"{name} {COMPILED}", {"compile": True}))
-            if settings.cuda_graphs:
-                variants.append((f"{name} {GRAPHS}", {"cuda_graphs": True}))
-        results = []
-        for label, extra in variants:
-            say(f"[{label}] loading")
-            run, llm = _infer_runner(settings, model, dtype, **options, **extra)
-            llms.append(llm)
-            # The precision the row ran in (what --dtype auto resolved to on this machine).
-            ran = str(llm.engine.dtype).removeprefix("torch.")
-            results.append(ModeResult(label, "infer", 0.0, [], spec_length=options.get("spec_length"),
-                                      policy=options.get("spec_length_policy"), dtype=ran))
-            history = _History(llm) if options.get("speculator") == "suffix" else None
-            plain_row = reported and not options.get("speculator") and not options.get("draft_model")
-            modes.append(_Mode(results[-1], run, reported=reported, llm=llm, history=history,
-                               prefill=_infer_prefill(llm) if plain_row else None))
-        return results[0]
-
-    plain = infer_mode("infer plain")
-    plain_llm = llms[0]
-    for dtype in settings.extra_dtypes:
-        infer_mode(f"infer plain ({dtype})", dtype=dtype)
-    for backend in settings.extra_backends:
-        infer_mode(f"infer plain {OTHER_BACKEND}{backend})", backend=backend)
-    draft_alone = None
-    if settings.draft_model is not None:
-        # Not a row: the draft model decoding on its own gives the cost ratio c (draft step / target step).
-        draft_alone = infer_mode("draft model alone", reported=False, model=settings.draft_model)
-        for k in settings.spec_lengths:
-            infer_mode(f"infer + draft K={k}", draft_model=settings.draft_model, spec_length=k,
-                       spec_length_policy="fixed")
-        for policy in settings.policies:
-            infer_mode(f"infer + draft ({policy})", draft_model=settings.draft_model,
-                       spec_length=max(settings.spec_lengths), spec_length_policy=policy)
-    if settings.ngram:
-        infer_mode(f"infer + n-gram K={max(settings.spec_lengths)}", speculator="ngram",
-                   spec_length=max(settings.spec_lengths), spec_length_policy="fixed")
-        infer_mode(f"infer + n-gram {DEFAULT_POLICY}", speculator="ngram")
-    if settings.medusa_heads:
-        infer_mode("infer + Medusa", speculator="medusa", medusa_heads=settings.medusa_heads,
-                   spec_length=max(settings.spec_lengths))
-        for size in settings.medusa_tree_sizes:
-            infer_mode(f"infer + Medusa ({size}-node tree)", speculator="medusa", medusa_heads=settings.medusa_heads,
-                       spec_length=max(settings.spec_lengths), medusa_tree_size=size)
-    if settings.eagle_head:
-        infer_mode("infer + EAGLE", speculator="eagle", eagle_head=settings.eagle_head,
-                   spec_length=max(settings.spec_lengths))
-    if settings.suffix:
-        infer_mode(f"infer + suffix K={max(settings.spec_lengths)}", speculator="suffix",
-                   spec_length=max(settings.spec_lengths), spec_length_policy="fixed")
-        infer_mode(f"infer + suffix {DEFAULT_POLICY}", speculator="suffix")
-    if settings.hf:
-        from infer.bench.hf_baseline import transformers_runners
-
-        say("[transformers] loading")
-        for name, run, spec_length in transformers_runners(settings):
-            modes.append(_Mode(ModeResult(name, "transformers", 0.0, [], spec_length=spec_length), run))
-    if settings.peer:
-        modes += _peer_modes(settings, plain_llm, threads, say)
+    modes, draft_alone = _load_modes(settings, threads, say)
+    plain, plain_llm = modes[0].result, modes[0].llm
+    assert plain_llm is not None
 
     prompts = _prepare(settings, settings.prompts)
     history = _prepare(settings, settings.warmup_prompts)
-    say(f"warming up {len(modes)} modes" + (f", then {len(history)} warm-up requests for suffix decoding"
-                                             if history and any(m.history for m in modes) else ""))
-    for mode in modes:
-        mode.run(prompts[0], settings.seed)
-        if mode.history is not None:
-            # Forget the warm-up generation (a timed prompt), learn from the warm-up requests instead,
-            # and keep exactly that: every timed request starts from it, so none can replay an answer
-            # to a prompt timed earlier (the same prompts come back every repeat).
-            mode.history.restore()
-            for i, prompt in enumerate(history):
-                mode.run(prompt, settings.seed - 1 - i)
-            mode.history.save()
-    for mode in modes:  # round timings cover the timed generations only
-        if mode.llm is not None and isinstance(mode.llm.engine.runner, SpeculativeRunner):
-            mode.llm.engine.runner.reset_round_times()
-    bandwidths: list[float] = []
-    for rep in range(settings.repeats):
-        if settings.device == "cpu":
-            bandwidths.append(memory_bandwidth())  # in the same rounds as the rows it bounds
-        order = modes[rep % len(modes):] + modes[: rep % len(modes)]
-        for i, prompt in enumerate(prompts):
-            for mode in order:
-                if mode.history is not None:
-                    mode.history.restore()
-                cpu = time.process_time()
-                rate, out = mode.run(prompt, settings.seed + 1000 * rep + i)
-                tokens = len(out.token_ids) if out is not None else settings.max_tokens  # fewer at EOS
-                mode.cpu_ms_per_token.append((time.process_time() - cpu) * 1e3 / max(tokens, 1))
-                mode.result.samples.append(rate)
-                if out is not None:
-                    mode.outputs.append(out)
-        say(f"repeat {rep + 1}/{settings.repeats}: " + ", ".join(
-            f"{m.result.mode} {statistics.median(m.result.samples):.1f}" for m in modes if m.reported))
-
+    _warm_up(settings, modes, prompts, history, say)
+    bandwidths = _time_modes(settings, modes, prompts, say)
     prefill = _time_prefill(settings, plain_llm, modes, say) if settings.prefill_tokens else []
     long_context = _time_long_context(settings, plain_llm, modes, say) if settings.context_tokens else []
 
-    for mode in modes:
-        r = mode.result
-        r.tokens_per_s = statistics.median(r.samples)
-        r.cpu_ms_per_token = statistics.median(mode.cpu_ms_per_token)
-        r.texts = [o.text for o in mode.outputs[: len(settings.prompts)]]
-        measured = [d for d in map(_decode_rate, mode.outputs) if d]
-        r.decode_tokens_per_s = statistics.median(measured) if measured else None
-        if r.engine == "infer" and not r.mode.startswith(plain.mode):
-            for key, value in speculation_stats(mode.outputs).items():
-                setattr(r, key, value)
-            runner = mode.llm.engine.runner if mode.llm is not None else None
-            if isinstance(runner, SpeculativeRunner) and isinstance(runner.drafter, SuffixDrafter):
-                r.tree_nodes_per_round = runner.drafter.mean_tree_size
-    def step_seconds(outputs: list[Any]) -> float:
-        return statistics.median(1.0 / o.metrics.decode_tokens_per_s for o in outputs if o.metrics.decode_tokens_per_s)
-
-    target_step = step_seconds(next(m.outputs for m in modes if m.result is plain))
-    cost = draft_step = None
-    if draft_alone is not None:
-        draft_step = step_seconds(next(m.outputs for m in modes if m.result is draft_alone))
-        cost = draft_step / target_step
-        say(f"cost ratio c = draft step / target step = {draft_step * 1e3:.2f} ms / {target_step * 1e3:.2f} ms "
-            f"= {cost:.3f}")
-    for mode in modes:
-        if mode.llm is not None and isinstance(mode.llm.engine.runner, SpeculativeRunner):
-            _predict(mode.result, mode.llm.engine.runner, target_step, draft_step)
+    _summarise(modes, len(settings.prompts), plain)
+    cost = _cost_and_predictions(modes, plain, draft_alone, say)
     results = [m.result for m in modes if m.reported]
-
-    hf_plain = next((r for r in results if r.mode == "transformers generate"), None)
-    for r in results:
-        r.speedup_vs_plain = r.tokens_per_s / plain.tokens_per_s
-        if r.decode_tokens_per_s and plain.decode_tokens_per_s:
-            r.decode_speedup_vs_plain = r.decode_tokens_per_s / plain.decode_tokens_per_s
-        match = _matching_hf_mode(r, results) if r.engine == "infer" else None
-        if match is not None:
-            r.speedup_vs_transformers = r.tokens_per_s / match.tokens_per_s
-        elif r.engine == "transformers" and hf_plain is not None:
-            r.speedup_vs_transformers = r.tokens_per_s / hf_plain.tokens_per_s
-    greedy_identical = None
-    twin_identical: dict[str, bool | None] = {EXACT: None, COMPILED: None, GRAPHS: None}
-    if settings.temperature == 0.0:
-        # Each kind of twin row runs other kernels, so it is compared with its own plain row.
-        # Rows on another backend sum in another order, so a near-tie may go the other way: like another
-        # dtype's rows, they are not part of the speculation-vs-plain comparison.
-        greedy_identical = all(r.texts == plain.texts for r in results if r.engine == "infer" and r.dtype == plain.dtype
-                               and not any(suffix in r.mode for suffix in twin_identical)
-                               and OTHER_BACKEND not in r.mode)
-        for suffix in twin_identical:
-            twin_plain = next((r for r in results if r.mode == f"{plain.mode} {suffix}"), None)
-            if twin_plain is not None:
-                twin_identical[suffix] = all(r.texts == twin_plain.texts for r in results if suffix in r.mode)
-    memory: dict[str, Any] | None = None
-    for mode in modes:
-        if mode.result.engine == "infer" and mode.result.spec_length is None and mode.llm is not None:
-            mode.result.weight_bytes_per_token = weight_bytes_per_token(mode.llm.engine.model)
-    if bandwidths:
-        memory = {"bandwidth_gb_s": statistics.median(bandwidths) / 1e9, "samples_gb_s": [b / 1e9 for b in bandwidths],
-                  "infer_weight_bytes_per_token": plain.weight_bytes_per_token}
-        if settings.peer_gguf:
-            memory["peer_weight_bytes_per_token"] = gguf_weight_bytes_per_token(settings.peer_gguf[0])
-        for r in results:
-            if r.weight_bytes_per_token and r.decode_tokens_per_s:
-                r.bandwidth_fraction = r.decode_tokens_per_s * r.weight_bytes_per_token / statistics.median(bandwidths)
-    peer_plain = next((r for r in results if r.engine == "llama.cpp" and r.spec_length is None), None)
-    if peer_plain is not None:
-        for r in results:
-            r.speedup_vs_peer = r.tokens_per_s / peer_plain.tokens_per_s
+    _speedups(results, plain)
+    greedy_identical, twin_identical = _outputs_identical(settings, results, plain)
+    memory = _weights_and_bandwidth(settings, modes, results, plain, bandwidths)
     return {
         "settings": {k: v for k, v in asdict(settings).items() if k not in ("prompts", "warmup_prompts")}
         | {"num_prompts": len(prompts), "num_warmup_prompts": len(history)},
@@ -490,6 +330,249 @@ def run_generation_bench(settings: BenchSettings, say: Callable[[str], None] = p
     }
 
 
+def _infer_modes(settings: BenchSettings, name: str, say: Callable[[str], None], reported: bool = True,
+                 dtype: str | None = None, **options: Any) -> list[_Mode]:
+    """The infer row ``name``, loaded with ``options``, then its twins (exact-greedy kernels, compiled,
+    CUDA graphs) where the settings ask for them."""
+    model = options.pop("model", settings.model)
+    variants: list[tuple[str, dict[str, Any]]] = [(name, {})]
+    if reported:  # the draft alone (only for c) needs no twins
+        if settings.exact_greedy:
+            variants.append((f"{name} {EXACT}", {"exact_greedy": True}))
+        if settings.compiled:
+            variants.append((f"{name} {COMPILED}", {"compile": True}))
+        if settings.cuda_graphs:
+            variants.append((f"{name} {GRAPHS}", {"cuda_graphs": True}))
+    modes = []
+    for label, extra in variants:
+        say(f"[{label}] loading")
+        run, llm = _infer_runner(settings, model, settings.dtype if dtype is None else dtype, **options, **extra)
+        # The precision the row ran in (what --dtype auto resolved to on this machine).
+        ran = str(llm.engine.dtype).removeprefix("torch.")
+        result = ModeResult(label, "infer", 0.0, [], spec_length=options.get("spec_length"),
+                            policy=options.get("spec_length_policy"), dtype=ran)
+        history = _History(llm) if options.get("speculator") == "suffix" else None
+        plain_row = reported and not options.get("speculator") and not options.get("draft_model")
+        modes.append(_Mode(result, run, reported=reported, llm=llm, history=history,
+                           prefill=_infer_prefill(llm) if plain_row else None))
+    return modes
+
+
+def _load_modes(settings: BenchSettings, threads: int,
+                say: Callable[[str], None]) -> tuple[list[_Mode], ModeResult | None]:
+    """Every mode in the order the report lists them, infer plain first (each infer row followed by its
+    twins), and the draft model decoding alone when there is one (not a row: it gives the cost ratio c)."""
+    modes: list[_Mode] = []
+
+    def infer_row(name: str, **options: Any) -> ModeResult:
+        added = _infer_modes(settings, name, say, **options)
+        modes.extend(added)
+        return added[0].result
+
+    infer_row("infer plain")
+    for dtype in settings.extra_dtypes:
+        infer_row(f"infer plain ({dtype})", dtype=dtype)
+    for backend in settings.extra_backends:
+        infer_row(f"infer plain {OTHER_BACKEND}{backend})", backend=backend)
+    draft_alone = None
+    if settings.draft_model is not None:
+        draft_alone = infer_row("draft model alone", reported=False, model=settings.draft_model)
+        for k in settings.spec_lengths:
+            infer_row(f"infer + draft K={k}", draft_model=settings.draft_model, spec_length=k,
+                      spec_length_policy="fixed")
+        for policy in settings.policies:
+            infer_row(f"infer + draft ({policy})", draft_model=settings.draft_model,
+                      spec_length=max(settings.spec_lengths), spec_length_policy=policy)
+    if settings.ngram:
+        infer_row(f"infer + n-gram K={max(settings.spec_lengths)}", speculator="ngram",
+                  spec_length=max(settings.spec_lengths), spec_length_policy="fixed")
+        infer_row(f"infer + n-gram {DEFAULT_POLICY}", speculator="ngram")
+    if settings.medusa_heads:
+        infer_row("infer + Medusa", speculator="medusa", medusa_heads=settings.medusa_heads,
+                  spec_length=max(settings.spec_lengths))
+        for size in settings.medusa_tree_sizes:
+            infer_row(f"infer + Medusa ({size}-node tree)", speculator="medusa", medusa_heads=settings.medusa_heads,
+                      spec_length=max(settings.spec_lengths), medusa_tree_size=size)
+    if settings.eagle_head:
+        infer_row("infer + EAGLE", speculator="eagle", eagle_head=settings.eagle_head,
+                  spec_length=max(settings.spec_lengths))
+    if settings.suffix:
+        infer_row(f"infer + suffix K={max(settings.spec_lengths)}", speculator="suffix",
+                  spec_length=max(settings.spec_lengths), spec_length_policy="fixed")
+        infer_row(f"infer + suffix {DEFAULT_POLICY}", speculator="suffix")
+    if settings.hf:
+        from infer.bench.hf_baseline import transformers_runners
+
+        say("[transformers] loading")
+        for name, run, spec_length in transformers_runners(settings):
+            modes.append(_Mode(ModeResult(name, "transformers", 0.0, [], spec_length=spec_length), run))
+    if settings.peer:
+        assert modes[0].llm is not None
+        modes += _peer_modes(settings, modes[0].llm, threads, say)
+    return modes, draft_alone
+
+
+def _rotated(modes: list[_Mode], rep: int) -> list[_Mode]:
+    """``modes`` starting at another one each repeat (a machine's drift then shifts every mode alike)."""
+    start = rep % len(modes)
+    return modes[start:] + modes[:start]
+
+
+def _warm_up(settings: BenchSettings, modes: list[_Mode], prompts: list[str | list[int]],
+             history: list[str | list[int]], say: Callable[[str], None]) -> None:
+    """One untimed generation per mode; suffix decoding then learns from the ``history`` requests; the
+    round timings restart."""
+    say(f"warming up {len(modes)} modes" + (f", then {len(history)} warm-up requests for suffix decoding"
+                                             if history and any(m.history for m in modes) else ""))
+    for mode in modes:
+        mode.run(prompts[0], settings.seed)
+        if mode.history is not None:
+            # Forget the warm-up generation (a timed prompt), learn from the warm-up requests instead,
+            # and keep exactly that: every timed request starts from it, so none can replay an answer
+            # to a prompt timed earlier (the same prompts come back every repeat).
+            mode.history.restore()
+            for i, prompt in enumerate(history):
+                mode.run(prompt, settings.seed - 1 - i)
+            mode.history.save()
+    for mode in modes:  # round timings cover the timed generations only
+        if mode.llm is not None and isinstance(mode.llm.engine.runner, SpeculativeRunner):
+            mode.llm.engine.runner.reset_round_times()
+
+
+def _time_modes(settings: BenchSettings, modes: list[_Mode], prompts: list[str | list[int]],
+                say: Callable[[str], None]) -> list[float]:
+    """The timed generations: each repeat runs every prompt on every mode back to back, in an order
+    that rotates per repeat. Returns the memory bandwidth measured once per repeat (CPU only)."""
+    bandwidths: list[float] = []
+    for rep in range(settings.repeats):
+        if settings.device == "cpu":
+            bandwidths.append(memory_bandwidth())  # in the same rounds as the rows it bounds
+        order = _rotated(modes, rep)
+        for i, prompt in enumerate(prompts):
+            for mode in order:
+                if mode.history is not None:
+                    mode.history.restore()
+                cpu = time.process_time()
+                rate, out = mode.run(prompt, settings.seed + 1000 * rep + i)
+                tokens = len(out.token_ids) if out is not None else settings.max_tokens  # fewer at EOS
+                mode.cpu_ms_per_token.append((time.process_time() - cpu) * 1e3 / max(tokens, 1))
+                mode.result.samples.append(rate)
+                if out is not None:
+                    mode.outputs.append(out)
+        say(f"repeat {rep + 1}/{settings.repeats}: " + ", ".join(
+            f"{m.result.mode} {statistics.median(m.result.samples):.1f}" for m in modes if m.reported))
+    return bandwidths
+
+
+def _summarise(modes: list[_Mode], num_prompts: int, plain: ModeResult) -> None:
+    """Each row's medians, texts and (speculative infer rows) speculation statistics."""
+    for mode in modes:
+        r = mode.result
+        r.tokens_per_s = statistics.median(r.samples)
+        r.cpu_ms_per_token = statistics.median(mode.cpu_ms_per_token)
+        r.texts = [o.text for o in mode.outputs[:num_prompts]]
+        measured = [d for d in map(_decode_rate, mode.outputs) if d]
+        r.decode_tokens_per_s = statistics.median(measured) if measured else None
+        if r.engine == "infer" and not r.mode.startswith(plain.mode):
+            for key, value in speculation_stats(mode.outputs).items():
+                setattr(r, key, value)
+            runner = mode.llm.engine.runner if mode.llm is not None else None
+            if isinstance(runner, SpeculativeRunner) and isinstance(runner.drafter, SuffixDrafter):
+                r.tree_nodes_per_round = runner.drafter.mean_tree_size
+
+
+def _cost_and_predictions(modes: list[_Mode], plain: ModeResult, draft_alone: ModeResult | None,
+                          say: Callable[[str], None]) -> float | None:
+    """The draft model's cost ratio c (None without one), and Theorem 3.8's prediction on every
+    speculative row."""
+    def step_seconds(outputs: list[Any]) -> float:
+        return statistics.median(1.0 / o.metrics.decode_tokens_per_s for o in outputs if o.metrics.decode_tokens_per_s)
+
+    target_step = step_seconds(next(m.outputs for m in modes if m.result is plain))
+    cost = draft_step = None
+    if draft_alone is not None:
+        draft_step = step_seconds(next(m.outputs for m in modes if m.result is draft_alone))
+        cost = draft_step / target_step
+        say(f"cost ratio c = draft step / target step = {draft_step * 1e3:.2f} ms / {target_step * 1e3:.2f} ms "
+            f"= {cost:.3f}")
+    for mode in modes:
+        if mode.llm is not None and isinstance(mode.llm.engine.runner, SpeculativeRunner):
+            _predict(mode.result, mode.llm.engine.runner, target_step, draft_step)
+    return cost
+
+
+def _speedups(results: list[ModeResult], plain: ModeResult) -> None:
+    """Each row over infer plain, over its transformers counterpart and over llama.cpp's plain row."""
+    hf_plain = next((r for r in results if r.mode == "transformers generate"), None)
+    for r in results:
+        r.speedup_vs_plain = r.tokens_per_s / plain.tokens_per_s
+        if r.decode_tokens_per_s and plain.decode_tokens_per_s:
+            r.decode_speedup_vs_plain = r.decode_tokens_per_s / plain.decode_tokens_per_s
+        match = _matching_hf_mode(r, results) if r.engine == "infer" else None
+        if match is not None:
+            r.speedup_vs_transformers = r.tokens_per_s / match.tokens_per_s
+        elif r.engine == "transformers" and hf_plain is not None:
+            r.speedup_vs_transformers = r.tokens_per_s / hf_plain.tokens_per_s
+    peer_plain = next((r for r in results if r.engine == "llama.cpp" and r.spec_length is None), None)
+    if peer_plain is not None:
+        for r in results:
+            r.speedup_vs_peer = r.tokens_per_s / peer_plain.tokens_per_s
+
+
+def _outputs_identical(settings: BenchSettings, results: list[ModeResult],
+                       plain: ModeResult) -> tuple[bool | None, dict[str, bool | None]]:
+    """Greedy only: whether every infer row wrote infer plain's texts, and each kind of twin row its own
+    plain twin's (None: not compared)."""
+    greedy_identical = None
+    twin_identical: dict[str, bool | None] = {EXACT: None, COMPILED: None, GRAPHS: None}
+    if settings.temperature == 0.0:
+        # Each kind of twin row runs other kernels, so it is compared with its own plain row.
+        # Rows on another backend sum in another order, so a near-tie may go the other way: like another
+        # dtype's rows, they are not part of the speculation-vs-plain comparison.
+        greedy_identical = all(r.texts == plain.texts for r in results if r.engine == "infer" and r.dtype == plain.dtype
+                               and not any(suffix in r.mode for suffix in twin_identical)
+                               and OTHER_BACKEND not in r.mode)
+        for suffix in twin_identical:
+            twin_plain = next((r for r in results if r.mode == f"{plain.mode} {suffix}"), None)
+            if twin_plain is not None:
+                twin_identical[suffix] = all(r.texts == twin_plain.texts for r in results if suffix in r.mode)
+    return greedy_identical, twin_identical
+
+
+def _weights_and_bandwidth(settings: BenchSettings, modes: list[_Mode], results: list[ModeResult],
+                           plain: ModeResult, bandwidths: list[float]) -> dict[str, Any] | None:
+    """The weight bytes each plain infer row reads per decode step; with bandwidth samples (CPU), the
+    report's memory figures and each row's fraction of the bandwidth limit."""
+    for mode in modes:
+        if mode.result.engine == "infer" and mode.result.spec_length is None and mode.llm is not None:
+            mode.result.weight_bytes_per_token = weight_bytes_per_token(mode.llm.engine.model)
+    if not bandwidths:
+        return None
+    memory: dict[str, Any] = {"bandwidth_gb_s": statistics.median(bandwidths) / 1e9,
+                              "samples_gb_s": [b / 1e9 for b in bandwidths],
+                              "infer_weight_bytes_per_token": plain.weight_bytes_per_token}
+    if settings.peer_gguf:
+        memory["peer_weight_bytes_per_token"] = gguf_weight_bytes_per_token(settings.peer_gguf[0])
+    for r in results:
+        if r.weight_bytes_per_token and r.decode_tokens_per_s:
+            r.bandwidth_fraction = r.decode_tokens_per_s * r.weight_bytes_per_token / statistics.median(bandwidths)
+    return memory
+
+
+def _per_length_samples(settings: BenchSettings, plain_llm: LLM, timed: list[_Mode], tokens: int, offset_step: int,
+                        measure: Callable[[_Mode, list[int]], float]) -> dict[str, list[float]]:
+    """``measure`` of every mode on a prompt of ``tokens`` tokens, by mode: one warm-up, then the
+    repeats interleaved in a rotating order, each repeat on another prompt of that length."""
+    samples: dict[str, list[float]] = {m.result.mode: [] for m in timed}
+    for rep in range(-1, settings.repeats):  # -1: the warm-up
+        ids = prefill_prompt(plain_llm.tokenizer, settings.prompts, tokens, offset=offset_step * (rep + 1))
+        for mode in _rotated(timed, rep):
+            value = measure(mode, ids)
+            if rep >= 0:
+                samples[mode.result.mode].append(value)
+    return samples
+
+
 def _time_prefill(settings: BenchSettings, plain_llm: LLM, modes: list[_Mode],
                   say: Callable[[str], None]) -> list[dict[str, Any]]:
     """Prompt processing tok/s of every plain row (llama.cpp's too) for each prompt length, timed
@@ -497,19 +580,17 @@ def _time_prefill(settings: BenchSettings, plain_llm: LLM, modes: list[_Mode],
     another prompt of the same length."""
     timed = [m for m in modes if m.prefill is not None]
     rows: list[dict[str, Any]] = []
+
+    def seconds(mode: _Mode, ids: list[int]) -> float:
+        assert mode.prefill is not None
+        return mode.prefill(ids)
+
     for tokens in settings.prefill_tokens:
         if tokens < 1:
             raise ValueError(f"--prefill-tokens {tokens} is invalid: must be >= 1")
         say(f"prefill of {tokens} tokens: {len(timed)} rows")
-        samples: dict[str, list[float]] = {m.result.mode: [] for m in timed}
-        for rep in range(-1, settings.repeats):  # -1: the warm-up
-            ids = prefill_prompt(plain_llm.tokenizer, settings.prompts, tokens, offset=17 * (rep + 1))
-            order = timed[rep % len(timed):] + timed[: rep % len(timed)]
-            for mode in order:
-                assert mode.prefill is not None
-                seconds = mode.prefill(ids)
-                if rep >= 0:
-                    samples[mode.result.mode].append(tokens / seconds)
+        samples = {mode: [tokens / s for s in times] for mode, times in
+                   _per_length_samples(settings, plain_llm, timed, tokens, 17, seconds).items()}
         for mode in timed:
             rows.append({"mode": mode.result.mode, "engine": mode.result.engine, "prompt_tokens": tokens,
                          "tokens_per_s": statistics.median(samples[mode.result.mode]),
@@ -541,18 +622,16 @@ def _time_long_context(settings: BenchSettings, plain_llm: LLM, modes: list[_Mod
         if tokens < 1:
             raise ValueError(f"--context-tokens {tokens} is invalid: must be >= 1")
         say(f"decode after {tokens} tokens of context: {len(timed)} rows")
-        samples: dict[str, list[float]] = {m.result.mode: [] for m in timed}
-        for rep in range(-1, settings.repeats):  # -1: the warm-up
-            ids = prefill_prompt(plain_llm.tokenizer, settings.prompts, tokens, offset=29 * (rep + 1))
-            order = timed[rep % len(timed):] + timed[: rep % len(timed)]
-            for mode in order:
-                _, out = mode.run(ids, settings.seed)
-                rate = _decode_rate(out)
-                if rate is None:
-                    raise ValueError(f"{mode.result.mode} decoded fewer than 2 tokens after {tokens} tokens of "
-                                     "context: no decode rate (raise --max-tokens)")
-                if rep >= 0:
-                    samples[mode.result.mode].append(rate)
+
+        def decode_rate(mode: _Mode, ids: list[int], tokens: int = tokens) -> float:
+            _, out = mode.run(ids, settings.seed)
+            rate = _decode_rate(out)
+            if rate is None:
+                raise ValueError(f"{mode.result.mode} decoded fewer than 2 tokens after {tokens} tokens of "
+                                 "context: no decode rate (raise --max-tokens)")
+            return rate
+
+        samples = _per_length_samples(settings, plain_llm, timed, tokens, 29, decode_rate)
         peer = next((m for m in timed if m.result.engine == "llama.cpp"), None)
         for mode in timed:
             rate = statistics.median(samples[mode.result.mode])

@@ -70,32 +70,32 @@ def generation_table(report: dict[str, Any]) -> str:
 
 def _prefill_table(report: dict[str, Any]) -> str:
     """Prompt processing speed of the plain rows, llama.cpp's beside infer's."""
-    prefill = report.get("prefill") or []
-    if not prefill:
-        return ""
-    peer = any(r.get("speedup_vs_peer") is not None for r in prefill)
-    rows = ["| mode | prompt tokens | prefill tok/s |" + (" vs llama.cpp |" if peer else ""),
-            "|---|---:|---:|" + ("---:|" if peer else "")]
-    for r in prefill:
-        rows.append(f"| {r['mode']} | {r['prompt_tokens']} | {r['tokens_per_s']:.1f} |"
-                    + (f" {_fmt(r.get('speedup_vs_peer'), 2, '×')} |" if peer else ""))
-    return ("\nPrompt processing (prefill: a prompt of that many tokens from an empty cache, to the first "
-            "token's logits; median over repeats, each on another prompt):\n\n" + "\n".join(rows) + "\n")
+    return _plain_rows_table(
+        report.get("prefill") or [], ("prompt_tokens", "prompt tokens"), ("tokens_per_s", "prefill tok/s"),
+        "\nPrompt processing (prefill: a prompt of that many tokens from an empty cache, to the first "
+        "token's logits; median over repeats, each on another prompt):\n\n")
 
 
 def _long_context_table(report: dict[str, Any]) -> str:
     """Decode speed of the plain rows after a long context, llama.cpp's beside infer's."""
-    long_context = report.get("long_context") or []
-    if not long_context:
+    return _plain_rows_table(
+        report.get("long_context") or [], ("context_tokens", "context tokens"), ("decode_tokens_per_s", "decode tok/s"),
+        "\nDecode after a long context (a prompt of that many tokens, then the greedy tokens; prefill "
+        "excluded; median over repeats, each on another prompt):\n\n")
+
+
+def _plain_rows_table(rows: list[dict[str, Any]], length: tuple[str, str], rate: tuple[str, str], caption: str) -> str:
+    """A table of the plain rows' speed at each prompt length (``length`` and ``rate``: a row's key and its
+    column's header), with a "vs llama.cpp" column when the peer ran; "" without rows."""
+    if not rows:
         return ""
-    peer = any(r.get("speedup_vs_peer") is not None for r in long_context)
-    rows = ["| mode | context tokens | decode tok/s |" + (" vs llama.cpp |" if peer else ""),
-            "|---|---:|---:|" + ("---:|" if peer else "")]
-    for r in long_context:
-        rows.append(f"| {r['mode']} | {r['context_tokens']} | {r['decode_tokens_per_s']:.1f} |"
-                    + (f" {_fmt(r.get('speedup_vs_peer'), 2, '×')} |" if peer else ""))
-    return ("\nDecode after a long context (a prompt of that many tokens, then the greedy tokens; prefill "
-            "excluded; median over repeats, each on another prompt):\n\n" + "\n".join(rows) + "\n")
+    peer = any(r.get("speedup_vs_peer") is not None for r in rows)
+    lines = [f"| mode | {length[1]} | {rate[1]} |" + (" vs llama.cpp |" if peer else ""),
+             "|---|---:|---:|" + ("---:|" if peer else "")]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r[length[0]]} | {r[rate[0]]:.1f} |"
+                     + (f" {_fmt(r.get('speedup_vs_peer'), 2, '×')} |" if peer else ""))
+    return caption + "\n".join(lines) + "\n"
 
 
 def _rounds_table(report: dict[str, Any]) -> str:
