@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -225,6 +226,25 @@ def wait_serving(proc: subprocess.Popen[str], port: int, timeout: float = 120.0)
         except httpx.HTTPError:
             pass
         time.sleep(0.2)  # refused, or 503 while the model loads
+
+
+def read_one_response(sock: socket.socket) -> bytes:
+    """One whole HTTP response (head and its Content-Length of body) read off ``sock``, which may stay
+    open after it: how a raw-socket test reads an answer that comes before its request is finished."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before a whole response head: {data[:200]!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed inside a response body: {data[:200]!r}"
+        body += chunk
+    assert len(body) == length, f"more than one response: {data[:200]!r}"
+    return head + b"\r\n\r\n" + body
 
 
 @contextlib.contextmanager

@@ -102,24 +102,38 @@ def test_concurrent_streams_with_cancellations(tiny_llama: Path, tiny_draft: Pat
             clients = {name: AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60,
                                          http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=100)))
                        for name, url in urls.items()}
-            probe_latencies: list[float] = []
+            # The event loop must stay responsive under load: /health is answered while streams are
+            # in flight. Each probe notes how many streams were unfinished when it was sent and when
+            # its answer came (an event, not a latency bound, so a slow machine cannot fail it).
+            in_flight = [0]
+            probes: list[tuple[int, int]] = []
 
-            async def probe_health() -> None:  # the event loop must stay responsive under load
+            async def tracked(outcome: Outcome) -> Outcome:
+                in_flight[0] += 1
+                try:
+                    return await one_request(clients[outcome.server], outcome, PROMPTS[outcome.index % len(PROMPTS)],
+                                             chat=outcome.index % 3 == 0)
+                finally:
+                    in_flight[0] -= 1
+
+            async def probe_health() -> None:
                 async with httpx.AsyncClient(timeout=30) as probe:
                     while True:
-                        t0 = time.monotonic()
+                        sent = in_flight[0]
                         assert (await probe.get(f"{urls['draft']}/health")).status_code == 200
-                        probe_latencies.append(time.monotonic() - t0)
-                        await asyncio.sleep(0.1)
+                        probes.append((sent, in_flight[0]))
+                        await asyncio.sleep(0.05)
 
             prober = asyncio.ensure_future(probe_health())
             try:
-                tasks = [one_request(clients[o.server], o, PROMPTS[o.index % len(PROMPTS)], chat=o.index % 3 == 0)
-                         for o in outcomes]
+                tasks = [tracked(o) for o in outcomes]
                 results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), LOAD_DEADLINE_S)
                 if prober.done():
                     prober.result()  # raises what failed in the health probe
-                assert probe_latencies and max(probe_latencies) < 5.0, probe_latencies
+                # Probes sent and answered mid-load: a /health that waited for the load (or an event
+                # loop blocked by it) would have none answered while streams were still unfinished.
+                mid_load = [p for p in probes if min(p) > 0]
+                assert len(mid_load) >= 3, probes
                 return results
             finally:
                 prober.cancel()
