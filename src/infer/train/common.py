@@ -316,6 +316,19 @@ class LoopSettings:
         return self.warmup_steps
 
 
+def loop_settings(cfg: TrainRunConfig, tokens_per_step: int, checkpoint_every: float) -> LoopSettings:
+    """The loop's settings for a run's config; ``cfg.eval_every`` None: four held-out evaluations over
+    a step budget (under a time budget alone, only the one at the end)."""
+    eval_every = cfg.eval_every
+    if eval_every is None:
+        eval_every = max(1, cfg.max_steps // 4) if cfg.max_steps is not None else 0
+    return LoopSettings(max_steps=cfg.max_steps, time_budget=cfg.time_budget, lr=cfg.lr,
+                        min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps,
+                        weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, eval_every=eval_every or None,
+                        log_every=max(1, cfg.log_every), checkpoint_every=checkpoint_every,
+                        tokens_per_step=tokens_per_step)
+
+
 @dataclass
 class LoopState:
     step: int = 0

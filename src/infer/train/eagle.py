@@ -229,15 +229,66 @@ def ttt_loss(head: Eagle3Head, embed: Any, batch: dict[str, torch.Tensor], steps
     return total / weight_sum, losses, agree
 
 
+def target_states(cfg: EagleTrainConfig, cache: Any, layers: tuple[int, ...], model_type: str, device: torch.device,
+                  progress: bool) -> tuple[Features, Features]:
+    """The training and held-out windows of ``cache`` with the target's states entering ``layers``:
+    read from beside the cache when an earlier run captured them, else captured and saved there."""
+    from infer.loader import load_model
+    from infer.train.common import say
+
+    # The captured states live beside the teacher cache they come from, so another run (a resumed one,
+    # other training settings) reuses them.
+    digest = hashlib.sha256(json.dumps([cfg.target, cache.manifest.get("settings_hash"), list(layers),
+                                        cfg.max_windows, cfg.eval_windows]).encode()).hexdigest()[:12]
+    features_file = cache.folder / f"eagle-states-{digest}.pt"
+    if features_file.is_file():
+        saved = torch.load(features_file, weights_only=True)
+        say(f"target states found at {features_file}", progress)
+        return Features(saved["train"]), Features(saved["heldout"])
+    say(f"capturing {model_type} target states entering layers {list(layers)} over the teacher cache "
+        f"{cache.folder}", progress)
+    # The states come from the target as the engine loads it (a GGUF's blocks on the quantized kernels):
+    # what the head reads when it drafts.
+    served, _ = load_model(cfg.target, dtype=torch.float32, device=str(device))
+    train = capture_features(served, cache.train, cfg.max_windows, layers, cfg.batch_size, progress, "states")
+    heldout = capture_features(served, cache.heldout, cfg.eval_windows, layers, cfg.batch_size, progress,
+                               "held-out states")
+    del served
+    tmp = features_file.with_suffix(f".{os.getpid()}.tmp")
+    torch.save({"train": train.tensors, "heldout": heldout.tensors}, tmp)
+    os.replace(tmp, features_file)
+    return train, heldout
+
+
+def heldout_figures(head: Eagle3Head, embed: Any, heldout: Features, steps: int, batch_size: int,
+                    device: torch.device) -> dict[str, float]:
+    """The held-out training-time-test loss and each step's top-1 agreement with the target, mean over
+    batches (the head left in training mode)."""
+    head.eval()
+    sums, batches = [0.0] * (1 + steps), 0
+    losses = 0.0
+    with torch.no_grad():
+        for start in range(0, heldout.count, batch_size):
+            batch = {k: v.to(device) for k, v in heldout.batch(slice(start, start + batch_size)).items()}
+            loss, _, agree = ttt_loss(head, embed, batch, steps)
+            losses += float(loss)
+            for s, a in enumerate(agree):
+                sums[s] += a
+            batches += 1
+    head.train()
+    n = max(batches, 1)
+    return {"loss": losses / n, **{f"top1_step{s}": sums[s] / n for s in range(steps)}}
+
+
 def train_eagle(cfg: EagleTrainConfig, progress: bool = True) -> EagleTrainResult:
     """Train an EAGLE-3 head for ``cfg.target`` and publish it (see the module doc)."""
     from infer.loader import load_model
     from infer.speculative.eagle import default_head_dir
     from infer.train.common import (
         Checkpointer,
-        LoopSettings,
         LoopState,
         configure_threads,
+        loop_settings,
         pick_device,
         run_loop,
         say,
@@ -262,28 +313,7 @@ def train_eagle(cfg: EagleTrainConfig, progress: bool = True) -> EagleTrainResul
                                                                     "threads", "device", "checkpoint_every")}}
     checkpoint = Checkpointer(out, identity)
     resuming = cfg.resume and checkpoint.exists()
-    # The captured states live beside the teacher cache they come from, so another run (a resumed one,
-    # other training settings) reuses them.
-    digest = hashlib.sha256(json.dumps([cfg.target, cache.manifest.get("settings_hash"), list(layers),
-                                        cfg.max_windows, cfg.eval_windows]).encode()).hexdigest()[:12]
-    features_file = Path(folder) / f"eagle-states-{digest}.pt"
-    if features_file.is_file():
-        saved = torch.load(features_file, weights_only=True)
-        train, heldout = Features(saved["train"]), Features(saved["heldout"])
-        say(f"target states found at {features_file}", progress)
-    else:
-        say(f"capturing {tconfig.model_type} target states entering layers {list(layers)} over the teacher cache "
-            f"{folder}", progress)
-        # The states come from the target as the engine loads it (a GGUF's blocks on the quantized kernels):
-        # what the head reads when it drafts.
-        served, _ = load_model(cfg.target, dtype=torch.float32, device=str(device))
-        train = capture_features(served, cache.train, cfg.max_windows, layers, cfg.batch_size, progress, "states")
-        heldout = capture_features(served, cache.heldout, cfg.eval_windows, layers, cfg.batch_size, progress,
-                                   "held-out states")
-        del served
-        tmp = features_file.with_suffix(f".{os.getpid()}.tmp")
-        torch.save({"train": train.tensors, "heldout": heldout.tensors}, tmp)
-        os.replace(tmp, features_file)
+    train, heldout = target_states(cfg, cache, layers, tconfig.model_type, device, progress)
     if resuming:
         say(f"resuming from {checkpoint.path}", progress)
     if not heldout.tensors["answer"].any():  # a tiny cache's held-out windows may hold prompts only
@@ -299,20 +329,7 @@ def train_eagle(cfg: EagleTrainConfig, progress: bool = True) -> EagleTrainResul
     sampler = CacheSampler(train.count, cfg.batch_size, cfg.seed + 1)
 
     def evaluate() -> dict[str, float]:
-        head.eval()
-        sums, batches = [0.0] * (1 + cfg.ttt_steps), 0
-        losses = 0.0
-        with torch.no_grad():
-            for start in range(0, heldout.count, cfg.batch_size):
-                batch = {k: v.to(device) for k, v in heldout.batch(slice(start, start + cfg.batch_size)).items()}
-                loss, _, agree = ttt_loss(head, embed, batch, cfg.ttt_steps)
-                losses += float(loss)
-                for s, a in enumerate(agree):
-                    sums[s] += a
-                batches += 1
-        head.train()
-        n = max(batches, 1)
-        return {"loss": losses / n, **{f"top1_step{s}": sums[s] / n for s in range(cfg.ttt_steps)}}
+        return heldout_figures(head, embed, heldout, cfg.ttt_steps, cfg.batch_size, device)
 
     def step_fn() -> tuple[torch.Tensor, dict[str, float]]:
         batch = {k: v.to(device) for k, v in train.batch(sampler.sample()).items()}
@@ -326,14 +343,7 @@ def train_eagle(cfg: EagleTrainConfig, progress: bool = True) -> EagleTrainResul
         sampler.load_state_dict(sampler_state)
     before = evaluate()
     say("held-out before: " + ", ".join(f"{k} {v:.4f}" for k, v in before.items()), progress)
-    eval_every = cfg.eval_every
-    if eval_every is None:
-        eval_every = max(1, cfg.max_steps // 4) if cfg.max_steps is not None else 0
-    settings = LoopSettings(max_steps=cfg.max_steps, time_budget=cfg.time_budget, lr=cfg.lr,
-                            min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps,
-                            weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, eval_every=eval_every or None,
-                            log_every=max(1, cfg.log_every), checkpoint_every=cfg.checkpoint_every,
-                            tokens_per_step=cfg.batch_size * train.tensors["tokens"].shape[1])
+    settings = loop_settings(cfg, cfg.batch_size * train.tensors["tokens"].shape[1], cfg.checkpoint_every)
     state = run_loop(model=head, optimizer=optimizer, settings=settings, step_fn=step_fn, eval_fn=evaluate,
                      state=state, save_checkpoint=lambda s: checkpoint.save(head, optimizer, sampler.state_dict(), s),
                      progress=progress, desc="eagle")

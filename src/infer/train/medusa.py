@@ -270,14 +270,7 @@ class _CachedTarget:
 
 def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainResult:
     """Train ``cfg.heads`` Medusa heads for the frozen ``cfg.target`` and publish them; see the module doc."""
-    from infer.train.common import (
-        LoopSettings,
-        LoopState,
-        configure_threads,
-        pick_device,
-        run_loop,
-        say,
-    )
+    from infer.train.common import LoopState, configure_threads, loop_settings, pick_device, run_loop, say
 
     wall_start = time.perf_counter()
     device = pick_device(cfg.device)
@@ -307,14 +300,7 @@ def train_medusa(cfg: MedusaTrainConfig, progress: bool = True) -> MedusaTrainRe
         losses, accuracy = data.evaluate(medusa)
         return {"loss": sum(losses) / cfg.heads, **{f"top1_head{k}": row[0] for k, row in enumerate(accuracy)}}
 
-    eval_every = cfg.eval_every
-    if eval_every is None:
-        eval_every = max(1, cfg.max_steps // 4) if cfg.max_steps is not None else 0
-    settings = LoopSettings(max_steps=cfg.max_steps, time_budget=cfg.time_budget, lr=cfg.lr,
-                            min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps,
-                            weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, eval_every=eval_every or None,
-                            log_every=max(1, cfg.log_every), checkpoint_every=0,
-                            tokens_per_step=data.tokens_per_step)
+    settings = loop_settings(cfg, data.tokens_per_step, checkpoint_every=0)
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     state = run_loop(model=medusa, optimizer=optimizer, settings=settings, step_fn=step_fn, eval_fn=eval_fn,
                      state=LoopState(), save_checkpoint=None, progress=progress, desc="medusa")

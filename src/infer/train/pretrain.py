@@ -34,7 +34,6 @@ from infer.train.common import (
     TRAIN_LOG_FILE,
     TRAINING_ARGS_FILE,
     Checkpointer,
-    LoopSettings,
     LoopState,
     ModelTrainConfig,
     ThreadTuner,
@@ -42,6 +41,7 @@ from infer.train.common import (
     build_model,
     configure_threads,
     count_params,
+    loop_settings,
     make_optimizer,
     model_config,
     pick_device,
@@ -99,17 +99,6 @@ class TrainResult:
     train_time: float
     wall_time: float
     heldout: dict[str, float] = field(default_factory=dict)
-
-
-def loop_settings(cfg: Any, tokens_per_step: int) -> LoopSettings:
-    eval_every = cfg.eval_every
-    if eval_every is None:
-        eval_every = max(1, cfg.max_steps // 4) if cfg.max_steps is not None else 0
-    return LoopSettings(max_steps=cfg.max_steps, time_budget=cfg.time_budget, lr=cfg.lr,
-                        min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps,
-                        weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, eval_every=eval_every or None,
-                        log_every=max(1, cfg.log_every), checkpoint_every=cfg.checkpoint_every,
-                        tokens_per_step=tokens_per_step)
 
 
 def save_dtype(cfg: Any, device: torch.device) -> torch.dtype:
@@ -178,7 +167,7 @@ class TrainingRun:
     def __init__(self, cfg: Any, model: DecoderOnlyLM, sampler: Sampler, tokens_per_step: int,
                  identity: dict[str, Any], device: torch.device, resuming: bool, progress: bool) -> None:
         self.cfg, self.model, self.device, self.progress = cfg, model, device, progress
-        self.settings = loop_settings(cfg, tokens_per_step)
+        self.settings = loop_settings(cfg, tokens_per_step, cfg.checkpoint_every)
         self.optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
         self.sampler = sampler
         self.checkpointer = Checkpointer(cfg.out, identity)
