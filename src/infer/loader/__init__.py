@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +18,7 @@ from infer.loader.hub import DEFAULT_MODEL, is_gguf_file, resolve_model_path
 from infer.loader.tokenizer import Tokenizer
 from infer.loader.weights import load_safetensors
 from infer.models import MODEL_REGISTRY
-from infer.models.config import CheckpointError, ModelConfig
+from infer.models.config import CheckpointError, ModelConfig, model_family, split_packed
 from infer.models.layers import rope_inv_freq
 
 if TYPE_CHECKING:
@@ -143,12 +143,13 @@ def read_checkpoint(ref: str | os.PathLike[str], dtype: torch.dtype, device: tor
         checkpoint.implied_by = "the GGUF metadata implies"
     else:
         tensors = load_safetensors(path, dtype, device)
+    rename = model_family(config.model_type).tensor_name
     for name, (tensor, source) in tensors.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        if config.model_type == "gemma3":
-            name = _gemma3_text_name(name)
-            if not name:  # the image tower and projector of a multimodal checkpoint
+        if rename is not None:
+            name = rename(name)
+            if not name:  # a part the family's model does not run (a multimodal Gemma 3's image tower)
                 continue
         checkpoint.tensors[name] = (tensor, source)
     return checkpoint
@@ -173,7 +174,8 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     quantized = dict(checkpoint.quantized)
     implied_by = checkpoint.implied_by
     state: dict[str, torch.Tensor] = {}
-    for name, (tensor, source) in checkpoint.tensors.items():
+    tensors = _split_packed(checkpoint.tensors, model_family(config.model_type).packed_modules, expected, implied_by)
+    for name, (tensor, source) in tensors.items():
         if name not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {name!r} for a {config.model_type} model")
         if tuple(tensor.shape) != tuple(expected[name].shape):
@@ -299,17 +301,27 @@ def forget_parsed_checkpoints() -> None:
     _open_cached.cache_clear()
 
 
-def _gemma3_text_name(name: str) -> str:
-    """A multimodal Gemma 3 checkpoint's language-model tensor under the text model's name (transformers
-    5 writes ``model.language_model.*``, 4.x ``language_model.model.*``); "" for the vision parts."""
-    for prefix, renamed in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                            ("language_model.lm_head.", "lm_head.")):
-        if name.startswith(prefix):
-            return renamed + name[len(prefix):]
-    if name.startswith(("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
-                        "multi_modal_projector.")):
-        return ""
-    return name
+def _split_packed(tensors: dict[str, tuple[torch.Tensor, Path]], packed: Mapping[str, tuple[str, ...]],
+                  expected: dict[str, torch.Tensor], implied_by: str) -> dict[str, tuple[torch.Tensor, Path]]:
+    """``tensors`` with each fused one the family declares (``ModelFamily.packed_modules``: Phi-3's
+    ``qkv_proj``) split along its rows into the modules it stacks, each taking the rows the
+    architecture gives it. The parts are views of the fused tensor: no copy is made."""
+    if not packed:
+        return tensors
+    out: dict[str, tuple[torch.Tensor, Path]] = {}
+    for name, (tensor, source) in tensors.items():
+        parts = None if name in expected else split_packed(name, packed)
+        if parts is None or not all(part in expected for part in parts):
+            out[name] = (tensor, source)  # (a name the model lacks is reported as unexpected)
+            continue
+        rows = [expected[part].shape[0] for part in parts]
+        want = (sum(rows), *expected[parts[0]].shape[1:])
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, {implied_by} {want} "
+                                  f"({', '.join(p.rsplit('.', 2)[-2] for p in parts)} stacked)")
+        for part, piece in zip(parts, tensor.split(rows), strict=True):
+            out[part] = (piece, source)
+    return out
 
 
 def load_tokenizer(ref: str | os.PathLike[str], config: ModelConfig | None = None) -> Tokenizer:

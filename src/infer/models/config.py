@@ -1,16 +1,23 @@
-"""Model configuration read from a Hugging Face ``config.json``."""
+"""Model configuration read from a Hugging Face ``config.json``, and the families that read it.
+
+``ModelConfig.from_dict`` reads the fields every decoder shares; what one architecture adds (its own
+fields and refusals, how it writes back, its checkpoint's tensor names) is its ``ModelFamily``,
+declared in its ``models/<family>.py`` and registered in ``models/__init__.py``.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
-# config.json model_type spellings read as one of the above: a text-only Gemma 3 checkpoint says
-# gemma3_text; a multimodal one says gemma3 and nests the language model's fields in text_config.
-_MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
+import torch
+
+if TYPE_CHECKING:
+    from infer.models.layers import DecoderOnlyLM
+
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types values
 
 
@@ -59,21 +66,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        model_type = raw.get("model_type")
-        if model_type == "gemma3" and isinstance(raw.get("text_config"), dict):
-            # A multimodal Gemma 3: infer runs its language model (the image tower is not read).
-            text = dict(raw["text_config"])
-            for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
-                if key not in text and key in raw:
-                    text[key] = raw[key]
-            raw = {**text, "model_type": "gemma3"}
-        model_type = _MODEL_TYPE_ALIASES.get(model_type, model_type)  # type: ignore[arg-type]
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        family = _FAMILIES.get(raw.get("model_type"))  # type: ignore[arg-type]
+        if family is None:
             archs = raw.get("architectures")
             raise CheckpointError(
-                f"{source}: unsupported model_type {model_type!r} (architectures={archs}); "
-                f"infer supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{source}: unsupported model_type {raw.get('model_type')!r} (architectures={archs}); "
+                f"infer supports {', '.join(supported_model_types())}"
             )
+        if family.unwrap is not None:
+            raw = family.unwrap(raw)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -82,14 +83,17 @@ class ModelConfig:
             rope_scaling = raw.get("rope_scaling") or None
             if rope_scaling is None and rope.get("rope_type", "default") != "default":
                 rope_scaling = rope
-            rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
             attention_bias = bool(raw.get("attention_bias", False))
-            eos = raw.get("eos_token_id")
-            extra = _gemma3_fields(raw, source) if model_type == "gemma3" else _window_fields(raw, source)
-            if model_type == "gemma3":
-                rope_theta, rope_scaling = float(extra.pop("rope_theta")), extra.pop("rope_scaling")
+            common: dict[str, Any] = dict(
+                rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=attention_bias,  # Llama's attention_bias covers o_proj too
+                o_bias=attention_bias,
+            )
+            common.update(family.fields(raw, source))  # the family's own fields, and its overrides of these
             return cls(
-                model_type=model_type,
+                model_type=family.model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
@@ -99,18 +103,11 @@ class ModelConfig:
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "gemma3")),
-                # Qwen2 always has q/k/v biases; Llama and Qwen3 follow attention_bias (o_proj too).
-                qkv_bias=True if model_type == "qwen2" else attention_bias,
-                o_bias=False if model_type == "qwen2" else attention_bias,
                 mlp_bias=bool(raw.get("mlp_bias", False)),
-                qk_norm=model_type in ("qwen3", "gemma3"),
-                eos_token_ids=_as_id_list(eos),
+                eos_token_ids=_as_id_list(raw.get("eos_token_id")),
                 bos_token_id=raw.get("bos_token_id"),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-                **extra,
+                **common,
             )
         except KeyError as missing:
             raise CheckpointError(f"{source}: required field {missing.args[0]!r} is missing") from None
@@ -127,11 +124,10 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A ``config.json`` that both infer and transformers load (used when saving trained models)."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+        family = model_family(self.model_type)
         out: dict[str, Any] = {
-            "architectures": [arch[self.model_type]],
-            "model_type": "gemma3_text" if self.model_type == "gemma3" else self.model_type,
+            "architectures": [family.architecture],
+            "model_type": family.hf_model_type or self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -153,70 +149,99 @@ class ModelConfig:
         }
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
-        if self.model_type == "gemma3":
-            out.update(hidden_activation=self.hidden_act, layer_types=self.layer_types,
-                       # transformers checks the type: an int where it is whole, as configs write it
-                       query_pre_attn_scalar=_whole(self.query_pre_attn_scalar),
-                       final_logit_softcapping=self.final_logit_softcapping,
-                       rope_local_base_freq=self.rope_local_theta)
-            del out["hidden_act"]
+        return out if family.hf_fields is None else family.hf_fields(self, out)
+
+
+FieldsParser = Callable[[dict[str, Any], str], dict[str, Any]]
+
+
+def window_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Mistral-style ``sliding_window`` (every layer): the fields a family without its own parser reads."""
+    window = raw.get("sliding_window")
+    return {} if window is None else {"sliding_window": positive_int(window, "sliding_window", source)}
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What one architecture declares, in its ``models/<family>.py``, beyond the fields every decoder
+    shares: registered with ``register_families`` (``models/__init__.py``), it is all ``ModelConfig``
+    and the loader need to know of it.
+
+    ``fields`` reads the family's own ``ModelConfig`` fields from the raw config.json (and refuses
+    what it cannot run, naming the field); what it returns overrides the common reading. ``aliases``:
+    other config.json ``model_type`` spellings of it. ``unwrap``: the raw config a wrapping one nests
+    (a multimodal checkpoint's text model). ``hf_fields``: ``to_hf_dict``'s dict made the family's.
+    ``tensor_name``: a checkpoint tensor's name under the model's modules ("" for one not read).
+    ``packed_modules``: a fused checkpoint projection and the modules it stacks, in order (Phi-3's
+    ``qkv_proj``: ``q_proj``, ``k_proj``, ``v_proj``); the loader splits it along its rows by the
+    sizes the architecture gives those modules, and ``pack_state`` stacks them back for saving.
+    """
+
+    model_type: str
+    architecture: str  # the Hugging Face class name to_hf_dict writes
+    model_class: type[DecoderOnlyLM]
+    fields: FieldsParser = window_fields
+    aliases: tuple[str, ...] = ()
+    hf_model_type: str | None = None  # the model_type to_hf_dict writes, where it is not model_type
+    unwrap: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    hf_fields: Callable[[ModelConfig, dict[str, Any]], dict[str, Any]] | None = None
+    tensor_name: Callable[[str], str] | None = None
+    packed_modules: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def pack_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (the model's module names) with each packed group stacked back into the checkpoint's
+        fused tensor, as the family's checkpoints store it."""
+        out = dict(state)
+        for fused, parts in self.packed_modules.items():
+            for name in [n for n in state if _leaf_module(n)[1] == parts[0]]:
+                parent, _, param = _leaf_module(name)
+                names = [f"{parent}.{part}.{param}" for part in parts]
+                out[f"{parent}.{fused}.{param}"] = torch.cat([out.pop(n) for n in names])
         return out
 
 
-def _window_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """A Mistral-style ``sliding_window`` (every layer); Qwen2's per-layer switch is refused by name
-    rather than misread (its ``use_sliding_window`` is off in every released checkpoint)."""
-    window = raw.get("sliding_window")
-    if raw.get("model_type") == "qwen2":
-        if raw.get("use_sliding_window"):
-            raise CheckpointError(f"{source}: qwen2 use_sliding_window (sliding attention in some layers) "
-                                  "is not supported")
-        return {}
-    return {} if window is None else {"sliding_window": _positive(window, "sliding_window", source)}
+def _leaf_module(name: str) -> tuple[str, str, str]:
+    """``a.b.qkv_proj.weight`` -> (``a.b``, ``qkv_proj``, ``weight``)."""
+    module, _, param = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    return parent, leaf, param
 
 
-def _gemma3_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """Gemma 3's extra fields, with transformers' defaults for the ones a config.json may leave out."""
-    if raw.get("attn_logit_softcapping") is not None:
-        raise CheckpointError(f"{source}: attn_logit_softcapping (Gemma 2's attention soft-capping) is not supported")
-    if raw.get("use_bidirectional_attention"):
-        raise CheckpointError(f"{source}: use_bidirectional_attention (an embedding model) is not supported")
-    layers = int(raw["num_hidden_layers"])
-    layer_types = raw.get("layer_types")
-    if layer_types is None:  # older configs: every sliding_window_pattern-th layer is global
-        pattern = int(raw.get("sliding_window_pattern") or 6)
-        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-    if len(layer_types) != layers or set(layer_types) - {SLIDING, FULL}:
-        raise CheckpointError(f"{source}: layer_types must list {layers} of {SLIDING!r} / {FULL!r}")
-    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise CheckpointError(f"{source}: Gemma 3 hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-    # RoPE: transformers 5 nests one parameter set per layer type; older files use rope_theta,
-    # rope_local_base_freq and rope_scaling (which applies to the global layers).
-    nested = raw.get("rope_parameters")
-    if isinstance(nested, dict) and FULL in nested:
-        full, local = dict(nested[FULL] or {}), dict(nested.get(SLIDING) or {})
-        theta = float(full.get("rope_theta", 1_000_000.0))
-        scaling = full if full.get("rope_type", "default") != "default" else None
-        local_theta = float(local.get("rope_theta", 10_000.0))
-        if local.get("rope_type", "default") != "default":
-            raise CheckpointError(f"{source}: RoPE scaling on the sliding layers is not supported")
-    else:
-        theta = float(raw.get("rope_theta", 1_000_000.0))
-        scaling = raw.get("rope_scaling") or None
-        local_theta = float(raw.get("rope_local_base_freq", 10_000.0))
-    return {"sliding_window": _positive(raw.get("sliding_window", 4096), "sliding_window", source),
-            "layer_types": list(layer_types), "rope_local_theta": local_theta, "hidden_act": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", 256)),
-            "final_logit_softcapping": raw.get("final_logit_softcapping"),
-            "rope_theta": theta, "rope_scaling": scaling}
+def split_packed(name: str, packed: Mapping[str, tuple[str, ...]]) -> list[str] | None:
+    """The module tensors a packed checkpoint tensor ``name`` stacks (``packed_modules``), or None."""
+    parent, leaf, param = _leaf_module(name)
+    parts = packed.get(leaf)
+    return None if parts is None else [f"{parent}.{part}.{param}" for part in parts]
 
 
-def _whole(value: float | None) -> float | int | None:
+_FAMILIES: dict[str, ModelFamily] = {}  # by model_type and by each alias
+
+
+def register_families(*families: ModelFamily) -> tuple[ModelFamily, ...]:
+    for family in families:
+        for name in (family.model_type, *family.aliases):
+            _FAMILIES[name] = family
+    return families
+
+
+def model_family(model_type: str) -> ModelFamily:
+    """The registered family of ``model_type`` (a ``ModelConfig``'s, aliases resolved)."""
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        raise CheckpointError(f"unsupported model_type {model_type!r}; infer supports {', '.join(supported_model_types())}")
+    return family
+
+
+def supported_model_types() -> tuple[str, ...]:
+    """The registered families' model_type names, in registration order."""
+    return tuple(dict.fromkeys(f.model_type for f in _FAMILIES.values()))
+
+
+def whole(value: float | None) -> float | int | None:
     return int(value) if value is not None and float(value).is_integer() else value
 
 
-def _positive(value: Any, name: str, source: str) -> int:
+def positive_int(value: Any, name: str, source: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise CheckpointError(f"{source}: {name} must be a positive integer, got {value!r}")
     return value

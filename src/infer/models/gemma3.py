@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infer.cache.protocol import KVBatch, LayerKV
-from infer.models.config import ModelConfig
+from infer.models.config import FULL, SLIDING, CheckpointError, ModelConfig, ModelFamily, positive_int, whole
 from infer.models.layers import (
     MLP,
     Attention,
@@ -170,3 +171,83 @@ class Gemma3ForCausalLM(DecoderOnlyLM):
         logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+# ----------------------------------------------------------------- config.json and checkpoint names
+
+def gemma3_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Gemma 3's extra fields, with transformers' defaults for the ones a config.json may leave out."""
+    if raw.get("attn_logit_softcapping") is not None:
+        raise CheckpointError(f"{source}: attn_logit_softcapping (Gemma 2's attention soft-capping) is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{source}: use_bidirectional_attention (an embedding model) is not supported")
+    layers = int(raw["num_hidden_layers"])
+    layer_types = raw.get("layer_types")
+    if layer_types is None:  # older configs: every sliding_window_pattern-th layer is global
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    if len(layer_types) != layers or set(layer_types) - {SLIDING, FULL}:
+        raise CheckpointError(f"{source}: layer_types must list {layers} of {SLIDING!r} / {FULL!r}")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise CheckpointError(f"{source}: Gemma 3 hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    # RoPE: transformers 5 nests one parameter set per layer type; older files use rope_theta,
+    # rope_local_base_freq and rope_scaling (which applies to the global layers).
+    nested = raw.get("rope_parameters")
+    if isinstance(nested, dict) and FULL in nested:
+        full, local = dict(nested[FULL] or {}), dict(nested.get(SLIDING) or {})
+        theta = float(full.get("rope_theta", 1_000_000.0))
+        scaling = full if full.get("rope_type", "default") != "default" else None
+        local_theta = float(local.get("rope_theta", 10_000.0))
+        if local.get("rope_type", "default") != "default":
+            raise CheckpointError(f"{source}: RoPE scaling on the sliding layers is not supported")
+    else:
+        theta = float(raw.get("rope_theta", 1_000_000.0))
+        scaling = raw.get("rope_scaling") or None
+        local_theta = float(raw.get("rope_local_base_freq", 10_000.0))
+    return {"sliding_window": positive_int(raw.get("sliding_window", 4096), "sliding_window", source),
+            "layer_types": list(layer_types), "rope_local_theta": local_theta, "hidden_act": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", 256)),
+            "final_logit_softcapping": raw.get("final_logit_softcapping"),
+            "rope_theta": theta, "rope_scaling": scaling, "qk_norm": True,
+            "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))}
+
+
+def gemma3_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3's config.json as its language model's: infer runs that (the image tower is not read)."""
+    if not isinstance(raw.get("text_config"), dict):
+        return raw
+    text = dict(raw["text_config"])
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if key not in text and key in raw:
+            text[key] = raw[key]
+    return {**text, "model_type": "gemma3"}
+
+
+def gemma3_hf_fields(config: ModelConfig, out: dict[str, Any]) -> dict[str, Any]:
+    out.update(hidden_activation=config.hidden_act, layer_types=config.layer_types,
+               # transformers checks the type: an int where it is whole, as configs write it
+               query_pre_attn_scalar=whole(config.query_pre_attn_scalar),
+               final_logit_softcapping=config.final_logit_softcapping,
+               rope_local_base_freq=config.rope_local_theta)
+    del out["hidden_act"]
+    return out
+
+
+def gemma3_text_name(name: str) -> str:
+    """A multimodal Gemma 3 checkpoint's language-model tensor under the text model's name (transformers
+    5 writes ``model.language_model.*``, 4.x ``language_model.model.*``); "" for the vision parts."""
+    for prefix, renamed in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return renamed + name[len(prefix):]
+    if name.startswith(("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                        "multi_modal_projector.")):
+        return ""
+    return name
+
+
+# A text-only checkpoint says gemma3_text; a multimodal one says gemma3 and nests the language model's
+# fields in text_config.
+FAMILY = ModelFamily("gemma3", "Gemma3ForCausalLM", Gemma3ForCausalLM, gemma3_fields, aliases=("gemma3_text",),
+                     hf_model_type="gemma3_text", unwrap=gemma3_text_config, hf_fields=gemma3_hf_fields,
+                     tensor_name=gemma3_text_name)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer.sampling.params import short_repr
-from infer.server.bridge import ChatHandler, chat_request, chunks, documented, run_chat
+from infer.server.bridge import ChatHandler, chat_body, chat_request, chunks, documented, run_chat
 from infer.server.errors import APIError, bad_request
 from infer.server.protocol import SpeculationOptions, _Body, check_model
 from infer.server.tools import arguments_object, prompt_messages
@@ -128,16 +128,8 @@ def _chat_body(body: MessagesRequest) -> dict[str, Any]:
                          else _texts(body.system, "system")})
     for message in body.messages:
         messages += _messages(message)
-    out: dict[str, Any] = {"model": body.model, "messages": messages, "max_completion_tokens": body.max_tokens,
-                           "stream": bool(body.stream)}
-    if body.stream:
-        out["stream_options"] = {"include_usage": True}
-    for name in ("temperature", "top_p", "top_k", "seed"):
-        value = getattr(body, name)
-        if value is not None:
-            out[name] = value
-    if body.speculation is not None:
-        out["speculation"] = body.speculation.model_dump()
+    out = chat_body(body, messages, ("temperature", "top_p", "top_k", "seed"))
+    out["max_completion_tokens"] = body.max_tokens
     if body.stop_sequences:
         out["stop"] = body.stop_sequences
     if body.tools:

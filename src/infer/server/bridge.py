@@ -45,6 +45,22 @@ def documented(statuses: tuple[int, ...], auth: bool, *, stream: bool = False,
     return {200: ok, **errors}
 
 
+def chat_body(body: Any, messages: list[dict[str, Any]], copied: tuple[str, ...]) -> dict[str, Any]:
+    """The chat API's body for a dialect's ``body`` (which has ``model``, ``stream`` and the
+    ``speculation`` extension): its ``messages``, streaming with usage when it streams, and the
+    fields named in ``copied`` (spelt as the chat API spells them) that the body set."""
+    out: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream)}
+    if body.stream:
+        out["stream_options"] = {"include_usage": True}
+    for name in copied:
+        value = getattr(body, name)
+        if value is not None:
+            out[name] = value
+    if body.speculation is not None:
+        out["speculation"] = body.speculation.model_dump()
+    return out
+
+
 def chat_request(body: dict[str, Any], params: Mapping[str, str]) -> ChatCompletionRequest:
     """The chat request a dialect's body translates to; a 400 naming the dialect's field
     (``params`` maps chat field -> dialect field) if it does not validate."""

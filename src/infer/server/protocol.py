@@ -294,20 +294,18 @@ class SamplingRequest(_Body):
         max_tokens = self.requested_max_tokens()
         structured = self.structured_output()
         speculation = self.speculation or SpeculationOptions()
+        # The fields a body left out (None) take SamplingParams' own defaults, declared there once.
+        given: dict[str, Any] = {
+            "temperature": self.temperature, "top_k": top_k, "top_p": self.top_p, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "ignore_eos": self.ignore_eos}
         try:
             return SamplingParams(
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_k=0 if top_k is None else top_k,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                min_p=0.0 if self.min_p is None else self.min_p,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                **{name: value for name, value in given.items() if value is not None},
                 stop=stop,
                 stop_token_ids=list(self.stop_token_ids or []),
-                ignore_eos=bool(self.ignore_eos),
                 seed=self.seed,
-                presence_penalty=self.presence_penalty or 0.0,
-                frequency_penalty=self.frequency_penalty or 0.0,
                 logit_bias=self.logit_bias_ids(),
                 logprobs=self.requested_logprobs(),
                 prompt_logprobs=self.requested_prompt_logprobs(),

@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, field_validator
 
-from infer.sampling.params import short_repr
-from infer.server.bridge import ChatHandler, chat_request, chunks, documented, run_chat
+from infer.sampling.params import SamplingParams, short_repr
+from infer.server.bridge import ChatHandler, chat_body, chat_request, chunks, documented, run_chat
 from infer.server.errors import APIError, bad_request
 from infer.server.protocol import SpeculationOptions, _Body, check_model
 
@@ -226,18 +226,11 @@ def _chat_body(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> di
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     if not messages:
         raise bad_request("input is empty", param="input")
-    out: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream)}
-    if body.stream:
-        out["stream_options"] = {"include_usage": True}
+    out = chat_body(body, messages, ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                     "presence_penalty", "frequency_penalty", "seed", "stop", "cache_salt",
+                                     "parallel_tool_calls"))
     if body.max_output_tokens is not None:
         out["max_completion_tokens"] = body.max_output_tokens
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "stop", "cache_salt", "parallel_tool_calls"):
-        value = getattr(body, name)
-        if value is not None:
-            out[name] = value
-    if body.speculation is not None:
-        out["speculation"] = body.speculation.model_dump()
     if body.tools:
         out["tools"] = [_tool(t) for t in body.tools]
     if body.tool_choice is not None:
@@ -360,8 +353,9 @@ def _shell(body: ResponsesRequest, model: str) -> dict[str, Any]:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "store": bool(body.store),
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": fmt},
+            # What the request samples with: its own values, else SamplingParams' defaults.
+            "temperature": SamplingParams.temperature if body.temperature is None else body.temperature,
+            "top_p": SamplingParams.top_p if body.top_p is None else body.top_p, "text": {"format": fmt},
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "truncation": "disabled",
             "metadata": body.metadata or {}, "usage": None}
 
