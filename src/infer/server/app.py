@@ -132,15 +132,7 @@ def create_app(engine: Engine | EngineProcess, served_model_name: str, api_key: 
     """
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: pass None to serve without a key")
-    spec = engine.config.speculative
-    metrics = ServerMetrics(max_draft=spec.spec_length_limit if spec is not None else 0, model_name=served_model_name)
-    block_size = getattr(engine.pool, "block_size", None)
-    if block_size is not None:
-        metrics.cache_config.set(1, (("block_size", str(block_size)),
-                                     ("num_gpu_blocks", str(getattr(engine.pool, "num_blocks", 0)))))
-    backend = getattr(engine, "backend", None)
-    if backend is not None:
-        metrics.backend_info.set(1, tuple(backend.info().items()))
+    metrics = _server_metrics(engine, served_model_name)
     service: EngineService | EngineClient = (EngineClient(engine, metrics) if isinstance(engine, EngineProcess)
                                              else EngineService(engine, metrics))
 
@@ -166,6 +158,35 @@ def create_app(engine: Engine | EngineProcess, served_model_name: str, api_key: 
         app.add_middleware(BearerAuth, api_key=api_key, metrics=metrics)
     api = _Api(engine, service, served_model_name, request_limits or RequestLimits())
     auth = api_key is not None
+    _add_openai_routes(app, api, served_model_name, auth)
+    _add_probes(app, service, metrics, metrics_exposition)
+
+    # The other dialects translate to and from the chat route (their own modules); the Anthropic
+    # one's error-shape middleware goes outermost, so the API key and size refusals get it too.
+    responses.install(app, api.chat, served_model_name, max_stored_responses, auth, max_stored_response_bytes)
+    tokenize.install(app, engine, served_model_name, auth)
+    anthropic.install(app, api.chat, served_model_name, engine, auth)
+
+    app.openapi = functools.partial(_openapi_without_422, app)  # type: ignore[method-assign]
+    return app
+
+
+def _server_metrics(engine: Engine | EngineProcess, served_model_name: str) -> ServerMetrics:
+    """The server's metrics, with the engine's fixed facts (draft limit, KV blocks, backend) set."""
+    spec = engine.config.speculative
+    metrics = ServerMetrics(max_draft=spec.spec_length_limit if spec is not None else 0, model_name=served_model_name)
+    block_size = getattr(engine.pool, "block_size", None)
+    if block_size is not None:
+        metrics.cache_config.set(1, (("block_size", str(block_size)),
+                                     ("num_gpu_blocks", str(getattr(engine.pool, "num_blocks", 0)))))
+    backend = getattr(engine, "backend", None)
+    if backend is not None:
+        metrics.backend_info.set(1, tuple(backend.info().items()))
+    return metrics
+
+
+def _add_openai_routes(app: FastAPI, api: _Api, served_model_name: str, auth: bool) -> None:
+    """OpenAI's completions, chat completions and models routes."""
 
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse, auth))
     async def completions(body: CompletionRequest, http: Request) -> Response:
@@ -186,6 +207,11 @@ def create_app(engine: Engine | EngineProcess, served_model_name: str, api_key: 
             raise APIError(404, f"the model {short_repr(model_id)} does not exist", param="model",
                            code="model_not_found")
         return api.model_card()
+
+
+def _add_probes(app: FastAPI, service: EngineService | EngineClient, metrics: ServerMetrics,
+                metrics_exposition: Callable[[ServerMetrics], Awaitable[str]] | None) -> None:
+    """The probes: readiness (/health), liveness (/livez) and Prometheus metrics (/metrics)."""
 
     @app.get("/health", response_model=None,
              responses={200: {"model": Health, "description": "Ready: serving requests"},
@@ -214,15 +240,6 @@ def create_app(engine: Engine | EngineProcess, served_model_name: str, api_key: 
     async def metrics_text() -> PlainTextResponse:
         text = metrics.render() if metrics_exposition is None else await metrics_exposition(metrics)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    # The other dialects translate to and from the chat route (their own modules); the Anthropic
-    # one's error-shape middleware goes outermost, so the API key and size refusals get it too.
-    responses.install(app, api.chat, served_model_name, max_stored_responses, auth, max_stored_response_bytes)
-    tokenize.install(app, engine, served_model_name, auth)
-    anthropic.install(app, api.chat, served_model_name, engine, auth)
-
-    app.openapi = functools.partial(_openapi_without_422, app)  # type: ignore[method-assign]
-    return app
 
 
 def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
