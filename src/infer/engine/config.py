@@ -40,7 +40,7 @@ class SpeculativeConfig:
     (None: sized each round by the controller, up to ``EAGLE_MAX_TREE``), at most the draft length deep.
     """
 
-    speculator: str  # draft | ngram | medusa | suffix | eagle
+    speculator: str  # one of SPECULATORS
     draft_model: str | None = None
     spec_length: int = 5
     spec_length_policy: str = "goodput"

@@ -13,6 +13,7 @@ from typing import Any
 from infer.backends import BACKENDS
 from infer.cache import KV_BACKENDS
 from infer.engine.config import (
+    EAGLE_MAX_TREE,
     LENGTH_POLICIES,
     MODEL_FREE_MAX_DRAFT,
     SPECULATIVE_OPTIONS,
@@ -76,7 +77,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("eagle_head", "EAGLE-3 head folder in the vLLM/SGLang layout (default: <model>/eagle; for a GGUF or "
            "built-in model ~/.cache/infer/drafters/<name>/eagle, where infer train eagle saves it)"),
     Option("eagle_tree_size", "EAGLE-3: verify exactly this many draft-tree nodes per round (default: choose each "
-           "round, up to 64, by measured tokens/s)", type=int),
+           f"round, up to {EAGLE_MAX_TREE}, by measured tokens/s)", type=int),
     Option("tree_attention", "Medusa tree verification: SDPA with a dense mask, or FlexAttention (for CUDA)",
            choices=TREE_ATTENTION),
     Option("suffix_tree_size", "suffix decoding: most tree nodes verified per round (the depth is --spec-length)",
