@@ -198,6 +198,13 @@ def test_every_config_field_is_a_flag() -> None:
     assert (config.speculative.ngram_max, config.speculative.entropy_threshold) == (6, 0.3)
 
 
+def test_renamed_flag_still_works_with_a_warning() -> None:
+    with pytest.warns(FutureWarning, match="--speculative-decoding is now --speculate"):
+        args = build_parser().parse_args(["serve", "--speculative-decoding", "--speculator", "ngram"])
+    assert args.speculate
+    assert not build_parser().parse_args(["serve"]).speculate
+
+
 def test_structured_output_flags(tiny_llama: Path, llm: LLM, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--json-schema (text or @file), --regex: the same tokens as SamplingParams.structured_output."""
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
@@ -146,6 +147,24 @@ SERVING_OPTIONS = ("max_batch_size", "block_size", "num_kv_blocks", "chunked_pre
                    "grammar_max_ref_chain", "grammar_max_regex_bytes", "grammar_max_enum", "grammar_compile_timeout_s")
 
 
+# Flags renamed so an option has one name at every layer: old flag -> the option it now spells. The
+# old flag still works for one release, with a warning, and is left out of --help.
+RENAMED_FLAGS = {"--speculative-decoding": "speculate"}
+
+
+class _RenamedFlag(argparse.Action):
+    """A renamed switch's old flag: sets the option and warns that the flag has a new name."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        warnings.warn(f"{option_string} is now {OPTIONS[self.dest].cli_flag}; the old flag will be removed",
+                      FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, True)
+
+
 def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
                     names: Iterable[str] = MODEL_OPTIONS) -> None:
     """The flags of the named options, with the engine's defaults."""
@@ -158,6 +177,9 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
         else:
             parser.add_argument(option.cli_flag, dest=name, type=option.type, choices=option.choices,
                                 default=default, help=option.help)
+        for old, new in RENAMED_FLAGS.items():
+            if new == name:
+                parser.add_argument(old, dest=name, action=_RenamedFlag)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
