@@ -175,6 +175,22 @@ def test_phi3_greedy_on_the_c_stack_matches_transformers(tiny_phi3_window: Path,
         assert sum(o.metrics.num_rounds for o in outputs) > 0
 
 
+def test_a_q8_0_phi3_on_the_c_stack_speculates_exactly(tiny_phi3_window: Path) -> None:
+    """The split projections quantize like any Llama's (``--quantization q8_0``): the stack runs them
+    quantized, and greedy n-gram speculation gives plain decoding's tokens."""
+    def run(**spec: Any) -> list[list[int]]:
+        llm = LLM(str(tiny_phi3_window), dtype="float32", device="cpu", block_size=4, backend="cpu-kernels",
+                  quantization="q8_0", **spec)
+        stack = llm.engine.backend.cpu_stack
+        assert stack is not None and stack.table.quant is not None
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+    plain = run()
+    assert run(speculator="ngram", spec_length=5, spec_length_policy="fixed") == plain
+    assert all(len(set(ids)) > 4 for ids in plain)
+
+
 def test_a_saved_phi3_loads_in_transformers_with_its_fused_names(tiny_phi3: Path, tmp_path: Path) -> None:
     model, config = load_model(tiny_phi3, "float32", "cpu", fuse=False)
     state = model.hf_state_dict()
