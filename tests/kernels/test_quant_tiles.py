@@ -217,7 +217,8 @@ def test_an_os_that_refuses_tile_state_leaves_the_vectors_and_one_reason_line(mo
     """Faked: a CPU with AMX whose OS refuses ARCH_REQ_XCOMP_PERM. The AMX variant is refused with the
     OS's reason (before any tile instruction runs: the faked CPU has no tiles); where the CPU runs
     AVX-512 VNNI that variant is the default and the startup line carries the one reason line."""
-    from infer.loader.quantized import QuantChoice, QuantReport, choose_quant_kernels
+    from infer.backends.plan import QuantChoice, choose_quant_kernels
+    from infer.loader.quantized import QuantReport
 
     if platform.machine().lower() not in ("x86_64", "amd64"):  # no x86 build to fake a CPU for
         assert "an x86_64 Linux host" in " ".join(build.missing_cpu_flags(AMX))
@@ -254,7 +255,7 @@ def test_an_os_that_refuses_tile_state_leaves_the_vectors_and_one_reason_line(mo
 def test_a_forced_emulated_variant_is_the_one_in_use() -> None:
     """``--backend cpu-kernels:portable-amx-emu`` names a quantized variant like any other."""
     from infer.backends.backend import BACKENDS
-    from infer.loader.quantized import choose_quant_kernels
+    from infer.backends.plan import choose_quant_kernels
 
     assert "cpu-kernels:portable-amx-emu" in BACKENDS and "cpu-kernels:avx512-amx" in BACKENDS
     choice = choose_quant_kernels("auto", torch.device("cpu"), "cpu-kernels:portable-amx-emu")

@@ -46,7 +46,7 @@ from infer.backends.cpu_kernels import (
     probe_stack,
 )
 from infer.backends.onednn import PackedLinear, cpu_packing_available, projection_packer
-from infer.cache.protocol import CachePoolProtocol, KVBatch, SequenceRows
+from infer.cache.protocol import CachePoolProtocol, KVBatch, SequenceRows, build_kv_batch, sequence_rows
 from infer.kernels.cpu import (
     MAX_ROWS,
     GemvLinear,
@@ -55,7 +55,7 @@ from infer.kernels.cpu import (
     kernel_threads_only,
 )
 from infer.kernels.quant import QuantKernels as QuantLibrary
-from infer.models.layers import Attention, AuxCapture, DecoderOnlyLM
+from infer.models.layers import Attention, AuxCapture, DecoderOnlyLM, block_mask_from
 from infer.models.quantized import QuantLinear
 
 if TYPE_CHECKING:
@@ -97,6 +97,19 @@ class Capabilities:
     graphs: bool = False  # replays the passes a request repeats as CUDA graphs
 
 
+@dataclass
+class PassOutput:
+    """What ``Backend.run_pass`` computed: the final hidden states (padded [B, T, hidden], or packed
+    [1, N, hidden] for a ragged pass the layers ran packed), every row's logits where the pass
+    computed them, the captured layer inputs, and whether a CUDA graph replayed it (its rows are then
+    padded to the graph's shape, whatever the pass asked)."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
+    replayed: bool = False
+
+
 @dataclass(kw_only=True, eq=False)
 class Backend:
     """What runs a model's forward pass and why (``describe`` is the startup line's text).
@@ -111,9 +124,13 @@ class Backend:
     exact: bool = False  # exact greedy (backends.exact), checked on this machine at prepare
     compiled: bool = False  # the forward through torch.compile (backends.compiled)
     cuda_graphs: bool = False  # CudaBackend: decode steps and chain verifications replayed as graphs
+    # How a tree verification's mask reaches attention: "sdpa" (a dense mask) or "flex" (a FlexAttention
+    # block mask built per pass: ``run_pass``).
+    tree_attention: str = "sdpa"
     # The prepared model's decoder stack in one C call (CpuKernelBackend; None: layer by layer).
     # Tests set None to compare with the layers; exact-greedy mode lifts its row limit.
     cpu_stack: CpuStack | None = field(default=None, repr=False, compare=False)
+    _policies: dict[int, ThreadPolicy] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # -- what it is ------------------------------------------------------------------------------
     @property
@@ -224,6 +241,67 @@ class Backend:
         if aux is None:
             return model(input_ids, positions, kv), None
         return model(input_ids, positions, kv, aux), None
+
+    def run_pass(self, model: DecoderOnlyLM, pool: CachePoolProtocol, slots: Sequence[int],
+                 runs: Sequence[Sequence[int]] | torch.Tensor, positions: torch.Tensor | None = None,
+                 tree_mask: torch.Tensor | None = None, ragged: bool = False, logits: bool = False,
+                 aux_layers: tuple[int, ...] = (), graphs: StepGraphs | None = None) -> PassOutput:
+        """Append ``runs[b]`` to sequence ``slots[b]`` of ``pool`` (``ModelRunner``'s every pass), the
+        backend choosing how: a replay of ``graphs`` where it holds a graph of this pass (a chain of
+        one sequence's new tokens at their cache positions, no layer inputs kept), the one-sequence
+        path where ``takes_sequence`` says so, else the layers over the tensors ``build_kv_batch``
+        makes (packed when ``ragged``), a tree's mask a FlexAttention block mask in
+        ``tree_attention="flex"``; each in the threads ``thread_policy`` gives a pass of its rows."""
+        chain = positions is None and tree_mask is None and not isinstance(runs, torch.Tensor)
+        if graphs is not None and chain and not aux_layers:
+            assert not isinstance(runs, torch.Tensor)
+            replayed = graphs.run(slots, runs)
+            if replayed is not None:
+                return PassOutput(replayed, replayed=True)
+        threads = self._threads(model)
+        aux = AuxCapture(aux_layers) if aux_layers else None
+        starts = [pool.seq_len(s) for s in slots]
+        if (len(slots) == 1 and chain and not isinstance(runs, torch.Tensor)
+                and self.takes_sequence(model, len(runs[0]), pool.k_layers[0])):
+            # One sequence's chain of tokens (a decode step, a verification): the cache as rows and
+            # addresses, not the tensors build_kv_batch makes (the same bits).
+            rows = sequence_rows(pool, slots[0], starts[0], len(runs[0]))
+            with threads(len(runs[0]), "forward"):
+                hidden, computed = self.forward_sequence(model, runs[0], rows, logits, aux)
+            return PassOutput(hidden, computed, None if aux is None else aux.result())
+        if isinstance(runs, torch.Tensor):
+            ids = runs
+            lengths = [runs.shape[1]] * runs.shape[0]
+        else:
+            lengths = [len(r) for r in runs]
+            width = max(lengths)
+            padded = runs if all(n == width for n in lengths) else [list(r) + [0] * (width - len(r)) for r in runs]
+            ids = torch.tensor(padded, dtype=torch.long).to(pool.device, non_blocking=True)
+        if positions is None:
+            offsets = torch.arange(ids.shape[1], device=pool.device)
+            positions = (offsets + starts[0]).unsqueeze(0) if len(starts) == 1 else \
+                torch.tensor(starts, device=pool.device).unsqueeze(1) + offsets
+        kv = build_kv_batch(pool, slots, starts, lengths, tree_mask, ragged=ragged)
+        if tree_mask is not None and self.tree_attention == "flex":
+            assert kv.mask is not None  # a tree pass always has one
+            kv.block_mask = block_mask_from(kv.mask)
+        if kv.packed is not None:  # only the real tokens go through the model: [1, N]
+            ids, positions = kv.pack(ids), kv.pack(positions)
+        with threads(ids.numel(), "forward"):
+            hidden, computed = self.forward_logits(model, ids, positions, kv, aux, logits)
+        return PassOutput(hidden, computed, None if aux is None else aux.result())
+
+    def compute_logits(self, model: DecoderOnlyLM, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over ``hidden`` [..., hidden] (float32 logits), in the threads a head of its rows takes."""
+        with self._threads(model)(hidden.numel() // hidden.shape[-1], "logits"):
+            return model.compute_logits(hidden).float()
+
+    def _threads(self, model: DecoderOnlyLM) -> ThreadPolicy:
+        """``thread_policy(model)``, made once per model (it reads the model's modules)."""
+        key = id(model)
+        if key not in self._policies:
+            self._policies[key] = self.thread_policy(model)
+        return self._policies[key]
 
     def thread_policy(self, model: DecoderOnlyLM) -> ThreadPolicy:
         """How ``model``'s passes are threaded: ``policy(rows, kind)`` is the context a pass of
@@ -396,15 +474,18 @@ def _compiled_flex_attention() -> Any:
 
 
 def choose_backend(device: torch.device | str, dtype: torch.dtype, requested: str = "auto",
-                   compile: bool = False, exact: bool = False, cuda_graphs: bool = False) -> Backend:
+                   compile: bool = False, exact: bool = False, cuda_graphs: bool = False,
+                   tree_attention: str = "sdpa") -> Backend:
     """The backend for a model in ``dtype`` on ``device``, with its modes (``compile``: through
-    torch.compile; ``exact``: exact greedy; ``cuda_graphs``: passes replayed as CUDA graphs).
+    torch.compile; ``exact``: exact greedy; ``cuda_graphs``: passes replayed as CUDA graphs;
+    ``tree_attention``: a tree's mask dense for SDPA or a FlexAttention block mask).
     ``requested`` is ``auto`` or a name from ``BACKENDS``; one this machine cannot run raises
     ValueError with the reason."""
     if requested not in BACKENDS:
         raise ValueError(f"backend={requested!r} is invalid: use {', '.join(BACKENDS)}")
     device = torch.device(device)
-    modes: dict[str, Any] = {"compiled": compile, "exact": exact, "cuda_graphs": cuda_graphs}
+    modes: dict[str, Any] = {"compiled": compile, "exact": exact, "cuda_graphs": cuda_graphs,
+                             "tree_attention": tree_attention}
     forced = requested.startswith("cpu-kernels")
     variant = forced_variant(requested)
     if device.type != "cpu":

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from infer.backends import backend_of
+from infer.backends.backend import PassOutput
 from infer.backends.cuda_graphs import StepGraphs
-from infer.cache.protocol import CachePoolProtocol, build_kv_batch, sequence_rows
+from infer.cache.protocol import CachePoolProtocol
 from infer.core.request import Request
-from infer.models.layers import AuxCapture, DecoderOnlyLM, block_mask_from
+from infer.models.layers import DecoderOnlyLM
 
 
 @dataclass
@@ -57,20 +58,19 @@ class ModelRunner:
     verification are all "append these tokens to these sequences"; only the caller differs.
     """
 
-    def __init__(self, model: DecoderOnlyLM, pool: CachePoolProtocol, tree_attention: str = "sdpa") -> None:
+    def __init__(self, model: DecoderOnlyLM, pool: CachePoolProtocol) -> None:
         self.model = model
-        self.backend = backend_of(model)  # runs every pass of this model (Backend.forward)
+        # Runs every pass of this model and decides how (Backend.run_pass: graph replay, the
+        # one-sequence path, masks, threads) and its LM head (Backend.compute_logits).
+        self.backend = backend_of(model)
         self.pool = pool
-        self.tree_attention = tree_attention  # "flex": tree passes use FlexAttention with a block mask
         self.device = pool.device
         self.vocab_size = model.config.vocab_size
-        # The threads of each kind of pass, as the backend's kernels want them (Backend.thread_policy).
-        self._threads_for = self.backend.thread_policy(model)
         # Host work around the passes (sampling, a speculative round's drafting and rejection),
         # threaded as the backend wants it (Backend.host_policy).
         self.host_work = self.backend.host_policy(model)
-        # Passes replayed as CUDA graphs, where the backend makes them (CudaBackend.step_graphs, given
-        # the batch and widths by the engine); None: every pass eagerly.
+        # The CUDA graphs of this model over this pool, where the backend makes them (CudaBackend.step_graphs,
+        # given the batch and widths by the engine); the backend replays a pass one holds. None: every pass eagerly.
         self.graphs: StepGraphs | None = None
         # Layer inputs every pass keeps (an EAGLE-3 drafter's, vLLM's layer ids: models.layers.AuxCapture);
         # the last pass's are ``last_aux`` ([B, T, aux] like its hidden states). CUDA graphs are not
@@ -87,12 +87,7 @@ class ModelRunner:
         runs, e.g. draft steps: no host round trip). ``positions`` (RoPE positions, [B, T]) default
         to the cache positions; tree verification passes depth-based positions and a ``tree_mask``.
         """
-        if (self.graphs is not None and positions is None and tree_mask is None and not isinstance(runs, torch.Tensor)
-                and not self.aux_layers):
-            replayed = self.graphs.run(slots, runs)
-            if replayed is not None:
-                return replayed
-        return self._forward(slots, runs, positions, tree_mask, ragged=False)[0]
+        return self._run(slots, runs, positions, tree_mask, ragged=False).hidden
 
     @torch.inference_mode()
     def forward_ragged(self, slots: Sequence[int], runs: Sequence[Sequence[int]],
@@ -109,64 +104,31 @@ class ModelRunner:
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        if self.graphs is not None and positions is None and tree_mask is None and not self.aux_layers:
-            replayed = self.graphs.run(slots, runs)
-            if replayed is not None:
-                index = _packed_index(lengths, replayed.shape[1], replayed.device)
-                packed = replayed.flatten(0, 1)[index]
-                return RaggedPass(packed, offsets, replayed.shape[0] * replayed.shape[1],
-                                  logits=self.logits(packed) if logits else None)
-        hidden, computed = self._forward(slots, runs, positions, tree_mask, ragged=True, logits=logits)
-        aux = None if self.last_aux is None else self.last_aux.flatten(0, 1)
-        flat = hidden.flatten(0, 1)
+        out = self._run(slots, runs, positions, tree_mask, ragged=True, logits=logits)
+        if out.replayed:
+            index = _packed_index(lengths, out.hidden.shape[1], out.hidden.device)
+            packed = out.hidden.flatten(0, 1)[index]
+            return RaggedPass(packed, offsets, out.hidden.shape[0] * out.hidden.shape[1],
+                              logits=self.logits(packed) if logits else None)
+        aux = None if out.aux is None else out.aux.flatten(0, 1)
+        flat = out.hidden.flatten(0, 1)
+        computed = out.logits
         if logits:
             computed = self.logits(flat) if computed is None else computed.flatten(0, 1)
-        return RaggedPass(flat, offsets, hidden.shape[0] * hidden.shape[1], aux, computed)
+        return RaggedPass(flat, offsets, out.hidden.shape[0] * out.hidden.shape[1], aux, computed)
 
-    def _forward(self, slots: Sequence[int], runs: Sequence[Sequence[int]] | torch.Tensor,
-                 positions: torch.Tensor | None, tree_mask: torch.Tensor | None, ragged: bool,
-                 logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        starts = [self.pool.seq_len(s) for s in slots]
-        if (len(slots) == 1 and positions is None and tree_mask is None and not isinstance(runs, torch.Tensor)
-                and self.backend.takes_sequence(self.model, len(runs[0]), self.pool.k_layers[0])):
-            # One sequence's chain of tokens (a decode step, a verification): the backend takes the
-            # cache as rows and addresses, not the tensors build_kv_batch makes (the same bits).
-            rows = sequence_rows(self.pool, slots[0], starts[0], len(runs[0]))
-            aux = AuxCapture(self.aux_layers) if self.aux_layers else None
-            with self._threads_for(len(runs[0]), "forward"):
-                hidden, computed = self.backend.forward_sequence(self.model, runs[0], rows, logits, aux)
-            self.last_aux = None if aux is None else aux.result()
-            return hidden, computed
-        if isinstance(runs, torch.Tensor):
-            ids = runs
-            lengths = [runs.shape[1]] * runs.shape[0]
-        else:
-            lengths = [len(r) for r in runs]
-            width = max(lengths)
-            padded = runs if all(n == width for n in lengths) else [list(r) + [0] * (width - len(r)) for r in runs]
-            ids = torch.tensor(padded, dtype=torch.long).to(self.device, non_blocking=True)
-        width = ids.shape[1]
-        if positions is None:
-            if len(starts) == 1:
-                positions = torch.arange(starts[0], starts[0] + width, device=self.device).unsqueeze(0)
-            else:
-                positions = torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device)
-        kv = build_kv_batch(self.pool, slots, starts, lengths, tree_mask, ragged=ragged)
-        if tree_mask is not None and self.tree_attention == "flex":
-            assert kv.mask is not None  # a tree pass always has one
-            kv.block_mask = block_mask_from(kv.mask)
-        if kv.packed is not None:  # only the real tokens go through the model: [1, N]
-            ids, positions = kv.pack(ids), kv.pack(positions)
-        aux = AuxCapture(self.aux_layers) if self.aux_layers else None
-        with self._threads_for(ids.numel(), "forward"):
-            hidden, computed = self.backend.forward_logits(self.model, ids, positions, kv, aux, logits)
-        self.last_aux = None if aux is None else aux.result()
-        return hidden, computed
+    def _run(self, slots: Sequence[int], runs: Sequence[Sequence[int]] | torch.Tensor,
+             positions: torch.Tensor | None, tree_mask: torch.Tensor | None, ragged: bool,
+             logits: bool = False) -> PassOutput:
+        out = self.backend.run_pass(self.model, self.pool, slots, runs, positions, tree_mask, ragged, logits,
+                                    self.aux_layers, self.graphs)
+        if not out.replayed:  # a replayed pass keeps no layer inputs (none were asked for)
+            self.last_aux = out.aux
+        return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with self._threads_for(hidden.numel() // hidden.shape[-1], "logits"):
-            return self.model.compute_logits(hidden).float()
+        return self.backend.compute_logits(self.model, hidden)
 
     def warm_up(self, width: int) -> None:
         """Run each kind of pass a request meets once on scratch sequences (one sequence and two;

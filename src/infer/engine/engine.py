@@ -25,13 +25,11 @@ from infer.engine.continuous_runner import ContinuousRunner, PrefillChunk, StepR
 from infer.engine.scheduler import Runner, ScheduledBatch, Scheduler, attention_span
 from infer.loader import (
     Tokenizer,
-    choose_dtype,
     forget_parsed_checkpoints,
     load_model,
     load_tokenizer,
-    resolve_device,
+    plan_load,
 )
-from infer.loader.quantized import loads_quantized
 from infer.models.config import ModelConfig
 from infer.phases import PHASES
 from infer.sampling.grammar import GrammarCompiler, GrammarError
@@ -201,21 +199,20 @@ class Engine(PromptEncoding):
     def __init__(self, config: EngineConfig, progress: Callable[[str], None] | None = None) -> None:
         self.config = config
         say = progress or (lambda _msg: None)
-        self.device = resolve_device(config.device)
-        quantized = loads_quantized(config.model, config.quantization, self.device, config.backend, config.compile)
-        self.dtype, dtype_reason = choose_dtype(config.dtype, self.device, quantized)
+        # How the target runs, decided once before its weights are read (dtype, kept blocks and their
+        # kernels, the backend with its modes), each choice with its reason; the loader follows it.
+        self.plan = plan_load(config.model, config.dtype, config.device, backend=config.backend,
+                              compile=config.compile, quantization=config.quantization, exact=config.exact_greedy,
+                              cuda_graphs=config.cuda_graphs, tree_attention=config.tree_attention)
+        self.device, self.dtype = self.plan.device, self.plan.dtype
         say(f"loading target model {config.model} ({self.dtype}, {self.device})")
-        # The backend is made with the modes (exact greedy, compiled, CUDA graphs) and applies them.
-        self.model, self.model_config = load_model(config.model, self.dtype, str(self.device),
-                                                   backend=config.backend, compile=config.compile,
-                                                   quantization=config.quantization, exact=config.exact_greedy,
-                                                   cuda_graphs=config.cuda_graphs, progress=say)
+        self.model, self.model_config = load_model(config.model, plan=self.plan, progress=say)
         self.backend = backend_of(self.model)
         self.tokenizer: Tokenizer = load_tokenizer(config.model, self.model_config)
         self.max_seq_len, context_reason = choose_max_seq_len(config, self.model_config, self.device, self.dtype)
         self.pool = self._make_pool(self.model_config)
         # What was chosen and why, for the run summary (infer generate/chat print it).
-        self.summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({dtype_reason}); context "
+        self.summary = (f"dtype {str(self.dtype).removeprefix('torch.')} ({self.plan.dtype_reason}); context "
                         f"{self.max_seq_len} tokens ({context_reason}); KV pool {self.pool.free_kv_tokens():,} tokens "
                         f"({pool_bytes(self.pool) / 2**20:.1f} MiB); {self.model.weights_summary}; "
                         f"{self.backend.describe()}")
@@ -227,7 +224,7 @@ class Engine(PromptEncoding):
             assert isinstance(self.pool, PagedKVCachePool)
             prefix_cache = PrefixCache(self.pool)
         self.prefix_cache = prefix_cache
-        target = ContinuousRunner(ModelRunner(self.model, self.pool, config.tree_attention), prefix_cache)
+        target = ContinuousRunner(ModelRunner(self.model, self.pool), prefix_cache)
         # Graphs up to a chain verification's width, where the backend replays passes as graphs.
         width = 1 + (config.speculative.spec_length_limit if config.speculative is not None else 0)
         target.runner.graphs = self.backend.step_graphs(self.model, self.pool, config.max_batch_size, width, say)

@@ -22,7 +22,7 @@ from infer.models.config import CheckpointError, ModelConfig, model_family, spli
 from infer.models.layers import rope_inv_freq
 
 if TYPE_CHECKING:
-    from infer.loader.quantized import QuantChoice
+    from infer.backends.plan import ExecutionPlan, QuantChoice
     from infer.models.layers import DecoderOnlyLM
     from infer.models.quantized import QuantRows
 
@@ -248,13 +248,54 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     return model.eval()
 
 
+def plan_load(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto", device: str = "auto",
+              fuse: bool = True, pack: bool | None = None, backend: str = "auto", compile: bool = False,
+              quantization: str = "auto", exact: bool = False, cuda_graphs: bool = False,
+              tree_attention: str = "sdpa") -> ExecutionPlan:
+    """How ``ref`` will run (``backends.plan.ExecutionPlan``), decided before a weight is read, so a
+    refusal comes quickly: whether weights stay quantized and on which kernels, the dtype (float32
+    activations under ``auto`` where they do), the backend and its modes. The options are
+    ``load_model``'s."""
+    from infer.backends.plan import ExecutionPlan, QuantChoice, choose_quant_kernels
+    from infer.loader.quantized import check_quantization, gguf_keeps_blocks
+
+    path = resolve_model_path(ref)
+    dev = resolve_device(device)
+    check_quantization(quantization)
+    if pack is None:
+        pack = fuse and dev.type == "cpu"
+    inference = pack or dev.type != "cpu"  # the inference layout (else training or conversion's)
+    if not inference and backend.startswith("cpu-kernels"):
+        raise ValueError(f"backend {backend!r} needs the packed inference layout (fuse=True, pack=True)")
+    if fuse and inference and not compile:
+        quant = choose_quant_kernels(quantization, dev, backend)
+    elif quantization in ("auto", "none"):
+        quant = QuantChoice(quantization, None, "compiled mode" if compile else "loaded unpacked")
+    else:
+        raise ValueError(f"quantization={quantization!r} needs the packed inference layout and eager mode "
+                         "(fuse=True, pack=True, compile=False)")
+    keeps = quant.keeps_blocks and (quantization != "auto" or gguf_keeps_blocks(path))
+    torch_dtype, dtype_reason = choose_dtype(dtype, dev, keeps)
+    if inference:
+        chosen = choose_backend(dev, torch_dtype, backend, compile, exact=exact, cuda_graphs=cuda_graphs,
+                                tree_attention=tree_attention)
+    elif cuda_graphs:
+        raise ValueError(f"cuda_graphs needs a CUDA device; this engine runs on {dev}")
+    else:
+        chosen = TorchBackend(reasons=["loaded unpacked (training or conversion layout)"], compiled=compile, exact=exact,
+                              tree_attention=tree_attention)
+    return ExecutionPlan(dev, torch_dtype, dtype_reason, chosen, quant, keeps, fuse, pack)
+
+
 def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
                device: str = "auto", fuse: bool = True, pack: bool | None = None, backend: str = "auto",
                compile: bool = False, quantization: str = "auto", exact: bool = False, cuda_graphs: bool = False,
-               progress: Callable[[str], None] | None = None) -> tuple[DecoderOnlyLM, ModelConfig]:
-    """Read a checkpoint (``read_checkpoint``) and build its model (``build_model``): a folder's
-    safetensors, or a GGUF's tensors (quantized ones kept in their blocks where the quantized
-    kernels run, else dequantized into ``dtype``).
+               progress: Callable[[str], None] | None = None,
+               plan: ExecutionPlan | None = None) -> tuple[DecoderOnlyLM, ModelConfig]:
+    """Read a checkpoint (``read_checkpoint``) and build its model (``build_model``) as ``plan``
+    says (``plan_load``; made from the other options where not given): a folder's safetensors, or a
+    GGUF's tensors (quantized ones kept in their blocks where the quantized kernels run, else
+    dequantized into the plan's dtype).
 
     ``fuse`` merges q/k/v and gate/up projections for faster inference; pass False to get the
     Hugging Face module layout (training, saving). ``pack`` gives a fused model on CPU the inference
@@ -262,34 +303,15 @@ def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
     ``model.backend``; the default packs a fused CPU model. The backend's modes: ``compile`` (the
     forward through torch.compile), ``exact`` (exact greedy, checked on this machine),
     ``cuda_graphs`` (CUDA only). ``quantization`` (``loader.quantized``: ``auto``, ``none``,
-    ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``) says which weights stay or become quantized;
-    ``model.weights_summary`` says what it did. ``progress`` hears what takes time.
+    ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``) says which weights stay or become quantized; ``dtype``
+    ``auto`` runs float32 activations where they do (``choose_dtype``). ``model.weights_summary``
+    says what it did. ``progress`` hears what takes time.
     """
-    from infer.loader.quantized import QuantChoice, check_quantization, choose_quant_kernels
-
-    path = resolve_model_path(ref)
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    check_quantization(quantization)
-    if pack is None:
-        pack = fuse and dev.type == "cpu"
-    if pack or dev.type != "cpu":  # chosen before the weights are read: a refusal comes quickly
-        chosen = choose_backend(dev, torch_dtype, backend, compile, exact=exact, cuda_graphs=cuda_graphs)
-    elif backend.startswith("cpu-kernels"):
-        raise ValueError(f"backend {backend!r} needs the packed inference layout (fuse=True, pack=True)")
-    elif cuda_graphs:
-        raise ValueError(f"cuda_graphs needs a CUDA device; this engine runs on {dev}")
-    else:
-        chosen = TorchBackend(reasons=["loaded unpacked (training or conversion layout)"], compiled=compile, exact=exact)
-    if fuse and (pack or dev.type != "cpu") and not compile:
-        quant = choose_quant_kernels(quantization, dev, backend)
-    elif quantization in ("auto", "none"):
-        quant = QuantChoice(quantization, None, "compiled mode" if compile else "loaded unpacked")
-    else:
-        raise ValueError(f"quantization={quantization!r} needs the packed inference layout and eager mode "
-                         "(fuse=True, pack=True, compile=False)")
-    checkpoint = read_checkpoint(path, torch_dtype, dev, keep_blocks=quant.keeps_blocks)
-    return build_model(checkpoint, torch_dtype, dev, chosen, quant, fuse, progress), checkpoint.config
+    if plan is None:
+        plan = plan_load(ref, dtype, device, fuse, pack, backend, compile, quantization, exact, cuda_graphs)
+    checkpoint = read_checkpoint(resolve_model_path(ref), plan.dtype, plan.device, keep_blocks=plan.quant.keeps_blocks)
+    model = build_model(checkpoint, plan.dtype, plan.device, plan.backend, plan.quant, plan.fuse, progress)
+    return model, checkpoint.config
 
 
 def forget_parsed_checkpoints() -> None:
@@ -338,4 +360,4 @@ def load_tokenizer(ref: str | os.PathLike[str], config: ModelConfig | None = Non
 
 __all__ = ["DEFAULT_MODEL", "Checkpoint", "CheckpointError", "ModelConfig", "Tokenizer", "build_model", "choose_dtype",
            "cpu_bf16_feature", "forget_parsed_checkpoints", "is_gguf_file", "load_config", "load_model", "load_tokenizer",
-           "read_checkpoint", "resolve_device", "resolve_dtype", "resolve_model_path"]
+           "plan_load", "read_checkpoint", "resolve_device", "resolve_dtype", "resolve_model_path"]

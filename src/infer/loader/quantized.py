@@ -20,22 +20,19 @@ float), with a line naming them.
 
 from __future__ import annotations
 
-import os
 import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from infer.backends.plan import QuantChoice
 from infer.models.quantized import QuantEmbedding, QuantLinear, QuantRows, weight_bytes
 from infer.models.quantized import QuantKernels as KernelsProtocol
-
-if TYPE_CHECKING:
-    from infer.kernels.quant import QuantKernels
 
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1", "q5_0")
 # Block types the quantized kernels multiply (what Q4_K_M, Q5_K_M, Q8_0 and Q4_0 files hold).
@@ -52,53 +49,6 @@ _LAYER_PART = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
 def check_quantization(value: str, option: str = "quantization") -> None:
     if value not in QUANTIZATIONS:
         raise ValueError(f"{option}={value!r} is invalid: use {', '.join(QUANTIZATIONS)}")
-
-
-@dataclass
-class QuantChoice:
-    """Whether quantized weights run on quantized kernels in this load, and why not."""
-
-    quantization: str
-    kernels: QuantKernels | None
-    reason: str = ""  # why ``kernels`` is None
-    note: str = ""  # why better variants this CPU has the flags for were refused (the OS's AMX permission...)
-
-    @property
-    def keeps_blocks(self) -> bool:
-        return self.kernels is not None and self.quantization != "none"
-
-
-def choose_quant_kernels(quantization: str, device: torch.device, backend: str) -> QuantChoice:
-    """The quantized kernels for a load (``quantization`` as above, ``backend`` as ``--backend``).
-    ``quantization`` of a block type with no kernels to run it, or ``--backend cpu-kernels`` where
-    they cannot run, raises ValueError naming why; ``auto`` falls back to float and says why."""
-    check_quantization(quantization)
-    if quantization == "none":
-        return QuantChoice(quantization, None, "--quantization none")
-    if device.type != "cpu":
-        reason = f"the quantized kernels run on the CPU; this model runs on {device}"
-    elif backend == "torch":
-        reason = "--backend torch"
-    else:
-        from infer.backends.backend import forced_variant
-        from infer.kernels import quant
-        from infer.kernels.build import QUANT_VARIANTS, KernelUnavailable
-
-        variant = forced_variant(backend)
-        if variant in {v.name for v in QUANT_VARIANTS}:  # --backend cpu-kernels:NAME: that variant or an error
-            try:
-                return QuantChoice(quantization, quant.quant_kernels(variant))
-            except KernelUnavailable as err:
-                raise ValueError(f"backend {backend!r} cannot run quantized weights on this machine: {err}") from None
-        kernels = quant.quant_kernels()
-        if kernels is not None:
-            return QuantChoice(quantization, kernels, note=quant.quant_selection_note())
-        reason = quant.quant_unavailable_reason()
-        if backend.startswith("cpu-kernels"):
-            raise ValueError(f"backend {backend!r} cannot run quantized weights on this machine: {reason}")
-    if quantization != "auto":
-        raise ValueError(f"quantization={quantization!r} needs the quantized kernels, which cannot run here: {reason}")
-    return QuantChoice(quantization, None, reason)
 
 
 def gguf_keep(tensor_types: dict[str, str]) -> tuple[Callable[[str, str], bool], list[str]]:
@@ -268,25 +218,13 @@ class QuantReport:
         return "; ".join([text, *self.notes])
 
 
-def loads_quantized(ref: str | os.PathLike[str], quantization: str, device: torch.device, backend: str,
-                    compile: bool = False) -> bool:
-    """Whether loading ``ref`` this way keeps weights quantized (the engine then runs float32
-    activations under ``dtype=auto``: the kernels' input)."""
-    check_quantization(quantization)
-    if quantization == "none" or device.type != "cpu" or backend == "torch" or compile:
+def gguf_keeps_blocks(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` (a folder or a GGUF file) holds a tensor of a type the
+    kernels multiply, so that ``quantization=auto`` keeps some weights in their blocks."""
+    if not path.is_file():
         return False
-    if quantization == "auto":
-        from infer.loader.hub import resolve_model_path
+    from gguf import GGMLQuantizationType
 
-        path = resolve_model_path(ref)
-        if not path.is_file():
-            return False
-        from gguf import GGMLQuantizationType
+    from infer.loader.gguf import open_gguf
 
-        from infer.loader.gguf import open_gguf
-
-        if not any(GGMLQuantizationType(t.tensor_type).name in KEPT_TYPES for t in open_gguf(path).tensors.values()):
-            return False
-    from infer.kernels import quant
-
-    return quant.quant_kernels() is not None
+    return any(GGMLQuantizationType(t.tensor_type).name in KEPT_TYPES for t in open_gguf(path).tensors.values())
