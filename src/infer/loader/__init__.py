@@ -276,11 +276,9 @@ def plan_load(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto", de
                          "(fuse=True, pack=True, compile=False)")
     keeps = quant.keeps_blocks and (quantization != "auto" or gguf_keeps_blocks(path))
     torch_dtype, dtype_reason = choose_dtype(dtype, dev, keeps)
-    if inference:
+    if inference or cuda_graphs:  # (unpacked is on the CPU, where choose_backend refuses cuda_graphs)
         chosen = choose_backend(dev, torch_dtype, backend, compile, exact=exact, cuda_graphs=cuda_graphs,
                                 tree_attention=tree_attention)
-    elif cuda_graphs:
-        raise ValueError(f"cuda_graphs needs a CUDA device; this engine runs on {dev}")
     else:
         chosen = TorchBackend(reasons=["loaded unpacked (training or conversion layout)"], compiled=compile, exact=exact,
                               tree_attention=tree_attention)
