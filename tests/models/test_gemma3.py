@@ -418,7 +418,9 @@ def _stack_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
     model, config = load_model(path, dtype, "cpu", backend="cpu-kernels")
     stack = model.backend.cpu_stack
     assert stack is not None and stack.table.local_layers is not None, model.backend.describe()
-    assert stack.table.gemma == (config.model_type == "gemma3")
+    gemma = config.model_type == "gemma3"  # its block's form in the C stack; Mistral's is Llama's
+    assert (stack.table.norm_offset, stack.table.post_norms, stack.table.activation) == \
+        ((True, True, "gelu_tanh") if gemma else (False, False, "silu"))
     return model, config
 
 
@@ -510,7 +512,7 @@ def test_mistral_greedy_on_the_c_stack_matches_transformers(tiny_mistral: Path, 
     llm = LLM(str(tiny_mistral), dtype="float32", device="cpu", block_size=4, backend="cpu-kernels",
               max_prefill_tokens=16, **spec)
     stack = llm.engine.backend.cpu_stack
-    assert stack is not None and stack.table.local_layers is not None and not stack.table.gemma
+    assert stack is not None and stack.table.local_layers is not None and not stack.table.norm_offset
     prompts = [llm.tokenizer.encode(t) for t in PROMPTS]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     eos = set(llm.engine.tokenizer.eos_token_ids)
@@ -526,7 +528,7 @@ def test_mistral_greedy_on_the_c_stack_matches_transformers(tiny_mistral: Path, 
 
 def test_a_gemma3_stack_that_fails_its_probe_falls_back_with_the_reason(tiny_gemma3: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from infer.backends.cpu_kernels import probe_gemma_stack
+    from infer.backends.cpu_kernels import probe_block_stack
     from infer.kernels.cpu import KernelLibrary
 
     real = KernelLibrary.decoder_stack
@@ -534,16 +536,16 @@ def test_a_gemma3_stack_that_fails_its_probe_falls_back_with_the_reason(tiny_gem
     def off(self: KernelLibrary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: Any,
             *args: Any) -> torch.Tensor:  # a Gemma block that errs; the Llama block untouched
         out = real(self, x, cos, sin, table, *args)
-        return out + 0.5 if table.gemma else out
+        return out + 0.5 if table.norm_offset else out
 
     monkeypatch.setattr(KernelLibrary, "decoder_stack", off)
-    probe_gemma_stack.cache_clear()
+    probe_block_stack.cache_clear()
     try:
         model, _ = load_model(tiny_gemma3, torch.float32, "cpu", backend="cpu-kernels")
         assert model.backend.cpu_stack is None
-        assert "Gemma 3 block failed its probe" in model.backend.describe()
+        assert "Gemma3ForCausalLM block failed its probe" in model.backend.describe()
     finally:
         monkeypatch.undo()
-        probe_gemma_stack.cache_clear()
+        probe_block_stack.cache_clear()
     model, _ = load_model(tiny_gemma3, torch.float32, "cpu", backend="cpu-kernels")
     assert model.backend.cpu_stack is not None

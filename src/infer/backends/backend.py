@@ -40,10 +40,11 @@ import infer.kernels as kernels
 from infer.backends import cpu_kernels, triton_attention, triton_ops
 from infer.backends.cpu_kernels import (
     CpuStack,
+    probe_block_stack,
     probe_fused,
-    probe_gemma_stack,
     probe_quant_stack,
     probe_stack,
+    probes_own_block,
 )
 from infer.backends.onednn import PackedLinear, cpu_packing_available, projection_packer
 from infer.cache.protocol import CachePoolProtocol, KVBatch, SequenceRows, build_kv_batch, sequence_rows
@@ -390,9 +391,11 @@ class CpuKernelBackend(Backend):
             raise RuntimeError("a CPU backend needs the fused inference layout (fuse_projections first)")
         cpu_kernels.prepare(model, self.library, self.fused)
         self.cpu_stack = CpuStack.build(model, self.library) if self.stack else None
-        if self.cpu_stack is not None and self.cpu_stack.table.gemma:
-            # Gemma's block (its norms, GELU, windows) is probed only when a Gemma model loads.
-            failure = probe_gemma_stack(self.library, self.cpu_stack.dtype)
+        if self.cpu_stack is not None and probes_own_block(model):
+            # A block other than Llama's (its norms, gate, windows) is probed only when a model of its
+            # family loads, on that family's layers.
+            failure = probe_block_stack(self.library, self.cpu_stack.dtype, type(model),  # type: ignore[arg-type]
+                                        model.config.model_type)  # (a class hashes; nn.Module's stub says otherwise)
             if failure is not None:
                 self.cpu_stack, self.stack = None, False
                 self.reasons.append(failure)

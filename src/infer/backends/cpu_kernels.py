@@ -31,20 +31,15 @@ from infer.kernels.cpu import (
     MAX_ROWS,
     MAX_STACK_GROUP,
     MAX_STACK_HEAD_DIM,
+    STACK_ACTIVATIONS,
     GemvLinear,
     KernelLibrary,
     QuantProjection,
     StackHead,
     StackTable,
 )
+from infer.models.block import LLAMA_BLOCK
 from infer.models.config import ModelConfig
-from infer.models.gemma3 import (
-    Gemma3Attention,
-    Gemma3DecoderLayer,
-    Gemma3ForCausalLM,
-    Gemma3MLP,
-    GemmaRMSNorm,
-)
 from infer.models.layers import (
     MLP,
     Attention,
@@ -97,7 +92,7 @@ class KernelMLP(MLP):
         return super().activate(gate_up)
 
 
-# The layers' module types and their fused-kernel forms; subclasses (Gemma's) keep their own math.
+# The layers' module types and their fused-kernel forms; subclasses (another family's) keep their own math.
 _FUSED_FORMS: dict[type[nn.Module], type[nn.Module]] = {RMSNorm: KernelRMSNorm, Attention: KernelAttention,
                                                         MLP: KernelMLP}
 
@@ -123,6 +118,25 @@ def convert_linears(model: nn.Module, convert: Callable[[nn.Linear], nn.Module])
                 setattr(parent, name, convert(child))
 
 
+def _forms(module_type: type[nn.Module]) -> tuple[type[nn.Module], ...]:
+    """A block's module type and its fused-kernel form where it has one (``prepare`` swaps one for the other)."""
+    form = _FUSED_FORMS.get(module_type)
+    return (module_type,) if form is None else (module_type, form)
+
+
+def _weight(norm: nn.Module | None) -> torch.Tensor | None:
+    """A norm's weight (None without the norm)."""
+    if norm is None:
+        return None
+    weight = norm.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def _eps(norm: nn.Module) -> float:
+    return float(norm.eps)  # type: ignore[arg-type]
+
+
 class CpuStack:
     """Every decoder layer as one C call (``KernelLibrary.decoder_stack``) for passes of up to
     ``MAX_ROWS`` tokens: the same kernels in the same order as the layers' own forward, minus
@@ -144,53 +158,60 @@ class CpuStack:
 
     @classmethod
     def build(cls, model: DecoderOnlyLM, library: KernelLibrary) -> CpuStack | None:
-        """The stack for ``model`` (fused, in the kernels' form), or None where it does not apply: not
-        the Llama block or Gemma 3's, sliding-window layers of more than one window, a projection on
-        neither kernel, a head too wide, more than 16 query heads per KV head, or norms with different
-        epsilons. A windowed Llama (Mistral) runs its windowed layers as Gemma 3's local ones are run:
-        through the pass's windowed view of the cache, with the model's one RoPE table."""
+        """The stack for ``model`` (fused, in the kernels' form), or None where it does not apply: a
+        layer not exactly the family's block (``DecoderOnlyLM.layer_type`` and its module types), a
+        block the C stack has no form for, sliding-window layers of more than one window, a
+        projection on neither kernel, a head too wide, more than 16 query heads per KV head, or norms
+        with different epsilons or attentions with different scales. The block's form comes from the
+        model's ``block_spec`` (its norm kind, post norms, gate, q/k norms); a windowed layer runs
+        through the pass's windowed view of the cache, with the model's ``local_rope`` tables where
+        the block has a local RoPE base (``BlockSpec.local_rope``), else the model's one table."""
         from infer.backends.exact import exact_attention  # (exact imports the backend: not at the top)
 
-        config = model.config
+        config, spec, layer_type = model.config, model.block_spec, model.layer_type
         if type(model).forward is not DecoderOnlyLM.forward:  # an architecture with its own pass
             return None
-        if isinstance(model, Gemma3ForCausalLM):
-            return cls._build_gemma(model, library)
-        layers = [layer for layer in model.model.layers if type(layer) is DecoderLayer]
+        layers = [layer for layer in model.model.layers if type(layer) is layer_type]
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         windows = {config.layer_window(i) for i in range(config.num_hidden_layers)} - {None}
-        if (config.head_dim > MAX_STACK_HEAD_DIM or len(layers) != len(model.model.layers) or kv_heads < 1
-                or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads or len(windows) > 1):
+        if (config.head_dim > MAX_STACK_HEAD_DIM or not layers or len(layers) != len(model.model.layers)
+                or kv_heads < 1 or heads % kv_heads or heads > MAX_STACK_GROUP * kv_heads or len(windows) > 1
+                or spec.activation not in STACK_ACTIVATIONS):
             return None
+        qk_norm = spec.qk_norm or config.qk_norm
+        attention_types, mlp_types = _forms(layer_type.attention_type), _forms(layer_type.mlp_type)
+        norm_types = _forms(layer_type.norm_type)
         tensors: list[torch.Tensor | None] = []
         quant: list[QuantProjection | None] = []
-        eps = layers[0].input_layernorm.eps
+        eps, scale = _eps(layers[0].input_layernorm), layers[0].self_attn.scale
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            if attn.q_norm is not None and attn.k_norm is not None:
-                norms += [attn.q_norm, attn.k_norm]
+            before_attn, after_attn, before_mlp, after_mlp = layer.branch_norms()
+            if any((n is not None) != spec.post_norms for n in (after_attn, after_mlp)):
+                return None
+            norms = [n for n in (before_attn, after_attn, before_mlp, after_mlp, attn.q_norm, attn.k_norm)
+                     if n is not None]
             # The loader gives a quantized model's layers exact_attention (row-invariant, for passes
             # that run layer by layer); the stack's own attention is row-invariant too.
-            if (type(attn) not in (Attention, KernelAttention) or type(mlp) not in (MLP, KernelMLP)
-                    or not all(isinstance(m, (GemvLinear, QuantLinear)) for m in linears)
-                    or not all(isinstance(n, RMSNorm) for n in norms)
-                    or any(n.eps != eps for n in norms) or attn.attend not in (None, exact_attention)):
+            if (type(attn) not in attention_types or type(mlp) not in mlp_types
+                    or not all(type(n) in norm_types for n in norms)
+                    or any(_eps(n) != eps for n in norms) or attn.scale != scale
+                    or attn.attend not in (None, exact_attention)):
                 return None
-            found = cls._projections(linears, quant)
-            assert found is not None  # (every projection was checked above)
+            found = cls._projections((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), quant)
+            if found is None:
+                return None
             weights, biases = found
-            tensors += [layer.input_layernorm.weight, weights[0], biases[0],
-                        None if attn.q_norm is None else attn.q_norm.weight,
-                        None if attn.k_norm is None else attn.k_norm.weight,
-                        weights[1], biases[1], layer.post_attention_layernorm.weight,
-                        weights[2], biases[2], weights[3], biases[3], None, None]
+            tensors += [_weight(before_attn), weights[0], biases[0], _weight(attn.q_norm), _weight(attn.k_norm),
+                        weights[1], biases[1], _weight(before_mlp), weights[2], biases[2], weights[3], biases[3],
+                        _weight(after_attn), _weight(after_mlp)]
         shape = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=config.head_dim,
                      inter=config.intermediate_size, layers=len(layers))
         local = [config.layer_window(i) is not None for i in range(config.num_hidden_layers)]
         try:
-            table = StackTable(tensors, shape, eps, qk_norm=config.qk_norm, quant=quant, local_layers=local)
+            table = StackTable(tensors, shape, eps, qk_norm=qk_norm, quant=quant, norm_offset=spec.norm_offset,
+                               post_norms=spec.post_norms, activation=spec.activation, local_layers=local,
+                               scale=scale)
             table.addresses()  # checks every tensor now
         except ValueError:
             return None
@@ -242,58 +263,6 @@ class CpuStack:
                 quant.append(None)
             biases.append(linear.bias)  # type: ignore[arg-type]
         return weights, biases
-
-    @classmethod
-    def _build_gemma(cls, model: Gemma3ForCausalLM, library: KernelLibrary) -> CpuStack | None:
-        """``build`` for Gemma 3's block: its norms, GELU, scale, and sliding-window layers (one window)."""
-        from infer.backends.exact import exact_attention
-
-        config = model.config
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        windows = {config.layer_window(i) for i in range(config.num_hidden_layers)} - {None}
-        if (config.head_dim > MAX_STACK_HEAD_DIM or kv_heads < 1 or heads % kv_heads
-                or heads > MAX_STACK_GROUP * kv_heads or len(windows) > 1):
-            return None
-        tensors: list[torch.Tensor | None] = []
-        quant: list[QuantProjection | None] = []
-        eps, scale = None, None
-        for layer in model.model.layers:
-            if type(layer) is not Gemma3DecoderLayer:
-                return None
-            attn, mlp = layer.self_attn, layer.mlp
-            norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                     layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
-            if (type(attn) is not Gemma3Attention or type(mlp) is not Gemma3MLP
-                    or not all(type(n) is GemmaRMSNorm for n in norms) or attn.attend not in (None, exact_attention)):
-                return None
-            assert isinstance(attn, Gemma3Attention)
-            epsilons = [n.eps for n in norms if isinstance(n, GemmaRMSNorm)]
-            eps = epsilons[0] if eps is None else eps
-            scale = attn.scale if scale is None else scale
-            if any(e != eps for e in epsilons) or attn.scale != scale:
-                return None
-            found = cls._projections((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), quant)
-            if found is None:
-                return None
-            weights, biases = found
-            tensors += [layer.input_layernorm.weight, weights[0], biases[0], attn.q_norm.weight,  # type: ignore[union-attr]
-                        attn.k_norm.weight, weights[1], biases[1], layer.pre_feedforward_layernorm.weight,  # type: ignore[union-attr]
-                        weights[2], biases[2], weights[3], biases[3], layer.post_attention_layernorm.weight,
-                        layer.post_feedforward_layernorm.weight]
-        assert eps is not None and scale is not None
-        shape = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=config.head_dim,
-                     inter=config.intermediate_size, layers=config.num_hidden_layers)
-        local = [config.layer_window(i) is not None for i in range(config.num_hidden_layers)]
-        try:
-            table = StackTable(tensors, shape, eps, qk_norm=True, quant=quant, gemma=True, local_layers=local,
-                               scale=scale)
-            table.addresses()
-        except ValueError:
-            return None
-        stack = cls(library, table)
-        if table.quant is not None:
-            stack.max_rows = None  # every pass here, as build says for a quantized Llama
-        return stack
 
     @property
     def quantized(self) -> bool:
@@ -363,7 +332,7 @@ class CpuStack:
 
         ``aux`` (the inputs of some layers, for an EAGLE-3 drafter) is copied out by the same C call
         (``capture``): no arithmetic changes, so every token gets the same bits as without it. A stack
-        with sliding-window layers (Gemma 3, Mistral): its passes with ``aux`` run layer by layer."""
+        with sliding-window layers: its passes with ``aux`` run layer by layer."""
         if positions is None:
             positions = default_positions(input_ids)
         x, cos, sin = model.embed(input_ids, positions)
@@ -378,10 +347,10 @@ class CpuStack:
         elif not self.takes(x, kv):
             x = model.run_layers(x, cos, sin, positions, kv)
         elif self.table.local_layers is not None:
-            # Gemma 3's local layers rotate with their own RoPE base; a windowed Llama's with the model's.
+            # The local layers rotate with a RoPE base of their own where the block has one, else with
+            # the model's table (a windowed Llama's).
             first = int(self.table.local_layers.nonzero()[0])
-            local_cos, local_sin = model.local_rope(positions, x.dtype) if isinstance(model, Gemma3ForCausalLM) \
-                else (cos, sin)
+            local_cos, local_sin = model.local_rope(positions, x.dtype) if model.block_spec.local_rope else (cos, sin)
             x = self(x, cos, sin, kv, (local_cos, local_sin, model.layer_kv(kv, first, positions).batch))
         else:
             out = self._logits_buffer(x) if logits else None
@@ -555,23 +524,32 @@ def _probe_passes(model: DecoderOnlyLM, stack: CpuStack | None, cache: str, dtyp
     return out
 
 
-# The tiny Gemma 3 the stack is probed on: local and global layers (the window, 4, smaller than
-# the probe's contexts), two RoPE bases, a scale apart from head_dim's, grouped KV heads.
-_GEMMA_PROBE = dict(model_type="gemma3", vocab_size=64, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
+def probes_own_block(model: DecoderOnlyLM) -> bool:
+    """Whether ``model``'s block is another than the one ``probe_stack`` probes (Llama's, windowed
+    or not): the stack then runs that block's form, probed on the model's own family when one
+    loads (``probe_block_stack``)."""
+    return model.block_spec != LLAMA_BLOCK
+
+
+# The tiny model a family's block is probed on (``probe_block_stack``, of the family's class): local
+# and global layers (the window, 4, smaller than the probe's contexts), two RoPE bases, a scale apart
+# from head_dim's, grouped KV heads, q/k norms. A field the family's block does not read is unused.
+_BLOCK_PROBE = dict(vocab_size=64, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                     sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
                     rope_theta=1_000_000.0, rope_local_theta=10_000.0, query_pre_attn_scalar=24.0, qk_norm=True)
 
 
 @functools.cache
-def probe_gemma_stack(library: KernelLibrary, dtype: torch.dtype) -> str | None:
-    """None if the C decoder stack's Gemma 3 block computes what the Gemma layers compute on a tiny
-    model (paged cache with the local layers' own blocks, and slotted), passes running past the
-    window; else what differed."""
+def probe_block_stack(library: KernelLibrary, dtype: torch.dtype, family: type[DecoderOnlyLM],
+                      model_type: str) -> str | None:
+    """None if the C decoder stack's form of ``family``'s block (``family.block_spec``) computes what
+    the family's layers compute on a tiny model (paged cache with the local layers' own blocks, and
+    slotted), passes running past the window; else what differed. ``model_type``: the configuration's."""
     tol = _tolerance(dtype)
-    config = ModelConfig(**_GEMMA_PROBE)  # type: ignore[arg-type]
+    config = ModelConfig(model_type=model_type, **_BLOCK_PROBE)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(5)
-    model = Gemma3ForCausalLM(config)
+    model = family(config)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
@@ -580,13 +558,13 @@ def probe_gemma_stack(library: KernelLibrary, dtype: torch.dtype) -> str | None:
     prepare(model, library, fused=True)
     stack = CpuStack.build(model, library)
     if stack is None:
-        return "the decoder stack does not take the Gemma 3 probe model"
+        return f"the decoder stack does not take the {family.__name__} probe model"
     for cache in ("paged", "slotted"):
         outputs = [_probe_passes(model, stack, cache, dtype), _probe_passes(model, None, cache, dtype)]
         for index, (ours, ref) in enumerate(zip(*outputs, strict=True)):
             if not torch.allclose(ours, ref, rtol=tol, atol=4 * tol):
-                return (f"the decoder stack's Gemma 3 block failed its probe against the layers ({cache} cache, "
-                        f"pass {index}, max error {(ours - ref).abs().max().item():.3g}): running layer by layer")
+                return (f"the decoder stack's {family.__name__} block failed its probe against the layers "
+                        f"({cache} cache, pass {index}, max error {(ours - ref).abs().max().item():.3g}): running layer by layer")
     return None
 
 

@@ -58,7 +58,7 @@ class StackArgs(ctypes.Structure):
         ("read_start", ctypes.c_int64), ("context", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in ("mask", "cos", "sin", "x")),
         ("threads", ctypes.c_int), ("quant_parts", ctypes.c_void_p), ("quant_index", ctypes.c_void_p),
-        ("gemma", ctypes.c_int64),
+        *((name, ctypes.c_int64) for name in ("norm_offset", "post_norms", "activation")),
         *((name, ctypes.c_void_p) for name in ("local_layers", "local_write_rows", "local_read_rows")),
         ("local_read_start", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in ("local_mask", "local_cos", "local_sin", "capture")),
@@ -84,6 +84,8 @@ _C_TENSOR_NAMES = ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "l
                    "down_w", "down_b", "post_attn_norm", "post_ff_norm")
 # A layer's projections, in the order of the C ``quant_index`` table (and of ``StackTable.quant``).
 STACK_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# The MLP gates ``StackArgs.activation`` names, in the C enum's order (``BlockSpec.activation``'s names).
+STACK_ACTIVATIONS = ("silu", "gelu_tanh")
 _PROJECTION_WEIGHTS = (1, 5, 8, 10)  # each projection's weight slot in STACK_TENSORS
 MAX_STACK_HEAD_DIM = 256  # the attention keeps a key or value row in 16 registers of 16 floats
 MAX_STACK_GROUP = 16  # query heads per KV head the attention takes (cpu_kernels.c's MAX_GROUP)
@@ -96,8 +98,10 @@ def expected_layout(dtypes: Sequence[str]) -> str:
     tensors = ",".join(f"{name}:{i}" for i, name in enumerate(_C_TENSOR_NAMES))
     part = " ".join(f"part_{field[0]}={getattr(QuantPart, field[0]).offset}" for field in QuantPart._fields_)
     projections = ",".join(f"{name}:{i}" for i, name in enumerate(STACK_PROJECTIONS))
+    activations = ",".join(f"{name}:{i}" for i, name in enumerate(STACK_ACTIVATIONS))
     return (f"size={ctypes.sizeof(StackArgs)} {fields} part_size={ctypes.sizeof(QuantPart)} {part} "
-            f"projections={projections}/{len(STACK_PROJECTIONS)} tensors={tensors}/{len(_C_TENSOR_NAMES)} "
+            f"projections={projections}/{len(STACK_PROJECTIONS)} "
+            f"activations={activations}/{len(STACK_ACTIVATIONS)} tensors={tensors}/{len(_C_TENSOR_NAMES)} "
             f"max_group={MAX_STACK_GROUP} max_head_dim={MAX_STACK_HEAD_DIM} attn_segment={STACK_ATTN_SEGMENT} dtypes={','.join(dtypes)}")
 
 
@@ -493,7 +497,7 @@ class KernelLibrary:
         ``layers``: the last layer's output); a buffer's rows may lie apart (a column block of a
         wider buffer, every buffer's rows the same distance apart), so several layers' inputs can
         land side by side in one tensor. Returns the last layer's output (a new tensor);
-        with ``head`` (a float32 stack without Gemma's block), that output after the final norm, and
+        with ``head`` (a float32 stack whose norms are Llama's kind), that output after the final norm, and
         every row's logits written to ``logits`` (float32 [rows, vocab], contiguous)."""
         dtype, shape = table.dtype, table.shape
         fn = self._fn("decoder_stack", dtype)
@@ -585,8 +589,9 @@ class KernelLibrary:
                    logits: torch.Tensor | None) -> None:
         """The C stack call of ``args`` (ending with ``head``'s logits in ``logits`` where given)."""
         if head is not None:
-            if table.dtype != torch.float32 or table.gemma or head.hidden != table.shape["hidden"]:
-                raise ValueError("an LM head in the stack's call takes a float32 stack of Llama blocks of its width")
+            if table.dtype != torch.float32 or table.norm_offset or head.hidden != table.shape["hidden"]:
+                raise ValueError("an LM head in the stack's call takes a float32 stack of its width with "
+                                 "Llama's norms (the final norm's kind)")
             if logits is None:
                 raise ValueError("an LM head in the stack's call needs its logits buffer")
             _check(logits, "logits", torch.float32)
@@ -600,7 +605,7 @@ class KernelLibrary:
             status = fn(ctypes.byref(args))
         PHASES.add("kernels", since)
         if status == -2:  # StackTable checked every part: a mismatch between it and the C code
-            raise RuntimeError("the C decoder stack refused a quantized projection's descriptor")
+            raise RuntimeError("the C decoder stack refused a quantized projection's descriptor (or the block's form)")
         if status != 0:
             raise MemoryError("the C decoder stack could not allocate its scratch memory")
 
@@ -665,7 +670,8 @@ def _stack_args(table: StackTable, x: torch.Tensor, batch: int, width: int, cos:
                      tensors=table.addresses().data_ptr(), k_stores=k_stores.data_ptr(), v_stores=v_stores.data_ptr(),
                      write_rows=write_rows, read_rows=read_rows, read_start=read_start, context=context, cos=cos,
                      sin=sin, x=x.data_ptr(), threads=_threads(), quant_parts=table.quant_parts_address or None,
-                     quant_index=table.quant_index_address or None, gemma=int(table.gemma))
+                     quant_index=table.quant_index_address or None, norm_offset=int(table.norm_offset),
+                     post_norms=int(table.post_norms), activation=STACK_ACTIVATIONS.index(table.activation))
 
 
 def _checked_stores(table: StackTable, k_layers: Sequence[torch.Tensor],
@@ -792,8 +798,9 @@ class StackTable:
     None; its bias, float32, stays there) or None where it is a float weight."""
 
     def __init__(self, tensors: list[torch.Tensor | None], shape: dict[str, int], eps: float, qk_norm: bool,
-                 quant: Sequence[QuantProjection | None] | None = None, *, gemma: bool = False,
-                 local_layers: Sequence[bool] | None = None, scale: float | None = None) -> None:
+                 quant: Sequence[QuantProjection | None] | None = None, *, norm_offset: bool = False,
+                 post_norms: bool = False, activation: str = "silu", local_layers: Sequence[bool] | None = None,
+                 scale: float | None = None) -> None:
         if len(tensors) != shape["layers"] * len(STACK_TENSORS):
             raise ValueError(f"{len(tensors)} tensors for {shape['layers']} layers of {len(STACK_TENSORS)}")
         if quant is not None and len(quant) != shape["layers"] * len(STACK_PROJECTIONS):
@@ -817,9 +824,13 @@ class StackTable:
         if first is None:
             raise ValueError("the stack needs each layer's input norm")
         self.tensors, self.shape, self.eps, self.qk_norm = tensors, shape, eps, qk_norm
-        # Gemma 3's block (its norm kind, post norms, GELU) and its sliding-window layers (their own
-        # RoPE table and cache view); the attention's score scale (default 1/sqrt(head_dim)).
-        self.gemma = gemma
+        # The block's form where it is not Llama's (models.block.BlockSpec's fields of those names:
+        # every norm scaling by 1 + weight, norms on the attention's and the MLP's outputs, the MLP's
+        # gate), the sliding-window layers (their own RoPE table and cache view) and the attention's
+        # score scale (default 1/sqrt(head_dim)).
+        if activation not in STACK_ACTIVATIONS:
+            raise ValueError(f"the C stack gates with {', '.join(STACK_ACTIVATIONS)}, not {activation!r}")
+        self.norm_offset, self.post_norms, self.activation = norm_offset, post_norms, activation
         if local_layers is not None and len(local_layers) != shape["layers"]:
             raise ValueError(f"{len(local_layers)} window flags for {shape['layers']} layers")
         self.local_layers = (None if local_layers is None or not any(local_layers)
@@ -847,7 +858,7 @@ class StackTable:
         hidden, hd, inter = s["hidden"], s["head_dim"], s["inter"]
         qkv = (s["heads"] + 2 * s["kv_heads"]) * hd
         norm = (hd,) if self.qk_norm else None
-        post = (hidden,) if self.gemma else None
+        post = (hidden,) if self.post_norms else None
         return [(hidden,), (qkv, hidden), (qkv,), norm, norm, (hidden, s["heads"] * hd), (hidden,), (hidden,),
                 (2 * inter, hidden), (2 * inter,), (hidden, inter), (hidden,), post, post]
 
@@ -908,7 +919,7 @@ class StackTable:
                     raise ValueError(f"{name} is given beside its quantized matrices")
                 continue
             required = (slot in (0, 1, 5, 7, 8, 10) or (self.qk_norm and slot in (3, 4))
-                        or (self.gemma and slot in (12, 13)))
+                        or (self.post_norms and slot in (12, 13)))
             if tensor is None:
                 if required:
                     raise ValueError(f"{name} is missing")

@@ -248,13 +248,15 @@ typedef struct {
      * quant_parts and its part count; 0 parts: the float weight of the table. */
     const struct QuantPart *quant_parts;
     const int64_t *quant_index;
-    /* Gemma 3's block (gemma = 1): norms scale by 1 + weight in float32, a norm after attention
-     * (T_POST_ATTN_NORM) and after the MLP (T_POST_FF_NORM) besides the input and pre-MLP ones (T_LN1,
-     * T_LN2), q/k norms of that kind, GELU (tanh) gating. local_layers [layers] (or NULL: none) marks
-     * the sliding-window layers: they rotate with local_cos/local_sin and read and write through the
+    /* The block's form (infer.models.block.BlockSpec), each 0 for Llama's. norm_offset = 1: every norm
+     * (T_LN1, T_LN2, the q/k norms and the post norms) computes round(norm(x) * (1 + w)) in float32,
+     * rounded once, instead of w * round(norm(x)). post_norms = 1: a norm on the attention's output
+     * (T_POST_ATTN_NORM) and on the MLP's (T_POST_FF_NORM) before each residual add. activation: the
+     * MLP's gate (ACT_SILU or ACT_GELU_TANH). local_layers [layers] (or NULL: none) marks the
+     * sliding-window layers: they rotate with local_cos/local_sin and read and write through the
      * local view (their own storage rows and a mask that carries the window; read/write rows as the
      * main view's fields above). */
-    int64_t gemma;
+    int64_t norm_offset, post_norms, activation;
     const uint8_t *local_layers;
     const int64_t *local_write_rows, *local_read_rows;
     int64_t local_read_start;
@@ -296,6 +298,9 @@ typedef struct QuantPart {
 /* The projections of a layer, in quant_index's order. */
 enum { P_QKV, P_O, P_GATE_UP, P_DOWN, STACK_PROJECTIONS };
 
+/* StackArgs.activation's values. */
+enum { ACT_SILU, ACT_GELU_TANH, STACK_ACTIVATIONS };
+
 #define KSFX f32
 #include "cpu_kernels_impl.h"
 #undef KSFX
@@ -317,21 +322,21 @@ const char *infer_kernels_layout(void) {
              FIELD(head_dim) FIELD(inter) FIELD(layers) FIELD(qk_norm) FIELD(eps) FIELD(scale) FIELD(tensors)
              FIELD(k_stores) FIELD(v_stores) FIELD(write_rows) FIELD(read_rows) FIELD(read_start) FIELD(context)
              FIELD(mask) FIELD(cos) FIELD(sin) FIELD(x) FIELD(threads) FIELD(quant_parts) FIELD(quant_index)
-             FIELD(gemma) FIELD(local_layers) FIELD(local_write_rows) FIELD(local_read_rows) FIELD(local_read_start)
+             FIELD(norm_offset) FIELD(post_norms) FIELD(activation) FIELD(local_layers) FIELD(local_write_rows) FIELD(local_read_rows) FIELD(local_read_start)
              FIELD(local_mask) FIELD(local_cos) FIELD(local_sin) FIELD(capture) FIELD(final_norm) FIELD(final_eps)
              FIELD(head) FIELD(head_bias) FIELD(logits) FIELD(causal) FIELD(capture_stride)
              "part_size=%zu part_linear=%zu part_blocks=%zu part_offset=%zu part_rows=%zu part_in_features=%zu "
-             "projections=qkv:%d,o:%d,gate_up:%d,down:%d/%d "
+             "projections=qkv:%d,o:%d,gate_up:%d,down:%d/%d activations=silu:%d,gelu_tanh:%d/%d "
              "tensors=ln1:%d,qkv_w:%d,qkv_b:%d,q_norm:%d,k_norm:%d,o_w:%d,o_b:%d,ln2:%d,gate_up_w:%d,gate_up_b:%d,"
              "down_w:%d,down_b:%d,post_attn_norm:%d,post_ff_norm:%d/%d max_group=%d max_head_dim=%d attn_segment=%d dtypes=%s",
              sizeof(StackArgs), AT(rows), AT(width), AT(batch), AT(hidden), AT(heads), AT(kv_heads), AT(head_dim),
              AT(inter), AT(layers), AT(qk_norm), AT(eps), AT(scale), AT(tensors), AT(k_stores), AT(v_stores),
              AT(write_rows), AT(read_rows), AT(read_start), AT(context), AT(mask), AT(cos), AT(sin), AT(x),
-             AT(threads), AT(quant_parts), AT(quant_index), AT(gemma), AT(local_layers), AT(local_write_rows),
+             AT(threads), AT(quant_parts), AT(quant_index), AT(norm_offset), AT(post_norms), AT(activation), AT(local_layers), AT(local_write_rows),
              AT(local_read_rows), AT(local_read_start), AT(local_mask), AT(local_cos), AT(local_sin), AT(capture), AT(final_norm), AT(final_eps), AT(head), AT(head_bias),
              AT(logits), AT(causal), AT(capture_stride), sizeof(QuantPart), offsetof(QuantPart, linear),
              offsetof(QuantPart, blocks), offsetof(QuantPart, offset), offsetof(QuantPart, rows),
-             offsetof(QuantPart, in_features), P_QKV, P_O, P_GATE_UP, P_DOWN, STACK_PROJECTIONS, T_LN1, T_QKV_W, T_QKV_B, T_Q_NORM, T_K_NORM, T_O_W, T_O_B, T_LN2, T_GATE_UP_W,
+             offsetof(QuantPart, in_features), P_QKV, P_O, P_GATE_UP, P_DOWN, STACK_PROJECTIONS, ACT_SILU, ACT_GELU_TANH, STACK_ACTIVATIONS, T_LN1, T_QKV_W, T_QKV_B, T_Q_NORM, T_K_NORM, T_O_W, T_O_B, T_LN2, T_GATE_UP_W,
              T_GATE_UP_B, T_DOWN_W, T_DOWN_B, T_POST_ATTN_NORM, T_POST_FF_NORM, STACK_TENSORS, MAX_GROUP, MAX_HEAD_DIM, ATTN_SEGMENT,
 #ifdef __AVX512BF16__
              "f32,bf16"

@@ -132,9 +132,9 @@ void FN(silu_mul)(const ELEM *gate_up, ELEM *y, int64_t rows, int64_t inter) {
     }
 }
 
-/* Gemma's RMSNorm: y = round((x * rsqrt(sum(x^2) / dim + eps)) * (1 + w)), all in float32 and
- * rounded once, as infer.models.gemma3.GemmaRMSNorm computes it. */
-void FN(gemma_rmsnorm)(const ELEM *x, const ELEM *w, ELEM *y, int64_t rows, int64_t dim, float eps) {
+/* RMSNorm scaling by 1 + w (StackArgs.norm_offset): y = round((x * rsqrt(sum(x^2) / dim + eps)) * (1 + w)),
+ * all in float32 and rounded once, as the model's norm of that kind computes it (Gemma 3's). */
+void FN(offset_rmsnorm)(const ELEM *x, const ELEM *w, ELEM *y, int64_t rows, int64_t dim, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const ELEM *xr = x + r * dim;
         float inv = FN(inv_rms)(xr, dim, eps);
@@ -142,7 +142,7 @@ void FN(gemma_rmsnorm)(const ELEM *x, const ELEM *w, ELEM *y, int64_t rows, int6
     }
 }
 
-/* Gemma's gated activation: y = gelu_tanh(gate) * up for gate_up [rows, 2 * inter], the GELU
+/* The GELU-gated activation (ACT_GELU_TANH): y = gelu_tanh(gate) * up for gate_up [rows, 2 * inter], the GELU
  * rounded to the dtype first (PyTorch's F.gelu(approximate="tanh"), then the product). */
 void FN(gelu_mul)(const ELEM *gate_up, ELEM *y, int64_t rows, int64_t inter) {
     const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
@@ -653,8 +653,18 @@ static void FN(capture_rows)(const StackArgs *a, int64_t address, const ELEM *x)
     for (int64_t r = 0; r < a->rows; r++) memcpy(out + r * stride, x + r * d, sizeof(ELEM) * (size_t)d);
 }
 
-/* Every decoder layer over a->x, in place. Returns 0, -1 where memory ran out, -2 for a quantized
- * descriptor that does not fit (x is then partly updated: the caller discards it). */
+/* The block's RMSNorm (StackArgs.norm_offset's kind) of rows [rows, dim] of x into y (y may be x:
+ * a row is read before it is written). */
+static void FN(block_norm)(const StackArgs *a, const ELEM *x, const ELEM *w, ELEM *y, int64_t rows, int64_t dim) {
+    if (a->norm_offset)
+        FN(offset_rmsnorm)(x, w, y, rows, dim, a->eps);
+    else
+        FN(rmsnorm)(x, w, y, rows, dim, a->eps);
+}
+
+/* Every decoder layer over a->x, in place. Returns 0, -1 where memory ran out, -2 for a descriptor
+ * that does not fit (a quantized projection's, the activation, a causal pass's; x is then partly
+ * updated: the caller discards it). */
 int FN(decoder_stack)(const StackArgs *a) {
     int64_t m = a->rows, d = a->hidden, hd = a->head_dim, H = a->heads, KV = a->kv_heads;
     int64_t qkv_n = (H + 2 * KV) * hd, qk_n = (H + KV) * hd;
@@ -672,6 +682,7 @@ int FN(decoder_stack)(const StackArgs *a) {
     int status = normed && qkv && qk && attn && delta && gate_up && act && (qk_normed || !a->qk_norm)
                  && (scratch || !a->quant_parts) ? 0 : -1;
     if (a->causal && (a->batch != 1 || a->mask || a->local_layers || a->context < a->width)) status = -2;
+    if (a->activation < 0 || a->activation >= STACK_ACTIVATIONS) status = -2;
     for (int64_t layer = 0; layer < a->layers && status == 0; layer++) {
         const int64_t *t = a->tensors + layer * STACK_TENSORS;
         ELEM *ks = (ELEM *)a->k_stores[layer], *vs = (ELEM *)a->v_stores[layer];
@@ -679,26 +690,18 @@ int FN(decoder_stack)(const StackArgs *a) {
         const void *cos = local ? a->local_cos : a->cos, *sin = local ? a->local_sin : a->sin;
         const int64_t *write_rows = local ? a->local_write_rows : a->write_rows;
         if (a->capture && a->capture[layer]) FN(capture_rows)(a, a->capture[layer], x);
-        if (a->gemma)
-            FN(gemma_rmsnorm)(x, (const ELEM *)t[T_LN1], normed, m, d, a->eps);
-        else
-            FN(rmsnorm)(x, (const ELEM *)t[T_LN1], normed, m, d, a->eps);
+        FN(block_norm)(a, x, (const ELEM *)t[T_LN1], normed, m, d);
         status = FN(project)(a, layer, P_QKV, (const ELEM *)t[T_QKV_W], normed, (const ELEM *)t[T_QKV_B], qkv, m,
                              qkv_n, d, scratch);
         if (status != 0) break;
         if (a->qk_norm) {
-            /* Qwen3 (Gemma: its norm kind): RMSNorm over each query and key head (its own weight for
-             * each), then RoPE; the norm reads the heads where they lie in the projection's output. */
+            /* RMSNorm (the block's kind) over each query and key head (its own weight for each),
+             * then RoPE; the norm reads the heads where they lie in the projection's output. */
             for (int64_t r = 0; r < m; r++) {
                 const ELEM *qn = (const ELEM *)t[T_Q_NORM], *kn = (const ELEM *)t[T_K_NORM];
                 ELEM *qo = qk_normed + r * qk_n, *ko = qk_normed + r * qk_n + H * hd;
-                if (a->gemma) {
-                    FN(gemma_rmsnorm)(qkv + r * qkv_n, qn, qo, H, hd, a->eps);
-                    FN(gemma_rmsnorm)(qkv + r * qkv_n + H * hd, kn, ko, KV, hd, a->eps);
-                } else {
-                    FN(rmsnorm)(qkv + r * qkv_n, qn, qo, H, hd, a->eps);
-                    FN(rmsnorm)(qkv + r * qkv_n + H * hd, kn, ko, KV, hd, a->eps);
-                }
+                FN(block_norm)(a, qkv + r * qkv_n, qn, qo, H, hd);
+                FN(block_norm)(a, qkv + r * qkv_n + H * hd, kn, ko, KV, hd);
             }
             FN(rope)(qk_normed, qk_n, hd, cos, sin, qk, m, H + KV, hd);
         } else {
@@ -719,31 +722,27 @@ int FN(decoder_stack)(const StackArgs *a) {
         status = FN(project)(a, layer, P_O, (const ELEM *)t[T_O_W], attn, (const ELEM *)t[T_O_B], delta, m, d, H * hd,
                              scratch);
         if (status != 0) break;
-        if (a->gemma) { /* the post-attention norm, in place (row by row: each row read before written) */
-            FN(gemma_rmsnorm)(delta, (const ELEM *)t[T_POST_ATTN_NORM], delta, m, d, a->eps);
-            FN(add_into)(x, delta, m * d);
-            FN(gemma_rmsnorm)(x, (const ELEM *)t[T_LN2], normed, m, d, a->eps);
-        } else {
-            FN(add_into)(x, delta, m * d);
-            FN(rmsnorm)(x, (const ELEM *)t[T_LN2], normed, m, d, a->eps);
-        }
+        /* the post-attention norm, in place (row by row: each row read before written) */
+        if (a->post_norms) FN(block_norm)(a, delta, (const ELEM *)t[T_POST_ATTN_NORM], delta, m, d);
+        FN(add_into)(x, delta, m * d);
+        FN(block_norm)(a, x, (const ELEM *)t[T_LN2], normed, m, d);
         status = FN(project)(a, layer, P_GATE_UP, (const ELEM *)t[T_GATE_UP_W], normed, (const ELEM *)t[T_GATE_UP_B],
                              gate_up, m, 2 * a->inter, d, scratch);
         if (status != 0) break;
-        if (a->gemma)
+        if (a->activation == ACT_GELU_TANH)
             FN(gelu_mul)(gate_up, act, m, a->inter);
         else
             FN(silu_mul)(gate_up, act, m, a->inter);
         status = FN(project)(a, layer, P_DOWN, (const ELEM *)t[T_DOWN_W], act, (const ELEM *)t[T_DOWN_B], delta, m, d,
                              a->inter, scratch);
         if (status != 0) break;
-        if (a->gemma) FN(gemma_rmsnorm)(delta, (const ELEM *)t[T_POST_FF_NORM], delta, m, d, a->eps);
+        if (a->post_norms) FN(block_norm)(a, delta, (const ELEM *)t[T_POST_FF_NORM], delta, m, d);
         FN(add_into)(x, delta, m * d);
     }
     if (status == 0 && a->capture && a->capture[a->layers]) FN(capture_rows)(a, a->capture[a->layers], x);
     if (status == 0 && a->head) { /* the final norm (in place: a row is read before it is written), the LM head */
         const QuantPart *h = a->head;
-        if (sizeof(ELEM) != sizeof(float) || a->gemma || h->in_features != d || h->offset != 0 || h->rows <= 0
+        if (sizeof(ELEM) != sizeof(float) || a->norm_offset || h->in_features != d || h->offset != 0 || h->rows <= 0
             || !a->final_norm || !a->logits) {
             status = -2;
         } else {

@@ -10,9 +10,9 @@
   global layers see everything and use ``rope_theta`` (with any scaling);
 * attention scores are scaled by ``query_pre_attn_scalar ** -0.5``; logits optionally soft-capped.
 
-On the cpu-kernels backend the C decoder stack (``backends.cpu_kernels.CpuStack``) runs these
-layers too (its Gemma block: ``StackTable(gemma=True, local_layers=...)``), probed at load against
-the layers here (``probe_gemma_stack``).
+``Gemma3ForCausalLM.block_spec`` says all of this as data (``models.block``): the C decoder stack
+(``backends.cpu_kernels.CpuStack``) and the Triton operators run these layers from it, the stack
+probed at load against the layers here (``probe_block_stack``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.cache.protocol import KVBatch, LayerKV
+from infer.models.block import BlockSpec
 from infer.models.config import FULL, SLIDING, CheckpointError, ModelConfig, ModelFamily, positive_int, whole
 from infer.models.layers import (
     MLP,
@@ -57,7 +58,7 @@ class Gemma3Attention(Attention):
         super().__init__(config, layer_idx)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)  # type: ignore[assignment]
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)  # type: ignore[assignment]
-        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.scale: float = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.window = config.layer_window(layer_idx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
@@ -112,6 +113,10 @@ class Gemma3MLP(MLP):
 
 
 class Gemma3DecoderLayer(DecoderLayer):
+    attention_type = Gemma3Attention
+    mlp_type = Gemma3MLP
+    norm_type = GemmaRMSNorm
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         nn.Module.__init__(self)  # DecoderLayer's own modules are Llama's; these replace them
         self.self_attn = Gemma3Attention(config, layer_idx)
@@ -122,12 +127,24 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
+    def branch_norms(self) -> tuple[nn.Module, nn.Module | None, nn.Module, nn.Module | None]:
+        return (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                self.post_feedforward_layernorm)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+# Everything above, as the data the backends read (the C stack, the Triton operators).
+GEMMA3_BLOCK = BlockSpec(norm_offset=True, activation="gelu_tanh", qk_norm=True, post_norms=True, embed_scale=True,
+                         query_scale=True, local_rope=True, logit_softcap=True)
+
+
 class Gemma3ForCausalLM(DecoderOnlyLM):
+    block_spec = GEMMA3_BLOCK
+    layer_type = Gemma3DecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         body = self.model

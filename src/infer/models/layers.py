@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infer.cache.protocol import KVBatch, LayerKV
+from infer.models.block import LLAMA_BLOCK, BlockSpec
 from infer.models.config import CheckpointError, ModelConfig
 from infer.models.quantized import QuantLinear
 
@@ -129,6 +130,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.window = config.layer_window(layer_idx)  # sliding-window attention (Mistral): how far back it sees
+        # The scores' scale; None: 1/sqrt(head_dim). A family whose block scales otherwise
+        # (``BlockSpec.query_scale``) sets it, and what runs the layers another way reads it here.
+        self.scale: float | None = None
 
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): one matmul instead of three
         # Attention over the cache (q [B, heads, T, D], keys, values, mask) in place of SDPA/FlexAttention:
@@ -341,12 +345,23 @@ class AuxCapture:
 
 
 class DecoderLayer(nn.Module):
+    # The module types of the family's block (a subclass for another family names its own): what
+    # runs the layers another way checks a layer's modules against these before taking it.
+    attention_type: ClassVar[type[Attention]] = Attention
+    mlp_type: ClassVar[type[MLP]] = MLP
+    norm_type: ClassVar[type[nn.Module]] = RMSNorm
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def branch_norms(self) -> tuple[nn.Module, nn.Module | None, nn.Module, nn.Module | None]:
+        """The layer's norms in their order: before the attention, on its output (None: none),
+        before the MLP, on its output (None: none). Llama's block has the first and the third."""
+        return self.input_layernorm, None, self.post_attention_layernorm, None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
@@ -380,6 +395,11 @@ class DecoderOnlyLM(nn.Module):
     call serves prefill, decode, speculative verification and tree verification alike.
     """
 
+    # What the family's block computes (``models.block``) and the type of its layers: read by the
+    # backends and the loader, which never ask which family a model is.
+    block_spec: ClassVar[BlockSpec] = LLAMA_BLOCK
+    layer_type: ClassVar[type[DecoderLayer]] = DecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -411,6 +431,11 @@ class DecoderOnlyLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_tables(self.inv_freq, positions, x.dtype)  # type: ignore[arg-type]
         return x, cos, sin
+
+    def local_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sliding-window layers' RoPE tables: the model's one table here; a family whose windowed
+        layers have a base of their own (``BlockSpec.local_rope``) overrides this."""
+        return self.rope_tables(self.inv_freq, positions, dtype)  # type: ignore[arg-type]
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    kv: KVBatch | None, aux: AuxCapture | None = None) -> torch.Tensor:
