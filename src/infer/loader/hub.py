@@ -151,3 +151,13 @@ def drafters_dir(ref: str | os.PathLike[str]) -> Path:
     ``~/.cache/infer/drafters/<model>``. Medusa heads are its ``medusa/``, a draft model its ``draft/``."""
     path = resolve_model_path(ref)
     return path if path.is_dir() else default_cache_dir() / "drafters" / model_slug(ref)
+
+
+def drafter_dir(ref: str | os.PathLike[str], kind: str) -> Path:
+    """The default folder of one kind of drafter for ``ref`` (``drafters_dir(ref) / kind``: ``eagle``,
+    ``medusa``); for a target that does not resolve, ``ref / kind``, so the error that follows names
+    the literal path."""
+    try:
+        return drafters_dir(ref) / kind
+    except Exception:  # an unresolvable target
+        return Path(ref) / kind

@@ -50,12 +50,9 @@ CAPTURE_WINDOW = 16
 def default_head_dir(target: str | os.PathLike[str]) -> Path:
     """Where ``infer train eagle`` writes and ``--speculator eagle`` looks by default: ``eagle/`` in the
     target's drafters folder (``~/.cache/infer/drafters/<model>/eagle`` for a GGUF or built-in model)."""
-    from infer.loader.hub import drafters_dir
+    from infer.loader.hub import drafter_dir
 
-    try:
-        return drafters_dir(target) / "eagle"
-    except Exception:  # an unresolvable target: report the literal path
-        return Path(target) / "eagle"
+    return drafter_dir(target, "eagle")
 
 
 def load_eagle_head(folder: str | None, target: str, target_config: ModelConfig, dtype: torch.dtype,

@@ -32,12 +32,9 @@ def medusa_tree(config: MedusaConfig, tree_size: int | None = None) -> Candidate
 def default_heads_dir(target: str | os.PathLike[str]) -> Path:
     """Where ``infer train medusa`` writes and ``--speculator medusa`` looks by default: ``medusa/`` in
     the target's drafters folder (a model folder itself; ``~/.cache/infer/drafters/<model>`` for a GGUF)."""
-    from infer.loader.hub import drafters_dir
+    from infer.loader.hub import drafter_dir
 
-    try:
-        return drafters_dir(target) / "medusa"
-    except Exception:  # an unresolvable target: report the literal path
-        return Path(target) / "medusa"
+    return drafter_dir(target, "medusa")
 
 
 def load_medusa_heads(folder: str | None, target: str, target_config: ModelConfig, dtype: torch.dtype,
