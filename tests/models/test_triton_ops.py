@@ -66,13 +66,13 @@ def check_norms(dtype: torch.dtype, device: str, shape: tuple[int, ...]) -> None
     close(h, x + y)
     close(n, llama(x + y))
     # Gemma: (1 + w), and its sandwich: the branch normalised, added, then the next norm.
-    close(triton_ops.rms_norm(x, gemma.weight, gemma.eps, gemma=True)[1], gemma(x))
+    close(triton_ops.rms_norm(x, gemma.weight, gemma.eps, offset=True)[1], gemma(x))
     h, n = triton_ops.rms_norm(x, gemma.weight, gemma.eps, residual=y, branch_weight=branch.weight,
-                               branch_eps=branch.eps, gemma=True)
+                               branch_eps=branch.eps, offset=True)
     close(h, x + branch(y))
     close(n, gemma(x + branch(y)))
     h, none = triton_ops.rms_norm(x, gemma.weight, gemma.eps, residual=y, branch_weight=branch.weight,
-                                  branch_eps=branch.eps, gemma=True, normalise=False)
+                                  branch_eps=branch.eps, offset=True, normalise=False)
     assert none is None
     close(h, x + branch(y))
 
@@ -201,7 +201,7 @@ POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp1
 
 
 @in_parent
-@pytest.mark.parametrize("name", ["rms_norm-gemma", "rms_norm-llama", "rope", "swiglu"])
+@pytest.mark.parametrize("name", ["rms_norm-offset", "rms_norm-llama", "rope", "swiglu"])
 def test_kernels_compile_for_hopper(name: str) -> None:
     """Triton compiles each kernel for sm_90 here (no GPU needed), in bfloat16 at Llama 3.2 3B's sizes
     (hidden 3072, 24 + 8 heads of 128, intermediate 8192) with every optional part switched on."""
@@ -211,8 +211,8 @@ def test_kernels_compile_for_hopper(name: str) -> None:
 
     kernel = triton_ops._kernels()[name.split("-")[0]]
     constants = {
-        "rms_norm-gemma": dict(HAS_Y=True, NORM_Y=True, WRITE_N=True, GEMMA=True, BLOCK=4096),
-        "rms_norm-llama": dict(HAS_Y=True, NORM_Y=True, WRITE_N=True, GEMMA=False, BLOCK=4096),
+        "rms_norm-offset": dict(HAS_Y=True, NORM_Y=True, WRITE_N=True, OFFSET=True, BLOCK=4096),
+        "rms_norm-llama": dict(HAS_Y=True, NORM_Y=True, WRITE_N=True, OFFSET=False, BLOCK=4096),
         "rope": dict(HEAD_DIM=128, HEADS_PAD=32, DIM_PAD=128),
         "swiglu": dict(BLOCK=triton_ops.SWIGLU_BLOCK),
     }[name]

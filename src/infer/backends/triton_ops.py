@@ -4,9 +4,9 @@ activations per layer, where a decode step's time is memory traffic and kernel l
 * ``rms_norm``: RMSNorm of each row, optionally after adding a residual branch in the same pass
   (``h = x + y``, then ``norm(h)``: the residual is read once and the sum written once), in the
   Llama form (``weight * norm(x)``, rounded to the input's dtype before the weight as
-  ``models.layers.RMSNorm`` rounds) and Gemma's (``norm(x) * (1 + weight)`` in float32, rounded
-  once, as ``models.gemma3.GemmaRMSNorm``); Gemma's sandwich can also normalise the branch before
-  adding it (``h = x + norm_y(y)``, then ``norm(h)``);
+  ``models.layers.RMSNorm`` rounds) and the offset form (``norm(x) * (1 + weight)`` in float32,
+  rounded once: ``BlockSpec.norm_offset``); a block with post norms (``BlockSpec.post_norms``) can
+  also normalise the branch before adding it (``h = x + norm_y(y)``, then ``norm(h)``);
 * ``rope_qk``: RoPE on the q and k heads of the fused q/k/v projection's output in one kernel,
   with the cos/sin tables ``models.layers.rope_cos_sin`` makes (the rotate-half convention, the
   first half of ``sin`` negated) at the pass's own positions;
@@ -31,8 +31,8 @@ from torch import nn
 
 from infer.backends import triton_attention
 from infer.cache.protocol import LayerKV
-from infer.models.gemma3 import Gemma3DecoderLayer, Gemma3MLP, GemmaRMSNorm
-from infer.models.layers import MLP, Attention, DecoderLayer, RMSNorm
+from infer.models.block import LLAMA_BLOCK
+from infer.models.layers import MLP, Attention, DecoderLayer, DecoderOnlyLM, RMSNorm
 
 
 def unavailable_reason(device: torch.device | str) -> str | None:
@@ -54,7 +54,7 @@ def _kernels() -> dict[str, Any]:
     @triton.jit
     def rms_norm_kernel(x_ptr, y_ptr, wy_ptr, w_ptr, h_ptr, n_ptr, stride_x, stride_y, stride_h, stride_n,
                         dim, eps, eps_y, HAS_Y: tl.constexpr, NORM_Y: tl.constexpr, WRITE_N: tl.constexpr,
-                        GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+                        OFFSET: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < dim
@@ -65,7 +65,7 @@ def _kernels() -> dict[str, Any]:
             if NORM_Y:
                 wy = tl.load(wy_ptr + cols, mask=ok, other=0.0).to(tl.float32)
                 inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / dim + eps_y)
-                y = y * inv_y * (1.0 + wy) if GEMMA else wy * (y * inv_y).to(dtype).to(tl.float32)
+                y = y * inv_y * (1.0 + wy) if OFFSET else wy * (y * inv_y).to(dtype).to(tl.float32)
                 y = y.to(dtype).to(tl.float32)
             h = (h + y).to(dtype)
             tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
@@ -74,7 +74,7 @@ def _kernels() -> dict[str, Any]:
             w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
             # Llama rounds the normalised row to the activations' dtype, then applies the weight.
-            n = h * inv * (1.0 + w) if GEMMA else w * (h * inv).to(dtype).to(tl.float32)
+            n = h * inv * (1.0 + w) if OFFSET else w * (h * inv).to(dtype).to(tl.float32)
             tl.store(n_ptr + row * stride_n + cols, n.to(n_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -122,12 +122,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None,
-             branch_weight: torch.Tensor | None = None, branch_eps: float | None = None, gemma: bool = False,
+             branch_weight: torch.Tensor | None = None, branch_eps: float | None = None, offset: bool = False,
              normalise: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(h, norm(h))`` where ``h = x + residual`` (``x`` itself when ``residual`` is None) and the
-    norm has ``weight`` (Llama's form; Gemma's ``1 + weight`` with ``gemma``). With ``branch_weight``
-    the residual branch is normalised first (``h = x + norm_b(residual)``, Gemma's sandwich; its
-    epsilon ``branch_eps``, default ``eps``).
+    norm has ``weight`` (Llama's form; ``1 + weight`` with ``offset``, ``BlockSpec.norm_offset``).
+    With ``branch_weight`` the residual branch is normalised first (``h = x + norm_b(residual)``, a
+    post norm; its epsilon ``branch_eps``, default ``eps``).
     ``normalise=False`` returns ``(h, None)`` (the add alone, after the branch's norm).
     Shapes ``[..., dim]``; the results are ``[..., dim]`` in ``x``'s dtype (Llama's norm in the
     dtype ``weight * x`` has, as the layer's)."""
@@ -141,13 +141,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     rows = _rows(x)
     ys = _rows(residual) if residual is not None else rows
     h = torch.empty_like(rows) if residual is not None else rows
-    n_dtype = x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
+    n_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
     n = torch.empty(rows.shape, dtype=n_dtype, device=x.device) if normalise else h
     if rows.shape[0]:
         _kernels()["rms_norm"][(rows.shape[0],)](
             rows, ys, branch_weight if branch_weight is not None else weight, weight, h, n,
             rows.stride(0), ys.stride(0), h.stride(0), n.stride(0), dim, eps, eps if branch_eps is None else branch_eps,
-            HAS_Y=residual is not None, NORM_Y=branch_weight is not None, WRITE_N=normalise, GEMMA=gemma,
+            HAS_Y=residual is not None, NORM_Y=branch_weight is not None, WRITE_N=normalise, OFFSET=offset,
             BLOCK=_next_power_of_2(dim))
     return h.view(x.shape), n.view(x.shape) if normalise else None
 
@@ -192,8 +192,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the layers' forwards
 
 
-def _norm_forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    normed = rms_norm(x, self.weight, self.eps, gemma=isinstance(self, GemmaRMSNorm))[1]
+def _norm_forward(self: nn.Module, x: torch.Tensor, offset: bool = False) -> torch.Tensor:
+    normed = rms_norm(x, self.weight, self.eps, offset=offset)[1]  # type: ignore[arg-type]
     assert normed is not None
     return normed
 
@@ -206,16 +206,17 @@ def _layer_forward(self: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: 
     return h + self.mlp(normed)
 
 
-def _gemma_layer_forward(self: Gemma3DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         kv: LayerKV | None) -> torch.Tensor:
-    """Gemma's sandwich: each branch's output norm, the residual add and (after attention) the MLP's
-    input norm in one kernel."""
-    post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
-    h, normed = rms_norm(x, pre.weight, pre.eps, residual=self.self_attn(self.input_layernorm(x), cos, sin, kv),
-                         branch_weight=post.weight, branch_eps=post.eps, gemma=True)
-    post_ff = self.post_feedforward_layernorm
-    out, _ = rms_norm(h, post_ff.weight, post_ff.eps, residual=self.mlp(normed), branch_weight=post_ff.weight,
-                      branch_eps=post_ff.eps, gemma=True, normalise=False)
+def _post_norm_layer_forward(self: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             kv: LayerKV | None, offset: bool = False) -> torch.Tensor:
+    """The sandwich of a block with post norms (``BlockSpec.post_norms``; their kind ``offset``): each
+    branch's output norm, the residual add and (after attention) the MLP's input norm in one kernel."""
+    before_attn, post, pre, post_ff = self.branch_norms()
+    assert post is not None and post_ff is not None
+    h, normed = rms_norm(x, pre.weight, pre.eps, residual=self.self_attn(before_attn(x), cos, sin, kv),  # type: ignore[arg-type]
+                         branch_weight=post.weight, branch_eps=post.eps, offset=offset)  # type: ignore[arg-type]
+    out, _ = rms_norm(h, post_ff.weight, post_ff.eps, residual=self.mlp(normed),  # type: ignore[arg-type]
+                      branch_weight=post_ff.weight, branch_eps=post_ff.eps, offset=offset,  # type: ignore[arg-type]
+                      normalise=False)
     return out
 
 
@@ -232,8 +233,9 @@ def install(model: nn.Module) -> str | None:
     device: every RMSNorm, each layer's residual add with the norm after it, RoPE on the fused
     q/k/v output, SwiGLU's activation. Returns None when installed, else why not (nothing changed).
 
-    Gemma's layers get the fused norms (its MLP gates with GELU and its attention normalises q and
-    k before RoPE, so those keep their PyTorch operators); every other architecture gets all three.
+    What each layer gets follows the model's ``block_spec``: the norms of its kind (``norm_offset``)
+    and, with post norms, the sandwich's fused adds; a block gating otherwise than with SiLU keeps its
+    MLP's PyTorch activation (and one normalising q and k before RoPE never calls ``rotate_qk``).
     """
     parameter = next(model.parameters(), None)
     if parameter is None:
@@ -241,17 +243,22 @@ def install(model: nn.Module) -> str | None:
     reason = unavailable_reason(parameter.device)
     if reason is not None:
         return reason
+    spec = model.block_spec if isinstance(model, DecoderOnlyLM) else LLAMA_BLOCK
+    # The block's norm type: of the offset kind where the block says so (a plain RMSNorm never is).
+    block_norm = model.layer_type.norm_type if isinstance(model, DecoderOnlyLM) else RMSNorm
     bind = types.MethodType
     for module in model.modules():
-        if isinstance(module, (RMSNorm, GemmaRMSNorm)):
-            module.forward = bind(_norm_forward, module)  # type: ignore[method-assign]
-        elif isinstance(module, Gemma3DecoderLayer):
-            module.forward = bind(_gemma_layer_forward, module)  # type: ignore[method-assign]
+        if isinstance(module, (RMSNorm, block_norm)):
+            offset = spec.norm_offset and isinstance(module, block_norm)
+            module.forward = functools.partial(_norm_forward, module, offset=offset)  # type: ignore[method-assign]
+        elif isinstance(module, DecoderLayer) and spec.post_norms:
+            module.forward = functools.partial(_post_norm_layer_forward, module,  # type: ignore[method-assign]
+                                               offset=spec.norm_offset)
         elif isinstance(module, DecoderLayer):
             module.forward = bind(_layer_forward, module)  # type: ignore[method-assign]
         elif isinstance(module, Attention):
-            # rotate_qk serves the fused projection without q/k norms (Gemma's forward never calls it).
+            # rotate_qk serves the fused projection without q/k norms (a q/k-normed forward never calls it).
             module.rotate_qk = bind(_rotate_qk, module)  # type: ignore[method-assign]
-        elif isinstance(module, MLP) and not isinstance(module, Gemma3MLP):
+        elif isinstance(module, MLP) and spec.activation == "silu":
             module.activate = bind(_activate, module)  # type: ignore[method-assign]
     return None
