@@ -12,7 +12,8 @@ converter (``convert_hf_to_gguf.py``) backwards:
   ``llama`` architecture the converter reorders each head's q/k rows so that GGML's RoPE, which
   rotates adjacent pairs, computes what Hugging Face's rotate-half RoPE computes; the rows are put
   back here. ``qwen2``/``qwen3``/``gemma3`` files use GGML's rotate-half RoPE and are stored as they
-  are; ``gemma3`` norms are stored as ``1 + w`` and its four per-layer norms have their own names;
+  are; the norms of a block that scales by ``1 + w`` (``BlockSpec.norm_offset``, ``gemma3``'s) are
+  stored as ``1 + w``, and ``gemma3``'s four per-layer norms have their own names;
 * tokenizer: ``tokenizer.ggml.tokens``/``merges``/``token_type`` become a byte-level BPE
   ``tokenizers`` object, split the way ``tokenizer.ggml.pre`` says llama.cpp splits text; a
   SentencePiece vocabulary (``llama`` tokenizer model, Gemma's) a BPE with byte fallback.
@@ -46,6 +47,7 @@ from gguf.quants import quant_shape_to_byte_shape
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from infer.models import MODEL_REGISTRY
 from infer.models.config import CheckpointError, ModelConfig
 from infer.models.quantized import QuantRows
 
@@ -77,6 +79,8 @@ _GEMMA3_LAYER_TENSORS = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# The per-layer name tables by architecture (the common one for any not listed).
+_ARCHITECTURE_LAYER_TENSORS = {"gemma3": _GEMMA3_LAYER_TENSORS}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -335,7 +339,8 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         raise CheckpointError(f"{f.path}: RoPE on {rotary} of {head_dim} head dimensions (partial rotary) "
                               "is not supported")
     tokens = f.get("tokenizer.ggml.tokens")
-    extra = _gemma3_metadata(f, hidden, heads, head_dim) if f.architecture == "gemma3" else {}
+    metadata = _ARCHITECTURE_METADATA.get(f.architecture)
+    extra = {} if metadata is None else metadata(f, hidden, heads, head_dim)
     raw: dict[str, Any] = {
         "model_type": f.architecture,
         "vocab_size": f.get(f.arch_key("vocab_size")) or (len(tokens) if tokens else None),
@@ -385,6 +390,10 @@ def _gemma3_metadata(f: GGUFFile, hidden: int, heads: int, head_dim: int) -> dic
     if out["sliding_window"] is not None:
         out["sliding_window"] = int(out["sliding_window"])
     return out
+
+
+# The config.json fields an architecture's metadata gives beyond the common ones, by architecture.
+_ARCHITECTURE_METADATA: dict[str, Callable[[GGUFFile, int, int, int], dict[str, Any]]] = {"gemma3": _gemma3_metadata}
 
 
 def _one_per_model(f: GGUFFile, suffix: str, default: int | None) -> int | None:
@@ -437,6 +446,9 @@ def gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: t
     state: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantRows] = {}
     divisors = None
+    # A block whose norms scale by 1 + w (BlockSpec.norm_offset): llama.cpp's converter stores them as 1 + w.
+    family = MODEL_REGISTRY.get(config.model_type)
+    offset_norms = family is not None and family.block_spec.norm_offset
     for name, tensor in f.tensors.items():
         if name == ROPE_FREQS_TENSOR:
             divisors = dequantize(f, tensor)
@@ -453,8 +465,8 @@ def gguf_weights(f: GGUFFile, config: ModelConfig, dtype: torch.dtype, device: t
             quantized[hf_name] = QuantRows(type_name, int(tensor.shape[0]), raw, order)
             continue
         weight = dequantize(f, tensor)
-        if config.model_type == "gemma3" and name.endswith("norm.weight"):
-            weight = weight - 1  # llama.cpp's converter stores Gemma's norms as 1 + w; the model adds the 1
+        if offset_norms and name.endswith("norm.weight"):
+            weight = weight - 1  # GGML's norm scales by its weight: the file holds 1 + w; the model adds the 1
         if permuted:
             weight = undo_rope_row_order(weight, heads)
         state[hf_name] = weight.to(dtype).to(device)
@@ -484,7 +496,7 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown."""
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
-    parts = _GEMMA3_LAYER_TENSORS if model_type == "gemma3" else _LAYER_TENSORS
+    parts = _ARCHITECTURE_LAYER_TENSORS.get(model_type, _LAYER_TENSORS)
     match = _LAYER_NAME.fullmatch(name)
     if match is None or match.group(2) not in parts:
         return None
@@ -600,6 +612,11 @@ def _with_specials(f: GGUFFile, tok: HFTokenizer) -> tuple[HFTokenizer, dict[str
     return tok, {k: v for k, v in config.items() if v is not None}
 
 
+# The architectures (name prefixes) whose SentencePiece vocabulary ``sentencepiece_bpe`` reads: the
+# form below (no space prefix, merges in vocabulary order) is theirs.
+_SENTENCEPIECE_ARCHITECTURES = ("gemma",)
+
+
 def sentencepiece_bpe(f: GGUFFile) -> HFTokenizer:
     """A SentencePiece BPE vocabulary (``tokenizer.ggml.model`` 'llama') as a ``tokenizers`` BPE with
     byte fallback, built the way transformers builds it from the same file (the reference the tests
@@ -610,7 +627,7 @@ def sentencepiece_bpe(f: GGUFFile) -> HFTokenizer:
     vocabulary's order (Gemma's scores do not follow it), and its all-space entries are stored as
     spaces although BPE meets them as U+2581 runs, so they are respelled.
     """
-    if f.get("tokenizer.ggml.add_space_prefix", True) or not f.architecture.startswith("gemma"):
+    if f.get("tokenizer.ggml.add_space_prefix", True) or not f.architecture.startswith(_SENTENCEPIECE_ARCHITECTURES):
         raise CheckpointError(f"{f.path}: SentencePiece vocabulary of a {f.architecture!r} model (tokenizer.ggml.model "
                               "'llama' with a space prefix, Llama 2 style) is not supported; infer reads Gemma's")
     raw: list[str] = list(f.require("tokenizer.ggml.tokens"))
