@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # Packing hint (the row count oneDNN lays the weight out for). bfloat16 is blocked for any hint;
-# float32 with a hint of 1 keeps the plain layout and an AVX2 kernel that runs ~2x slower than the
-# blocked AVX-512 one at 1 row and 3x at 6 rows (measured with ONEDNN_VERBOSE on the 2-core EPYC).
+# float32 with a hint of 1 keeps the plain layout and an AVX2 kernel, slower than the blocked
+# AVX-512 one (docs/cpu.md, "Measurements behind the kernels' constants").
 _PACK_HINT = {torch.bfloat16: 1, torch.float32: 16}
 
 
@@ -43,10 +43,9 @@ class PackedLinear(nn.Module):
     blocked layout.
 
     Decoding multiplies a handful of rows by each weight; with the weight laid out for the CPU's
-    vector instructions once, those products run 1.5-4x faster in bfloat16 than ``F.linear``
-    re-laying it out on every call. In float32 ``F.linear`` goes to MKL, whose sgemm takes the slow
-    generic path on AMD CPUs (about 2x slower at 1 row and up to 3x at the 6 rows of a verification
-    pass than oneDNN's AVX-512 kernel on the project's 2-core EPYC). The packed tensor is opaque: it
+    vector instructions once, those products run faster in bfloat16 than ``F.linear`` re-laying it
+    out on every call. In float32 ``F.linear`` goes to MKL, whose sgemm takes a slow generic path on
+    AMD CPUs (docs/cpu.md, "Measurements behind the kernels' constants"). The packed tensor is opaque: it
     cannot be saved, trained or moved, so only a backend preparing a loaded model
     (``Backend.prepare``) creates these.
     """

@@ -158,7 +158,8 @@ def freeze_loaded_objects() -> None:
 
     What loading made (modules, tensors, tokenizer, imported libraries: ~185k objects for SmolLM2)
     lives as long as the engine; frozen, the collector's full passes during generation stop walking
-    it: 151 vs 141 tok/s SmolLM2 Q4_1 decode (8 interleaved runs, 2 threads). Frozen objects are
+    it (a measurable share of a small model's decode step: docs/cpu.md, "Measurements behind the
+    kernels' constants"). Frozen objects are
     never collected, so what an earlier engine froze is unfrozen and collected first: a process
     that makes engine after engine (tests, notebooks) keeps no garbage beyond the newest one's, and
     at exit everything is unfrozen, so the interpreter's last collection finalizes it (extension
@@ -424,7 +425,7 @@ class Engine(PromptEncoding):
         config = self.config
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.kv_cache_backend == "paged":
-            # Sliding-window layers (ModelConfig.layer_window) free their blocks as the window moves on: the
+            # Sliding-window layers (Gemma 3, Mistral) free their blocks as the window moves on: the
             # budget counts the blocks they can hold, and every other token at the global layers' cost.
             local = _local_tokens(config, model_config, self.max_seq_len, config.max_batch_size)
             budget, _ = kv_budget_tokens(config, model_config, self.device, self.dtype, local_tokens=local)

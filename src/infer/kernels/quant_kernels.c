@@ -578,7 +578,7 @@ static inline __attribute__((always_inline)) void x8_block_q6_k(const uint8_t *c
             GW top[X8_NZ_MAX];
             for (int z = 0; z < NZ; z++) top[z] = gw_load(gp[2 * z] + 1168 + 32 * (2 * c + t), gp[2 * z + 1] + 1168 + 32 * (2 * c + t));
             /* gi_dot_u, not runs of gp_dot_u: 6-bit values allow runs of 2 units only, and those
-             * were slower on AVX2 (1 row, one thread: 0.96 ms against 0.83, 2048 x 8192) */
+             * measured slower on AVX2 (docs/cpu.md, "Measurements behind the kernels' constants") */
             for (int s = 0; s < 4; s++) {
                 const int w = 4 * t + s;
                 GW u[X8_NZ_MAX];

@@ -106,8 +106,8 @@ static inline GI gi_mul(GI a, GI b) { return _mm512_mullo_epi32(a, b); }
 static inline void gw_store(uint8_t *p, GW w) { _mm512_storeu_si512((void *)p, w); }
 static inline GI gi_load(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
 /* Activation rows per tile and two-group vectors per tile: R x NZ accumulators and as many
- * integer sums, plus the unpacked weights, in 32 registers (2048x8192 and 8192x2048 Q4_0 and
- * Q8_0, 512 rows, 2 threads: 4 x 2 gave 1000-1230 GOP/s, 6 x 2 and 2 x 3 5-20% less, 8 x 1 25% less). */
+ * integer sums, plus the unpacked weights, in 32 registers; 4 x 2 measured fastest of the shapes
+ * that fit (docs/cpu.md, "Measurements behind the kernels' constants"). */
 #ifndef X8_RB
 #define X8_RB 4
 #endif
@@ -188,7 +188,7 @@ static inline GI gi_mul(GI a, GI b) { return (GI){_mm256_mullo_epi32(a.a, b.a), 
 static inline void gw_store(uint8_t *p, GW w) { _mm256_storeu_si256((__m256i *)p, w.a), _mm256_storeu_si256((__m256i *)(p + 32), w.b); }
 static inline GI gi_load(const int32_t *p) { return (GI){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 8))}; }
 /* 16 ymm registers: one two-group vector (two ymm) by 4 rows spills some accumulators and still
- * beat 2 rows (2048x8192 Q4_0, 512 rows, 1 thread: 210 GOP/s vs 182; Q8_0 even) */
+ * beat 2 rows (docs/cpu.md, "Measurements behind the kernels' constants") */
 #ifndef X8_RB
 #define X8_RB 4
 #endif
@@ -377,9 +377,9 @@ static inline GI gi_load(const int32_t *p) { GI v; memcpy(v.v, p, sizeof v.v); r
 static int x8_stream_prefetch = 1;
 #define X8_FEW_ROWS 16 /* the most rows a call may have for its type's X8_TYPE_RB_FEW tiles */
 /* Bytes ahead of the block in use to prefetch, every cache line of it, in each group's stream on
- * the first pass over a tile. Streaming a 2048x8192 Q4_0 weight from memory at 1 row on 1 thread
- * (project EPYC, medians of 7): no prefetch 27.3 GB/s, one line per block 1 KB ahead 20.9, every
- * line 512 B ahead 27.6, 1 KB 29.4, 2 KB 28.0. In L2 (a prefill's later row tiles) they cost 5-9%. */
+ * the first pass over a tile: a streamed weight reads fastest with every line prefetched about
+ * 1 KB ahead, and the prefetches cost a little where the tile is already in L2 (a prefill's later
+ * row tiles; docs/cpu.md, "Measurements behind the kernels' constants"). */
 #ifndef X8_AHEAD
 #define X8_AHEAD 1024
 #endif
@@ -389,8 +389,8 @@ static int x8_stream_prefetch = 1;
 
 /* Groups are stored in runs of X8_RUN (the last run may be shorter): a run's groups interleaved
  * block by block, so a tile of a run's groups reads one sequential stream. Eight separate streams
- * read 20 GB/s on one core of the project's EPYC where one stream reads 34 (the prefetchers follow
- * one stream best; software prefetching did not close the gap). Runs of 4 make every AVX-512 tile
+ * read much slower than one on a core (the prefetchers follow one stream best; software
+ * prefetching did not close the gap). Runs of 4 make every AVX-512 tile
  * (4 groups, a decode step's and a verification's alike) and AVX2's decode tile one whole run;
  * with runs of 8, AVX-512's 8-group decode tiles ran a decode step's small products slower on two
  * threads and its row tiles read half-runs (docs/cpu.md has the figures).

@@ -55,11 +55,9 @@ static inline __attribute__((always_inline)) void X8FN(tile)(const uint8_t *cons
         for (int z = 0; z < NZ; z++) acc[r][z] = gf_zero();
     /* Prefetch distance: the whole blocks that fit in X8_AHEAD ahead in the run's stream (Q4_0: 7
      * block rows, 8 KB). Where no block fits (the K types): X8_AHEAD bytes ahead when the tile reads
-     * its whole run, one stream (AVX-512 decode; longer was slower, 1-row decode shapes, one thread:
-     * Q6_K 25.4 GB/s at 1 KB, 20.4 at one block row, 13 KB; Q4_0 31.6 at 7 rows, 25.4 at 1 KB), else
+     * its whole run, one stream (AVX-512 decode; a block row ahead, 13 KB, was slower), else
      * X8_AHEAD_ROWS block rows ahead: there the bytes just ahead are another tile's groups (AVX2's
-     * row tiles; measured on AVX2 decode tiles when they were 4 of a run of 8 groups, Q4_K 2048 x
-     * 8192, 1 row, one thread: 0.36 ms at 2 rows, 0.42 at 1, 0.59 at 1 KB) */
+     * row tiles). docs/cpu.md, "Measurements behind the kernels' constants", has the figures. */
     const int64_t ahead = X8_AHEAD >= X8_GROUP_BYTES ? X8_AHEAD / X8_GROUP_BYTES * stride
                           : 2 * NZ >= X8_RUN ? X8_AHEAD : X8_AHEAD_ROWS * stride;
     (void)ahead; /* unused where X8_AHEAD is 0 */
