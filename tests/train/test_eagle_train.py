@@ -112,3 +112,33 @@ def _only(index: int) -> torch.Tensor:
     answer = torch.zeros(1, 12, dtype=torch.bool)
     answer[0, index + 1] = True  # row `index` of step 0 is judged at position index + 1
     return answer
+
+
+def test_one_pass_gives_the_distributions_and_the_states_the_head_reads(tiny_llama: Path, tmp_path: Path) -> None:
+    """A cache built with ``aux_layers`` holds, from its one pass of the served target, the same top-k
+    distributions as a cache without them and the same states a separate capture pass gives; EAGLE
+    training then reads them (no capture pass, no states file), and the settings hash tells the two
+    caches apart."""
+    from infer.loader import load_config, load_model
+    from infer.models.eagle3 import default_aux_layers
+    from infer.train.eagle import capture_features, target_states
+    from infer.train.teacher import TeacherCache, settings_hash
+
+    layers = default_aux_layers(load_config(str(tiny_llama)).num_hidden_layers)
+    common = dict(target=str(tiny_llama), source="self", num_prompts=6, max_new_tokens=12, seq_len=16, top_k=4,
+                  held_out_fraction=0.2, hidden_states=False, gen_dtype="float32", device="cpu", threads=1)
+    plain_cfg = TeacherCacheConfig(out=tmp_path / "plain", **common)  # type: ignore[arg-type]
+    merged_cfg = TeacherCacheConfig(out=tmp_path / "merged", aux_layers=layers, **common)  # type: ignore[arg-type]
+    assert settings_hash(plain_cfg) != settings_hash(merged_cfg)
+    plain = TeacherCache(build_teacher_cache(plain_cfg, progress=False))
+    merged = TeacherCache(build_teacher_cache(merged_cfg, progress=False), aux=True)
+    assert merged.manifest["aux_layers"] == list(layers) and "aux" not in plain.train.tensors
+    for key in ("tokens", "topk_ids", "topk_logprobs", "rest_logprob"):
+        assert torch.equal(plain.train.tensors[key], merged.train.tensors[key]), key
+    served, _ = load_model(str(tiny_llama), dtype=torch.float32, device="cpu")
+    captured = capture_features(served, merged.train, None, layers, 4, False, "states")
+    assert torch.equal(captured.tensors["aux"], merged.train.tensors["aux"])
+    cfg = EagleTrainConfig(target=str(tiny_llama), teacher_cache=str(merged.folder), max_windows=None, device="cpu")
+    train, _ = target_states(cfg, merged, layers, "llama", torch.device("cpu"), progress=False)
+    assert torch.equal(train.tensors["aux"], merged.train.tensors["aux"])
+    assert not list(merged.folder.glob("eagle-states-*.pt"))

@@ -90,9 +90,10 @@ def test_cache_is_reused_and_an_interrupted_build_continues(corpus_cache: Path, 
     calls: list[int] = []
     original = teacher_module.teacher_outputs
 
-    def counting(model: Any, ids: torch.Tensor, top_k: int, hidden_states: bool) -> dict[str, torch.Tensor]:
+    def counting(model: Any, ids: torch.Tensor, top_k: int, hidden_states: bool,
+                 aux_layers: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
         calls.append(ids.shape[0])
-        return original(model, ids, top_k, hidden_states)
+        return original(model, ids, top_k, hidden_states, aux_layers)
 
     monkeypatch.setattr(teacher_module, "teacher_outputs", counting)
     settings = cache_config(tiny_llama_tied, corpus_cache, stdlib_corpus)

@@ -55,12 +55,17 @@ def add_subparser(sub: Any) -> None:
     c.add_argument("--prompts", dest="num_prompts", type=int, default=None, help="self: prompts answered (256)")
     c.add_argument("--max-new-tokens", type=int, default=None, help="self: longest answer (160)")
     c.add_argument("--gen-temperature", type=float, default=None, help="self: sampling temperature (0.7)")
-    c.add_argument("--gen-batch-size", type=int, default=None, help="self: answers generated together (16)")
+    c.add_argument("--gen-min-p", type=float, default=None,
+                   help="self: drop tokens below this share of the likeliest one's probability (0.05)")
+    c.add_argument("--gen-batch-size", type=int, default=None, help="self: answers generated together (32)")
     c.add_argument("--gen-dtype", default=None, help="self: dtype for generating (auto)")
     c.add_argument("--seq-len", type=int, default=None, help="tokens per cached window (256)")
     c.add_argument("--top-k", type=int, default=None, help="tokens kept per position (32)")
     c.add_argument("--hidden-states", action=argparse.BooleanOptionalAction, default=None,
                    help="store the final hidden states, which Medusa heads train on (default: yes)")
+    c.add_argument("--aux-layers", type=int, nargs="+", default=None, metavar="ID",
+                   help="also store the states entering these layers, from the same pass (what an EAGLE-3 head "
+                        "reads; `infer train eagle` builds its default cache with them)")
     c.add_argument("--max-windows", type=int, default=None, help="at most this many training windows (1024)")
     c.add_argument("--held-out-fraction", type=float, default=None,
                    help="share of the text held out for evaluation (0.05)")

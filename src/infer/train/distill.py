@@ -375,14 +375,16 @@ def _distill_live(cfg: DistillConfig, progress: bool) -> TrainResult:
                        train_time=state.elapsed, wall_time=time.perf_counter() - wall_start, heldout=final)
 
 
-def teacher_cache_for(cfg: Any, device: torch.device, progress: bool) -> Path:
+def teacher_cache_for(cfg: Any, device: torch.device, progress: bool, **settings_options: Any) -> Path:
     """The teacher cache folder ``cfg.teacher_cache`` names, or for "auto"/None the default one for
-    ``cfg.target`` (built first if missing: the expensive, once-only part)."""
+    ``cfg.target`` with ``settings_options`` (``TeacherCacheConfig`` fields; built first if missing:
+    the expensive, once-only part)."""
     from infer.train.teacher import TeacherCacheConfig, build_teacher_cache
 
     if cfg.teacher_cache not in (None, "auto"):
         return Path(cfg.teacher_cache).expanduser()
-    settings = TeacherCacheConfig(target=str(cfg.target), seed=cfg.seed, device=str(device), threads=cfg.threads)
+    settings = TeacherCacheConfig(target=str(cfg.target), seed=cfg.seed, device=str(device), threads=cfg.threads,
+                                  **settings_options)
     return build_teacher_cache(settings, progress=progress)
 
 

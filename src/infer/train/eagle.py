@@ -2,10 +2,12 @@
 
 Data: the teacher cache (``infer.train.teacher``) the Medusa and distillation trainers use; for a
 model infer did not train that is the target's own answers to varied instructions, with its top-k
-next-token distributions at every position. The trainer runs the target once more over those
-windows, loaded as the engine loads it (a GGUF's quantized blocks stay quantized), to capture the
-three layer inputs the head reads (``models.layers.AuxCapture``; kept in memory, and saved beside the
-teacher cache so a resumed run, or another run on the same cache, does not recompute them).
+next-token distributions at every position and the three layer inputs the head reads
+(``models.layers.AuxCapture``), both from one pass of the target loaded as the engine loads it (a
+GGUF's quantized blocks stay quantized): the default cache for a head is built with them. A cache
+built without them (``--teacher-cache`` naming one made for Medusa) costs one more pass over its
+windows to capture the states, saved beside the cache so a resumed run, or another run on the same
+cache, does not recompute them.
 
 Training-time test (EAGLE-3): the head is unrolled ``ttt_steps`` times over each window. Step 0
 reads the target's fused states; step s > 0 reads the head's own outputs of step s - 1 with the
@@ -109,14 +111,15 @@ def capture_features(target: Any, windows: Any, limit: int | None, layers: tuple
 
     count = windows.num_windows if limit is None else min(limit, windows.num_windows)
     parts: list[torch.Tensor] = []
-    bar = progress_bar(total=count, desc=desc, unit="window", disable=not progress, dynamic_ncols=True)
+    width = int(windows.tensors["tokens"].shape[1]) if count else 0
+    bar = progress_bar(total=count * width, desc=desc, unit="tok", disable=not progress, dynamic_ncols=True)
     with torch.inference_mode():
         for start in range(0, count, batch_size):
             tokens = windows.tensors["tokens"][start: min(count, start + batch_size)].long()
             aux = AuxCapture(layers)
             target(tokens, aux=aux)
             parts.append(aux.result().to(torch.bfloat16))
-            bar.update(tokens.shape[0])
+            bar.update(tokens.numel())
     bar.close()
     tensors = {k: windows.tensors[k][:count] for k in ("tokens", "answer", "topk_ids", "topk_logprobs")}
     tensors["aux"] = torch.cat(parts)
@@ -231,10 +234,19 @@ def ttt_loss(head: Eagle3Head, embed: Any, batch: dict[str, torch.Tensor], steps
 
 def target_states(cfg: EagleTrainConfig, cache: Any, layers: tuple[int, ...], model_type: str, device: torch.device,
                   progress: bool) -> tuple[Features, Features]:
-    """The training and held-out windows of ``cache`` with the target's states entering ``layers``:
-    read from beside the cache when an earlier run captured them, else captured and saved there."""
+    """The training and held-out windows of ``cache`` with the target's states entering ``layers``: the
+    cache's own when it was built with them (one pass gave the distributions and the states), else read
+    from beside the cache when an earlier run captured them, else captured and saved there."""
     from infer.loader import load_model
     from infer.train.common import say
+
+    if cache.manifest.get("aux_layers") == list(layers):
+        keys = ("tokens", "answer", "topk_ids", "topk_logprobs", "aux")
+
+        def first(windows: Any, limit: int | None) -> Features:
+            return Features({k: windows.tensors[k][:limit] for k in keys})
+
+        return first(cache.train, cfg.max_windows), first(cache.heldout, cfg.eval_windows)
 
     # The captured states live beside the teacher cache they come from, so another run (a resumed one,
     # other training settings) reuses them.
@@ -282,7 +294,7 @@ def heldout_figures(head: Eagle3Head, embed: Any, heldout: Features, steps: int,
 
 def train_eagle(cfg: EagleTrainConfig, progress: bool = True) -> EagleTrainResult:
     """Train an EAGLE-3 head for ``cfg.target`` and publish it (see the module doc)."""
-    from infer.loader import load_model
+    from infer.loader import load_config, load_model
     from infer.speculative.eagle import default_head_dir
     from infer.train.common import (
         Checkpointer,
@@ -294,20 +306,23 @@ def train_eagle(cfg: EagleTrainConfig, progress: bool = True) -> EagleTrainResul
         say,
     )
     from infer.train.distill import teacher_cache_for
-    from infer.train.teacher import CacheSampler, TeacherCache
+    from infer.train.teacher import CacheSampler, TeacherCache, read_manifest
 
     wall_start = time.perf_counter()
     device = pick_device(cfg.device)
     configure_threads(device, cfg.threads)
     out = cfg.out if cfg.out is not None else default_head_dir(cfg.target)
-    folder = teacher_cache_for(cfg, device, progress)
-    cache = TeacherCache(folder)
+    # The default cache for a head holds the states it reads, from the pass that gives the distributions
+    # (and not the final hidden states, which only Medusa heads read).
+    layers = default_aux_layers(load_config(cfg.target).num_hidden_layers)
+    folder = teacher_cache_for(cfg, device, progress, aux_layers=layers, hidden_states=False)
+    manifest = read_manifest(folder)
+    cache = TeacherCache(folder, aux=manifest.get("aux_layers") == list(layers))
     # Float weights (a GGUF's blocks dequantized): the head's initial norm and vocabulary projection, and
     # the embeddings it trains with.
     target, tconfig = load_model(cfg.target, dtype=torch.float32, device=str(device), fuse=False, pack=False,
                                  quantization="none")
     target.requires_grad_(False)
-    layers = default_aux_layers(tconfig.num_hidden_layers)
     identity = {"target": cfg.target, "teacher": cache.manifest.get("settings_hash"), "layers": list(layers),
                 **{k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "time_budget", "resume", "out",
                                                                     "threads", "device", "checkpoint_every")}}
