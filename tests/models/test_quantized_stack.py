@@ -375,7 +375,7 @@ def test_a_one_sequence_pass_through_addresses_gives_the_same_bits(model_kind: s
             rows.rows = torch.cat((rows.rows[1:], rows.rows[:1]))
         return rows
 
-    monkeypatch.setattr("infer.core.model_runner.sequence_rows", shifted)
+    monkeypatch.setattr("infer.backends.backend.sequence_rows", shifted)  # where Backend.run_pass reads it
     broken = _sequence_passes(model, cache, True, monkeypatch)
     assert any(not torch.equal(a, b) for a, b in zip(broken, ref, strict=True))
 

@@ -313,16 +313,16 @@ def test_greedy_parity_with_plain_decoding(tiny_llama: Path, heads_dirs: dict[st
 def test_greedy_parity_with_flex_tree_attention(tiny_llama: Path, heads_dirs: dict[str, Path],
                                                 plain_greedy: list[list[int]],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import infer.core.model_runner as model_runner
+    import infer.backends.backend as backend_module  # Backend.run_pass builds the block masks
 
     made: list[tuple[int, ...]] = []
-    real = model_runner.block_mask_from
+    real = backend_module.block_mask_from
 
     def spy(mask: torch.Tensor) -> Any:
         made.append(tuple(mask.shape))
         return real(mask)
 
-    monkeypatch.setattr(model_runner, "block_mask_from", spy)
+    monkeypatch.setattr(backend_module, "block_mask_from", spy)
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", speculator="medusa", medusa_heads=str(heads_dirs["small"]),
               medusa_tree_size=5, tree_attention="flex", max_batch_size=4)
     outputs = llm.generate(DRAFTER_PROMPTS[:4], greedy(max_tokens=12))
