@@ -425,7 +425,7 @@ class Engine(PromptEncoding):
         config = self.config
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.kv_cache_backend == "paged":
-            # Sliding-window layers (Gemma 3, Mistral) free their blocks as the window moves on: the
+            # Sliding-window layers (ModelConfig.layer_window) free their blocks as the window moves on: the
             # budget counts the blocks they can hold, and every other token at the global layers' cost.
             local = _local_tokens(config, model_config, self.max_seq_len, config.max_batch_size)
             budget, _ = kv_budget_tokens(config, model_config, self.device, self.dtype, local_tokens=local)

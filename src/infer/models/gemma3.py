@@ -189,6 +189,7 @@ class Gemma3ForCausalLM(DecoderOnlyLM):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+
 # ----------------------------------------------------------------- config.json and checkpoint names
 
 def gemma3_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
