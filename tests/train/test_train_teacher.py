@@ -204,6 +204,34 @@ def test_self_distillation_data_is_the_targets_own_answers(tiny_llama_tied: Path
     assert cache.splits["heldout"].num_windows >= 1 and sum(answer) > 0
 
 
+
+def test_answers_come_in_prompt_order_and_an_interrupted_generation_continues(tiny_llama_tied: Path,
+                                                                              tmp_path: Path) -> None:
+    """Every prompt goes to the engine at once (answers finish in any order) yet generations.jsonl
+    lists them in prompt order, sampled answers are each prompt's own seeded ones, and a build
+    interrupted after some answers generates only the rest."""
+    settings = TeacherCacheConfig(target=str(tiny_llama_tied), out=tmp_path / "cache", num_prompts=8,
+                                  max_new_tokens=10, seq_len=16, top_k=4, held_out_fraction=0.2, gen_batch_size=3,
+                                  device="cpu", threads=1)
+    folder = build_teacher_cache(settings, progress=False)
+    records = [json.loads(line) for line in (folder / GENERATIONS_FILE).read_text().splitlines()]
+    prompts = [r["prompt"] for r in records]
+    alone = LLM(str(tiny_llama_tied), device="cpu").generate(
+        [prompts[5]], SamplingParams(max_tokens=10, temperature=settings.gen_temperature, min_p=settings.gen_min_p,
+                                     seed=5))[0]
+    assert alone.token_ids == records[5]["output"]  # the seed follows the prompt, not the batch
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    (folder / MANIFEST_FILE).unlink()
+    (folder / BUILDING_FILE).write_text(json.dumps({"settings_hash": manifest["settings_hash"]}))
+    for shard in folder.glob("*.safetensors"):
+        shard.unlink()
+    (folder / GENERATIONS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    build_teacher_cache(settings, progress=False)
+    again = [json.loads(line) for line in (folder / GENERATIONS_FILE).read_text().splitlines()]
+    assert again == records
+    stats = json.loads((folder / MANIFEST_FILE).read_text())["source_stats"]
+    assert stats["reused"] == 3 and stats["generated_tokens"] == sum(len(r["output"]) for r in records[3:])
+
 def test_which_targets_train_from_a_cache(tiny_llama_tied: Path, stdlib_corpus: Path, tmp_path: Path) -> None:
     target = str(tiny_llama_tied)
     assert trains_from_cache(None, None, target)  # a checkpoint infer did not train: self-distillation
