@@ -85,7 +85,7 @@ class TeacherCacheConfig:
     max_new_tokens: int = 160  # source "self": longest answer
     gen_temperature: float = 0.7  # sampled answers vary more than greedy ones; 0 = greedy
     # min-p truncation rather than top-p: the engine's top-p sorts the whole vocabulary of every row at
-    # every step, which on CPU cost about as much as the quantized forward pass itself; min-p is one max.
+    # every step, min-p takes one maximum per row (docs/training.md has what that saves).
     gen_top_p: float = 1.0
     gen_min_p: float = 0.05
     gen_batch_size: int = 32
