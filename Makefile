@@ -63,7 +63,8 @@ test: install arm-tools
 # sampling, seeded and sampled outputs against the target's, greedy identical to plain, the ragged
 # layout), the server's contract (dialects, tools, structured output, request limits) and the
 # kernels' bits (every quantized variant this CPU runs and the tile emulation against the numpy
-# reference). The full suite (`make test`) is what CI runs.
+# reference), less what is marked slow (the other sampling processors, builds of refused libraries).
+# The full suite (`make test`) is what CI runs, slow tests included.
 FAST_TESTS = tests/speculative/test_rejection.py tests/speculative/test_exactness.py \
 	tests/speculative/test_seeded.py tests/speculative/test_ragged.py tests/speculative/test_drafter_contract.py \
 	tests/speculative/test_device_rejection.py tests/speculative/test_ngram.py tests/speculative/test_logprobs.py \
@@ -73,7 +74,7 @@ FAST_TESTS = tests/speculative/test_rejection.py tests/speculative/test_exactnes
 	tests/models/test_cpu_kernels.py tests/models/test_long_prefill_bits.py tests/models/test_model_parity.py \
 	tests/cache tests/sampling tests/integration/test_layering.py tests/test_memory.py
 test-fast:
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(FAST_TESTS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(FAST_TESTS)
 
 # The ARM NEON quantized kernels, cross-built and run under qemu (installs gcc-aarch64-linux-gnu
 # and qemu-user-static with apt-get first where they are missing; fails rather than skips without them).

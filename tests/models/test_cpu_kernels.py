@@ -551,6 +551,7 @@ def _plant(built_library: tuple[build.Variant, str], fallbacks: list[tuple[build
     return target
 
 
+@pytest.mark.slow  # builds its own library: the full suite's
 def test_a_library_others_can_write_is_refused(tiny_llama: Path, built_library: tuple[build.Variant, str],
                                                built_fallbacks: list[tuple[build.Variant, str]],
                                                private_cache: Path) -> None:
@@ -563,6 +564,7 @@ def test_a_library_others_can_write_is_refused(tiny_llama: Path, built_library: 
     assert kernels.selection().library is not None  # the same file, private: taken
 
 
+@pytest.mark.slow  # builds its own library: the full suite's
 def test_a_library_that_does_not_load_is_refused(tiny_llama: Path, built_library: tuple[build.Variant, str],
                                                  built_fallbacks: list[tuple[build.Variant, str]],
                                                  private_cache: Path) -> None:
@@ -574,6 +576,7 @@ def test_a_library_that_does_not_load_is_refused(tiny_llama: Path, built_library
     _refuses_planted(tiny_llama, built_library[0], "failed")
 
 
+@pytest.mark.slow  # builds its own library: the full suite's
 def test_a_library_owned_by_another_user_is_refused(tiny_llama: Path, built_library: tuple[build.Variant, str],
                                                     built_fallbacks: list[tuple[build.Variant, str]],
                                                     private_cache: Path) -> None:

@@ -179,6 +179,7 @@ def test_gbnf_conversion_means_what_llguidance_converter_means(tokenizer: Any) -
     assert accepts(c, StructuredOutput(grammar=grammars[1]), "{a},{},{e}")
 
 
+@pytest.mark.slow
 def test_gbnf_conversion_is_linear_in_comment_lines() -> None:
     from llguidance.gbnf_to_lark import gbnf_to_lark as quadratic
 

@@ -93,7 +93,9 @@ def cached_run(engines: dict[str, LLM], drafter: str, config: str) -> Run:
 # ----------------------------------------------------------------------------- the tests
 
 
-@pytest.mark.parametrize("config", list(SAMPLING_CONFIGS))
+# Plain temperature sampling in the fast tier (make test-fast); the other processors in the full suite.
+@pytest.mark.parametrize("config", [pytest.param(c, marks=() if c == "temperature_1" else pytest.mark.slow)
+                                    for c in SAMPLING_CONFIGS])
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_speculative_samples_follow_target_distribution(engines: dict[str, LLM], small_target: Path,
                                                          drafter: str, config: str) -> None:

@@ -81,7 +81,7 @@ def engines(small_target: Path, small_draft: Path, tmp_path_factory: pytest.Temp
     }
 
 
-@pytest.mark.parametrize("config", ["temperature_1", "repetition_penalty_1.5"])
+@pytest.mark.parametrize("config", ["temperature_1", pytest.param("repetition_penalty_1.5", marks=pytest.mark.slow)])
 def test_seeded_tokens_are_plain_decoding_s_with_every_drafter(engines: dict[str, LLM], small_target: Path,
                                                                 config: str) -> None:
     params = [SamplingParams(max_tokens=4, ignore_eos=True, seed=1000 * i + 3, **SAMPLING_CONFIGS[config])  # type: ignore[arg-type]
