@@ -406,7 +406,7 @@ def test_a_head_resting_between_probes_captures_only_what_it_will_read(tiny_llam
     runner.drafter.max_backlog = 4
     runner.drafter.info = dataclasses.replace(runner.drafter.info, aux_window=4)
     passes: list[bool] = []  # per target pass: were the layer inputs captured
-    real_forward = model_runner.ModelRunner._forward
+    real_forward = model_runner.ModelRunner._run
 
     def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self is runner.target.runner:
@@ -423,11 +423,11 @@ def test_a_head_resting_between_probes_captures_only_what_it_will_read(tiny_llam
         return proposal
 
     runner.drafter.propose = propose
-    model_runner.ModelRunner._forward = spy  # type: ignore[method-assign]
+    model_runner.ModelRunner._run = spy  # type: ignore[method-assign]
     try:
         out = llm.generate(PROMPTS[:1], params)
     finally:
-        model_runner.ModelRunner._forward = real_forward  # type: ignore[method-assign]
+        model_runner.ModelRunner._run = real_forward  # type: ignore[method-assign]
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert runner.budget.best_tree_size == 0  # the random head does not pay
     assert passes.count(False) > 200 and passes.count(True) > 20
