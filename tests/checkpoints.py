@@ -351,6 +351,47 @@ def load_hf_model(path: Path) -> torch.nn.Module:
     return model.eval()
 
 
+
+# A module's transformers references, loaded once per checkpoint (parity tests compare several passes).
+cached_hf_model = functools.lru_cache(maxsize=4)(load_hf_model)
+
+
+@functools.lru_cache(maxsize=32)
+def hf_greedy(path: Path, prompt: tuple[int, ...], new_tokens: int, pad_token_id: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` by the checkpoint at ``path``: exactly
+    ``new_tokens`` tokens (``min_new_tokens`` masks EOS, so a caller compares up to the engine's EOS)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = cached_hf_model(path).generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                             pad_token_id=pad_token_id)
+    return out[0, len(prompt):].tolist()  # type: ignore[no-any-return]
+
+
+def assert_greedy_matches_hf(llm: Any, path: Path, prompts: list[str], new_tokens: int, pad_token_id: int,
+                             past: int = 0) -> list[Any]:
+    """``llm``'s greedy outputs for ``prompts`` equal transformers' (``hf_greedy``) up to the engine's
+    first EOS, which comes after at least half of them, and are not degenerate; each prompt with its
+    continuation longer than ``past`` tokens (a sliding window's span, say). Returns the outputs."""
+    from infer import SamplingParams
+
+    encoded = [llm.tokenizer.encode(t) for t in prompts]
+    outputs = llm.generate(encoded, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    eos = set(llm.engine.tokenizer.eos_token_ids)
+    for prompt, out in zip(encoded, outputs, strict=True):
+        assert len(prompt) + new_tokens > past
+        cut = next((i for i, t in enumerate(out.token_ids) if t in eos), new_tokens)
+        assert cut > new_tokens // 2
+        assert out.token_ids[:cut] == hf_greedy(path, tuple(prompt), new_tokens, pad_token_id)[:cut]
+        assert len(set(out.token_ids)) > 4
+    return outputs
+
+
+def random_ids(n: int, seed: int) -> torch.Tensor:
+    """[1, n] token ids in 5..511 (past the tiny tokenizer's special tokens), reproducible by ``seed``."""
+    return torch.randint(5, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
 def make_eagle3_head(target: Path, out: Path, *, draft_vocab: list[int] | None = None, seed: int = 0,
                      hidden_size: int | None = None, own_embeddings: bool = False,
                      aux_layers: list[int] | None = None, std: float = 0.2) -> Path:

@@ -356,3 +356,18 @@ def tile_dot_cases(shapes: list[tuple[int, int, int]]) -> Iterator[tuple[str, An
             want = c.astype(np.int64) + (a.view(np.int8) if op[0] == "s" else a).astype(np.int64) @ \
                 vnni_unpack(b, signed=op[1] == "s")
             yield op, a, b, c, want
+
+
+def counting_stack(monkeypatch: Any) -> list[int]:
+    """Counts the passes the C decoder stack computes (``CpuStack.__call__``)."""
+    from infer.backends.cpu_kernels import CpuStack
+
+    calls = [0]
+    real = CpuStack.__call__
+
+    def counted(self: CpuStack, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuStack, "__call__", counted)
+    return calls

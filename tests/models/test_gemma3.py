@@ -6,7 +6,6 @@ here runs well past them: a model that attended beyond the window (or not far en
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoints import load_hf_model, make_medusa_heads
+from checkpoints import assert_greedy_matches_hf, cached_hf_model, make_medusa_heads, random_ids
 from gemma_checkpoints import GEMMA_WINDOW, make_tiny_gemma3, make_tiny_mistral
+from helpers import counting_stack
 from infer import LLM, SamplingParams
 from infer.cache import PagedKVCachePool, SlottedKVCache
 from infer.core.model_runner import ModelRunner
@@ -47,11 +47,7 @@ def windowed(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
 
 
-_hf_model = functools.lru_cache(maxsize=4)(load_hf_model)
-
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(5, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+_hf_model, _ids = cached_hf_model, random_ids
 
 
 def test_config_reads_gemma3_fields(tiny_gemma3: Path) -> None:
@@ -124,25 +120,9 @@ def test_cached_prefill_and_decode_past_the_window_match_transformers(windowed: 
     torch.testing.assert_close(torch.cat(got), ref, atol=ATOL, rtol=0)
 
 
-@functools.lru_cache(maxsize=16)
-def _hf_greedy(path: Path, prompt: tuple[int, ...]) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = _hf_model(path).generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=2)
-    return out[0, len(prompt):].tolist()  # type: ignore[no-any-return]
-
-
 def test_greedy_generation_matches_transformers(windowed: Path) -> None:
     llm = LLM(str(windowed), dtype="float32", device="cpu", block_size=4, max_batch_size=4)
-    prompts = [llm.tokenizer.encode(t) for t in PROMPTS]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
-    eos = set(llm.engine.tokenizer.eos_token_ids)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        cut = next((i for i, t in enumerate(out.token_ids) if t in eos), NEW_TOKENS)  # HF's min_new_tokens masks EOS
-        assert cut > NEW_TOKENS // 2
-        assert out.token_ids[:cut] == _hf_greedy(windowed, tuple(prompt))[:cut]
-        assert len(set(out.token_ids)) > 4
+    assert_greedy_matches_hf(llm, windowed, PROMPTS, NEW_TOKENS, pad_token_id=2)
 
 
 # ----------------------------------------------------------------------------- drafters on Gemma 3
@@ -395,21 +375,6 @@ def _assert_ragged_equals_padded(model: Any, config: Any) -> None:
 
 # ------------------------------------------------- the C decoder stack on Gemma 3 and Mistral (windowed)
 
-def _counting_stack(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the passes the C decoder stack computes (``CpuStack.__call__``)."""
-    from infer.backends.cpu_kernels import CpuStack
-
-    calls = [0]
-    real = CpuStack.__call__
-
-    def counted(self: CpuStack, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls[0] += 1
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(CpuStack, "__call__", counted)
-    return calls
-
-
 def _stack_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
     from infer import kernels
 
@@ -445,7 +410,7 @@ def test_the_c_stack_computes_windowed_models_like_their_layers_past_the_window(
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Gemma 3 (local and global layers, two RoPE bases) and Mistral (every layer windowed, one RoPE)."""
     model, config = _stack_model(windowed)
-    calls = _counting_stack(monkeypatch)
+    calls = counting_stack(monkeypatch)
     with torch.inference_mode():
         ours = _decode_past_the_window(model, config, backend)
     assert calls[0] == len(ours)  # every pass, the prefill too (under the stack's 64-row limit)
@@ -466,7 +431,7 @@ def test_the_c_stack_takes_a_ragged_windowed_pass(windowed: Path, monkeypatch: p
     """A ragged pass past the window (each token as its own sequence in the stack, the local layers'
     rows and window mask alike): the same rows as the padded pass, both in the stack."""
     model, config = _stack_model(windowed)
-    calls = _counting_stack(monkeypatch)
+    calls = counting_stack(monkeypatch)
     _assert_ragged_equals_padded(model, config)
     assert calls[0] == 8
 
@@ -484,7 +449,7 @@ def test_check_invariance_passes_on_gemma3_with_the_c_stack(tiny_gemma3: Path, d
     model, _ = _stack_model(tiny_gemma3, dtype)
     exact.make_exact(model)
     assert model.backend.cpu_stack.max_rows is None
-    calls = _counting_stack(monkeypatch)
+    calls = counting_stack(monkeypatch)
     monkeypatch.setattr(exact, "_VERIFIED", set())
     exact.check_invariance(model)
     assert calls[0] >= 6
@@ -493,7 +458,7 @@ def test_check_invariance_passes_on_gemma3_with_the_c_stack(tiny_gemma3: Path, d
 @pytest.mark.parametrize("backend", ["paged", "slotted"])
 def test_greedy_ngram_equals_plain_on_gemma3_with_the_c_stack(tiny_gemma3: Path, gemma_plain: list[list[int]],
                                                               backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _counting_stack(monkeypatch)
+    calls = counting_stack(monkeypatch)
     llm = LLM(str(tiny_gemma3), dtype="float32", device="cpu", block_size=4, kv_cache_backend=backend,
               backend="cpu-kernels", max_prefill_tokens=16, speculator="ngram", spec_length=5, spec_length_policy="fixed")
     assert llm.engine.backend.cpu_stack is not None
@@ -507,20 +472,14 @@ def test_mistral_greedy_on_the_c_stack_matches_transformers(tiny_mistral: Path, 
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Mistral (a Llama with a sliding window in every layer) runs on the C stack, plain and with
     greedy speculation, past its window: the tokens are transformers' greedy ones."""
-    calls = _counting_stack(monkeypatch)
+    calls = counting_stack(monkeypatch)
     spec: dict[str, Any] = {"speculator": "ngram", "spec_length": 5, "spec_length_policy": "fixed"} if speculator else {}
     llm = LLM(str(tiny_mistral), dtype="float32", device="cpu", block_size=4, backend="cpu-kernels",
               max_prefill_tokens=16, **spec)
     stack = llm.engine.backend.cpu_stack
     assert stack is not None and stack.table.local_layers is not None and not stack.table.norm_offset
-    prompts = [llm.tokenizer.encode(t) for t in PROMPTS]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
-    eos = set(llm.engine.tokenizer.eos_token_ids)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert len(prompt) + NEW_TOKENS > 2 * GEMMA_WINDOW  # decoding goes well past the window
-        cut = next((i for i, t in enumerate(out.token_ids) if t in eos), NEW_TOKENS)  # HF's min_new_tokens masks EOS
-        assert cut > NEW_TOKENS // 2
-        assert out.token_ids[:cut] == _hf_greedy(tiny_mistral, tuple(prompt))[:cut]
+    # Decoding goes well past the window.
+    outputs = assert_greedy_matches_hf(llm, tiny_mistral, PROMPTS, NEW_TOKENS, pad_token_id=2, past=2 * GEMMA_WINDOW)
     assert calls[0] > len(PROMPTS) * 10  # the passes ran in the stack
     if speculator:
         assert sum(o.metrics.num_rounds for o in outputs) > 0

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_gemma3 import _counting_stack
 
 from gemma_checkpoints import make_tiny_gemma3
+from helpers import counting_stack
 from infer import LLM, SamplingParams
 from infer.loader import CheckpointError, load_model, load_tokenizer, resolve_model_path
 from infer.loader import hub as hub_module
@@ -211,7 +211,7 @@ def test_real_file_tokenizes_and_decodes_greedily_like_transformers() -> None:
 def test_real_file_greedy_ngram_equals_plain_on_the_c_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real Gemma 3 270M (sliding window 512, head_dim 256) with its passes on the C decoder
     stack: n-gram speculation gives plain decoding's tokens."""
-    calls = _counting_stack(monkeypatch)
+    calls = counting_stack(monkeypatch)
     prompts = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return", "1, 2, 3, 4, 5, 6, 7, 8,"]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     plain = real_llm()

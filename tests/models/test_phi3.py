@@ -9,7 +9,6 @@ field, and a loader that splits the fused tensors in the wrong order fails the p
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoints import load_hf_model, shared_tokenizer
+from checkpoints import assert_greedy_matches_hf, cached_hf_model, load_hf_model, random_ids, shared_tokenizer
 from gemma_checkpoints import GEMMA_WINDOW, _save
+from helpers import counting_stack
 from infer import LLM, SamplingParams
 from infer.cache import PagedKVCachePool
 from infer.core.model_runner import ModelRunner
@@ -63,38 +63,13 @@ def phi3_path(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
 
 
-_hf_model = functools.lru_cache(maxsize=4)(load_hf_model)
-
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(5, 512, (1, n), generator=torch.Generator().manual_seed(seed))
+_hf_model, _ids = cached_hf_model, random_ids
 
 
 def _logits(path: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     model, _ = load_model(path, "float32", "cpu")
     with torch.no_grad():
         return model.compute_logits(model(ids)), _hf_model(path)(input_ids=ids).logits
-
-
-@functools.lru_cache(maxsize=16)
-def _hf_greedy(path: Path, prompt: tuple[int, ...]) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = _hf_model(path).generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=PAD_ID)
-    return out[0, len(prompt):].tolist()  # type: ignore[no-any-return]
-
-
-def _assert_greedy_matches_transformers(llm: LLM, path: Path) -> list[Any]:
-    prompts = [llm.tokenizer.encode(t) for t in PROMPTS]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
-    eos = set(llm.engine.tokenizer.eos_token_ids)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        cut = next((i for i, t in enumerate(out.token_ids) if t in eos), NEW_TOKENS)  # HF's min_new_tokens masks EOS
-        assert cut > NEW_TOKENS // 2
-        assert out.token_ids[:cut] == _hf_greedy(path, tuple(prompt))[:cut]
-        assert len(set(out.token_ids)) > 4
-    return outputs
 
 
 def test_the_config_reader_and_the_loader_name_no_family() -> None:
@@ -143,7 +118,7 @@ def test_cached_prefill_and_decode_past_the_window_match_transformers(tiny_phi3_
 
 def test_greedy_generation_through_the_engine_matches_transformers(phi3_path: Path) -> None:
     llm = LLM(str(phi3_path), dtype="float32", device="cpu", block_size=4, max_batch_size=4)
-    _assert_greedy_matches_transformers(llm, phi3_path)
+    assert_greedy_matches_hf(llm, phi3_path, PROMPTS, NEW_TOKENS, PAD_ID)
 
 
 @pytest.mark.parametrize("speculator", [None, "ngram"])
@@ -152,24 +127,16 @@ def test_phi3_greedy_on_the_c_stack_matches_transformers(tiny_phi3_window: Path,
     """Phi-3 is the Llama block once split, so the C decoder stack runs it (windowed, as Mistral),
     plain and with greedy speculation: transformers' greedy tokens either way."""
     from infer import kernels
-    from infer.backends.cpu_kernels import CpuStack
 
     if kernels.library_for(torch.float32) is None:
         pytest.fail(f"no float32 kernels: {kernels.unavailable_reason(torch.float32)}")  # every CI CPU has them
-    calls = [0]
-    real = CpuStack.__call__
-
-    def counted(self: CpuStack, *args: Any, **kwargs: Any) -> torch.Tensor:
-        calls[0] += 1
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(CpuStack, "__call__", counted)
+    calls = counting_stack(monkeypatch)
     spec: dict[str, Any] = {"speculator": "ngram", "spec_length": 5, "spec_length_policy": "fixed"} if speculator else {}
     llm = LLM(str(tiny_phi3_window), dtype="float32", device="cpu", block_size=4, backend="cpu-kernels",
               max_prefill_tokens=16, **spec)
     stack = llm.engine.backend.cpu_stack
     assert stack is not None and stack.table.local_layers is not None
-    outputs = _assert_greedy_matches_transformers(llm, tiny_phi3_window)
+    outputs = assert_greedy_matches_hf(llm, tiny_phi3_window, PROMPTS, NEW_TOKENS, PAD_ID)
     assert calls[0] >= NEW_TOKENS // 5  # the passes ran in the stack
     if speculator:
         assert sum(o.metrics.num_rounds for o in outputs) > 0
