@@ -476,24 +476,37 @@ def probe_stack(library: KernelLibrary, dtype: torch.dtype) -> str | None:
     for case_index, case in enumerate(_STACK_PROBES):
         config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=48, intermediate_size=40,
                              num_hidden_layers=2, max_position_embeddings=64, **case)  # type: ignore[arg-type]
-        gen = torch.Generator().manual_seed(case_index)
-        model = DecoderOnlyLM(config)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3 + (1.0 if param.dim() == 1 else 0.0))
-        model = model.to(dtype).eval()
-        model.fuse_projections()
-        prepare(model, library, fused=True)
-        stack = CpuStack.build(model, library)
+        model, stack = _probe_model(DecoderOnlyLM(config), library, dtype, case_index, norm_weight=1.0)
         if stack is None:
             return f"the decoder stack does not take probe model {case_index}"
         for cache in (("paged", "slotted")[case_index % 2],):  # each cache kind once: the probe runs at every load
-            outputs = [_probe_passes(model, stack, cache, dtype), _probe_passes(model, None, cache, dtype)]
-            for index, (ours, ref) in enumerate(zip(*outputs, strict=True)):
-                if not torch.allclose(ours, ref, rtol=tol, atol=4 * tol):
-                    return (f"decoder stack failed its probe against the PyTorch layers ({cache} cache, model "
-                            f"{case_index}, pass {index}, max error {(ours - ref).abs().max().item():.3g}): "
-                            "running layer by layer")
+            failure = _probe_mismatch(model, stack, cache, dtype, tol)
+            if failure is not None:
+                return (f"decoder stack failed its probe against the PyTorch layers ({cache} cache, model "
+                        f"{case_index}, {failure}): running layer by layer")
+    return None
+
+
+def _probe_model(model: DecoderOnlyLM, library: KernelLibrary, dtype: torch.dtype, seed: int,
+                 norm_weight: float = 0.0) -> tuple[DecoderOnlyLM, CpuStack | None]:
+    """``model`` with random weights (``norm_weight`` added to the 1-D ones: a norm's scale of about
+    one for a block that multiplies by w itself), in ``dtype``, fused, with the kernels, and its stack."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3 + (norm_weight if param.dim() == 1 else 0.0))
+    model = model.to(dtype).eval()
+    model.fuse_projections()
+    prepare(model, library, fused=True)
+    return model, CpuStack.build(model, library)
+
+
+def _probe_mismatch(model: DecoderOnlyLM, stack: CpuStack, cache: str, dtype: torch.dtype, tol: float) -> str | None:
+    """Which probe pass the stack computed unlike the layers on a ``cache`` pool, and by how much (None: none)."""
+    outputs = [_probe_passes(model, stack, cache, dtype), _probe_passes(model, None, cache, dtype)]
+    for index, (ours, ref) in enumerate(zip(*outputs, strict=True)):
+        if not torch.allclose(ours, ref, rtol=tol, atol=4 * tol):
+            return f"pass {index}, max error {(ours - ref).abs().max().item():.3g}"
     return None
 
 
@@ -548,23 +561,14 @@ def probe_block_stack(library: KernelLibrary, dtype: torch.dtype, family: type[D
     slotted), passes running past the window; else what differed. ``model_type``: the configuration's."""
     tol = _tolerance(dtype)
     config = ModelConfig(model_type=model_type, **_BLOCK_PROBE)  # type: ignore[arg-type]
-    gen = torch.Generator().manual_seed(5)
-    model = family(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    model = model.to(dtype).eval()
-    model.fuse_projections()
-    prepare(model, library, fused=True)
-    stack = CpuStack.build(model, library)
+    model, stack = _probe_model(family(config), library, dtype, seed=5)
     if stack is None:
         return f"the decoder stack does not take the {family.__name__} probe model"
     for cache in ("paged", "slotted"):
-        outputs = [_probe_passes(model, stack, cache, dtype), _probe_passes(model, None, cache, dtype)]
-        for index, (ours, ref) in enumerate(zip(*outputs, strict=True)):
-            if not torch.allclose(ours, ref, rtol=tol, atol=4 * tol):
-                return (f"the decoder stack's {family.__name__} block failed its probe against the layers "
-                        f"({cache} cache, pass {index}, max error {(ours - ref).abs().max().item():.3g}): running layer by layer")
+        failure = _probe_mismatch(model, stack, cache, dtype, tol)
+        if failure is not None:
+            return (f"the decoder stack's {family.__name__} block failed its probe against the layers "
+                    f"({cache} cache, {failure}): running layer by layer")
     return None
 
 
