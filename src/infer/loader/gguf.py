@@ -48,7 +48,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from infer.models import MODEL_REGISTRY
-from infer.models.config import CheckpointError, ModelConfig
+from infer.models.config import CheckpointError, ModelConfig, model_family
 from infer.models.quantized import QuantRows
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # general.architecture values infer reads
@@ -339,8 +339,10 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         raise CheckpointError(f"{f.path}: RoPE on {rotary} of {head_dim} head dimensions (partial rotary) "
                               "is not supported")
     tokens = f.get("tokenizer.ggml.tokens")
-    metadata = _ARCHITECTURE_METADATA.get(f.architecture)
-    extra = {} if metadata is None else metadata(f, hidden, heads, head_dim)
+    f.require(f.arch_key("block_count"))  # (a family's reader counts the layers)
+    family_fields = model_family(f.architecture).gguf_fields  # what the family's metadata adds
+    extra = {} if family_fields is None else family_fields(lambda suffix: f.get(f.arch_key(suffix)), hidden, heads,
+                                                           head_dim)
     raw: dict[str, Any] = {
         "model_type": f.architecture,
         "vocab_size": f.get(f.arch_key("vocab_size")) or (len(tokens) if tokens else None),
@@ -366,34 +368,6 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         raise CheckpointError(f"{f.path}: neither {f.arch_key('vocab_size')} nor tokenizer.ggml.tokens "
                               "gives the vocabulary size")
     return ModelConfig.from_dict({k: v for k, v in raw.items() if v is not None}, str(f.path))
-
-
-def _gemma3_metadata(f: GGUFFile, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
-    """The config.json fields of a ``gemma3`` file beyond the common ones. The file stores the window
-    but not which layers slide, the local RoPE base or the attention scale: those are what llama.cpp
-    assumes for Gemma 3 (every sixth layer global, base 10,000, 1/sqrt(head_dim), or
-    1/sqrt(hidden / heads) for the 62-layer 27B), and transformers reads the file alike."""
-    layers = int(f.require(f.arch_key("block_count")))
-    pattern = f.get(f.arch_key("attention.sliding_window_pattern"))
-    if isinstance(pattern, list):  # newer files: one flag per layer, True = sliding
-        layer_types = ["sliding_attention" if flag else "full_attention" for flag in pattern]
-    else:
-        period = int(pattern or 6)
-        layer_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
-    out: dict[str, Any] = {
-        "sliding_window": f.get(f.arch_key("attention.sliding_window")), "layer_types": layer_types,
-        "rope_local_base_freq": 10_000.0,
-        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
-        "final_logit_softcapping": f.get(f.arch_key("final_logit_softcapping")),
-        "attn_logit_softcapping": f.get(f.arch_key("attn_logit_softcapping")),
-    }
-    if out["sliding_window"] is not None:
-        out["sliding_window"] = int(out["sliding_window"])
-    return out
-
-
-# The config.json fields an architecture's metadata gives beyond the common ones, by architecture.
-_ARCHITECTURE_METADATA: dict[str, Callable[[GGUFFile, int, int, int], dict[str, Any]]] = {"gemma3": _gemma3_metadata}
 
 
 def _one_per_model(f: GGUFFile, suffix: str, default: int | None) -> int | None:

@@ -175,6 +175,9 @@ class ModelFamily:
     ``packed_modules``: a fused checkpoint projection and the modules it stacks, in order (Phi-3's
     ``qkv_proj``: ``q_proj``, ``k_proj``, ``v_proj``); the loader splits it along its rows by the
     sizes the architecture gives those modules, and ``pack_state`` stacks them back for saving.
+    ``gguf_fields``: the config.json fields a GGUF file of the family gives beyond the common ones,
+    from ``meta(suffix)`` (the file's ``<architecture>.<suffix>`` value, None where absent) and the
+    hidden size, heads and head size the common reading found.
     """
 
     model_type: str
@@ -187,6 +190,7 @@ class ModelFamily:
     hf_fields: Callable[[ModelConfig, dict[str, Any]], dict[str, Any]] | None = None
     tensor_name: Callable[[str], str] | None = None
     packed_modules: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    gguf_fields: Callable[[Callable[[str], Any], int, int, int], dict[str, Any]] | None = None
 
     def pack_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (the model's module names) with each packed group stacked back into the checkpoint's

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -266,6 +267,31 @@ def gemma3_text_name(name: str) -> str:
 
 # A text-only checkpoint says gemma3_text; a multimodal one says gemma3 and nests the language model's
 # fields in text_config.
+def gemma3_gguf_fields(meta: Callable[[str], Any], hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """The config.json fields of a ``gemma3`` GGUF file beyond the common ones (``meta(suffix)``: its
+    ``gemma3.<suffix>`` value). The file stores the window but not which layers slide, the local RoPE
+    base or the attention scale: those are what llama.cpp assumes for Gemma 3 (every sixth layer
+    global, base 10,000, 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 62-layer 27B), and
+    transformers reads the file alike."""
+    layers = int(meta("block_count"))
+    pattern = meta("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # newer files: one flag per layer, True = sliding
+        layer_types = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    else:
+        period = int(pattern or 6)
+        layer_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+    out: dict[str, Any] = {
+        "sliding_window": meta("attention.sliding_window"), "layer_types": layer_types,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "final_logit_softcapping": meta("final_logit_softcapping"),
+        "attn_logit_softcapping": meta("attn_logit_softcapping"),
+    }
+    if out["sliding_window"] is not None:
+        out["sliding_window"] = int(out["sliding_window"])
+    return out
+
+
 FAMILY = ModelFamily("gemma3", "Gemma3ForCausalLM", Gemma3ForCausalLM, gemma3_fields, aliases=("gemma3_text",),
                      hf_model_type="gemma3_text", unwrap=gemma3_text_config, hf_fields=gemma3_hf_fields,
-                     tensor_name=gemma3_text_name)
+                     tensor_name=gemma3_text_name, gguf_fields=gemma3_gguf_fields)
