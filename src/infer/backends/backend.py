@@ -253,22 +253,21 @@ class Backend:
         path where ``takes_sequence`` says so, else the layers over the tensors ``build_kv_batch``
         makes (packed when ``ragged``), a tree's mask a FlexAttention block mask in
         ``tree_attention="flex"``; each in the threads ``thread_policy`` gives a pass of its rows."""
-        chain = positions is None and tree_mask is None and not isinstance(runs, torch.Tensor)
-        if graphs is not None and chain and not aux_layers:
-            assert not isinstance(runs, torch.Tensor)
-            replayed = graphs.run(slots, runs)
+        # Token lists at their cache positions, no tree: what a graph or the one-sequence path takes.
+        chain = None if positions is not None or tree_mask is not None or isinstance(runs, torch.Tensor) else runs
+        if graphs is not None and chain is not None and not aux_layers:
+            replayed = graphs.run(slots, chain)
             if replayed is not None:
                 return PassOutput(replayed, replayed=True)
         threads = self._threads(model)
         aux = AuxCapture(aux_layers) if aux_layers else None
         starts = [pool.seq_len(s) for s in slots]
-        if (len(slots) == 1 and chain and not isinstance(runs, torch.Tensor)
-                and self.takes_sequence(model, len(runs[0]), pool.k_layers[0])):
+        if len(slots) == 1 and chain is not None and self.takes_sequence(model, len(chain[0]), pool.k_layers[0]):
             # One sequence's chain of tokens (a decode step, a verification): the cache as rows and
             # addresses, not the tensors build_kv_batch makes (the same bits).
-            rows = sequence_rows(pool, slots[0], starts[0], len(runs[0]))
-            with threads(len(runs[0]), "forward"):
-                hidden, computed = self.forward_sequence(model, runs[0], rows, logits, aux)
+            rows = sequence_rows(pool, slots[0], starts[0], len(chain[0]))
+            with threads(len(chain[0]), "forward"):
+                hidden, computed = self.forward_sequence(model, chain[0], rows, logits, aux)
             return PassOutput(hidden, computed, None if aux is None else aux.result())
         if isinstance(runs, torch.Tensor):
             ids = runs

@@ -10,8 +10,8 @@ nothing. It holds:
   ``choose_quant_kernels``), or why they are dequantized;
 * the backend with its modes (exact greedy, compiled, CUDA graphs, how a tree's mask reaches
   attention) and why a faster path was refused (``Backend.reasons``);
-* the layout: fused projections, and the backend's packed form of them (``pack``), or the Hugging
-  Face layout for training and conversion.
+* the layout: fused projections in the backend's form, or the Hugging Face layout for training and
+  conversion (``fuse``; an unpacked load's backend says so in its reasons).
 """
 
 from __future__ import annotations
@@ -82,6 +82,4 @@ class ExecutionPlan:
     dtype_reason: str  # why this dtype ("as requested", "auto: ...")
     backend: Backend  # with its modes and the reasons a faster path was refused
     quant: QuantChoice  # whether weights stay in their blocks, on which kernels, or why not
-    keeps_blocks: bool  # whether any weight of this checkpoint stays quantized (the dtype follows it)
     fuse: bool = True  # q/k/v and gate/up fused (False: the Hugging Face layout)
-    pack: bool = True  # the backend's inference form of the fused model

@@ -282,7 +282,7 @@ def plan_load(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto", de
     else:
         chosen = TorchBackend(reasons=["loaded unpacked (training or conversion layout)"], compiled=compile, exact=exact,
                               tree_attention=tree_attention)
-    return ExecutionPlan(dev, torch_dtype, dtype_reason, chosen, quant, keeps, fuse, pack)
+    return ExecutionPlan(dev, torch_dtype, dtype_reason, chosen, quant, fuse)
 
 
 def load_model(ref: str | os.PathLike[str], dtype: str | torch.dtype = "auto",
