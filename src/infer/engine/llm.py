@@ -56,8 +56,12 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_token: Callable[[Request, list[int]], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None,
+                 on_finish: Callable[[int, Request], None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (batched); ``params`` is one for all or one per prompt.
+
+        ``on_token`` hears each request's new tokens as they come; ``on_finish`` hears each request
+        (with its prompt's index) as it finishes, in the order they finish.
 
         ``should_stop`` is asked after every engine step; once it says True, every unfinished
         request is aborted (finish_reason "abort", KV freed) and the outputs so far are returned.
@@ -76,6 +80,7 @@ class LLM:
         requests = [self.engine.make_request(p, sp, cache_salt=cache_salt)
                     for p, sp in zip(prompt_list, param_list, strict=True)]
         pending = list(requests)
+        index = {r.request_id: i for i, r in enumerate(requests)}
         while pending or self.engine.has_unfinished():
             while pending:  # the queue is bounded: feed it as it drains
                 if len(self.engine.scheduler.waiting) >= self.config.max_queue:
@@ -84,6 +89,8 @@ class LLM:
             for update in self.engine.step():
                 if on_token is not None and update.new_token_ids:
                     on_token(update.request, update.new_token_ids)
+                if on_finish is not None and update.finished:
+                    on_finish(index[update.request.request_id], update.request)
             if should_stop is not None and should_stop():
                 for request in requests:
                     if self.engine.abort(request.request_id) is None and not request.is_finished:

@@ -212,28 +212,19 @@ def _split_sequences(sequences: list[tuple[list[int], list[int]]], fraction: flo
 def _generate_answers(llm: Any, cfg: TeacherCacheConfig, encoded: list[list[int]],
                       done: list[tuple[list[int], list[int]]], handle: Any, bar: Any) -> None:
     """Answer ``encoded[len(done):]``, appending each (prompt, answer) to ``done`` and ``handle`` in
-    prompt order. Every prompt goes to the engine at once, so continuous batching starts a new answer
-    as soon as one ends and the batch stays full (groups that each wait for their longest answer
-    leave it half empty at the end of every group)."""
-    from collections import deque
-
+    prompt order. Every prompt goes to the engine at once (one ``LLM.generate``), so continuous
+    batching starts a new answer as soon as one ends and the batch stays full (groups that each wait
+    for their longest answer leave it half empty at the end of every group)."""
     from infer.sampling.params import SamplingParams
 
-    engine = llm.engine
     first = len(done)
-    requests = deque(engine.make_request(encoded[i], SamplingParams(
-        max_tokens=cfg.max_new_tokens, temperature=cfg.gen_temperature, top_p=cfg.gen_top_p,
-        min_p=cfg.gen_min_p, seed=cfg.seed * 1_000_003 + i)) for i in range(first, len(encoded)))
-    index = {r.request_id: first + n for n, r in enumerate(requests)}
+    params = [SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.gen_temperature, top_p=cfg.gen_top_p,
+                             min_p=cfg.gen_min_p, seed=cfg.seed * 1_000_003 + i) for i in range(first, len(encoded))]
     finished: dict[int, list[int]] = {}
-    while requests or engine.has_unfinished():
-        while requests and len(engine.scheduler.waiting) < llm.config.max_queue:  # the queue is bounded
-            engine.scheduler.add(requests.popleft())
-        for update in engine.step():
-            bar.update(len(update.new_token_ids))
-            if update.finished:
-                finished[index[update.request.request_id]] = list(update.request.output_token_ids)
-                bar.total -= cfg.max_new_tokens - len(update.request.output_token_ids)  # an early EOS
+
+    def on_finish(index: int, request: Any) -> None:
+        finished[first + index] = list(request.output_token_ids)
+        bar.total -= cfg.max_new_tokens - len(request.output_token_ids)  # an early EOS
         if len(done) in finished:
             while len(done) in finished:  # written in prompt order, so a resumed build knows what is done
                 answer = finished.pop(len(done))
@@ -241,6 +232,8 @@ def _generate_answers(llm: Any, cfg: TeacherCacheConfig, encoded: list[list[int]
                 handle.write(json.dumps({"prompt": done[-1][0], "output": answer}) + "\n")
             handle.flush()
             bar.refresh()
+
+    llm.generate(encoded[first:], params, on_token=lambda _r, new: bar.update(len(new)), on_finish=on_finish)
 
 
 def self_generated(cfg: TeacherCacheConfig, folder: Path, progress: bool) -> Streams:
