@@ -245,3 +245,11 @@ def test_which_targets_train_from_a_cache(tiny_llama_tied: Path, stdlib_corpus: 
     assert MedusaTrainConfig(infer_trained).trains_projection() is True
     with pytest.raises(ValueError, match="top_k"):
         build_teacher_cache(cache_config(tiny_llama_tied, tmp_path / "big", stdlib_corpus, top_k=10_000), progress=False)
+
+
+@pytest.mark.parametrize(("field", "value"), [("gen_min_p", 1.5), ("gen_min_p", -0.1), ("aux_layers", ()),
+                                              ("aux_layers", (2, -1))])
+def test_bad_generation_and_state_settings_are_refused_by_name(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=field):
+        TeacherCacheConfig(target="unused", **{field: value})
+    TeacherCacheConfig(target="unused", gen_min_p=0.0, aux_layers=(0, 3))  # the edges are fine
