@@ -339,7 +339,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         raise CheckpointError(f"{f.path}: RoPE on {rotary} of {head_dim} head dimensions (partial rotary) "
                               "is not supported")
     tokens = f.get("tokenizer.ggml.tokens")
-    f.require(f.arch_key("block_count"))  # (a family's reader counts the layers)
+    layers = f.require(f.arch_key("block_count"))  # before a family's reader, which counts them too
     family_fields = model_family(f.architecture).gguf_fields  # what the family's metadata adds
     extra = {} if family_fields is None else family_fields(lambda suffix: f.get(f.arch_key(suffix)), hidden, heads,
                                                            head_dim)
@@ -348,7 +348,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         "vocab_size": f.get(f.arch_key("vocab_size")) or (len(tokens) if tokens else None),
         "hidden_size": hidden,
         "intermediate_size": _one_per_model(f, "feed_forward_length", None),
-        "num_hidden_layers": f.require(f.arch_key("block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,

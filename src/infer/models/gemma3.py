@@ -265,8 +265,6 @@ def gemma3_text_name(name: str) -> str:
     return name
 
 
-# A text-only checkpoint says gemma3_text; a multimodal one says gemma3 and nests the language model's
-# fields in text_config.
 def gemma3_gguf_fields(meta: Callable[[str], Any], hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
     """The config.json fields of a ``gemma3`` GGUF file beyond the common ones (``meta(suffix)``: its
     ``gemma3.<suffix>`` value). The file stores the window but not which layers slide, the local RoPE
@@ -292,6 +290,8 @@ def gemma3_gguf_fields(meta: Callable[[str], Any], hidden: int, heads: int, head
     return out
 
 
+# A text-only checkpoint says gemma3_text; a multimodal one says gemma3 and nests the language model's
+# fields in text_config.
 FAMILY = ModelFamily("gemma3", "Gemma3ForCausalLM", Gemma3ForCausalLM, gemma3_fields, aliases=("gemma3_text",),
                      hf_model_type="gemma3_text", unwrap=gemma3_text_config, hf_fields=gemma3_hf_fields,
                      tensor_name=gemma3_text_name, gguf_fields=gemma3_gguf_fields)
