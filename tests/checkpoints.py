@@ -351,7 +351,6 @@ def load_hf_model(path: Path) -> torch.nn.Module:
     return model.eval()
 
 
-
 # A module's transformers references, loaded once per checkpoint (parity tests compare several passes).
 cached_hf_model = functools.lru_cache(maxsize=4)(load_hf_model)
 

@@ -204,7 +204,6 @@ def test_self_distillation_data_is_the_targets_own_answers(tiny_llama_tied: Path
     assert cache.splits["heldout"].num_windows >= 1 and sum(answer) > 0
 
 
-
 def test_answers_come_in_prompt_order_and_an_interrupted_generation_continues(tiny_llama_tied: Path,
                                                                               tmp_path: Path) -> None:
     """Every prompt goes to the engine at once (answers finish in any order) yet generations.jsonl
@@ -231,6 +230,7 @@ def test_answers_come_in_prompt_order_and_an_interrupted_generation_continues(ti
     assert again == records
     stats = json.loads((folder / MANIFEST_FILE).read_text())["source_stats"]
     assert stats["reused"] == 3 and stats["generated_tokens"] == sum(len(r["output"]) for r in records[3:])
+
 
 def test_which_targets_train_from_a_cache(tiny_llama_tied: Path, stdlib_corpus: Path, tmp_path: Path) -> None:
     target = str(tiny_llama_tied)
