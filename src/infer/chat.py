@@ -125,8 +125,8 @@ def _run_chat(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(f"[infer] {msg}", file=sys.stderr, flush=True)
 
-    # One conversation at a time; prefix caching keeps earlier turns' KV instead of re-reading them.
-    llm = load_llm(args, progress, max_batch_size=1, prefix_caching=args.kv_cache_backend == "paged")
+    # One conversation at a time; prefix caching (the paged pool's default) keeps earlier turns' KV.
+    llm = load_llm(args, progress, max_batch_size=1)
     if not llm.tokenizer.chat_template:
         raise ValueError(f"{args.model} has no chat template; use infer generate for plain prompts")
     if sys.stdin.isatty():

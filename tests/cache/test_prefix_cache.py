@@ -28,7 +28,8 @@ def test_shared_prefix_is_computed_once_and_outputs_are_unchanged(
     if options.pop("draft", False):
         options["draft_model"] = str(tiny_draft)
     prompts = _prompts()
-    plain = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4).generate(prompts, GREEDY)
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4,
+                prefix_caching=False).generate(prompts, GREEDY)
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, prefix_caching=True, **options)
     cache = llm.engine.prefix_cache
     assert cache is not None
@@ -49,7 +50,7 @@ def test_copies_of_one_prompt_prefill_it_once(tiny_llama: Path, speculation: dic
     others wait for that prefill and attach to its blocks; every copy's tokens are unchanged."""
     prompt = _prompts()[0]
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed) for seed in range(3)]
-    alone = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, **speculation)
+    alone = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, prefix_caching=False, **speculation)
     want = alone.generate([prompt] * 3, params)
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, prefix_caching=True,
               **speculation)
@@ -60,6 +61,23 @@ def test_copies_of_one_prompt_prefill_it_once(tiny_llama: Path, speculation: dic
     # A request asking for prompt logprobs computes every position, so it does not wait for the copy.
     logprobs = llm.generate([prompt] * 2, SamplingParams(max_tokens=2, prompt_logprobs=0))
     assert [o.metrics.prefix_cached_tokens for o in logprobs] == [0, 0]
+
+
+@pytest.mark.parametrize("speculation", [{}, {"speculator": "ngram", "spec_length": 3, "spec_length_policy": "fixed"}])
+def test_an_answer_s_blocks_serve_the_next_turn(tiny_llama: Path, speculation: dict[str, object]) -> None:
+    """A conversation's next turn sends the answer back inside its prompt: the answer's whole blocks
+    come from the cache too (decoded or verified, they are K/V like a prefill's), and the next answer
+    is the one an engine without a cache gives."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, **speculation)  # caching by default
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, prefix_caching=False)
+    prompt = [10 + (i * 7) % 50 for i in range(13)]
+    first = llm.generate([prompt], params)[0]
+    turn = prompt + first.token_ids + [40, 41, 42, 43, 44]
+    second = llm.generate([turn], params)[0]
+    computed = len(prompt) + len(first.token_ids) - 1  # the answer's last token was never fed back
+    assert second.metrics.prefix_cached_tokens == computed // 4 * 4 > len(prompt)
+    assert second.token_ids == plain.generate([turn], params)[0].token_ids
 
 
 def test_whole_prompt_cached_still_computes_last_token(tiny_llama: Path) -> None:

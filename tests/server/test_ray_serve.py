@@ -151,10 +151,10 @@ def test_flags_map_to_the_ray_serve_deployment(tiny_llama: Path) -> None:
         assert deployment.max_ongoing_requests == 4 + 10 + 8  # a full engine still answers 429 itself
         return deployment_options(args, scale)
 
-    fixed = options("--replicas", "3", "--replica-cpus", "2")
+    fixed = options("--replicas", "3", "--replica-cpus", "2", "--no-prefix-caching")
     assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
     assert "autoscaling_config" not in fixed and "request_router_config" not in fixed  # power of two choices
-    scaled = options("--autoscale", "1:4", "--prefix-caching", "--device", "cuda")
+    scaled = options("--autoscale", "1:4", "--device", "cuda")  # prefix caching by default: session affinity
     auto = scaled["autoscaling_config"]
     assert (auto.min_replicas, auto.initial_replicas, auto.max_replicas) == (1, 1, 4)
     assert auto.target_ongoing_requests == 4  # a full batch per replica

@@ -85,7 +85,7 @@ def servers(serve: Any, tiny_llama: Path, tiny_draft: Path) -> dict[str, Served]
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama: Path) -> LLM:
-    return LLM(str(tiny_llama), dtype="float32", device="cpu")
+    return LLM(str(tiny_llama), dtype="float32", device="cpu", prefix_caching=False)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -554,6 +554,22 @@ def test_serve_flags_map_to_engine_config(tiny_llama: Path) -> None:
             defaults.api_key == os.environ.get("INFER_API_KEY")) == ("127.0.0.1", 8000, True, True)
     named = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--served-model-name", "m"])
     assert served_model_name(named) == "m"
+
+
+def test_prefix_caching_is_on_by_default_with_the_paged_pool(tiny_llama: Path) -> None:
+    """A conversation's next turn reads its earlier turns' KV unless told otherwise; the slotted pool
+    cannot share blocks, so it runs without, and asking for both is an error."""
+    from infer.cli import build_parser
+    from infer.engine.options import engine_config
+
+    def config(*flags: str) -> Any:
+        return engine_config(build_parser().parse_args(["serve", "--model", str(tiny_llama), *flags]))
+
+    assert config().prefix_caching is True
+    assert config("--no-prefix-caching").prefix_caching is False
+    assert config("--kv-cache-backend", "slotted").prefix_caching is False
+    with pytest.raises(ValueError, match="prefix_caching needs kv_cache_backend='paged'"):
+        config("--kv-cache-backend", "slotted", "--prefix-caching")
 
 
 def test_infer_serve_command(tiny_llama: Path) -> None:

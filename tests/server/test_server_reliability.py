@@ -734,7 +734,7 @@ def test_colliding_hashes_never_share_blocks(tiny_llama: Path, monkeypatch: pyte
     from infer import LLM
 
     monkeypatch.setattr(prefix_module, "hash", lambda _value: 0, raising=False)
-    plain = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4)
+    plain = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, prefix_caching=False)
     cached = LLM(str(tiny_llama), dtype="float32", device="cpu", block_size=4, prefix_caching=True)
     prompts = ["class Alpha:\n    def run(self):\n        pass\n", "import os\nimport sys\nprint(sys.argv)\n"]
     for prompt in prompts:

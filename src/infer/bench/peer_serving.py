@@ -13,8 +13,8 @@ sees it); per server and kind the report keeps the median. Greedy text must be i
 infer's modes (speculation is lossless); the peer's text is compared with infer's and reported,
 never required (another engine's kernels round differently).
 
-Prompt caching is asked off (``cache_prompt: false``, which infer ignores: its prefix caching is off
-by default), so repeats of a prompt pay its prefill on both servers.
+Prompt caching is off on both sides (``cache_prompt: false`` for the peer; infer's launched servers run
+with ``--no-prefix-caching``), so repeats of a prompt pay its prefill on both servers.
 """
 
 from __future__ import annotations

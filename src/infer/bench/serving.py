@@ -283,7 +283,8 @@ def _configs(args: argparse.Namespace, max_batch: int) -> list[tuple[str, list[s
     if not args.model:
         raise ValueError("give --server URL, or --model (and --draft-model) to launch servers")
     base = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
-            "--quantization", args.quantization, "--backend", args.backend, "--max-batch-size", str(max_batch)]
+            "--quantization", args.quantization, "--backend", args.backend, "--max-batch-size", str(max_batch),
+            "--no-prefix-caching"]  # repeats send the same prompts: each pays its prefill, as with the peer
     if args.peer or args.peer_server:
         base += ["--max-seq-len", str(args.context)]
     configs.append(("speculation off", base))

@@ -81,7 +81,8 @@ class PrefixCache:
         return len(blocks) * self.block_size
 
     def insert(self, slot: int, prompt: Sequence[int], cache_salt: str | None = None) -> None:
-        """Register the full prompt blocks of ``slot`` (call once its prompt is in the cache)."""
+        """Register the full blocks of ``slot`` that ``prompt`` covers, its first tokens (call once their
+        K/V are in the cache: a prompt once prefilled, or a finished request's computed tokens)."""
         if not self.enabled:
             return
         table = self.pool.block_tables[slot]

@@ -129,6 +129,11 @@ class SpeculativeConfig:
 SPECULATIVE_OPTIONS = frozenset(f.name for f in fields(SpeculativeConfig))
 
 
+def prefix_caching_on(prefix_caching: bool | None, kv_cache_backend: str) -> bool:
+    """Whether prefix caching runs: as asked, or by default (None) wherever the pool is paged."""
+    return kv_cache_backend == "paged" if prefix_caching is None else prefix_caching
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -145,7 +150,9 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     chunked_prefill: bool = True
     max_prefill_tokens: int = 512  # per-step prompt-token budget when chunked prefill is on
-    prefix_caching: bool = False
+    # Reuse the KV blocks of prompt prefixes seen before (a conversation's earlier turns, a shared system
+    # prompt). None: on where the KV pool can share blocks (paged); True with another pool is an error.
+    prefix_caching: bool | None = None
     max_queue: int = 256  # waiting requests beyond this are refused (the server answers 429)
     # What one request's grammar or JSON Schema may ask of the grammar engine (sampling.grammar.GrammarLimits,
     # which declares the defaults and what each bounds); past a limit the request is refused (a 400).
@@ -183,6 +190,7 @@ class EngineConfig:
                              f"{', '.join(KV_BACKENDS)}")
         if self.prefix_caching and self.kv_cache_backend != "paged":
             raise ValueError("prefix_caching needs kv_cache_backend='paged'")
+        self.prefix_caching = prefix_caching_on(self.prefix_caching, self.kv_cache_backend)
         for name in ("max_batch_size", "block_size", "max_prefill_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")

@@ -51,8 +51,14 @@ class ContinuousRunner:
         return self.prefill(prefill).outputs + self.decode(decode).outputs
 
     def release(self, request: Request) -> None:
-        """Free the request's KV slot."""
+        """Free the request's KV slot. With prefix caching its whole computed blocks stay cached, the
+        answer's too: a conversation's next turn sends the answer back inside its prompt. (A token's
+        K/V are the same whether a decode step, a verification or a prefill computed it where the
+        passes are row-exact, the C decoder stack's case; elsewhere as close as chunked prefill's.)"""
         if request.slot is not None:
+            if self.prefix_cache is not None and request.finish_reason != "error":
+                self.prefix_cache.insert(request.slot, request.all_token_ids[: request.num_computed_tokens],
+                                         request.cache_salt)
             self.pool.free(request.slot)
             request.slot = None
 

@@ -33,7 +33,8 @@ from infer.loader.quantized import QUANTIZATIONS
 class Option:
     name: str  # the flat option name; the flag is --name-with-dashes unless ``flag`` says otherwise
     help: str
-    type: Any = None  # argparse's type (None: a string, or a switch for a boolean option)
+    type: Any = None  # argparse's type (None: a string, or a switch for a boolean option; bool: a switch
+    # whose default None leaves the choice to the engine)
     choices: tuple[str, ...] | None = None
     flag: str | None = None
 
@@ -123,7 +124,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("num_kv_blocks", "KV blocks per pool (default: max-batch-size full-length sequences)", type=int),
     Option("chunked_prefill", "split long prompts across steps so decoding requests keep streaming"),
     Option("max_prefill_tokens", "prompt tokens per step with chunked prefill", type=int),
-    Option("prefix_caching", "reuse KV blocks of shared prompt prefixes"),
+    Option("prefix_caching", "reuse the KV blocks of prompt prefixes seen before (earlier turns of a conversation, a "
+           "shared system prompt); default: on with the paged KV cache", type=bool),
     Option("max_queue", "waiting requests beyond this get HTTP 429", type=int),
     # What one request's grammar or JSON Schema may ask; past a limit, HTTP 400 naming it.
     Option("grammar_max_bytes", "largest grammar, or JSON Schema as compact JSON, in bytes", type=int),
@@ -171,8 +173,8 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     for name in names:
         option = OPTIONS[name]
         default = option.default()
-        if isinstance(default, bool):
-            action: Any = argparse.BooleanOptionalAction if default else "store_true"
+        if isinstance(default, bool) or option.type is bool:  # a switch; a None default: the engine decides
+            action: Any = argparse.BooleanOptionalAction if default is not False else "store_true"
             parser.add_argument(option.cli_flag, dest=name, action=action, default=default, help=option.help)
         else:
             parser.add_argument(option.cli_flag, dest=name, type=option.type, choices=option.choices,

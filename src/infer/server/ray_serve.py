@@ -43,6 +43,7 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from ray.serve.schema import LoggingConfig
 
+from infer.engine.config import prefix_caching_on
 from infer.engine.options import engine_config
 from infer.server.app import build_app
 from infer.server.cli import request_limits_from, say, served_model_name
@@ -195,7 +196,7 @@ def deployment_options(args: argparse.Namespace, scale: ScaleOut) -> dict[str, A
         options["autoscaling_config"] = AutoscalingConfig(min_replicas=low, max_replicas=high,
                                                           initial_replicas=scale.replicas,
                                                           target_ongoing_requests=args.max_batch_size)
-    if args.prefix_caching:
+    if prefix_caching_on(args.prefix_caching, args.kv_cache_backend):
         options["request_router_config"] = {"request_router_class": f"{__name__}:SessionAffinityRouter"}
     return options
 
@@ -293,7 +294,7 @@ def run_on_ray_serve(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": port}, logging_config=_logging_config(args.log_level))
         hub = ray.remote(num_cpus=0)(MetricsHub).remote()
-        routing = "session affinity" if args.prefix_caching else "power of two choices"
+        routing = "session affinity" if prefix_caching_on(args.prefix_caching, args.kv_cache_backend) else "power of two choices"
         say(f"starting {scale.describe()} on Ray Serve ({routing} routing)")
         serve.run(infer_deployment(args, scale, hub).bind(), name=APP_NAME, route_prefix="/")
         serving = True
