@@ -134,6 +134,9 @@ def test_bench_agent_through_infer_serve(tmp_path: Path) -> None:
     assert len(runs) == 2 * 2  # an API each, a server each
     for run in runs:
         assert [t["tokens"] for t in run["turns"]] == [8, 8]
+        # the second turn reads the first's KV from the prefix cache (on by default), its answer included
+        first, second = run["turns"]
+        assert second["cached_tokens"] >= first["prompt_tokens"] // 16 * 16 > 0
     for api in ("chat", "responses"):
         rows = report["summary"][api]
         assert rows["suffix"]["identical_to_plain"] and rows["suffix"]["turns"] == 2

@@ -324,6 +324,8 @@ class Turn:
     finish: str | None
     accepted: int = 0  # drafted tokens accepted, and target verification passes (0 without speculation)
     rounds: int = 0
+    prompt_tokens: int = 0  # the turn's prompt, and how much of it the prefix cache held
+    cached_tokens: int = 0
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
@@ -359,14 +361,17 @@ def run_conversation(url: str, model: str, conv: Conversation, api: str, turns: 
             choice = answer["choices"][0]
             text, tokens, finish = choice["message"].get("content") or "", answer["usage"]["completion_tokens"], \
                 choice["finish_reason"]
+            prompt, cached = answer["usage"]["prompt_tokens"], answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         else:
             if answer.get("error"):
                 raise RuntimeError(f"response {answer['id']} failed: {answer['error']}")
             text = "".join(part["text"] for item in answer["output"] if item["type"] == "message"
                            for part in item["content"])
             tokens, finish = answer["usage"]["output_tokens"], answer["status"]
+            prompt, cached = answer["usage"]["input_tokens"], answer["usage"]["input_tokens_details"]["cached_tokens"]
             previous = answer["id"]
-        out.append(Turn(text, tokens, seconds, finish, spec.get("accepted_tokens", 0), spec.get("num_rounds", 0)))
+        out.append(Turn(text, tokens, seconds, finish, spec.get("accepted_tokens", 0), spec.get("num_rounds", 0),
+                        prompt, cached))
     return out
 
 
@@ -462,7 +467,7 @@ def summarize(runs: list[dict[str, Any]], modes: list[str], apis: list[str]) -> 
         rows: dict[str, Any] = {}
         base_rates: list[float] = []
         for mode in modes:
-            rates, mismatches, turns, tokens, accepted, rounds = [], [], 0, 0, 0, 0
+            rates, mismatches, turns, tokens, accepted, rounds, prompt, cached = [], [], 0, 0, 0, 0, 0, 0
             for rep in repeats:
                 in_rep = [r for r in mine if r["mode"] == mode and r["repeat"] == rep]
                 rep_tokens = sum(t["tokens"] for r in in_rep for t in r["turns"])
@@ -475,6 +480,8 @@ def summarize(runs: list[dict[str, Any]], modes: list[str], apis: list[str]) -> 
                         tokens += t["tokens"]
                         accepted += t["accepted"]
                         rounds += t["rounds"]
+                        prompt += t.get("prompt_tokens", 0)
+                        cached += t.get("cached_tokens", 0)
                         if t["text"] != p["text"]:
                             at = next((i for i, (a, b) in enumerate(zip(t["text"], p["text"], strict=False))
                                        if a != b),
@@ -487,6 +494,7 @@ def summarize(runs: list[dict[str, Any]], modes: list[str], apis: list[str]) -> 
                 "tok_s": statistics.median(rates), "repeat_tok_s": rates,
                 "vs_plain": statistics.median(a / b for a, b in zip(rates, base_rates, strict=True) if b),
                 "tokens": tokens, "turns": turns, "tokens_per_pass": (accepted + rounds) / rounds if rounds else None,
+                "prompt_tokens": prompt, "cached_share": cached / prompt if prompt else None,
                 "identical_to_plain": not mismatches, "mismatches": mismatches}
         out[api] = rows
     return out
@@ -501,14 +509,16 @@ def agent_table(report: dict[str, Any]) -> str:
             f"completion tokens over the requests' wall time (prefill included), per repeat, median; × plain = median "
             f"of per-repeat ratios. Greedy text identical to plain in every mode: "
             f"{'yes' if identical else 'NO (see mismatches in the JSON)'}")
-    rows = ["| API | mode | tok/s | × plain | tokens per target pass | turns | tokens | text = plain |",
-            "|---|---|---:|---:|---:|---:|---:|---|"]
+    rows = ["| API | mode | tok/s | × plain | tokens per target pass | turns | tokens | prompt tokens cached | text = plain |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for api, modes in report["summary"].items():
         for mode, row in modes.items():
             per_pass = "–" if row["tokens_per_pass"] is None else f"{row['tokens_per_pass']:.2f}"
             same = "yes" if row["identical_to_plain"] else f"NO: {len(row['mismatches'])} turns differ"
+            share = row.get("cached_share")
+            cached = "–" if share is None else f"{share:.0%} of {row['prompt_tokens']}"
             rows.append(f"| {api} | {mode} | {row['tok_s']:.1f} | {row['vs_plain']:.2f}× | {per_pass} | {row['turns']} "
-                        f"| {row['tokens']} | {same} |")
+                        f"| {row['tokens']} | {cached} | {same} |")
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 
