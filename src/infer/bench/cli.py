@@ -242,7 +242,7 @@ def _run_profile(args: argparse.Namespace, prompt: str) -> int:
     say = lambda msg: print(f"[profile] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     say(f"loading {args.model} ({args.dtype}, {args.device}, backend {args.backend})")
     options = {name: getattr(args, name) for name in ROW_OPTIONS if name not in ("model", "draft_model", "medusa_heads")}
-    llm = LLM(args.model, max_batch_size=1, **options)
+    llm = LLM(args.model, max_batch_size=1, **({"prefix_caching": False} | options))
     phases = profile_engine(llm.engine, prompt, max(args.spec_length) + 1, args.profile_steps, args.out, say)
     for phase in phases:
         print("\n".join(phase.lines()) + "\n")

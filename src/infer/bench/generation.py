@@ -182,7 +182,9 @@ class _Mode:
 def _infer_runner(settings: BenchSettings, model: str, dtype: str, **options: Any) -> tuple[RunFn, LLM]:
     # One request at a time: a batch of one needs only one sequence's KV cache.
     options.setdefault("backend", settings.backend)
-    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1, **(settings.engine_options | options))
+    # Repeats send the same prompts: a prefix-cache hit would time no prefill, so caching is off.
+    llm = LLM(model, dtype=dtype, device=settings.device, max_batch_size=1,
+              **({"prefix_caching": False} | settings.engine_options | options))
 
     def run(prompt: str | list[int], seed: int) -> tuple[float, Any]:
         start = time.perf_counter()

@@ -52,7 +52,7 @@ def _offline_worker(model: str, lengths: list[int], seed: int, budget: int | Non
     from infer import LLM, SamplingParams
 
     options: dict[str, Any] = {} if budget is None else {"max_prefill_tokens": budget}
-    llm = LLM(model, max_seq_len=max(lengths) + 16, **options)
+    llm = LLM(model, max_seq_len=max(lengths) + 16, **({"prefix_caching": False} | options))
     params = SamplingParams(max_tokens=1, temperature=0.0)
     vocab = llm.engine.model_config.vocab_size
     # warm-up: first passes pay one-time costs

@@ -100,7 +100,7 @@ def run_step_bench(model: str, dtype: str, backend: str | None, speculator: str 
     results: dict[str, Any] = {"model": model, "threads": torch.get_num_threads(),
                                "clock": "thread CPU time" if cpu_time else "wall"}
     for name, extra, order in modes:
-        llm = LLM(model, **options, **extra)
+        llm = LLM(model, **({"prefix_caching": False} | options), **extra)
         llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16))  # warm-up
         runs = [measure(llm, max_tokens, clock) for _ in range(repeats)]
         for line in report(name, runs, order):

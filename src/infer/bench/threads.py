@@ -35,7 +35,7 @@ def _worker(model: str, mode: str, max_tokens: int) -> None:
         torch.set_num_threads(int(mode))
     from infer import LLM, SamplingParams
 
-    llm = LLM(model)
+    llm = LLM(model, prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([PROMPT], params)  # warm-up: first passes pay one-time costs
     print(json.dumps("ready"), flush=True)
