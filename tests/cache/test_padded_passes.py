@@ -4,12 +4,13 @@ themselves (``backends.cuda_graphs``, CUDA only)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from infer import LLM, SamplingParams
-from infer.backends.cuda_graphs import StepGraphs, bucket
+from infer.backends.cuda_graphs import MIN_CONTEXT, StepGraphs, bucket
 from infer.cache import make_pool
 from infer.cache.protocol import padded_kv_batch
 from infer.core.model_runner import ModelRunner
@@ -92,26 +93,38 @@ def test_cuda_graphs_are_refused_off_cuda_and_with_compile(tiny_llama: Path) -> 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replays_equal_eager_passes(tiny_llama: Path, dtype: str) -> None:
     """Decode steps and a verification, replayed (the second use of each bucket) and captured (the
-    first), against the same passes run eagerly on a copy of the cache."""
+    first), against the same passes run eagerly on a copy of the cache; decode steps whose ids are
+    a device tensor (a draft model's) replay the same graphs."""
     model, _ = load_model(tiny_llama, dtype, "cuda")
     eager, slots = _prefilled(model, "paged", "cuda")
     graphed, _ = _prefilled(model, "paged", "cuda")
     graphed.graphs = StepGraphs(model, graphed.pool, max_batch=4, max_width=4)
     tol = 1e-5 if dtype == "float32" else 2e-2
-    for step, width in enumerate([1, 1, 1, 4, 4, 1, 6]):  # 6: wider than max_width, so eager
-        runs = [[step + b] * width for b in range(3)]
-        torch.testing.assert_close(graphed.forward(slots, runs).float(), eager.forward(slots, runs).float(),
+    # 6: wider than max_width, so eager; "t": the ids as a tensor on the device
+    for step, width in enumerate([1, 1, 1, 4, 4, "t", 1, "t", 6]):
+        n = 1 if width == "t" else int(width)
+        runs = [[step + b] * n for b in range(3)]
+        ids = torch.tensor(runs, device="cuda") if width == "t" else runs
+        torch.testing.assert_close(graphed.forward(slots, ids).float(), eager.forward(slots, runs).float(),
                                    rtol=tol, atol=tol)
-    assert sorted(graphed.graphs.graphs) == [(4, 1, 256), (4, 4, 256)]  # one per width
+    # the context bucket: MIN_CONTEXT, capped at the pool's max_seq_len
+    context = min(MIN_CONTEXT, graphed.pool.max_seq_len)
+    assert sorted(graphed.graphs.graphs) == [(4, 1, context), (4, 4, context)]  # one per width
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("speculator", [None, "ngram"])
+@pytest.mark.parametrize("speculator", [None, "ngram", "draft"])
 def test_greedy_output_is_the_same_with_graphs(tiny_llama: Path, speculator: str | None) -> None:
     prompts = [[1, 2, 3, 4] * 3, [9, 8, 7] * 5, [5] * 20]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    options = {"device": "cuda", "dtype": "float32", "max_batch_size": 3, "speculator": speculator}
+    options: dict[str, Any] = {"device": "cuda", "dtype": "float32", "max_batch_size": 3, "speculator": speculator}
+    if speculator == "draft":
+        options |= {"draft_model": str(tiny_llama), "spec_length": 3, "spec_length_policy": "fixed"}
     plain = LLM(str(tiny_llama), **options).generate(prompts, params)
-    graphed = LLM(str(tiny_llama), cuda_graphs=True, **options).generate(prompts, params)
+    llm = LLM(str(tiny_llama), cuda_graphs=True, **options)
+    graphed = llm.generate(prompts, params)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in plain]
+    if speculator == "draft":  # the draft model's steps replayed graphs of their own
+        draft_graphs = llm.engine.runner.drafter.runner.graphs
+        assert draft_graphs is not None and draft_graphs.graphs

@@ -253,10 +253,12 @@ class Backend:
         path where ``takes_sequence`` says so, else the layers over the tensors ``build_kv_batch``
         makes (packed when ``ragged``), a tree's mask a FlexAttention block mask in
         ``tree_attention="flex"``; each in the threads ``thread_policy`` gives a pass of its rows."""
-        # Token lists at their cache positions, no tree: what a graph or the one-sequence path takes.
-        chain = None if positions is not None or tree_mask is not None or isinstance(runs, torch.Tensor) else runs
-        if graphs is not None and chain is not None and not aux_layers:
-            replayed = graphs.run(slots, chain)
+        # Tokens at their cache positions, no tree: what a graph takes (lists, or ids on the device);
+        # the one-sequence path takes the lists.
+        at_cache_positions = positions is None and tree_mask is None
+        chain = runs if at_cache_positions and not isinstance(runs, torch.Tensor) else None
+        if graphs is not None and at_cache_positions and not aux_layers:
+            replayed = graphs.run(slots, runs)
             if replayed is not None:
                 return PassOutput(replayed, replayed=True)
         threads = self._threads(model)

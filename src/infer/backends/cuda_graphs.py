@@ -10,8 +10,9 @@ copies the pass's ids, positions and cache description into the graph's input te
 rows write to the pool's scratch row and never reach a real sequence.
 
 Speculation and graphs mix: a verification of K + 1 tokens is one more width, so each K gets its
-graphs as the decode step does. Tree verification, draft-model steps (ids already on the device)
-prefill (wider than a verification) and any pass that does not fit a bucket run eagerly.
+graphs as the decode step does, and a draft model's steps (their ids already on the device, a
+``[batch, 1]`` tensor) replay their own graphs. Tree verification, prefill (wider than a
+verification) and any pass that does not fit a bucket run eagerly.
 """
 
 from __future__ import annotations
@@ -69,12 +70,14 @@ class StepGraphs:
             return None
         return bucket(batch), width, min(bucket(end, MIN_CONTEXT), self.max_context)
 
-    def run(self, slots: Sequence[int], runs: Sequence[Sequence[int]]) -> torch.Tensor | None:
+    def run(self, slots: Sequence[int], runs: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor | None:
         """Hidden states [len(slots), width, hidden] of the pass appending ``runs[b]`` to
-        ``slots[b]`` (every run as long), by replaying its bucket's graph; None when the pass has
-        runs of different lengths or fits no bucket (the caller runs it eagerly)."""
-        width = len(runs[0])
-        if any(len(r) != width for r in runs):
+        ``slots[b]`` (every run as long; host lists, or a ``[len(slots), width]`` tensor of ids on
+        the device, which a draft model's steps pass on without a host read), by replaying its
+        bucket's graph; None when the pass has runs of different lengths or fits no bucket (the
+        caller runs it eagerly)."""
+        width = runs.shape[1] if isinstance(runs, torch.Tensor) else len(runs[0])
+        if not isinstance(runs, torch.Tensor) and any(len(r) != width for r in runs):
             return None
         starts = [self.pool.seq_len(s) for s in slots]
         shape = self.shape_for(len(slots), width, max(starts) + width)
@@ -84,7 +87,8 @@ class StepGraphs:
         kv = padded_kv_batch(self.pool, slots, starts, width, batch, context)
         device = self.pool.device
         ids = torch.zeros(batch, width, dtype=torch.long, device=device)
-        ids[: len(slots)] = torch.tensor([list(r) for r in runs], dtype=torch.long).to(device, non_blocking=True)
+        ids[: len(slots)] = runs if isinstance(runs, torch.Tensor) else \
+            torch.tensor([list(r) for r in runs], dtype=torch.long).to(device, non_blocking=True)
         positions = torch.zeros(batch, width, dtype=torch.long, device=device)
         positions[: len(slots)] = (torch.tensor(starts).unsqueeze(1) + torch.arange(width)).to(device, non_blocking=True)
         graph = self.graphs.get(shape)

@@ -38,6 +38,8 @@ class TargetModel:
     make_pool: Callable[[ModelConfig], CachePoolProtocol]  # a KV pool like the target's, for another model
     compile: bool = False  # compiled mode: a draft model is compiled like the target
     backend: str = "auto"  # the backend asked for (infer.backends): a draft model runs on the same
+    cuda_graphs: bool = False  # the target's passes replay as CUDA graphs: a draft model's steps do too
+    max_batch_size: int = 1  # the most sequences a pass holds (the graphs' largest batch)
 
 
 def make_speculative_runner(spec: SpeculativeConfig | None, target_runner: ContinuousRunner, target: TargetModel,
@@ -63,14 +65,19 @@ def make_drafter(spec: SpeculativeConfig, target: TargetModel, say: Callable[[st
         assert spec.draft_model is not None
         say(f"loading draft model {spec.draft_model}")
         model, config = load_model(spec.draft_model, target.dtype, str(target.device), backend=target.backend,
-                                   compile=target.compile, quantization=spec.draft_quantization, progress=say)
+                                   compile=target.compile, quantization=spec.draft_quantization,
+                                   cuda_graphs=target.cuda_graphs, progress=say)
         say(f"draft model: {model.weights_summary}")
         check_compatible(spec.draft_model, target.path, config.vocab_size, target.config.vocab_size,
                          load_tokenizer(spec.draft_model, config), target.tokenizer)
         # Same backend and sequence length as the target; its own (smaller) per-token footprint.
         stop = EntropyStop(spec.spec_length_min, spec.entropy_threshold) if spec.spec_length_policy == "entropy" else None
-        return DraftModelDrafter(ModelRunner(model, target.make_pool(config)),
-                                  count_weights(model) / max(1, count_weights(target.model)), stop)
+        runner = ModelRunner(model, target.make_pool(config))
+        # Its steps are one token each; the first of a round catches up on what the target accepted
+        # (up to a verification's width).
+        runner.graphs = backend_of(model).step_graphs(model, runner.pool, target.max_batch_size,
+                                                      1 + spec.spec_length_limit, say)
+        return DraftModelDrafter(runner, count_weights(model) / max(1, count_weights(target.model)), stop)
     if spec.speculator == "medusa":
         from infer.speculative.medusa import MedusaDrafter, load_medusa_heads, medusa_tree
 

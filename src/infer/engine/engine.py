@@ -235,7 +235,8 @@ class Engine(PromptEncoding):
 
             described = TargetModel(path=config.model, model=self.model, config=self.model_config,
                                     tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
-                                    make_pool=self._make_pool, compile=config.compile, backend=config.backend)
+                                    make_pool=self._make_pool, compile=config.compile, backend=config.backend,
+                                    cuda_graphs=config.cuda_graphs, max_batch_size=config.max_batch_size)
             self.runner = make_speculative_runner(config.speculative, target, described, say, config.grammar_drafting)
         if config.compile:
             width = 1 + (config.speculative.spec_length_limit if config.speculative is not None else 1)
