@@ -7,6 +7,11 @@
 #   scripts/gpu_check.sh --dry-run   # print the steps and their time budgets, run nothing
 #   scripts/gpu_check.sh --smoke     # the same steps on the CPU at the tiny shape (checks the script here)
 #
+# Through the device tool, whose $OUT brings back at most 8 files, run it into a folder of its own and
+# pack that (how benchmarks/runs/gpu-h200-check/ was made):
+#   R=$OUT; export OUT=/tmp/gco; GPU_CHECK_BUDGET=500 PYTHON=python3 bash scripts/gpu_check.sh > /tmp/run.log 2>&1
+#   tar czf $R/gpu_check.tgz -C /tmp/gco .; cp /tmp/gco/summary.md $R/     (carry: .gpu_carry)
+#
 # Steps run in order of importance, each under its own time limit (seconds, `timeout`), cut to what is
 # left of the whole run's budget (GPU_CHECK_BUDGET, default 450 s); once under 15 s are left, the rest
 # are skipped and the summary says so. What the existing commands cannot measure is listed under "Not measured" in the summary.
@@ -181,7 +186,7 @@ step "widths-$TARGET" 40 $PY scripts/gpu_check.py widths --model "$SHAPES/$TARGE
 # a draft model (the small shape drafting for the large, same vocabulary), plain and speculative rows.
 step "drafters-$TARGET" 110 $PY -m infer.cli bench generation --model "$SHAPES/$TARGET" --draft-model "$SHAPES/$SMALL" \
   --device "$DEVICE" --dtype "$DTYPE" --workload edit --num-prompts 2 --max-tokens "$TOKENS" --spec-length 4 \
-  --repeats 1 --no-transformers ${GRAPHS[@]+"${GRAPHS[@]}"} --out "$OUT/drafters-$TARGET"
+  --policies goodput --repeats 1 --no-transformers ${GRAPHS[@]+"${GRAPHS[@]}"} --out "$OUT/drafters-$TARGET"
 step "hf-static-$TARGET" 120 $PY scripts/gpu_check.py hf-static --model "$SHAPES/$TARGET" --device "$DEVICE" \
   --dtype "$DTYPE" --max-tokens "$TOKENS" --repeats "$REPEATS" ${HF_COMPILE[@]+"${HF_COMPILE[@]}"} --out "$OUT/hf-static-$TARGET.json"
 if [ "$MODE" != smoke ]; then
