@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,8 @@ class FakeRunner:
     def kv_pools(self) -> dict:
         return {}
 
-    def can_admit(self, request: Request, running: list[Request]) -> bool:
-        return True
+    def admission(self, running: list[Request]) -> Callable[[Request], bool]:
+        return lambda request: True
 
 
 def make_request(name: str, prompt_tokens: int) -> Request:
@@ -164,3 +165,39 @@ def test_prompts_sharing_steps_get_what_each_gets_alone(tiny_llama: Path, max_pr
               max_prefill_tokens=max_prefill_tokens)
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+
+
+def test_admission_answers_as_the_direct_sum_with_linear_look_ups() -> None:
+    """``Admission.fits`` gives, request after request as the scheduler appends them, the answer of
+    the direct check (free tokens minus every running request's need), for both extras, while
+    looking each request's need up once per extra rather than once per check."""
+    from infer.cache import make_pool
+    from infer.core.model_runner import Admission
+
+    pool = make_pool("paged", num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=64, max_batch_size=4,
+                     block_size=4, num_blocks=40, dtype=torch.float32, device=torch.device("cpu"))
+    held = pool.allocate()
+    pool.reserve(held, 9)  # a running request holding three blocks already: its need is the rest
+    waiting = [make_request(f"r{i}", 3 + 5 * (i % 4)) for i in range(24)]
+    slot_of = {id(waiting[0]): held}
+    calls = {"n": 0}
+    real = pool.kv_tokens_needed
+
+    def counted(slot: int | None, tokens: int) -> int:
+        calls["n"] += 1
+        return real(slot, tokens)
+
+    pool.kv_tokens_needed = counted  # type: ignore[method-assign]
+    running: list[Request] = []
+    admission = Admission(pool, running, lambda r: slot_of.get(id(r)))
+    answers = []
+    for request in waiting:
+        for extra in (0, 4):
+            direct = real(slot_of.get(id(request)), request.max_total_tokens + extra) <= pool.free_kv_tokens() - sum(
+                real(slot_of.get(id(r)), r.max_total_tokens + extra) for r in running)
+            assert admission.fits(request, extra) == direct
+            answers.append(direct)
+        if answers[-1]:
+            running.append(request)
+    assert True in answers and False in answers  # the pool filled up: both answers were checked
+    assert calls["n"] <= 2 * 2 * len(waiting)  # each request's need once per extra as a newcomer, once as running

@@ -8,7 +8,7 @@ import torch
 
 from infer.cache.prefix import PrefixCache
 from infer.cache.protocol import CachePoolProtocol
-from infer.core.model_runner import ModelRunner
+from infer.core.model_runner import Admission, ModelRunner
 from infer.core.request import Request, StepOutput
 from infer.phases import PHASES
 from infer.sampling.grammar import unpack_bitmasks
@@ -74,9 +74,10 @@ class ContinuousRunner:
     def kv_pools(self) -> dict[str, CachePoolProtocol]:
         return {"target": self.pool}
 
-    def can_admit(self, request: Request, running: list[Request], extra: int = 0) -> bool:
-        """Whether the pool can take ``request`` while still finishing every running request."""
-        return self.runner.can_admit(request, running, lambda r: r.slot, extra)
+    def admission(self, running: list[Request]) -> Admission:
+        """One step's checks of whether the pool can take a request while still finishing every
+        running request (``Admission.fits``; called, extra 0)."""
+        return self.runner.admission(running, lambda r: r.slot)
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk]) -> Sampled:

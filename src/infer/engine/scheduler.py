@@ -1,6 +1,6 @@
 """Continuous batching: each step retire, admit within KV capacity, and form prefill/decode work.
 
-The scheduler sees only the runner interface (``can_admit``, ``release``); it never knows whether
+The scheduler sees only the runner interface (``admission``, ``release``); it never knows whether
 speculation is on. With a prefix cache, a request whose prompt is being prefilled right now (the
 same token ids and cache salt: the ``n`` copies of one prompt, or clients sending the same prompt
 at once) is admitted once that prefill is done, so it attaches to the prompt's cached blocks
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -38,7 +38,8 @@ class Runner(Protocol):
     def rollback(self, request: Request, num_computed_tokens: int) -> None: ...
     def free_kv_tokens(self) -> int: ...
     def kv_pools(self) -> dict[str, CachePoolProtocol]: ...
-    def can_admit(self, request: Request, running: list[Request]) -> bool: ...
+    # whether a request fits besides ``running``, for one step's admissions (``running`` grows by append)
+    def admission(self, running: list[Request]) -> Callable[[Request], bool]: ...
 
 
 class QueueFullError(RuntimeError):
@@ -151,11 +152,12 @@ class Scheduler:
         return None
 
     def _admit(self) -> None:
+        fits = self.runner.admission(self.running)
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
             if self._prompt_being_prefilled(request):
                 break  # admitted next step, onto the cached blocks (first come, first served)
-            if not self.runner.can_admit(request, self.running):
+            if not fits(request):
                 if not self.running:  # even an idle pool cannot hold it: fail it rather than wait forever
                     self.waiting.popleft()
                     request.finish("error", "the request needs more KV cache than the whole pool holds "

@@ -14,6 +14,8 @@ at all (``NoDrafter``) only the grammar drafts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from infer.cache.protocol import CachePoolProtocol, copy_positions
@@ -102,15 +104,23 @@ class SpeculativeRunner:
             pools["draft"] = self.drafter.kv_pool
         return pools
 
-    def can_admit(self, request: Request, running: list[Request]) -> bool:
+    def admission(self, running: list[Request]) -> Callable[[Request], bool]:
         # Verification writes up to max_draft_tokens + 1 positions past the kept length before rollback (a
         # grammar's request up to grammar_max_draft_tokens + 1), so room is kept for that whenever a grammar is
         # among the requests; without a drafter a batch without one is admitted as plain.
-        grammar = request.grammar is not None or any(r.grammar is not None for r in running)
-        extra = (self.grammar_max_draft_tokens if grammar else self.max_draft_tokens) + 1
-        if self._grammar_only and not grammar:
-            extra = 0
-        return self.target.can_admit(request, running, extra) and self.drafter.can_admit(request, running, extra)
+        target, drafter = self.target.admission(running), self.drafter.admission(running)
+        seen = {"counted": 0, "grammar": False}  # running requests looked at; whether one has a grammar
+
+        def fits(request: Request) -> bool:
+            seen["grammar"] = seen["grammar"] or any(r.grammar is not None for r in running[seen["counted"]:])
+            seen["counted"] = len(running)
+            grammar = request.grammar is not None or seen["grammar"]
+            extra = (self.grammar_max_draft_tokens if grammar else self.max_draft_tokens) + 1
+            if self._grammar_only and not grammar:
+                extra = 0
+            return target.fits(request, extra) and (drafter is None or drafter.fits(request, extra))
+
+        return fits
 
     # -- one speculative round -------------------------------------------------------------------
     def speculative_decode(self, requests: list[Request]) -> StepResult:

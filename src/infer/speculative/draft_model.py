@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from infer.cache.protocol import CachePoolProtocol
-from infer.core.model_runner import ModelRunner
+from infer.core.model_runner import Admission, ModelRunner
 from infer.core.request import Request
 from infer.core.timing import device_clock
 from infer.loader.tokenizer import Tokenizer
@@ -117,8 +117,8 @@ class DraftModelDrafter(Drafter):
         if self.stop_rule is not None:
             self.stop_rule.release(request)
 
-    def can_admit(self, request: Request, running: list[Request], extra: int) -> bool:
-        return self.runner.can_admit(request, running, lambda r: self.slots.get(r.request_id), extra)
+    def admission(self, running: list[Request]) -> Admission:
+        return self.runner.admission(running, lambda r: self.slots.get(r.request_id))
 
     def _slot(self, request: Request) -> int:
         slot = self.slots.get(request.request_id)

@@ -23,7 +23,7 @@ interface and nothing else:
 * ``accepted(request, num_proposed, num_accepted)`` after verification, so a stateful drafter can
   roll back to what was kept.
 * ``release(request)`` once the request is gone: free everything held for it.
-* Capacity: ``kv_pool`` (its own KV pool, None if it has none) and ``can_admit`` (room to finish
+* Capacity: ``kv_pool`` (its own KV pool, None if it has none) and ``admission`` (room to finish
   one more request); the scheduler admits a request only if every pool can hold it.
 * Timing: the runner times every round and feeds its budget controller. A drafter with
   ``info.cost_per_token`` (one step per drafted token) reports its own per-step time as
@@ -39,11 +39,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.core.request import Request
+
+if TYPE_CHECKING:
+    from infer.core.model_runner import Admission
 
 
 @dataclass
@@ -114,10 +118,11 @@ class Drafter(ABC):
         """The drafter's own KV pool (a draft model's), or None."""
         return None
 
-    def can_admit(self, request: Request, running: list[Request], extra: int) -> bool:
-        """Whether the drafter can finish ``request`` besides every running one; ``extra`` tokens
-        per request of room beyond ``max_total_tokens`` are kept for a round's overrun."""
-        return True
+    def admission(self, running: list[Request]) -> Admission | None:
+        """One step's checks of whether the drafter can finish a request besides every running one
+        (``Admission.fits(request, extra)``: ``extra`` tokens per request of room beyond
+        ``max_total_tokens`` for a round's overrun), or None: it holds nothing per token."""
+        return None
 
 
 class NoDrafter(Drafter):
