@@ -57,7 +57,7 @@ arm-tools:
 test: install arm-tools
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # A fast tier (after `make install`; a few minutes on 2 cores): the exactness core (rejection
 # sampling, seeded and sampled outputs against the target's, greedy identical to plain, the ragged
@@ -74,7 +74,7 @@ FAST_TESTS = tests/speculative/test_rejection.py tests/speculative/test_exactnes
 	tests/models/test_cpu_kernels.py tests/models/test_long_prefill_bits.py tests/models/test_model_parity.py \
 	tests/cache tests/sampling tests/integration/test_layering.py tests/test_memory.py
 test-fast:
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(FAST_TESTS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(FAST_TESTS)
 
 # The ARM NEON quantized kernels, cross-built and run under qemu (installs gcc-aarch64-linux-gnu
 # and qemu-user-static with apt-get first where they are missing; fails rather than skips without them).
