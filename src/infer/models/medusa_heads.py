@@ -164,15 +164,18 @@ class MedusaHeads(nn.Module):
 
 
 class FusedHeads:
-    """All K heads' weights stacked: per block ``[K, H, H]`` + ``[K, H]``, projections ``[K, V, H]``.
+    """All K heads' weights stacked in their linears' own layout: per block ``[K, H, H]`` (out, in)
+    + ``[K, H]``, projections ``[K, V, H]``.
 
     ``__call__(hidden[A, H]) -> logits[A, K, V]``, the same function as ``MedusaHeads.forward`` in
-    1 + 2 * num_layers batched matmuls instead of K * (1 + num_layers) small ones. Heads trained
+    one batched matmul per block layer and one product per distinct projection instead of
+    K * (1 + num_layers) small ones. Heads trained
     with a frozen projection all hold the target's LM head: it is then kept once and applied to
     the K heads' states in one matmul, so drafting reads V x H weights once instead of K times.
     ``pack`` turns each vocabulary projection into the module that runs it (the backend's form, e.g.
     ``backends.onednn.PackedLinear`` in bfloat16 on CPU, as the target's are); None keeps one stacked
-    tensor.
+    tensor, applied as ``F.linear`` applies a weight (a product with a transposed copy of it takes
+    a far slower kernel in bfloat16 on CPUs without AVX-512 BF16, where nothing is packed).
     """
 
     def __init__(self, heads: MedusaHeads, pack: Callable[[nn.Linear], nn.Module] | None = None) -> None:
@@ -181,7 +184,7 @@ class FusedHeads:
         with torch.no_grad():
             for j in range(heads.config.num_layers):
                 linears = [m.blocks[j].linear for m in modules]
-                weight = torch.stack([lin.weight.transpose(0, 1) for lin in linears if isinstance(lin, nn.Linear)])
+                weight = torch.stack([lin.weight for lin in linears if isinstance(lin, nn.Linear)])
                 bias = torch.stack([lin.bias for lin in linears if isinstance(lin, nn.Linear)])
                 self.blocks.append((weight.contiguous(), bias.unsqueeze(1).contiguous()))
             projections = [m.lm_head.weight for m in modules]
@@ -195,19 +198,20 @@ class FusedHeads:
         if pack is not None:
             self.packed = [pack(m.lm_head) for m in distinct]
         else:
-            with torch.no_grad():  # [K or 1, H, V]
-                self.projection = torch.stack([m.lm_head.weight.transpose(0, 1) for m in distinct]).contiguous()
+            with torch.no_grad():  # [K or 1, V, H]
+                self.projection = torch.stack([m.lm_head.weight for m in distinct]).contiguous()
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.to(self.dtype).unsqueeze(0).expand(self.num_heads, -1, -1)  # [K, A, H]
         for weight, bias in self.blocks:
-            x = x + F.silu(torch.baddbmm(bias, x, weight))
+            x = x + F.silu(torch.baddbmm(bias, x, weight.transpose(1, 2)))
         if self.packed is not None:
             if len(self.packed) == 1:
                 return self.packed[0](x.transpose(0, 1))  # type: ignore[no-any-return]
             return torch.stack([proj(x[k]) for k, proj in enumerate(self.packed)], dim=1)
         assert self.projection is not None
-        if self.shared_projection:
-            return x.transpose(0, 1) @ self.projection[0]  # [A, K, V]
-        return torch.bmm(x, self.projection).transpose(0, 1)  # [A, K, V]
+        if self.shared_projection:  # one product of every head's rows: [A * K, H] -> [A, K, V]
+            rows = x.transpose(0, 1).reshape(-1, x.shape[-1])
+            return F.linear(rows, self.projection[0]).view(x.shape[1], self.num_heads, -1)
+        return torch.stack([F.linear(x[k], self.projection[k]) for k in range(self.num_heads)], dim=1)  # [A, K, V]
