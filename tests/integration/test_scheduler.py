@@ -177,7 +177,7 @@ def test_admission_answers_as_the_direct_sum_with_linear_look_ups() -> None:
     pool = make_pool("paged", num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=64, max_batch_size=4,
                      block_size=4, num_blocks=40, dtype=torch.float32, device=torch.device("cpu"))
     held = pool.allocate()
-    pool.reserve(held, 9)  # a running request holding three blocks already: its need is the rest
+    pool.reserve(held, 9)  # the first request already holds three blocks: its need is the rest
     waiting = [make_request(f"r{i}", 3 + 5 * (i % 4)) for i in range(24)]
     slot_of = {id(waiting[0]): held}
     calls = {"n": 0}

@@ -152,6 +152,8 @@ class Scheduler:
         return None
 
     def _admit(self) -> None:
+        if not self.waiting:  # most steps: no checks to make
+            return
         fits = self.runner.admission(self.running)
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting[0]

@@ -109,12 +109,13 @@ class SpeculativeRunner:
         # grammar's request up to grammar_max_draft_tokens + 1), so room is kept for that whenever a grammar is
         # among the requests; without a drafter a batch without one is admitted as plain.
         target, drafter = self.target.admission(running), self.drafter.admission(running)
-        seen = {"counted": 0, "grammar": False}  # running requests looked at; whether one has a grammar
+        counted, grammar_running = 0, False  # running requests looked at; whether one has a grammar
 
         def fits(request: Request) -> bool:
-            seen["grammar"] = seen["grammar"] or any(r.grammar is not None for r in running[seen["counted"]:])
-            seen["counted"] = len(running)
-            grammar = request.grammar is not None or seen["grammar"]
+            nonlocal counted, grammar_running
+            grammar_running = grammar_running or any(r.grammar is not None for r in running[counted:])
+            counted = len(running)
+            grammar = request.grammar is not None or grammar_running
             extra = (self.grammar_max_draft_tokens if grammar else self.max_draft_tokens) + 1
             if self._grammar_only and not grammar:
                 extra = 0
